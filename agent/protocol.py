@@ -1,0 +1,148 @@
+"""Wire formats shared by the agent, the trainer and the controller.
+
+Standard library only: this module is imported inside containers (agent, trainer) and on
+the operator's machine (controller). Changing a name here changes a contract; bump
+PROTOCOL_VERSION when a change is not backward compatible.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import os
+import tempfile
+from typing import Any, Iterator
+
+PROTOCOL_VERSION = 1
+
+# Machine-readable replies are printed between these lines, so that login banners, a
+# noisy .bashrc or a locale warning on the same stdout cannot corrupt them.
+# (SkyPilot does the same with <sky-payload>; research/proxmox-and-supervision.md §1.1.)
+BEGIN = "<<<DFLASH-CTL-PAYLOAD>>>"
+END = "<<<END-DFLASH-CTL-PAYLOAD>>>"
+
+
+def wrap_payload(obj: Any) -> str:
+    """One JSON document between sentinel lines, protocol version included."""
+    body = dict(obj) if isinstance(obj, dict) else {"value": obj}
+    body.setdefault("protocol", PROTOCOL_VERSION)
+    return f"{BEGIN}\n{json.dumps(body, sort_keys=True)}\n{END}\n"
+
+
+class PayloadError(ValueError):
+    pass
+
+
+def extract_payload(text: str) -> dict:
+    """The last sentinel-wrapped JSON document in ``text``; noise around it is ignored."""
+    end = text.rfind(END)
+    start = text.rfind(BEGIN, 0, end if end >= 0 else None)
+    if start < 0 or end < 0:
+        raise PayloadError("no payload between sentinel lines in the reply")
+    body = text[start + len(BEGIN):end].strip()
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError as exc:
+        raise PayloadError(f"payload is not JSON: {exc}") from exc
+    if obj.get("protocol") != PROTOCOL_VERSION:
+        raise PayloadError(f"protocol {obj.get('protocol')} != {PROTOCOL_VERSION}: agent and controller versions differ")
+    return obj
+
+
+# --- run directory layout (DESIGN.md: contracts) -----------------------------------------
+SPEC = "spec.json"
+START_SCRIPT = "start.sh"
+FINGERPRINT = "fingerprint.json"
+STATUS = "status.json"
+STREAM = "stream.jsonl"
+OUTPUT_LOG = "output.log"
+RESULT = "result.json"
+EVENTS = "events.jsonl"  # written by the trainer
+HEARTBEAT_DIR = "heartbeat"  # heartbeat/rank-N, written by the trainer
+ENV_RUN_DIR = "DFLASH_RUN_DIR"  # the agent passes the run directory to the job in this variable
+
+
+class RunState(str, enum.Enum):
+    """Life of a run::
+
+        STARTING ──▶ RUNNING ──▶ STOPPING ──▶ STOPPED
+            │           │  ▲                     (stopped on request, after checkpoint)
+            │           │  └── RESTARTING (--max-restarts budget left)
+            │           ├──▶ COMPLETED   (job exited 0)
+            └───────────┴──▶ FAILED      (named reason in result.json)
+
+    A store refuses to leave a terminal state.
+    """
+
+    STARTING = "starting"
+    RUNNING = "running"
+    RESTARTING = "restarting"
+    STOPPING = "stopping"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+    def is_terminal(self) -> bool:
+        return self in (RunState.COMPLETED, RunState.FAILED, RunState.STOPPED)
+
+
+class StreamKind(str, enum.Enum):
+    """``kind`` of a stream record: ``{"seq", "ts", "kind", "payload"}``."""
+
+    LOG = "log"  # payload: {"stream": "stdout"|"stderr", "line": str, "rank": int|None}
+    EVENT = "event"  # payload: a trainer event (below) or an agent event (failure, stop, restart)
+    GPU = "gpu"  # payload: {"gpus": [sample...]} or {"gpus": [], "state": "no GPU", "reason": str}
+    STATUS = "status"  # payload: the status.json document at a state change and at the end
+
+
+# Trainer events (one JSON object per line in events.jsonl). Common keys: ts, rank, role,
+# gpu, kind. Kinds and their extra keys:
+#   phase       phase: loading|probing|training|saving|evaluating|done|stopping
+#   step        step, total_steps, epoch, loss, ce, kl, cap, lr, grad_norm, tokens,
+#               tokens_per_s, drafted_per_s, acc (per-slot accuracy list), mem_peak_mib, wait_s
+#   checkpoint  step, path
+#   eval        step, tau
+#   error       error (cuda_oom|exception|nccl_timeout), message, traceback
+#   probe       peak_mib per role/gpu, fits, budget
+EVENT_KINDS = ("phase", "step", "checkpoint", "eval", "error", "probe")
+
+
+def atomic_write(path: str, data: str | bytes, mode: int = 0o644) -> None:
+    """Write to a temp file in the same directory, fsync, rename: readers never see half."""
+    directory = os.path.dirname(os.path.abspath(path)) or "."
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data.encode() if isinstance(data, str) else data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def atomic_write_json(path: str, obj: Any, mode: int = 0o644) -> None:
+    atomic_write(path, json.dumps(obj, sort_keys=True, indent=1) + "\n", mode)
+
+
+def read_json_lines(path: str, offset: int = 0) -> Iterator[tuple[int, dict]]:
+    """(next offset, record) for each complete line from ``offset``; a torn last line is left."""
+    try:
+        fh = open(path, "rb")
+    except FileNotFoundError:
+        return
+    with fh:
+        fh.seek(offset)
+        for raw in fh:
+            if not raw.endswith(b"\n"):
+                break
+            offset += len(raw)
+            try:
+                yield offset, json.loads(raw)
+            except json.JSONDecodeError:
+                continue

@@ -1,0 +1,41 @@
+"""`ctl`: the operator's command line. Each command group lives in its own module under
+controller/commands/; this file only assembles them."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(
+    name="ctl",
+    help="Launch, watch and recover DFlash drafter training in Proxmox LXC containers.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+@app.callback()
+def _root() -> None:
+    """Launch, watch and recover DFlash drafter training in Proxmox LXC containers."""
+
+
+def _register() -> None:
+    # Imported here so `ctl --help` stays fast and a broken group names itself.
+    from controller.commands import register_all
+
+    register_all(app)
+
+
+def main() -> None:
+    _register()
+    app()
+
+
+@app.command("version")
+def version() -> None:
+    """Print ctl's version and the agent protocol version it speaks."""
+    from importlib.metadata import version as dist_version
+
+    from agent.protocol import PROTOCOL_VERSION
+
+    typer.echo(f"dflash-ctl {dist_version('dflash-ctl')} (agent protocol {PROTOCOL_VERSION})")

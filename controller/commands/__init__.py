@@ -1,0 +1,14 @@
+"""Command groups of `ctl`. Each module exposes ``register(app)``; add new ones to GROUPS."""
+
+from __future__ import annotations
+
+import importlib
+
+import typer
+
+GROUPS: list[str] = []
+
+
+def register_all(app: typer.Typer) -> None:
+    for name in GROUPS:
+        importlib.import_module(f"controller.commands.{name}").register(app)
