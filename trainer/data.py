@@ -1,0 +1,515 @@
+"""Prepared training data: JSONL → memory-mapped shards, and token-budget batching.
+
+``python -m trainer prepare --input FILE.jsonl [more…] --out DIR`` streams JSONL lines of
+``{"input_ids": [...], "loss_mask": [...]}`` into flat binary shards plus ``meta.json``
+(format in docs/data.md). The trainer opens them read-only with :class:`PreparedData` and
+groups samples into micro-batches with :func:`make_batches`.
+
+numpy + standard library only: no torch here, so preparing data and testing the batcher
+need no GPU stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import struct
+import sys
+import tempfile
+import time
+from array import array
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+FORMAT = "dflash-prepared-data"
+FORMAT_VERSION = 1
+META = "meta.json"
+IDS_DTYPE = np.dtype("<i4")
+MASK_DTYPE = np.dtype("u1")
+OFFSETS_DTYPE = np.dtype("<i8")
+SUFFIX = {"ids": ".ids.int32", "mask": ".mask.uint8", "offsets": ".offsets.int64"}
+DEFAULT_SHARD_TOKENS = 1 << 27  # 134M tokens: a 512 MiB ids file per shard
+DEFAULT_PROGRESS_EVERY = 100_000
+MAX_TOKEN_ID = (1 << 31) - 1  # ids are stored as int32
+
+EXIT_OK = 0
+EXIT_USAGE = 2  # same code as trainer.flags.EXIT_USAGE: bad input, nothing written
+
+
+class DataError(ValueError):
+    """Bad input or a bad prepared directory. The message is one line naming the file
+    (and line) and what to do about it."""
+
+
+# --------------------------------------------------------------------------- reading
+
+
+class PreparedData:
+    """A prepared data directory, opened read-only through ``np.memmap``.
+
+    Nothing is read into memory except the offsets (8 bytes per sample); ``sample(i)``
+    copies one sample out of the mapped shards.
+    """
+
+    def __init__(self, data_dir: str):
+        self.data_dir = os.fspath(data_dir)
+        meta_path = os.path.join(self.data_dir, META)
+        try:
+            with open(meta_path, encoding="utf-8") as fh:
+                self.meta: dict = json.load(fh)
+        except FileNotFoundError:
+            raise DataError(
+                f"{meta_path}: not found — {self.data_dir} is not a prepared data directory; "
+                f"create it with `python -m trainer prepare --input FILE.jsonl --out {self.data_dir}`"
+            ) from None
+        except (OSError, json.JSONDecodeError) as exc:
+            raise DataError(f"{meta_path}: unreadable ({exc}); re-run `python -m trainer prepare`") from None
+        if self.meta.get("format") != FORMAT or self.meta.get("format_version") != FORMAT_VERSION:
+            raise DataError(
+                f"{meta_path}: format {self.meta.get('format')!r} version {self.meta.get('format_version')!r} "
+                f"is not {FORMAT!r} version {FORMAT_VERSION}; re-run `python -m trainer prepare` with this version"
+            )
+        self.fingerprint: str = self.meta["fingerprint"]
+        self._ids: list[np.memmap] = []
+        self._mask: list[np.memmap] = []
+        offsets: list[np.ndarray] = []
+        for shard in self.meta["shards"]:
+            n, t = int(shard["samples"]), int(shard["tokens"])
+            off = self._map(shard["name"], "offsets", OFFSETS_DTYPE, n + 1)
+            if int(off[0]) != 0 or int(off[-1]) != t or (n and np.any(np.diff(off) < 0)):
+                raise DataError(
+                    f"{self._path(shard['name'], 'offsets')}: offsets do not match meta.json; "
+                    "the directory is damaged — re-run `python -m trainer prepare`"
+                )
+            offsets.append(np.asarray(off))
+            self._ids.append(self._map(shard["name"], "ids", IDS_DTYPE, t))
+            self._mask.append(self._map(shard["name"], "mask", MASK_DTYPE, t))
+        self._offsets = offsets
+        counts = np.array([len(o) - 1 for o in offsets], dtype=np.int64)
+        # first global index of each shard, for global index → (shard, local index)
+        self._starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self.lengths: np.ndarray = (
+            np.concatenate([np.diff(o) for o in offsets]).astype(np.int64) if offsets else np.zeros(0, np.int64)
+        )
+        if len(self.lengths) != int(self.meta["samples"]):
+            raise DataError(f"{meta_path}: shards hold {len(self.lengths)} samples, meta.json says {self.meta['samples']}")
+
+    def _path(self, name: str, part: str) -> str:
+        return os.path.join(self.data_dir, name + SUFFIX[part])
+
+    def _map(self, name: str, part: str, dtype: np.dtype, count: int) -> np.ndarray:
+        path = self._path(name, part)
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            raise DataError(f"{path}: missing; the directory is damaged — re-run `python -m trainer prepare`") from None
+        if size != count * dtype.itemsize:
+            raise DataError(
+                f"{path}: {size} bytes, expected {count * dtype.itemsize} from meta.json; "
+                "the directory is damaged — re-run `python -m trainer prepare`"
+            )
+        if count == 0:  # np.memmap refuses empty files
+            return np.zeros(0, dtype)
+        return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids int32, loss_mask uint8) of sample ``i``, copied (writable, and safe to
+        hand to torch.from_numpy)."""
+        n = len(self.lengths)
+        if not -n <= i < n:
+            raise IndexError(f"sample {i} out of range for {n} samples in {self.data_dir}")
+        i = int(i) % n
+        s = int(np.searchsorted(self._starts, i, side="right")) - 1
+        j = i - int(self._starts[s])
+        a, b = int(self._offsets[s][j]), int(self._offsets[s][j + 1])
+        return np.array(self._ids[s][a:b]), np.array(self._mask[s][a:b])
+
+    def verify(self) -> None:
+        """Recompute the fingerprint from the shard contents (reads everything)."""
+        h = _Fingerprint()
+        for i in range(len(self)):
+            h.add(*self.sample(i))
+        if h.hexdigest() != self.fingerprint:
+            raise DataError(
+                f"{self.data_dir}: contents hash to {h.hexdigest()}, meta.json says {self.fingerprint}; "
+                "the shards were changed after prepare — re-run `python -m trainer prepare`"
+            )
+
+
+class _Fingerprint:
+    """Content hash of the sample sequence: the same samples in the same order give the same
+    fingerprint whatever the shard size or the JSONL formatting."""
+
+    def __init__(self):
+        self._h = hashlib.sha256(f"{FORMAT}/{FORMAT_VERSION}\n".encode())
+
+    def add(self, ids: np.ndarray, mask: np.ndarray) -> None:
+        self._h.update(struct.pack("<q", len(ids)))
+        self._h.update(np.ascontiguousarray(ids, IDS_DTYPE).tobytes())
+        self._h.update(np.ascontiguousarray(mask, MASK_DTYPE).tobytes())
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
+# --------------------------------------------------------------------------- batching
+
+
+def make_batches(
+    lengths: Sequence[int] | np.ndarray,
+    token_budget: int,
+    max_seq_len: int,
+    max_batch_size: int,
+    seed: int,
+    epoch: int,
+    window: int | None = None,
+) -> list[list[int]]:
+    """Group sample indices into micro-batches; every index appears exactly once.
+
+    Tokens are counted the way memory is spent: (longest truncated length in the batch) ×
+    (batch size) ≤ ``token_budget``, with each length truncated to ``max_seq_len``, and at
+    most ``max_batch_size`` samples per batch.
+
+    Padding is kept low by sorting by length inside windows of the shuffled indices, so a
+    batch holds samples of nearly equal length; randomness comes from the per-epoch shuffle
+    that decides which samples share a window, and from shuffling the order of the batches.
+    Deterministic for (seed, epoch): a resumed run sees the same batches in the same order.
+    ``window`` (samples per sorting window) defaults to 256 × max_batch_size, at least 16,384.
+    """
+    if token_budget < 1 or max_seq_len < 1 or max_batch_size < 1:
+        raise ValueError(
+            f"token_budget {token_budget}, max_seq_len {max_seq_len} and max_batch_size {max_batch_size} must all be >= 1"
+        )
+    lens = np.minimum(np.asarray(lengths, dtype=np.int64), max_seq_len)
+    n = len(lens)
+    if n == 0:
+        return []
+    # An empty sample still occupies a batch row; count it as one token so the arithmetic
+    # never divides by zero.
+    cost = np.maximum(lens, 1)
+    longest = int(cost.max())
+    if longest > token_budget:
+        raise ValueError(
+            f"a sequence of {longest} tokens (after truncation to max_seq_len {max_seq_len}) exceeds "
+            f"token_budget {token_budget}; raise --token-budget to at least {longest} or lower --max-seq-len"
+        )
+    if window is None:
+        window = max(16_384, 256 * max_batch_size)
+    rng = np.random.default_rng(_seed_entropy(seed, epoch))
+    order = rng.permutation(n)
+    batches: list[np.ndarray] = []
+    for start in range(0, n, window):
+        idx = order[start:start + window]
+        # longest first: the first sample of each batch sets the padded length, so the batch
+        # can take budget // that length samples. Stable sort keeps ties in shuffled order.
+        idx = idx[np.argsort(-cost[idx], kind="stable")]
+        c = cost[idx]
+        pos, m = 0, len(idx)
+        while pos < m:
+            k = min(max_batch_size, token_budget // int(c[pos]), m - pos)
+            batches.append(idx[pos:pos + k])
+            pos += k
+    perm = rng.permutation(len(batches))
+    return [batches[j].tolist() for j in perm]
+
+
+def _seed_entropy(seed: int, epoch: int) -> list[int]:
+    # SeedSequence wants non-negative ints; keep negative seeds distinct from positive ones.
+    return [0x64666C61, int(seed) % (1 << 64), int(epoch) % (1 << 64)]
+
+
+def batch_stats(
+    lengths: Sequence[int] | np.ndarray, batches: Iterable[Sequence[int]], max_seq_len: int, token_budget: int | None = None
+) -> dict[str, float]:
+    """Padding figures for a batching: useful tokens (truncated lengths), padded tokens
+    (longest × size per batch), padding efficiency = useful / padded, and budget fill =
+    padded / (batches × token_budget) when a budget is given."""
+    lens = np.minimum(np.asarray(lengths, dtype=np.int64), max_seq_len)
+    useful = padded = count = 0
+    for b in batches:
+        bl = lens[np.asarray(b, dtype=np.int64)]
+        useful += int(bl.sum())
+        padded += int(bl.max()) * len(bl) if len(bl) else 0
+        count += 1
+    out = {"batches": count, "useful_tokens": useful, "padded_tokens": padded,
+           "efficiency": useful / padded if padded else 1.0}
+    if token_budget:
+        out["budget_fill"] = padded / (count * token_budget) if count else 1.0
+    return out
+
+
+# --------------------------------------------------------------------------- preparing
+
+
+def _check_sample(obj: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Validate one decoded JSON line; raise DataError(reason) without location."""
+    if not isinstance(obj, dict):
+        raise DataError(f"expected a JSON object with input_ids and loss_mask, got {type(obj).__name__}")
+    for key in ("input_ids", "loss_mask"):
+        if key not in obj:
+            raise DataError(f"missing key {key!r}")
+        if not isinstance(obj[key], list):
+            raise DataError(f"{key} must be a list, got {type(obj[key]).__name__}")
+    raw_ids, raw_mask = obj["input_ids"], obj["loss_mask"]
+    if len(raw_ids) != len(raw_mask):
+        raise DataError(f"input_ids has {len(raw_ids)} tokens but loss_mask has {len(raw_mask)}; they must be equally long")
+    if not raw_ids:
+        raise DataError("input_ids is empty")
+    try:
+        ids = np.array(raw_ids)
+        mask = np.array(raw_mask)
+    except (ValueError, OverflowError):
+        raise DataError("input_ids and loss_mask must be flat lists of integers") from None
+    if ids.ndim != 1 or ids.dtype.kind not in "iu":
+        raise DataError("input_ids must be a flat list of integers")
+    if ids.min() < 0:
+        j = int(np.argmax(ids < 0))
+        raise DataError(f"input_ids[{j}] = {int(ids[j])} is negative; token ids must be >= 0")
+    if ids.max() > MAX_TOKEN_ID:
+        j = int(np.argmax(ids > MAX_TOKEN_ID))
+        raise DataError(f"input_ids[{j}] = {int(ids[j])} does not fit in int32")
+    if mask.ndim != 1 or mask.dtype.kind not in "iub":
+        raise DataError("loss_mask must be a flat list of 0/1 (or true/false)")
+    if mask.dtype.kind != "b" and ((mask < 0) | (mask > 1)).any():
+        j = int(np.argmax((mask < 0) | (mask > 1)))
+        raise DataError(f"loss_mask[{j}] = {int(mask[j])}; loss_mask values must be 0 or 1")
+    return ids.astype(IDS_DTYPE), mask.astype(MASK_DTYPE)
+
+
+class _ShardWriter:
+    """Appends samples to shard files in ``directory``, starting a new shard when the
+    current one would pass ``shard_tokens``."""
+
+    def __init__(self, directory: str, shard_tokens: int):
+        self.directory = directory
+        self.shard_tokens = shard_tokens
+        self.shards: list[dict] = []
+        self._files: dict[str, Any] = {}
+        self._offsets: array = array("q", [0])
+
+    def add(self, ids: np.ndarray, mask: np.ndarray) -> None:
+        tokens = self._offsets[-1]
+        if not self._files or (tokens > 0 and tokens + len(ids) > self.shard_tokens):
+            self._close_shard()
+            self._open_shard()
+        self._files["ids"].write(ids.tobytes())
+        self._files["mask"].write(mask.tobytes())
+        self._offsets.append(self._offsets[-1] + len(ids))
+
+    def _open_shard(self) -> None:
+        name = f"shard-{len(self.shards):05d}"
+        self.shards.append({"name": name})
+        for part in ("ids", "mask"):
+            self._files[part] = open(os.path.join(self.directory, name + SUFFIX[part]), "wb", buffering=1 << 20)
+        self._offsets = array("q", [0])
+
+    def _close_shard(self) -> None:
+        if not self._files:
+            return
+        shard = self.shards[-1]
+        for fh in self._files.values():
+            fh.flush()
+            os.fsync(fh.fileno())
+            fh.close()
+        self._files = {}
+        with open(os.path.join(self.directory, shard["name"] + SUFFIX["offsets"]), "wb") as fh:
+            fh.write(np.frombuffer(self._offsets, dtype=np.int64).astype(OFFSETS_DTYPE).tobytes())
+            fh.flush()
+            os.fsync(fh.fileno())
+        shard["samples"] = len(self._offsets) - 1
+        shard["tokens"] = int(self._offsets[-1])
+
+    def close(self) -> list[dict]:
+        self._close_shard()
+        return self.shards
+
+    def abort(self) -> None:
+        for fh in self._files.values():
+            fh.close()
+        self._files = {}
+
+
+def _length_stats(lengths: np.ndarray) -> dict[str, float]:
+    # np.percentile's default (linear interpolation); docs/data.md says so.
+    p50, p90, p99 = np.percentile(lengths, [50, 90, 99])
+    return {
+        "min": int(lengths.min()),
+        "mean": float(lengths.mean()),
+        "p50": float(p50),
+        "p90": float(p90),
+        "p99": float(p99),
+        "max": int(lengths.max()),
+    }
+
+
+def prepare(
+    inputs: Sequence[str],
+    out: str,
+    shard_tokens: int = DEFAULT_SHARD_TOKENS,
+    progress_every: int = DEFAULT_PROGRESS_EVERY,
+    log=None,
+    extra_meta: dict | None = None,
+) -> dict:
+    """Stream ``inputs`` (JSONL) into a prepared directory at ``out``; return its meta.
+
+    Everything is written into a hidden temp directory beside ``out`` and renamed into place
+    only when complete, so ``out`` either does not exist or holds a whole dataset. Raises
+    DataError (one line naming the file and line) on bad input; nothing is left behind then.
+    """
+    log = log if log is not None else (lambda line: print(line, file=sys.stderr, flush=True))
+    out = os.path.abspath(os.fspath(out))
+    if shard_tokens < 1:
+        raise DataError(f"--shard-tokens {shard_tokens} must be >= 1")
+    if not inputs:
+        raise DataError("no --input given; name at least one JSONL file")
+    for path in inputs:
+        if not os.path.isfile(path):
+            raise DataError(f"{path}: input file not found; check the --input path")
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise DataError(f"{out}: already exists and is not empty; remove it or choose another --out")
+    parent = os.path.dirname(out)
+    os.makedirs(parent, exist_ok=True)
+    # Same parent → same file system → os.rename is atomic.
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=parent)
+    writer = _ShardWriter(tmp, shard_tokens)
+    try:
+        meta = _fill(inputs, writer, shard_tokens, progress_every, log)
+        if extra_meta:
+            meta.update(extra_meta)
+        with open(os.path.join(tmp, META), "w", encoding="utf-8") as fh:
+            json.dump(meta, fh, indent=1, sort_keys=True)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        try:
+            os.rename(tmp, out)  # replaces an empty directory; fails on a non-empty one
+        except OSError as exc:
+            raise DataError(f"{out}: cannot move the prepared data into place ({exc}); remove it or choose another --out") from None
+        _fsync_dir(parent)
+        return meta
+    except BaseException:
+        writer.abort()
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _fill(inputs: Sequence[str], writer: _ShardWriter, shard_tokens: int, progress_every: int, log) -> dict:
+    fp = _Fingerprint()
+    lengths = array("q")
+    loss_tokens = 0
+    no_loss = 0
+    max_id = -1
+    sources = []
+    t0 = time.monotonic()
+    for path in inputs:
+        lines = 0
+        with open(path, "rb") as fh:
+            for lineno, raw in enumerate(fh, start=1):
+                lines = lineno
+                if not raw.strip():
+                    continue  # blank lines (e.g. a trailing newline) are not samples
+                try:
+                    ids, mask = _check_sample(json.loads(raw))
+                except json.JSONDecodeError as exc:
+                    raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+                except UnicodeDecodeError:
+                    raise DataError(f"{path}:{lineno}: not valid UTF-8") from None
+                except DataError as exc:
+                    raise DataError(f"{path}:{lineno}: {exc}") from None
+                writer.add(ids, mask)
+                fp.add(ids, mask)
+                lengths.append(len(ids))
+                m = int(mask.sum())
+                loss_tokens += m
+                no_loss += m == 0
+                max_id = max(max_id, int(ids.max()))
+                if progress_every and len(lengths) % progress_every == 0:
+                    log(f"prepare: {len(lengths):,} samples, {sum_tokens(lengths):,} tokens, "
+                        f"{time.monotonic() - t0:.0f} s ({path}:{lineno})")
+        sources.append({"file": os.path.basename(path), "bytes": os.path.getsize(path), "lines": lines})
+    if not lengths:
+        raise DataError(f"{', '.join(inputs)}: no samples; the input holds no JSON lines — check the --input files")
+    shards = writer.close()
+    lens = np.frombuffer(lengths, dtype=np.int64)
+    tokens = int(lens.sum())
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "fingerprint": fp.hexdigest(),
+        "samples": len(lens),
+        "tokens": tokens,
+        "loss_tokens": loss_tokens,
+        "loss_fraction": loss_tokens / tokens,
+        "samples_without_loss": int(no_loss),
+        "length": _length_stats(lens),
+        "max_token_id": max_id,
+        "dtypes": {"input_ids": IDS_DTYPE.str, "loss_mask": MASK_DTYPE.str, "offsets": OFFSETS_DTYPE.str},
+        "shard_tokens": shard_tokens,
+        "shards": shards,
+        "sources": sources,
+    }
+
+
+def sum_tokens(lengths: array) -> int:
+    return int(np.frombuffer(lengths, dtype=np.int64).sum()) if len(lengths) else 0
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit 2, as trainer.flags does
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m trainer prepare",
+                description="Convert tokenized JSONL ({\"input_ids\": [...], \"loss_mask\": [...]} per line) "
+                            "into memory-mapped shards + meta.json for the trainer's --data-dir.")
+    p.add_argument("--input", nargs="+", required=True, metavar="FILE.jsonl", action="extend",
+                   help="JSONL files, read in the order given (repeatable)")
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory (must not exist, or be empty)")
+    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, metavar="N",
+                   help=f"tokens per shard file (default {DEFAULT_SHARD_TOKENS})")
+    p.add_argument("--progress-every", type=int, default=DEFAULT_PROGRESS_EVERY, metavar="N",
+                   help=f"a progress line on stderr every N samples (default {DEFAULT_PROGRESS_EVERY}; 0: none)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(list(argv) if argv is not None else None)
+    try:
+        meta = prepare(args.input, args.out, shard_tokens=args.shard_tokens, progress_every=args.progress_every)
+    except DataError as exc:
+        print(f"prepare: error: {exc}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    ln = meta["length"]
+    print(f"prepare: wrote {os.path.abspath(args.out)}: {meta['samples']:,} samples, {meta['tokens']:,} tokens, "
+          f"length mean {ln['mean']:.0f} p50 {ln['p50']:.0f} p99 {ln['p99']:.0f} max {ln['max']}, "
+          f"loss tokens {meta['loss_fraction']:.1%}, fingerprint {meta['fingerprint'][:16]}", flush=True)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())
