@@ -6,7 +6,7 @@ import importlib
 
 import typer
 
-GROUPS: list[str] = []
+GROUPS: list[str] = ["remote"]
 
 
 def register_all(app: typer.Typer) -> None:

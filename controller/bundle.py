@@ -1,0 +1,95 @@
+"""The agent + trainer code as one versioned, content-addressed bundle (DESIGN.md).
+
+The bundle is the ``.py`` files of ``agent/`` and ``trainer/``; its version is the sha256 of
+their relative paths and contents. It is uploaded once per version to
+``<workspace>/.dflash-ctl/bundles/<hash>/`` and put on PYTHONPATH; the container's own venv
+supplies torch. Upload: a tar through stdin into a temp directory beside the destination,
+size- and hash-checked, extracted, then renamed into place, so a half upload never looks
+complete and two uploaders racing both end with the same finished directory.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import posixpath
+import tarfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from controller.container import Container
+
+PACKAGES = ("agent", "trainer")
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BUNDLES_DIR = ".dflash-ctl/bundles"
+
+# Receive the tar into "$1/.bundle.tar", check size and sha256, extract, rename "$1" → "$2".
+# If "$2" already exists (another upload won the race), ours is removed and that one stands.
+_UPLOAD_SCRIPT = (
+    'umask 022; mkdir -p "$(dirname "$1")" && mkdir "$1" || exit 1; '
+    'if cat > "$1/.bundle.tar" && [ "$(wc -c < "$1/.bundle.tar")" -eq "$3" ] '
+    '&& got=$(sha256sum < "$1/.bundle.tar") && [ "${got%% *}" = "$4" ] '
+    '&& tar -xf "$1/.bundle.tar" -C "$1" --no-same-owner && rm -f "$1/.bundle.tar"; then '
+    '  mv -T "$1" "$2" 2>/dev/null || { rm -rf "$1"; [ -d "$2" ] || exit 1; }; exit 0; fi; '
+    'rm -rf "$1"; echo "bundle upload to $2 was incomplete or failed; nothing was installed" >&2; exit 1'
+)
+
+
+@dataclass(frozen=True)
+class Bundle:
+    """The files of one bundle version, in a fixed order."""
+
+    version: str
+    files: tuple[tuple[str, bytes], ...]
+
+    def tar(self) -> bytes:
+        """A deterministic tar (fixed mtimes, owners and modes): same version, same bytes."""
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+            (version_info := tarfile.TarInfo("VERSION")).size = len(self.version) + 1
+            version_info.mode = 0o644
+            tar.addfile(version_info, io.BytesIO(self.version.encode() + b"\n"))
+            for rel, data in self.files:
+                info = tarfile.TarInfo(rel)
+                info.size, info.mode, info.mtime = len(data), 0o644, 0
+                tar.addfile(info, io.BytesIO(data))
+        return buf.getvalue()
+
+
+def build(root: Path = REPO_ROOT, packages: tuple[str, ...] = PACKAGES) -> Bundle:
+    files = []
+    for package in packages:
+        for path in sorted((root / package).rglob("*.py")):
+            if "__pycache__" in path.parts:
+                continue
+            files.append((path.relative_to(root).as_posix(), path.read_bytes()))
+    digest = hashlib.sha256()
+    for rel, data in files:
+        digest.update(rel.encode() + b"\0" + hashlib.sha256(data).digest())
+    return Bundle(digest.hexdigest()[:16], tuple(files))
+
+
+def remote_path(container: "Container", version: str) -> str:
+    return posixpath.join(container.config.workspace, BUNDLES_DIR, version)
+
+
+def ensure_bundle(container: "Container", bundle: Bundle | None = None) -> str:
+    """Upload ``bundle`` (default: this checkout's) unless that version is already there;
+    return its path in the container, ready to go on PYTHONPATH."""
+    from controller.container import ContainerError
+
+    bundle = bundle or build()
+    dest = remote_path(container, bundle.version)
+    if container.exec(["test", "-d", dest]).ok:
+        return dest
+    data = bundle.tar()
+    tmp = posixpath.join(posixpath.dirname(dest), f".tmp-{bundle.version}-{uuid.uuid4().hex[:8]}")
+    result = container.exec(["sh", "-c", _UPLOAD_SCRIPT, "sh", tmp, dest, str(len(data)),
+                             hashlib.sha256(data).hexdigest()], stdin=data)
+    if result.failed:
+        raise ContainerError(f"cannot install the agent bundle {bundle.version} at {dest} in {container}: "
+                             f"{result.tail('stderr', 3)}")
+    return dest

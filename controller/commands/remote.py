@@ -1,0 +1,113 @@
+"""`ctl exec` and `ctl env`: run a command in a container, see the environment it gets.
+
+Both go through the same path every other command uses (Runner → pct exec with a scrubbed
+environment → container), so what `ctl env` prints is exactly what the trainer gets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+from typing import Iterator, List, Optional
+
+import typer
+
+from controller import config as cfg
+from controller.container import Container, ContainerError
+from controller.transport import CommandError, TransportError, open_runner
+
+# When set, `ctl` writes {"ssh_connections": N} here on exit (bench/exec_roundtrip.py, tests).
+ENV_STATS = "DFLASH_CTL_STATS"
+
+# Exit codes of ctl itself (a remote command's own code passes through unchanged).
+EXIT_CONFIG = 2
+EXIT_CONTAINER = 1
+EXIT_TRANSPORT = 255  # like ssh(1): could not reach the node
+
+ContainerOpt = typer.Option(..., "--container", "-c", help="container id (Proxmox VMID), e.g. 200")
+NodeOpt = typer.Option(None, "--node", "-n", help="node name from the config (default: the only one / default_node)")
+ConfigOpt = typer.Option(None, "--config", help="controller config file (default: $DFLASH_CTL_CONFIG, "
+                                                 "else ~/.config/dflash-ctl/config.toml)")
+TrustOpt = typer.Option(False, "--trust-new-host-key",
+                        help="record the node's SSH host key in known_hosts if none is there yet "
+                             "(a changed key is still refused)")
+
+
+def fail(message: str, code: int) -> "typer.Exit":
+    typer.echo(f"ctl: error: {message}", err=True)
+    return typer.Exit(code)
+
+
+@contextlib.contextmanager
+def container_session(container: int, node: Optional[str], config_path: Optional[str],
+                      trust_new_host_key: bool) -> Iterator[Container]:
+    """One runner (one SSH connection) for the whole command; errors as one clear line."""
+    runner = None
+    try:
+        conf = cfg.load(config_path)
+        node_name, node_conf = conf.node(node)
+        runner = open_runner(node_name, node_conf, trust_new_host_key=trust_new_host_key)
+        handle = Container(runner, node_name, node_conf, container)
+        yield handle
+        trusted = getattr(runner, "trusted_key", None)
+        if trusted:
+            typer.echo(f"ctl: recorded the host key of node {node_name} ({trusted})", err=True)
+    except cfg.ConfigError as exc:
+        raise fail(str(exc), EXIT_CONFIG) from None
+    except TransportError as exc:
+        raise fail(str(exc), EXIT_TRANSPORT) from None
+    except ContainerError as exc:
+        raise fail(str(exc), EXIT_CONTAINER) from None
+    except CommandError as exc:
+        raise fail(str(exc), exc.result.returncode or 1) from None
+    finally:
+        if runner is not None:
+            runner.close()
+        _write_stats()
+
+
+def _write_stats() -> None:
+    path = os.environ.get(ENV_STATS)
+    if not path:
+        return
+    from controller.ssh import SSHRunner
+
+    with open(path, "w") as fh:
+        json.dump({"ssh_connections": SSHRunner.connections_opened}, fh)
+
+
+def exec_command(
+    argv: List[str] = typer.Argument(..., metavar="-- COMMAND [ARG...]",
+                                     help="the command and its arguments, after --"),
+    container: int = ContainerOpt,
+    node: Optional[str] = NodeOpt,
+    config: Optional[str] = ConfigOpt,
+    stdin: bool = typer.Option(False, "--stdin", "-i", help="forward this process's stdin to the command"),
+    trust_new_host_key: bool = TrustOpt,
+) -> None:
+    """Run a command in a container with a clean, explicit environment; stream its output
+    and exit with its exit code (a command killed by signal N exits 128+N)."""
+    with container_session(container, node, config, trust_new_host_key) as ct:
+        result = ct.exec(argv, stdin=sys.stdin.buffer if stdin else None, capture=False,
+                         stdout_sink=sys.stdout.buffer, stderr_sink=sys.stderr.buffer)
+    raise typer.Exit(result.returncode & 0xFF)
+
+
+def env_command(
+    container: int = ContainerOpt,
+    node: Optional[str] = NodeOpt,
+    config: Optional[str] = ConfigOpt,
+    trust_new_host_key: bool = TrustOpt,
+) -> None:
+    """Print the environment a process started in the container actually gets."""
+    with container_session(container, node, config, trust_new_host_key) as ct:
+        result = ct.exec(["env"], check=True)
+    sys.stdout.write(result.stdout)
+
+
+def register(app: typer.Typer) -> None:
+    # Options stop at the first argument, so `ctl exec -c 200 ls -l` passes -l to ls.
+    app.command("exec", context_settings={"allow_interspersed_args": False})(exec_command)
+    app.command("env")(env_command)

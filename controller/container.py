@@ -1,0 +1,162 @@
+"""A handle on one LXC container of one node: run argv in it, move files, call the agent.
+
+Everything goes through a Runner (controller/transport.py) and ``pct exec`` with a
+scrubbed environment (controller/pct.py), so the same code runs over SSH, locally on the
+node, and against the simulated node in tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import posixpath
+import re
+import uuid
+from typing import IO, Mapping, Optional, Sequence
+
+from agent.protocol import PayloadError, extract_payload
+from controller import pct
+from controller.config import ContainerConfig, NodeConfig
+from controller.transport import CommandError, Result, Runner, Stdin
+
+
+class ContainerError(Exception):
+    """Something about the container stops us; the message names it and what to do."""
+
+
+class AgentError(ContainerError):
+    """The in-container agent failed or answered with something we cannot read."""
+
+    def __init__(self, message: str, payload: Optional[dict] = None, result: Optional[Result] = None):
+        super().__init__(message)
+        self.payload = payload
+        self.result = result
+
+
+# Fixed scripts, values only as positional parameters ("$1"…), never interpolated.
+# Write: receive stdin into a temp file next to the destination, verify size and sha256
+# (a dropped connection gives cat an early EOF, not an error: the check is what makes a
+# killed upload leave nothing), then chmod and rename over the destination.
+_WRITE_SCRIPT = (
+    'umask 077; '
+    'if cat > "$1" && [ "$(wc -c < "$1")" -eq "$4" ] && got=$(sha256sum < "$1") && [ "${got%% *}" = "$5" ] '
+    '&& chmod "$3" "$1" && mv -f "$1" "$2"; then exit 0; fi; '
+    'rm -f "$1"; echo "upload of $2 was incomplete or failed; nothing was written" >&2; exit 1'
+)
+
+# pct's own words for a container that is not running / not there (real pct and the sim).
+_NOT_RUNNING = re.compile(r"not running|Failed to get init pid|is stopped", re.I)
+_MISSING = re.compile(r"does not exist|no such container|not found", re.I)
+
+
+class Container:
+    """Container ``ctid`` on node ``node_name``, reached through ``runner``."""
+
+    def __init__(self, runner: Runner, node_name: str, node: NodeConfig, ctid: int | str):
+        self.runner = runner
+        self.node_name = node_name
+        self.node = node
+        self.ctid = str(ctid)
+        self.config: ContainerConfig = node.container(ctid)
+        self._bundle: Optional[str] = None
+
+    def __str__(self) -> str:
+        return f"container {self.ctid} on node {self.node_name}"
+
+    # -- running commands ------------------------------------------------------------------
+    def exec(self, argv: Sequence[str], *, env: Optional[Mapping[str, str]] = None, stdin: Stdin = None,
+             check: bool = False, capture: bool = True, on_stdout=None, on_stderr=None,
+             stdout_sink: Optional[IO[bytes]] = None, stderr_sink: Optional[IO[bytes]] = None,
+             timeout: Optional[float] = None) -> Result:
+        """Run ``argv`` in the container with exactly PATH, HOME, LANG and ``env`` set."""
+        try:
+            full = pct.exec_argv(self.node, self.ctid, argv, container=self.config, env=env)
+        except pct.PctUsageError as exc:
+            raise ContainerError(f"cannot run that in {self}: {exc}") from None
+        result = self.runner.run(full, stdin=stdin, capture=capture, on_stdout=on_stdout, on_stderr=on_stderr,
+                                 stdout_sink=stdout_sink, stderr_sink=stderr_sink, timeout=timeout)
+        if result.failed and self.looks_unreachable(result):
+            self.check_running()  # raises the clear message when the container is the problem
+        if check and result.failed:
+            raise CommandError(result)
+        return result
+
+    @staticmethod
+    def looks_unreachable(result: Result) -> bool:
+        """pct itself (not the command) may have failed because the container is down/absent."""
+        tail = result.tail("stderr", 3)
+        return bool(_NOT_RUNNING.search(tail) or (_MISSING.search(tail) and "conf" in tail))
+
+    def status(self) -> str:
+        """'running' or 'stopped'; raises ContainerError when the container does not exist."""
+        result = self.runner.run(pct.status_argv(self.node, self.ctid))
+        text = result.stdout + "\n" + result.stderr
+        match = re.search(r"status:\s*(\w+)", result.stdout)
+        if result.ok and match:
+            return match.group(1)
+        if _MISSING.search(text):
+            raise ContainerError(f"container {self.ctid} does not exist on node {self.node_name}: "
+                                 f"check the id (`{self.node.pct} list` on the node)")
+        raise ContainerError(f"cannot get the status of {self}: `{result.command}` said: "
+                             f"{result.tail('stderr', 3) or result.tail('stdout', 3) or f'exit code {result.returncode}'}")
+
+    def check_running(self) -> None:
+        state = self.status()
+        if state != "running":
+            raise ContainerError(f"container {self.ctid} on node {self.node_name} is {state}: "
+                                 f"start it with {pct.start_hint(self.node, self.ctid)}")
+
+    # -- files ----------------------------------------------------------------------------
+    def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
+        """Atomically replace ``path`` in the container with ``data``: uploaded through stdin
+        into a temp file in the same directory, verified, then renamed."""
+        self._check_path(path)
+        if isinstance(data, str):
+            data = data.encode()
+        directory, base = posixpath.split(path)
+        tmp = posixpath.join(directory, f".{base}.ctl-{uuid.uuid4().hex[:12]}.tmp")
+        argv = ["sh", "-c", _WRITE_SCRIPT, "sh", tmp, path, f"{mode:o}", str(len(data)),
+                hashlib.sha256(data).hexdigest()]
+        result = self.exec(argv, stdin=data)
+        if result.failed:
+            raise ContainerError(f"cannot write {path} in {self}: {result.tail('stderr', 3)}")
+
+    def read_file(self, path: str) -> bytes:
+        self._check_path(path)
+        result = self.exec(["cat", "--", path])
+        if result.failed:
+            raise ContainerError(f"cannot read {path} in {self}: {result.tail('stderr', 3)}")
+        return result.stdout_bytes
+
+    def _check_path(self, path: str) -> None:
+        if not path.startswith("/") or "\n" in path or "\0" in path:
+            raise ContainerError(f"{path!r} is not an absolute path usable in {self}")
+
+    # -- the agent ----------------------------------------------------------------------------
+    def ensure_bundle(self) -> str:
+        """The in-container path of this controller's agent+trainer bundle (uploaded if new)."""
+        if self._bundle is None:
+            from controller.bundle import ensure_bundle
+
+            self._bundle = ensure_bundle(self)
+        return self._bundle
+
+    def agent_env(self, bundle: str) -> dict[str, str]:
+        return {"PYTHONPATH": bundle, "PYTHONUNBUFFERED": "1"}
+
+    def agent_call(self, verb: str, args: Sequence[str] = (), *, stdin: Stdin = None,
+                   timeout: Optional[float] = None) -> dict:
+        """Run ``python3 -m agent <verb> <args…>`` from the bundle; return its sentinel payload."""
+        bundle = self.ensure_bundle()
+        argv = [self.config.python, "-m", "agent", verb, *[str(a) for a in args]]
+        result = self.exec(argv, env=self.agent_env(bundle), stdin=stdin, timeout=timeout)
+        try:
+            payload = extract_payload(result.stdout)
+        except PayloadError as exc:
+            raise AgentError(f"agent {verb} in {self} gave no readable reply ({exc}); exit code "
+                             f"{result.returncode}: {result.tail('stderr', 5) or result.tail('stdout', 5)}",
+                             result=result) from None
+        if result.failed:
+            why = payload.get("error") or result.tail("stderr", 5)
+            raise AgentError(f"agent {verb} in {self} failed (exit code {result.returncode}): {why}",
+                             payload=payload, result=result)
+        return payload

@@ -1,0 +1,111 @@
+"""Rendering files for the container from templates/ (Jinja2).
+
+StrictUndefined: a name the template uses but the caller did not pass is an error, not an
+empty string in a shell script. ``sh`` (shlex.quote) is the only way a value enters a
+script; nothing is autoescaped or interpolated raw. The start script's trainer flags come
+from trainer/flags.py's FLAGS (the one definition), so the template never lists a flag.
+"""
+
+from __future__ import annotations
+
+import posixpath
+import re
+import shlex
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional
+
+import jinja2
+
+from trainer import flags as F
+from controller.config import ContainerConfig
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+START_TEMPLATE = "start.sh.j2"
+DEFAULT_SECRET_KEYS = ("WANDB_API_KEY", "HF_TOKEN")
+SECRETS_FILE = ".dflash-ctl/secrets.env"  # under the container's workspace; root-only
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class RenderError(ValueError):
+    """Values that cannot make a valid file; the message names the flag or variable."""
+
+
+def environment() -> jinja2.Environment:
+    env = jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+        keep_trailing_newline=True,
+        trim_blocks=False,
+    )
+    env.filters["sh"] = lambda value: shlex.quote(str(value))
+    env.filters["shjoin"] = lambda values: shlex.join(str(v) for v in values)
+    return env
+
+
+def flag_lines(values: Mapping[str, Any]) -> list[list[str]]:
+    """argv tokens per flag, in FLAGS order; flattened they equal ``flags.to_argv(values)``."""
+    lines = []
+    for flag in F.FLAGS:
+        tokens = flag.render(values.get(flag.dest, flag.default))
+        if tokens:
+            lines.append(tokens)
+    return lines
+
+
+def start_env(container: ContainerConfig, *, bundle: str, run_id: str, run_dir: str,
+              extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
+    """Every variable the trainer's environment holds (secrets aside), in order."""
+    env = {
+        "PATH": container.path,
+        "HOME": container.home,
+        "LANG": "C.UTF-8",
+        "PYTHONPATH": bundle,
+        "PYTHONUNBUFFERED": "1",
+        # The agent finds and stops a run's processes by these (agent/protocol.py).
+        "DFLASH_RUN_ID": run_id,
+        "DFLASH_RUN_DIR": run_dir,
+    }
+    for key, value in (extra or {}).items():
+        if not _NAME.match(key):
+            raise RenderError(f"environment variable name {key!r} is not a valid shell name")
+        env[key] = str(value)
+    for key, value in env.items():
+        if "\0" in value:
+            raise RenderError(f"environment variable {key} contains a NUL byte")
+    return env
+
+
+def render_start_script(values: Mapping[str, Any], *, container: ContainerConfig, bundle: str, run_id: str,
+                        run_dir: str, env: Optional[Mapping[str, str]] = None,
+                        secrets_file: Optional[str] = None,
+                        secret_keys: Iterable[str] = DEFAULT_SECRET_KEYS) -> str:
+    """The run's start.sh: an explicit environment, then ``python -m trainer <all flags>``.
+
+    ``values`` are resolved trainer values by dest name (e.g. RunConfig.resolve()); they
+    are checked with ``flags.check`` so the script never carries a config the trainer would
+    refuse.
+    """
+    problems = F.check(values)
+    if problems:
+        raise RenderError("cannot render the start script:\n  " + "\n  ".join(problems))
+    unknown = sorted(set(values) - set(F.BY_DEST))
+    if unknown:
+        raise RenderError(f"not trainer flags: {', '.join(unknown)} (see trainer/flags.py)")
+    for tokens in flag_lines(values):
+        if any("\0" in t for t in tokens):
+            raise RenderError(f"{tokens[0]} contains a NUL byte")
+    secret_keys = tuple(secret_keys)
+    for key in secret_keys:
+        if not _NAME.match(key):
+            raise RenderError(f"secret name {key!r} is not a valid shell name")
+    if not run_dir.startswith("/"):
+        raise RenderError(f"run directory {run_dir!r} must be an absolute path in the container")
+    return environment().get_template(START_TEMPLATE).render(
+        run_dir=run_dir,
+        secrets_file=secrets_file or posixpath.join(container.workspace, SECRETS_FILE),
+        secret_keys=secret_keys,
+        flag_lines=flag_lines(values),
+        env=start_env(container, bundle=bundle, run_id=run_id, run_dir=run_dir, extra=env),
+        python=container.python,
+    )
