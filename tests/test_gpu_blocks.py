@@ -1,0 +1,157 @@
+"""CPU checks of the GPU building blocks: the DFlash flex-attention mask, the chunked
+LM head + loss, the FLOP counter and the memory model. Small and fast."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from trainer import chunked_head as chh  # noqa: E402
+from trainer import flex_mask as fm  # noqa: E402
+from trainer import flops, memory  # noqa: E402
+
+
+# ---------------------------------------------------------------- mask
+
+def _rule(a: int, keep: bool, i: int, q_blk: int, kv: int, S: int, B: int) -> bool:
+    """The spec's rule, stated once more per (query block, key) pair."""
+    if kv < S:
+        return keep and kv < a
+    return (kv - S) // B == i
+
+
+def test_dense_mask_matches_rule():
+    S, B = 20, 4
+    anchors = torch.tensor([[0, 3, 7, 15], [2, 2, 9, 19]])
+    keep = torch.tensor([[True, True, True, True], [True, True, False, True]])
+    m = fm.dense_dflash_mask(anchors, S, B, keep)
+    for b in range(2):
+        for q in range(anchors.shape[1] * B):
+            i = q // B
+            for kv in range(S + anchors.shape[1] * B):
+                assert bool(m[b, q, kv]) == _rule(int(anchors[b, i]), bool(keep[b, i]), i, q, kv, S, B)
+
+
+def test_mask_mod_matches_dense_mask():
+    from torch.nn.attention.flex_attention import create_mask
+
+    torch.manual_seed(0)
+    S, B, n = 37, 8, 5
+    anchors = torch.sort(torch.randint(0, S, (3, n)), dim=-1).values
+    keep = torch.rand(3, n) > 0.2
+    dense = fm.dense_dflash_mask(anchors, S, B, keep)
+    mod = fm.dflash_mask_mod(anchors, S, B, keep)
+    got = create_mask(mod, 3, 1, n * B, S + n * B, device="cpu")[:, 0]
+    assert torch.equal(got, dense)
+    assert int(dense.sum()) == fm.visible_pairs(anchors, S, B, keep)
+
+
+def test_no_leak_to_own_anchor_future_or_other_blocks():
+    S, B = 16, 4
+    anchors = torch.tensor([[5, 9]])
+    m = fm.dense_dflash_mask(anchors, S, B)
+    # block 0 (anchor 5): context 0..4 only; never context 5.. (its own/future hidden states)
+    assert m[0, 0, :5].all() and not m[0, 0, 5:S].any()
+    # never another block
+    assert not m[0, :B, S + B:].any() and not m[0, B:, S:S + B].any()
+    # own block, both directions
+    assert m[0, :B, S:S + B].all() and m[0, B:, S + B:].all()
+
+
+def test_flex_attention_with_block_mask_matches_sdpa():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch.manual_seed(1)
+    S, B, n, Hq, Hk, D = 40, 8, 6, 4, 2, 16
+    anchors = torch.sort(torch.randint(1, S, (2, n)), dim=-1).values
+    keep = torch.ones(2, n, dtype=torch.bool)
+    keep[1, -1] = False
+    bm = fm.make_dflash_block_mask(anchors, S, B, keep, q_block=16, kv_block=16)
+    q = torch.randn(2, Hq, n * B, D, dtype=torch.float64)
+    k = torch.randn(2, Hk, S + n * B, D, dtype=torch.float64)
+    v = torch.randn(2, Hk, S + n * B, D, dtype=torch.float64)
+    out = flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+    dense = fm.dense_dflash_mask(anchors, S, B, keep)
+    kk = k.repeat_interleave(Hq // Hk, 1)
+    vv = v.repeat_interleave(Hq // Hk, 1)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=dense[:, None])
+    assert (out - ref).norm() / ref.norm() < 1e-10
+
+
+# ---------------------------------------------------------------- chunked head
+
+@pytest.mark.parametrize("soft,cap", [(False, 0.0), (True, 0.0), (False, 0.3), (True, 0.2)])
+def test_chunked_head_matches_naive(soft, cap):
+    torch.manual_seed(2)
+    nb, K, H, V = 7, 5, 12, 97
+    W = torch.randn(V, H, dtype=torch.float64)
+    t = torch.randint(0, V, (nb, K))
+    valid = torch.rand(nb, K) > 0.2
+    valid[3] = False
+    w = chh.position_weights(K + 1, 4.0, valid).double()
+    teacher = torch.randn(nb, K, H, dtype=torch.float64) if soft else None
+    fn = chh.dflash_loss_fn(w, kl_weight=0.15 if soft else 0.0, temperature=2.0, cap_lambda=cap)
+    h1 = torch.randn(nb, K, H, dtype=torch.float64, requires_grad=True)
+    h2 = h1.detach().clone().requires_grad_(True)
+    loss, ce, kl, correct = chh.chunked_head_loss(h1, W, t, fn, teacher=teacher, temperature=2.0,
+                                                  chunk_rows=2 * K)  # 4 chunks, last partial
+    ref = chh.naive_head_loss(h2, W, t, fn, teacher=teacher, temperature=2.0)
+    assert abs(float(loss - ref)) < 1e-10
+    (3.0 * loss).backward()
+    (3.0 * ref).backward()
+    assert (h1.grad - h2.grad).norm() / h2.grad.norm() < 1e-10
+    z = (h2.detach().reshape(-1, H) @ W.t())
+    assert torch.allclose(ce.reshape(-1), torch.nn.functional.cross_entropy(z, t.reshape(-1), reduction="none"))
+    assert torch.equal(correct.reshape(-1), z.argmax(-1) == t.reshape(-1))
+    assert (kl is None) == (not soft)
+
+
+def test_chunked_head_teacher_logits_and_bf16():
+    torch.manual_seed(3)
+    nb, K, H, V = 4, 3, 16, 64
+    W = torch.randn(V, H).bfloat16()
+    t = torch.randint(0, V, (nb, K))
+    w = chh.position_weights(K + 1, 7.0, torch.ones(nb, K, dtype=torch.bool))
+    tl = torch.randn(nb, K, V)
+    fn = chh.dflash_loss_fn(w, kl_weight=0.5, temperature=1.5)
+    h = torch.randn(nb, K, H).bfloat16().requires_grad_(True)
+    loss = chh.chunked_head_loss(h, W, t, fn, teacher=tl, teacher_is_logits=True, temperature=1.5, chunk_rows=K)[0]
+    loss.backward()
+    h64 = h.detach().double().requires_grad_(True)
+    ref = chh.naive_head_loss(h64, W.double(), t, fn, teacher=tl.double(), teacher_is_logits=True, temperature=1.5)
+    ref.backward()
+    assert abs(float(loss) - float(ref)) / abs(float(ref)) < 1e-2
+    assert (h.grad.double() - h64.grad).norm() / h64.grad.norm() < 2e-2
+
+
+# ---------------------------------------------------------------- flops / memory
+
+def test_flops_linear_counts():
+    s = flops.QWEN3_8B
+    # per-layer parameters of Qwen3-8B: q,o 4096², k,v 4096·1024, MLP 3·4096·12288
+    assert s.layer_params == 2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 12288
+    t = flops.target_forward_flops(s, [8192], last_layer=33)
+    lin = 2 * 34 * s.layer_params * 8192
+    attn = 34 * 4 * 32 * 128 * (8192 * 8193 // 2)
+    assert t == lin + attn
+    d = flops.drafter_step_flops(s, n_layers=5, block_size=16, n_blocks=512, ctx_tokens=8192,
+                                 visible_ctx_pairs=512 * 16 * 4000, head_positions=512 * 15)
+    assert d["total"] == d["layers"] + d["attention"] + d["head"] + d["context"]
+    assert d["head"] == 2 * 2 * 4096 * 151936 * 512 * 15
+
+
+def test_memory_model_monotone_and_fits_logic():
+    base = dict(shape=memory.QWEN3_27B_LIKE, n_layers=5, block_size=32, max_anchors=1024,
+                max_seq_len=8192, token_budget=49152, n_tapped=5)
+    m1 = memory.drafter_peak_bytes(**base)
+    m2 = memory.drafter_peak_bytes(**{**base, "token_budget": 65536})
+    assert m2["total"] > m1["total"] > 0
+    assert set(m1) >= {"params", "grads", "optimizer", "activations", "logit_chunk", "context", "total"}
+    auto = memory.auto_token_budget(capacity_bytes=96e9, margin_bytes=2e9, **{k: v for k, v in base.items() if k != "token_budget"})
+    assert auto >= 8192 and memory.drafter_peak_bytes(**{**base, "token_budget": auto})["total"] <= 94e9
+    tgt = memory.target_peak_bytes(memory.QWEN3_8B, token_budget=49152, max_seq_len=8192, last_layer=33, n_tapped=5)
+    assert tgt["params"] == pytest.approx(2 * (34 * memory.QWEN3_8B.layer_params + 151936 * 4096 + 4096 * 2), rel=0.01)
+    assert math.isfinite(tgt["total"])

@@ -1,0 +1,223 @@
+"""LM head + DFlash loss over drafted positions, in chunks: vocabulary-sized logits never
+exist for more than one chunk of positions at a time.
+
+The drafter shares the target's frozen ``lm_head`` (weight [V, H]). For P drafted positions
+the naive path holds P × V logits (plus softmax and their gradients): 196,608 positions ×
+151,936 × 4 bytes is 119 GB for one fp32 copy. Here the positions go through the head one
+chunk of whole blocks at a time; for each chunk the forward pass
+
+1. computes the logits (bf16 matmul, fp32 softmax), the per-position cross-entropy against
+   the true token and, with soft labels, the KL to the teacher distribution at temperature T
+   (teacher logits are recomputed from the target's final hidden states through the same
+   frozen head, or taken as given);
+2. asks the caller's ``loss_fn`` for the chunk's contribution to the total loss as a
+   function of those per-position terms, and differentiates it (tiny autograd graph on
+   [blocks, K] tensors) to get ∂L/∂ce and ∂L/∂kl per position;
+3. forms ∂L/∂logits = ∂L/∂ce · (softmax(z) − onehot) + ∂L/∂kl · (softmax(z/T) − p_t)/T and
+   immediately ∂L/∂hidden = ∂L/∂logits @ W, which it keeps ([P, H], bf16).
+
+Backward then only scales the stored ∂L/∂hidden by the incoming gradient. Two head-sized
+matmuls per position (the minimum with a frozen head), no recompute, peak extra memory
+≈ chunk × V × (2 + 3·4) bytes.
+
+The loss must be a sum of per-chunk terms, each a function of that chunk's per-position
+ce/kl only, with global normalisers fixed ahead (Σ weights, number of valid blocks). The
+DFlash objective is: weights depend on position and masks (decay) or on the block's own
+detached CE (D-PACE), and the CAP term is per block. ``dflash_loss_fn`` builds that
+function from the spec's formulas; the trainer's own loss module can pass its own.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["chunked_head_loss", "dflash_loss_fn", "naive_head_loss", "position_weights"]
+
+LossFn = Callable[[torch.Tensor, Optional[torch.Tensor], slice], torch.Tensor]
+
+
+def _chunk_terms(logits: torch.Tensor, targets: torch.Tensor,
+                 teacher_logits: Optional[torch.Tensor], temperature: float):
+    """logits [c, V] (any float dtype) → ce [c], kl [c] | None, correct [c], softmax, soft."""
+    z = logits if logits.dtype == torch.float64 else logits.float()
+    lse = torch.logsumexp(z, dim=-1)
+    ce = lse - z.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    correct = z.argmax(dim=-1) == targets
+    p = torch.exp(z - lse.unsqueeze(-1))
+    if teacher_logits is None:
+        return ce, None, correct, p, None
+    T = float(temperature)
+    zs = z / T
+    log_q = zs - torch.logsumexp(zs, dim=-1, keepdim=True)
+    zt = teacher_logits.to(z.dtype) / T
+    log_pt = zt - torch.logsumexp(zt, dim=-1, keepdim=True)
+    pt = torch.exp(log_pt)
+    kl = (pt * (log_pt - log_q)).sum(-1)
+    return ce, kl, correct, p, (torch.exp(log_q) - pt) / T
+
+
+class _ChunkedHeadLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, teacher, loss_fn, chunk_blocks, temperature,
+                teacher_is_logits):
+        nb, K, H = hidden.shape
+        grad_hidden = torch.empty_like(hidden)
+        stat_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        ce_all = hidden.new_empty((nb, K), dtype=stat_dtype)
+        kl_all = None if teacher is None else hidden.new_empty((nb, K), dtype=stat_dtype)
+        correct_all = torch.empty((nb, K), dtype=torch.bool, device=hidden.device)
+        total = hidden.new_zeros((), dtype=stat_dtype)
+        w = weight.detach()
+        for start in range(0, nb, chunk_blocks):
+            sl = slice(start, min(nb, start + chunk_blocks))
+            h = hidden[sl].reshape(-1, H)
+            t = targets[sl].reshape(-1)
+            logits = h @ w.t()
+            tl = None
+            if teacher is not None:
+                tsrc = teacher[sl]
+                tl = tsrc.reshape(-1, tsrc.shape[-1]) if teacher_is_logits else tsrc.reshape(-1, H) @ w.t()
+            ce, kl, correct, p, dkl = _chunk_terms(logits, t, tl, temperature)
+            del logits, tl
+            n = sl.stop - sl.start
+            with torch.enable_grad():
+                ce_v = ce.detach().view(n, K).requires_grad_(True)
+                kl_v = None if kl is None else kl.detach().view(n, K).requires_grad_(True)
+                part = loss_fn(ce_v, kl_v, sl)
+                leaves = [ce_v] if kl_v is None else [ce_v, kl_v]
+                grads = torch.autograd.grad(part, leaves, allow_unused=True)
+            g_ce = grads[0] if grads[0] is not None else torch.zeros_like(ce_v)
+            # ∂ce/∂z = softmax − onehot, scaled per row
+            gz = p.mul_(g_ce.reshape(-1, 1))
+            gz.scatter_add_(-1, t.unsqueeze(-1), -g_ce.reshape(-1, 1))
+            if kl_v is not None and grads[1] is not None:
+                gz.add_(dkl.mul_(grads[1].reshape(-1, 1)))
+            del dkl, p
+            grad_hidden[sl] = (gz.to(w.dtype) @ w).view(n, K, H).to(hidden.dtype)
+            del gz
+            total = total + part.detach()
+            ce_all[sl] = ce.view(n, K)
+            if kl_all is not None:
+                kl_all[sl] = kl.view(n, K)
+            correct_all[sl] = correct.view(n, K)
+        ctx.save_for_backward(grad_hidden)
+        ctx.mark_non_differentiable(ce_all, correct_all)
+        if kl_all is not None:
+            ctx.mark_non_differentiable(kl_all)
+        return total, ce_all, kl_all, correct_all
+
+    @staticmethod
+    def backward(ctx, g_total, *_):
+        (grad_hidden,) = ctx.saved_tensors
+        return (grad_hidden * g_total.to(grad_hidden.dtype), None, None, None, None, None, None, None)
+
+
+def chunked_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                      loss_fn: LossFn, *, teacher: Optional[torch.Tensor] = None,
+                      teacher_is_logits: bool = False, temperature: float = 1.0,
+                      chunk_rows: int = 4096):
+    """Total loss (scalar, differentiable w.r.t. ``hidden``) and detached per-position
+    ce [nb, K], kl [nb, K] | None, correct (top-1 == target) [nb, K].
+
+    hidden:  [n_blocks, K, H] drafter outputs after the final norm at the predicting slots
+             (slots 1..B-1, so K = B − 1).
+    weight:  [V, H] the frozen LM head (no gradient is produced for it).
+    targets: [n_blocks, K] long, the true tokens x[a+k].
+    teacher: soft labels, [n_blocks, K, H] final-normed target hidden states at positions
+             a+k−1 (recomputed through ``weight``), or [n_blocks, K, V] logits when
+             ``teacher_is_logits``. None: hard loss only; ``loss_fn`` then gets kl=None.
+    loss_fn: (ce [n, K], kl [n, K] | None, blocks: slice) → this chunk's share of the loss.
+    chunk_rows: positions per chunk (rounded down to whole blocks, at least one block).
+    """
+    if hidden.dim() != 3:
+        raise ValueError(f"hidden must be [n_blocks, K, H], got {tuple(hidden.shape)}")
+    K = hidden.shape[1]
+    chunk_blocks = max(1, int(chunk_rows) // K)
+    return _ChunkedHeadLoss.apply(hidden, weight, targets.long(), teacher, loss_fn, chunk_blocks,
+                                  float(temperature), bool(teacher_is_logits))
+
+
+def position_weights(block_size: int, gamma: float, valid: torch.Tensor) -> torch.Tensor:
+    """w_k = exp(−(k−1)/γ) · valid[.., k] for slots k = 1..B−1; valid [nb, B−1] (loss_mask at
+    a+k, in bounds, block kept)."""
+    k = torch.arange(1, block_size, device=valid.device, dtype=torch.float32)
+    return torch.exp(-(k - 1) / float(gamma)) * valid.float()
+
+
+def dflash_loss_fn(weights: torch.Tensor, *, kl_weight: float = 0.0, temperature: float = 1.0,
+                   cap_lambda: float = 0.0, block_valid: Optional[torch.Tensor] = None,
+                   denom: Optional[torch.Tensor] = None, n_valid_blocks: Optional[torch.Tensor] = None
+                   ) -> LossFn:
+    """The spec's objective as a per-chunk function (TRAINER_SPEC.md "Objective"):
+
+    L = (1 − kl_weight)·Σ w·ce / Σ w + kl_weight·Σ w·T²·kl / Σ w
+        + cap_lambda · mean over valid blocks of (1 − E/(B−1)), E = Σ_j Π_{k≤j} p_k,
+    with p_k = exp(−ce_k) at slots whose weight is > 0 and 0 elsewhere (an invalid slot ends
+    the accepted run). weights [nb, K]; normalisers are global (fixed before the chunks).
+    When kl is None (no soft labels) the first term has weight 1.
+    Normalisers stay tensors (no host sync)."""
+    if denom is None:
+        denom = weights.sum().clamp_min(1e-6)
+    if block_valid is None:
+        block_valid = (weights > 0).any(-1)
+    if n_valid_blocks is None:
+        n_valid_blocks = block_valid.sum().clamp_min(1)
+    T2 = float(temperature) ** 2
+
+    def fn(ce: torch.Tensor, kl: Optional[torch.Tensor], sl: slice) -> torch.Tensor:
+        w = weights[sl]
+        if kl is None:
+            loss = (w * ce).sum() / denom
+        else:
+            loss = ((1.0 - kl_weight) * (w * ce).sum() + kl_weight * T2 * (w * kl).sum()) / denom
+        if cap_lambda:
+            p = torch.exp(-ce) * (w > 0)
+            C = torch.cumprod(p, dim=-1)
+            E = C.sum(-1)
+            K = ce.shape[-1]
+            cap = ((1.0 - E / K) * block_valid[sl].float()).sum() / n_valid_blocks
+            loss = loss + cap_lambda * cap
+        return loss
+
+    return fn
+
+
+def naive_head_loss(hidden, weight, targets, loss_fn, *, teacher=None, teacher_is_logits=False,
+                    temperature=1.0):
+    """Reference: all logits at once, plain autograd. For tests and tiny CPU runs."""
+    nb, K, H = hidden.shape
+    z = hidden.reshape(-1, H) @ weight.t()
+    z = z if z.dtype == torch.float64 else z.float()
+    ce = F.cross_entropy(z, targets.reshape(-1).long(), reduction="none").view(nb, K)
+    kl = None
+    if teacher is not None:
+        zt = teacher.reshape(-1, teacher.shape[-1]) if teacher_is_logits else teacher.reshape(-1, H) @ weight.t()
+        T = float(temperature)
+        log_q = F.log_softmax(z / T, -1)
+        log_pt = F.log_softmax(zt.to(z.dtype) / T, -1)
+        kl = (log_pt.exp() * (log_pt - log_q)).sum(-1).view(nb, K)
+    return loss_fn(ce, kl, slice(0, nb))
+
+
+def head_logit_bytes(chunk_rows: int, vocab: int, soft_labels: bool) -> int:
+    """Transient bytes of one chunk (memory model): bf16 logits + fp32 copies (z, softmax,
+    gradient) and, with soft labels, teacher logits and two more fp32 tensors."""
+    per = 2 + 4 * 3
+    if soft_labels:
+        per += 2 + 4 * 4
+    return int(chunk_rows) * int(vocab) * per
+
+
+def _selfcheck() -> float:  # pragma: no cover - quick manual check
+    torch.manual_seed(0)
+    h = torch.randn(5, 7, 16, dtype=torch.float64, requires_grad=True)
+    W = torch.randn(50, 16, dtype=torch.float64)
+    t = torch.randint(0, 50, (5, 7))
+    fn = dflash_loss_fn(torch.rand(5, 7, dtype=torch.float64))
+    a = chunked_head_loss(h, W, t, fn, chunk_rows=14)[0]
+    b = naive_head_loss(h, W, t, fn)
+    return math.fabs(float(a - b))

@@ -1,0 +1,112 @@
+"""Block-sparse attention mask for the DFlash drafter, for ``flex_attention``.
+
+Layout (per sequence of the batch, shared by every head):
+
+    Q  = the draft blocks, concatenated:        n_blocks × block_size rows
+    KV = [ context (ctx_len) | the same blocks ]: ctx_len + n_blocks × block_size columns
+
+Rule (TRAINER_SPEC.md, "Drafter architecture"): a query in block i (anchor a_i) sees
+
+* context positions kv < a_i — strictly before its anchor, because at inference the
+  anchor's own target hidden state is not available yet;
+* every position of its own block, both directions;
+* nothing else: no other block, no context at or after its anchor.
+
+A block whose ``keep`` flag is False (padding: the sequence had fewer valid anchors) sees
+only its own block, so its rows are never fully masked (no NaN path); its loss weight is 0.
+Context padding is handled by the rule itself: padded context positions lie at or after
+the sequence's length, and every real anchor is below it.
+
+Works on CPU (eager flex_attention, small sizes, for tests) and on CUDA (compiled
+flex_attention, block-sparse: tiles with no visible pair are skipped, so the cost follows
+the visible area — roughly Σ a_i·B for the context plus B² per block — not Q × KV).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = [
+    "dflash_mask_mod",
+    "dense_dflash_mask",
+    "make_dflash_block_mask",
+    "visible_pairs",
+]
+
+
+def dflash_mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int,
+                    keep: Optional[torch.Tensor] = None):
+    """The mask_mod ``(b, h, q, kv) -> bool`` for flex_attention / create_block_mask.
+
+    anchors: [batch, n_blocks] long, absolute positions of each block's slot 0.
+    ctx_len: length of the (possibly padded) context part of KV.
+    keep:    [batch, n_blocks] bool, False for padded blocks (optional).
+    """
+    anchors = anchors.long()
+    if keep is not None:
+        keep = keep.bool()
+    B = int(block_size)
+    S = int(ctx_len)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        blk = q_idx // B
+        a = anchors[b, blk]
+        ctx_ok = (kv_idx < S) & (kv_idx < a)
+        if keep is not None:
+            ctx_ok = ctx_ok & keep[b, blk]
+        own = (kv_idx >= S) & ((kv_idx - S) // B == blk)
+        return ctx_ok | own
+
+    return mask_mod
+
+
+def dense_dflash_mask(anchors: torch.Tensor, ctx_len: int, block_size: int,
+                      keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The same rule as an explicit boolean tensor [batch, Q, KV], written independently
+    (loops over blocks), for tests and for small CPU runs with a plain SDPA mask."""
+    bsz, n = anchors.shape
+    B = int(block_size)
+    q_len, kv_len = n * B, ctx_len + n * B
+    out = torch.zeros(bsz, q_len, kv_len, dtype=torch.bool)
+    for b in range(bsz):
+        for i in range(n):
+            rows = slice(i * B, (i + 1) * B)
+            if keep is None or bool(keep[b, i]):
+                a = int(anchors[b, i])
+                out[b, rows, : min(a, ctx_len)] = True
+            out[b, rows, ctx_len + i * B: ctx_len + (i + 1) * B] = True
+    return out
+
+
+def make_dflash_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int,
+                           keep: Optional[torch.Tensor] = None, *,
+                           q_block: int = 128, kv_block: int = 128,
+                           compile: Optional[bool] = None):
+    """A flex_attention ``BlockMask`` for the DFlash layout (heads broadcast).
+
+    On CUDA ``compile`` defaults to True (create_block_mask builds the sparse tile index
+    on the GPU without materialising Q × KV); on CPU it defaults to False.
+    """
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    bsz, n = anchors.shape
+    q_len = n * block_size
+    kv_len = ctx_len + n * block_size
+    device = anchors.device
+    if compile is None:
+        compile = device.type == "cuda"
+    mod = dflash_mask_mod(anchors, ctx_len, block_size, keep)
+    return create_block_mask(mod, bsz, None, q_len, kv_len, device=device,
+                             BLOCK_SIZE=(q_block, kv_block), _compile=compile)
+
+
+def visible_pairs(anchors: torch.Tensor, ctx_len: int, block_size: int,
+                  keep: Optional[torch.Tensor] = None) -> int:
+    """Number of (query, key) pairs the mask lets through, summed over the batch: the
+    attention work a fused kernel must do (FLOP counts use it; per head
+    4·head_dim FLOP per pair forward)."""
+    a = anchors.long().clamp(max=ctx_len)
+    ctx = a if keep is None else a * keep.long()
+    return int(ctx.sum()) * block_size + anchors.numel() * block_size * block_size

@@ -1,0 +1,134 @@
+"""FLOP counts per role, from shapes only (standard library: the controller may import it).
+
+Convention (the one the MFU figures in docs/benchmarks.md use): a multiply-add is 2 FLOP;
+only matrix work is counted (projections, MLP, attention scores and values, LM head), no
+norms, activations or softmax; padding is not counted (it is waste, reported separately as
+padding efficiency). Backward of a trainable matmul is 2× its forward (input and weight
+gradients); of a frozen one 1× (input gradient only); backward of attention is 2.5× its
+forward (the fused kernels recompute scores: 5 matmuls against 2).
+
+* target forward: every real token through layers 0..last_layer (the forward stops after
+  the last tapped layer) with causal attention, plus, with soft labels, the final norm + LM
+  head at the positions whose logits are shipped.
+* drafter step (forward + backward): every block position (anchors × block size) through
+  the drafter layers; the context path (fc over the tapped features, per-layer k/v
+  projections of the context); attention over exactly the visible (query, key) pairs of
+  the DFlash mask (context before the anchor plus the block itself); the frozen LM head over
+  the vocabulary at the predicting slots (block size − 1 per block), forward + input
+  gradient, plus the teacher logits when soft labels are recomputed on the drafter side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Iterable
+
+__all__ = ["ModelShape", "QWEN3_8B", "QWEN3_27B_LIKE", "H200_BF16_PEAK",
+           "target_forward_flops", "drafter_step_flops", "mfu"]
+
+H200_BF16_PEAK = 989e12  # dense bf16, datasheet; the issue counts MFU against it
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    n_layers: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int = 151936
+    name: str = ""
+
+    @property
+    def q_dim(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def attn_params(self) -> int:
+        return 2 * self.hidden * self.q_dim + 2 * self.hidden * self.kv_dim
+
+    @property
+    def mlp_params(self) -> int:
+        return 3 * self.hidden * self.intermediate
+
+    @property
+    def layer_params(self) -> int:
+        """Matrix parameters of one decoder layer (norms excluded: 2·hidden + 2·head_dim)."""
+        return self.attn_params + self.mlp_params
+
+    @property
+    def layer_norm_params(self) -> int:
+        return 2 * self.hidden + 2 * self.head_dim
+
+    def with_layers(self, n: int) -> "ModelShape":
+        return replace(self, n_layers=n)
+
+    @classmethod
+    def from_hf_config(cls, cfg) -> "ModelShape":
+        """From a transformers config object or its dict (Qwen3 keys)."""
+        g = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
+        hidden = g("hidden_size")
+        heads = g("num_attention_heads")
+        return cls(n_layers=g("num_hidden_layers"), hidden=hidden, n_heads=heads,
+                   n_kv_heads=g("num_key_value_heads", heads), head_dim=g("head_dim") or hidden // heads,
+                   intermediate=g("intermediate_size"), vocab=g("vocab_size"), name=g("_name_or_path", "") or "")
+
+
+QWEN3_8B = ModelShape(36, 4096, 32, 8, 128, 12288, 151936, "Qwen3-8B")
+# Qwen3-32B's widths (hidden 5120, 64/8 heads, head_dim 128, MLP 25600) at 54 layers ≈ 27.9 B
+# parameters: the "Qwen3-27B-like" target of docs/benchmarks.md.
+QWEN3_27B_LIKE = ModelShape(54, 5120, 64, 8, 128, 25600, 151936, "Qwen3-27B-like")
+
+
+def _causal_pairs(length: int) -> int:
+    return length * (length + 1) // 2
+
+
+def target_forward_flops(shape: ModelShape, lengths: Iterable[int], *, last_layer: int | None = None,
+                         head_positions: int = 0) -> int:
+    """Forward FLOP of the target over sequences of the given real lengths, through layers
+    0..last_layer (default: all), plus the LM head at ``head_positions`` positions."""
+    lengths = list(lengths)
+    n = shape.n_layers if last_layer is None else last_layer + 1
+    tokens = sum(lengths)
+    lin = 2 * shape.layer_params * tokens * n
+    attn = 4 * shape.q_dim * sum(_causal_pairs(L) for L in lengths) * n
+    head = 2 * shape.hidden * shape.vocab * head_positions
+    return lin + attn + head
+
+
+def drafter_step_flops(shape: ModelShape, *, n_layers: int, block_size: int, n_blocks: int,
+                       ctx_tokens: int, visible_ctx_pairs: int, head_positions: int | None = None,
+                       n_tapped: int | None = None, teacher_positions: int = 0) -> dict:
+    """Forward + backward FLOP of one drafter step.
+
+    n_blocks: real (kept) blocks; ctx_tokens: real context tokens of the batch;
+    visible_ctx_pairs: Σ over kept blocks of (anchor position) × block_size, i.e. the
+    (query, context key) pairs the mask lets through; in-block pairs are added here.
+    head_positions: positions with logits (default n_blocks × (block_size − 1)).
+    teacher_positions: positions whose teacher logits are recomputed on the drafter side.
+    """
+    n_tapped = n_layers if n_tapped is None else n_tapped
+    if head_positions is None:
+        head_positions = n_blocks * (block_size - 1)
+    positions = n_blocks * block_size
+    layers = 3 * 2 * shape.layer_params * positions * n_layers
+    # context path: fc (forward + weight grad; its input needs no grad) and each layer's k/v
+    # projections of the context (forward + input grad + weight grad)
+    fc = 2 * 2 * n_tapped * shape.hidden * shape.hidden * ctx_tokens
+    ctx_kv = 3 * 2 * 2 * shape.hidden * shape.kv_dim * ctx_tokens * n_layers
+    pairs = visible_ctx_pairs + n_blocks * block_size * block_size
+    attention = int(3.5 * 4 * shape.q_dim * pairs) * n_layers
+    head = 2 * 2 * shape.hidden * shape.vocab * head_positions + 2 * shape.hidden * shape.vocab * teacher_positions
+    total = layers + fc + ctx_kv + attention + head
+    return {"layers": layers, "context": fc + ctx_kv, "attention": attention, "head": head,
+            "total": total, "positions": positions, "head_positions": head_positions}
+
+
+def mfu(flop: float, seconds: float, peak: float = H200_BF16_PEAK) -> float:
+    return flop / seconds / peak if seconds > 0 else 0.0

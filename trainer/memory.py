@@ -1,0 +1,184 @@
+"""Peak GPU memory per role, predicted from the configuration before anything runs.
+
+Standard library and math only, so the controller's preflight can import it without torch.
+The model describes the fast drafter step of ``bench/gpu/fast_drafter.py`` (anchor-chunked
+forward/backward, flex attention, chunked LM head; see docs/gpu-notes.md) and the plain
+no-grad target forward that stops after the last tapped layer. Its per-element
+coefficients were fitted once against measured peaks on an H200 and the fit error is
+reported in docs/benchmarks.md; re-fit when the step's implementation changes.
+
+Terms (bytes):
+
+drafter role
+  params      fp32 master weights of the drafter (layers, norms, fc)          4·P
+  grads       fp32 gradients                                                  4·P
+  optimizer   AdamW m and v, fp32                                             8·P
+  weights16   bf16 working copies of the weights (autocast cache)             2·P
+  frozen      target embedding + LM head, bf16                                2·2·V·H
+  comm        received tapped features [tokens, n_tapped·H] bf16 (×2: the next batch
+              arrives while this one trains)
+  context     per token: fc output and its norm, and per layer the context k/v (saved,
+              leaves and their fp32 gradients)
+  activations one anchor chunk of C positions: per position per layer what backward keeps
+  logit_chunk one head chunk: bf16 logits + fp32 z, softmax, gradient (+ teacher terms)
+  head_grad   the head's stored ∂L/∂hidden for one anchor chunk
+target role
+  params      bf16 weights of layers 0..last_layer, embedding (+ norm and head when soft
+              labels need target logits)
+  activations residual stream and the largest per-layer transient (MLP) for the budget
+  tapped      the tapped outputs [tokens, n_tapped·H] bf16, gathered, plus the send buffer
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from trainer.flops import QWEN3_8B, QWEN3_27B_LIKE, ModelShape
+
+__all__ = ["ModelShape", "QWEN3_8B", "QWEN3_27B_LIKE", "Coefficients", "COEF",
+           "worst_case_batch", "drafter_peak_bytes", "target_peak_bytes", "auto_token_budget",
+           "GIB"]
+
+GIB = 1024 ** 3
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """Multipliers on the structural counts; 1.0 = the count as written. Fitted values
+    replace these after a measurement (docs/gpu-notes.md records each fit)."""
+
+    drafter_act: float = 1.0      # per position per layer activation elements
+    drafter_ctx: float = 1.0      # per context token elements
+    target_act: float = 1.0       # per token transient elements
+    fixed_bytes: float = 0.0      # allocator / workspace constant per process (cuBLAS etc.)
+
+
+COEF = Coefficients()
+
+
+def worst_case_batch(token_budget: int, max_seq_len: int, max_batch_size: int = 64):
+    """The micro-batch the probe runs: as many full-length sequences as the budget allows."""
+    b = max(1, min(max_batch_size, token_budget // max_seq_len))
+    return b, max_seq_len
+
+
+def _drafter_params(shape: ModelShape, n_layers: int, n_tapped: int) -> int:
+    return n_layers * (shape.layer_params + shape.layer_norm_params) + n_tapped * shape.hidden * shape.hidden + 2 * shape.hidden
+
+
+def drafter_act_elems_per_position_layer(shape: ModelShape) -> int:
+    """bf16 elements one block position keeps per drafter layer for backward: layer input
+    and its norm, q before and after norm/RoPE, attention output, block k/v before and
+    after norm, the post-attention residual and its norm, MLP gate, up and the gated
+    product."""
+    H, q, kv, I = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate
+    return 4 * H + 3 * q + 4 * kv + 3 * I
+
+
+def chunk_geometry(batch: int, n_anchors: int, block_size: int, chunk_positions: int):
+    """Anchors per chunk (all sequences of the batch together) and positions per chunk."""
+    per_col = batch * block_size
+    n_c = max(1, min(n_anchors, chunk_positions // per_col))
+    return n_c, n_c * per_col
+
+
+def drafter_peak_bytes(shape: ModelShape, *, n_layers: int, block_size: int, max_anchors: int,
+                       max_seq_len: int, token_budget: int, n_tapped: int | None = None,
+                       max_batch_size: int = 64, chunk_positions: int = 16384,
+                       head_chunk_rows: int = 4096, soft_labels: bool = False,
+                       double_buffer: bool = True, coef: Coefficients = COEF) -> dict:
+    n_tapped = n_layers if n_tapped is None else n_tapped
+    b, L = worst_case_batch(token_budget, max_seq_len, max_batch_size)
+    tokens = b * L
+    n_anchors = min(max_anchors, max(1, L - 1))
+    n_c, C = chunk_geometry(b, n_anchors, block_size, chunk_positions)
+    P = _drafter_params(shape, n_layers, n_tapped)
+    H, V, kv = shape.hidden, shape.vocab, shape.kv_dim
+    out = {
+        "params": 4 * P,
+        "grads": 4 * P,
+        "optimizer": 8 * P,
+        "weights16": 2 * P,
+        "frozen": 2 * 2 * V * H,
+        "comm": tokens * n_tapped * H * 2 * (2 if double_buffer else 1),
+        # fc out + norm out (bf16) + fp32 rstd; per layer: pre-norm k, k/v leaves, fp32 grads
+        "context": int(coef.drafter_ctx * tokens * (4 * H + n_layers * (2 + 4 + 8) * kv)),
+        "activations": int(coef.drafter_act * C * n_layers * 2 * drafter_act_elems_per_position_layer(shape)),
+        "logit_chunk": int(min(head_chunk_rows, C) * V * (2 + 12 + (18 if soft_labels else 0))),
+        "head_grad": C * H * 2 * 2,  # final-norm output + stored ∂L/∂hidden
+        "fixed": int(coef.fixed_bytes),
+    }
+    out["total"] = sum(out.values())
+    out.update({"batch": b, "seq_len": L, "anchors_per_seq": n_anchors, "chunk_anchors": n_c,
+                "chunk_positions": C, "drafted_positions": b * n_anchors * block_size, "trainable_params": P})
+    return out
+
+
+def target_peak_bytes(shape: ModelShape, *, token_budget: int, max_seq_len: int, last_layer: int | None = None,
+                      n_tapped: int = 5, max_batch_size: int = 64, soft_labels: bool = False,
+                      send_buffers: int = 1, coef: Coefficients = COEF) -> dict:
+    b, L = worst_case_batch(token_budget, max_seq_len, max_batch_size)
+    tokens = b * L
+    n = shape.n_layers if last_layer is None else last_layer + 1
+    H, I, q, kv = shape.hidden, shape.intermediate, shape.q_dim, shape.kv_dim
+    params = 2 * (n * (shape.layer_params + shape.layer_norm_params) + shape.vocab * H + 2 * H)
+    if soft_labels:
+        params += 2 * shape.vocab * H
+    # residual in + out, plus the largest transient: the MLP (norm out, gate, up, product)
+    transient = max(H + q + 2 * kv + q + H, H + 3 * I)
+    out = {
+        "params": params,
+        "activations": int(coef.target_act * tokens * 2 * (2 * H + transient)),
+        "tapped": tokens * n_tapped * H * 2 * (1 + send_buffers),
+        "fixed": int(coef.fixed_bytes),
+    }
+    out["total"] = sum(out.values())
+    out.update({"batch": b, "seq_len": L, "tokens": tokens})
+    return out
+
+
+def auto_token_budget(*, capacity_bytes: float, margin_bytes: float, max_seq_len: int,
+                      step: int = 1024, upper: int = 1 << 20, **kw) -> int:
+    """Largest token budget (a multiple of ``step``, at least max_seq_len) whose predicted
+    drafter peak fits under capacity − margin; 0 when not even one full-length sequence
+    fits."""
+    limit = capacity_bytes - margin_bytes
+
+    def fits(budget: int) -> bool:
+        return drafter_peak_bytes(max_seq_len=max_seq_len, token_budget=budget, **kw)["total"] <= limit
+
+    lo = max_seq_len
+    if not fits(lo):
+        return 0
+    hi = lo
+    while hi < upper and fits(hi * 2):
+        hi *= 2
+    hi = min(upper, hi * 2)
+    # budgets only change the batch in whole sequences; search multiples of step anyway
+    best = lo
+    a, z = lo // step, hi // step
+    while a <= z:
+        m = (a + z) // 2
+        if fits(m * step):
+            best, a = m * step, m + 1
+        else:
+            z = m - 1
+    return best
+
+
+def describe(d: dict) -> str:
+    keys = [k for k in ("params", "grads", "optimizer", "weights16", "frozen", "comm", "context",
+                        "activations", "tapped", "logit_chunk", "head_grad", "fixed", "total") if k in d]
+    return ", ".join(f"{k} {d[k] / GIB:.2f}" for k in keys) + " GiB"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    for shape in (QWEN3_8B, QWEN3_27B_LIKE):
+        d = drafter_peak_bytes(shape, n_layers=5, block_size=32, max_anchors=1024, max_seq_len=8192,
+                               token_budget=49152)
+        print(shape.name, "drafter:", describe(d), "| per drafted position",
+              f"{(d['total']) / d['drafted_positions'] / 1e6:.3f} MB")
+        t = target_peak_bytes(shape, token_budget=49152, max_seq_len=8192, last_layer=shape.n_layers - 3)
+        print(shape.name, "target:", describe(t))
+    print(math.pi and "ok")
