@@ -1,0 +1,81 @@
+"""The local runner, the result object and the login-noise gate (no node needed)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from controller.transport import CommandError, LocalRunner, TransportError, _MarkerGate, _Sink
+
+
+def test_result_reports_ok_failed_code_and_tail():
+    result = LocalRunner().run(["sh", "-c", "echo out; for i in 1 2 3; do echo e$i >&2; done; exit 4"])
+    assert (result.ok, result.failed, result.returncode) == (False, True, 4)
+    assert result.stdout == "out\n"
+    assert result.tail("stderr", 2) == "e2\ne3"
+
+
+def test_check_raises_showing_command_code_and_end_of_stderr():
+    with pytest.raises(CommandError) as info:
+        LocalRunner().run(["sh", "-c", "echo 'it broke' >&2; exit 9"], check=True)
+    text = str(info.value)
+    assert "exit code 9" in text and "it broke" in text and "sh -c" in text
+    assert info.value.result.returncode == 9
+
+
+def test_signal_killed_process_reports_128_plus_n():
+    result = LocalRunner().run(["sh", "-c", "kill -TERM $$"])
+    assert (result.returncode, result.signal) == (143, 15)
+    assert "SIGTERM" in result.describe_failure()
+
+
+def test_missing_program_is_a_transport_error_naming_it():
+    with pytest.raises(TransportError, match="no-such-program-xyz"):
+        LocalRunner().run(["no-such-program-xyz"])
+
+
+def test_50mb_on_both_streams_at_once_and_line_callbacks():
+    script = ("import sys\nblock = b'y' * 65535 + b'\\n'\n"
+              "for i in range(800):\n    sys.stdout.buffer.write(block)\n    sys.stderr.buffer.write(block)\n")
+    counts = {"out": 0, "err": 0}
+    result = LocalRunner().run(["python3", "-c", script], capture=False,
+                               on_stdout=lambda _l: counts.__setitem__("out", counts["out"] + 1),
+                               on_stderr=lambda _l: counts.__setitem__("err", counts["err"] + 1))
+    assert result.ok and counts == {"out": 800, "err": 800}
+    assert len(result.stdout_bytes) <= 128 * 1024  # capture=False keeps a tail only
+
+
+def test_lines_stream_while_the_command_runs():
+    seen: list[str] = []
+    LocalRunner().run(["sh", "-c", "echo one; read x; echo two"], stdin=b"go\n",
+                      on_stdout=lambda line: seen.append(line))
+    assert seen == ["one", "two"]
+
+
+def test_interrupted_stdin_stops_the_process_and_leaves_none(tmp_path):
+    pidfile = tmp_path / "pid"
+
+    class Breaks:
+        sent = False
+
+        def read(self, n):
+            if not self.sent:
+                self.sent = True
+                return b"partial"
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        LocalRunner().run(["sh", "-c", f'echo $$ > {pidfile}; cat > /dev/null; sleep 60'], stdin=Breaks())
+    pid = int(pidfile.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+
+
+def test_marker_gate_drops_noise_before_the_marker_only():
+    sink = _Sink(True, None, None)
+    gate = _MarkerGate(b"--m--", sink)
+    for piece in (b"noise line\nmore --m-- not alone\n--", b"m--\nreal ", b"output\n--m--\n"):
+        gate.feed(piece)
+    gate.close()
+    assert sink.value() == b"real output\n--m--\n"

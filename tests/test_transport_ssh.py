@@ -1,0 +1,177 @@
+"""The SSH runner against a real OpenSSH server on loopback (tests/_sshd.py): host keys,
+login noise, concurrent streams, exit codes, connection reuse, ~/.ssh/config aliases."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+
+import paramiko
+import pytest
+
+import _sshd
+from controller.config import NodeConfig
+from controller.ssh import SSHRunner, _retryable, resolve_target
+from controller.transport import CommandError, HostKeyError, TransportError
+
+
+@pytest.fixture(scope="module")
+def sshd(tmp_path_factory):
+    server = _sshd.start(tmp_path_factory.mktemp("sshd"))
+    yield server
+    _sshd.stop(server)
+
+
+@pytest.fixture(autouse=True)
+def no_user_ssh_config(monkeypatch):
+    # Never read the developer's own ~/.ssh/config (fabric's tests do the same).
+    monkeypatch.setenv("DFLASH_CTL_SSH_CONFIG", "none")
+
+
+def node(server, **kw) -> NodeConfig:
+    fields = dict(host="127.0.0.1", port=server.port, user="root", identity_file=str(server.client_key),
+                  known_hosts=str(server.known_hosts))
+    fields.update(kw)
+    return NodeConfig(**fields)
+
+
+@pytest.fixture
+def runner(sshd):
+    with SSHRunner.for_node("testnode", node(sshd)) as r:
+        yield r
+
+
+def test_login_noise_does_not_reach_stdout_or_stderr(runner):
+    result = runner.run(["sh", "-c", "echo out; echo err >&2"])
+    assert result.stdout == "out\n"
+    assert result.stderr == "err\n"
+
+
+def test_raw_ssh_command_shows_the_login_noise(sshd):
+    # The pollution the marker removes is real: a plain exec_command sees the .bashrc output.
+    client = paramiko.SSHClient()
+    client.load_host_keys(str(sshd.known_hosts))
+    client.connect("127.0.0.1", sshd.port, "root", key_filename=str(sshd.client_key),
+                   look_for_keys=False, allow_agent=False)
+    try:
+        _, out, _ = client.exec_command("echo out")
+        assert "polluted node" in out.read().decode()
+    finally:
+        client.close()
+
+
+def test_one_connection_is_reused_for_many_commands(sshd):
+    before = SSHRunner.connections_opened
+    with SSHRunner.for_node("testnode", node(sshd)) as r:
+        for i in range(5):
+            assert r.run(["echo", str(i)]).stdout == f"{i}\n"
+        assert r.connections == 1
+    assert SSHRunner.connections_opened == before + 1
+
+
+def test_exit_code_propagates_and_check_raises_with_command_and_stderr_tail(runner):
+    result = runner.run(["sh", "-c", "echo boom >&2; exit 7"])
+    assert (result.returncode, result.ok, result.failed) == (7, False, True)
+    with pytest.raises(CommandError) as info:
+        runner.run(["sh", "-c", "echo first >&2; echo last words >&2; exit 3"], check=True)
+    text = str(info.value)
+    assert "exit code 3" in text and "last words" in text and "echo last words" in text
+
+
+def test_signal_killed_command_reports_128_plus_signal(runner):
+    result = runner.run(["sh", "-c", "kill -KILL $$"])
+    assert result.returncode == 137 and result.signal == 9
+
+
+def test_50mb_on_stdout_and_stderr_at_once_without_deadlock(runner):
+    # Both streams far beyond the SSH window (paramiko#1778 deadlocks at ~2 MiB each when one
+    # stream is read at a time). Output is produced interleaved, from one process.
+    script = ("import sys\nblock = b'x' * 65535 + b'\\n'\n"
+              "for i in range(800):\n    sys.stdout.buffer.write(block)\n    sys.stderr.buffer.write(block)\n")
+    result = runner.run(["python3", "-c", script], capture=False)
+    assert result.ok
+    lines = {"out": 0, "err": 0}
+    result = runner.run(["python3", "-c", script],
+                        on_stdout=lambda line: lines.__setitem__("out", lines["out"] + 1),
+                        on_stderr=lambda line: lines.__setitem__("err", lines["err"] + 1))
+    assert result.ok
+    assert len(result.stdout_bytes) == len(result.stderr_bytes) == 800 * 65536
+    assert lines == {"out": 800, "err": 800}
+
+
+def test_stdin_reaches_the_command_byte_for_byte(runner):
+    data = bytes(range(256)) * 4096
+    result = runner.run(["sha256sum"], stdin=data)
+    assert result.stdout.split()[0] == hashlib.sha256(data).hexdigest()
+
+
+def test_unknown_host_key_is_refused_with_the_fix(sshd, tmp_path):
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    with SSHRunner.for_node("testnode", node(sshd, known_hosts=str(empty))) as r:
+        with pytest.raises(HostKeyError) as info:
+            r.run(["true"])
+    text = str(info.value)
+    assert "not in" in text and str(empty) in text and "--trust-new-host-key" in text and "SHA256:" in text
+    assert empty.read_text() == ""
+
+
+def test_trust_new_host_key_records_it_then_it_is_verified(sshd, tmp_path):
+    known = tmp_path / "sub" / "known_hosts"
+    with SSHRunner.for_node("testnode", node(sshd, known_hosts=str(known)), trust_new_host_key=True) as r:
+        assert r.run(["true"]).ok
+        assert r.trusted_key and "SHA256:" in r.trusted_key
+    assert f"[127.0.0.1]:{sshd.port} ssh-ed25519 " in known.read_text()
+    with SSHRunner.for_node("testnode", node(sshd, known_hosts=str(known))) as r:
+        assert r.run(["true"]).ok
+
+
+def test_changed_host_key_is_refused_even_with_trust_flag(sshd, tmp_path):
+    other = tmp_path / "other"
+    _sshd._keygen(other)
+    pub = other.with_suffix(".pub").read_text().split()
+    known = tmp_path / "known_hosts"
+    known.write_text(f"[127.0.0.1]:{sshd.port} {pub[0]} {pub[1]}\n")
+    for trust in (False, True):
+        with SSHRunner.for_node("testnode", node(sshd, known_hosts=str(known)), trust_new_host_key=trust) as r:
+            with pytest.raises(HostKeyError) as info:
+                r.run(["true"])
+            text = str(info.value)
+            assert "CHANGED" in text and "ssh-keygen -R" in text and "testnode" in text
+            assert r.connections == 0
+    assert known.read_text().count("\n") == 1
+
+
+def test_ssh_config_alias_is_honoured(sshd, tmp_path, monkeypatch):
+    conf = tmp_path / "ssh_config"
+    conf.write_text(f"Host simalias\n  HostName 127.0.0.1\n  Port {sshd.port}\n  User root\n"
+                    f"  IdentityFile {sshd.client_key}\n  UserKnownHostsFile {sshd.known_hosts}\n")
+    monkeypatch.setenv("DFLASH_CTL_SSH_CONFIG", str(conf))
+    target = resolve_target("aliased", NodeConfig(host="simalias"))
+    assert (target.hostname, target.port, target.user) == ("127.0.0.1", sshd.port, "root")
+    with SSHRunner(target) as r:
+        assert r.run(["echo", "via alias"]).stdout == "via alias\n"
+
+
+def test_authentication_failure_is_clear_and_not_retried(sshd, tmp_path):
+    stranger = tmp_path / "stranger"
+    _sshd._keygen(stranger)
+    with SSHRunner.for_node("testnode", node(sshd, identity_file=str(stranger))) as r:
+        with pytest.raises(TransportError) as info:
+            r.run(["true"])
+    assert "authentication" in str(info.value) and "authorized_keys" in str(info.value)
+    # Retrying cannot fix a refused key or a bad host key; a dropped connection can.
+    assert not _retryable(paramiko.AuthenticationException("no"))
+    assert not _retryable(HostKeyError("changed"))
+    assert _retryable(ConnectionRefusedError())
+
+
+def test_unreachable_node_is_retried_then_reported(tmp_path):
+    port = _sshd._free_port()
+    known = tmp_path / "kh"
+    known.write_text("")
+    with SSHRunner.for_node("gone", NodeConfig(host="127.0.0.1", port=port, known_hosts=str(known)),
+                            attempts=2) as r:
+        with pytest.raises(TransportError) as info:
+            r.run(["true"])
+    assert "cannot connect to node gone" in str(info.value) and "after 2 attempts" in str(info.value)
