@@ -1,0 +1,434 @@
+"""Launch preflight: everything ``ctl launch`` must know about a container before it commits,
+gathered in ONE call and returned as one JSON payload.
+
+    python3 -m agent.preflight check  < request.json     # prints the payload (sentinels)
+    python3 -m agent.preflight commit < commit.json      # writes the launch files, starts
+
+``check`` answers: which python/venv will run and what it holds; torch's version and CUDA
+build (read from torch's own files — importing torch would cost seconds and could fail in
+ways that say nothing about the launch); the GPUs visible against the roles, with free
+memory; free disk; the data dir and its meta.json statistics; the target model's config;
+the checkpoint to resume/init from and whether it fits; the known-good baseline (updated
+first, see agent/knowngood.py). Problems are returned as ``errors`` (refuse) and
+``warnings`` (shown), each one line naming the flag or path and the fix. Nothing is written
+except the known-good record.
+
+``commit`` is the launch's last step, done in the same call so a launch stays within three
+round trips: it writes the secret file (0600) and the start script, records the launch, and
+runs the agent's start verb; if that fails, it removes everything it wrote, so a failed
+launch leaves the container as it found it.
+
+Standard library only: this runs under the container's python, before anything is known
+about what that python holds.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from typing import Any, Optional
+
+from agent import knowngood
+from agent.protocol import wrap_payload
+
+GIB = 1 << 30
+# Below this much free disk at the output dir a checkpoint save would fail hours in.
+MIN_FREE_DISK_GIB = 1.0
+WARN_FREE_DISK_GIB = 20.0
+CHECKPOINT_FILE = "checkpoint.pt"
+
+
+# --- what runs ---------------------------------------------------------------------------------
+
+def python_info() -> dict:
+    in_venv = sys.prefix != getattr(sys, "base_prefix", sys.prefix)
+    return {"executable": sys.executable, "version": ".".join(map(str, sys.version_info[:3])),
+            "prefix": sys.prefix, "venv": sys.prefix if in_venv else None}
+
+
+def packages() -> dict[str, str]:
+    """{canonical name: version} of every distribution this python can import."""
+    from importlib import metadata
+
+    out: dict[str, str] = {}
+    for dist in metadata.distributions():
+        name = dist.metadata.get("Name")
+        if name:
+            out.setdefault(re.sub(r"[-_.]+", "-", name).lower(), dist.version)
+    return dict(sorted(out.items()))
+
+
+def torch_info(pkgs: dict[str, str]) -> dict:
+    """torch's version and CUDA build without importing it (torch/version.py is plain)."""
+    import importlib.util
+
+    info: dict[str, Any] = {"version": pkgs.get("torch"), "cuda": None, "location": None}
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is None or not spec.origin:
+        return info
+    info["location"] = os.path.dirname(spec.origin)
+    try:
+        with open(os.path.join(info["location"], "version.py"), encoding="utf-8") as fh:
+            tree = ast.parse(fh.read())
+        for node in tree.body:
+            target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
+            if isinstance(target, ast.Name) and target.id in ("__version__", "cuda", "hip") and node.value is not None:
+                try:
+                    value = ast.literal_eval(node.value)
+                except ValueError:
+                    continue
+                info["version" if target.id == "__version__" else target.id] = value
+    except (OSError, SyntaxError):
+        pass
+    return info
+
+
+def gpus() -> dict:
+    """Visible GPUs with memory, utilisation and temperature: the agent's NVML sampler
+    (agent/gpus.py) when it sees GPUs, else nvidia-smi, else none with the reason."""
+    reason = None
+    try:
+        from agent import gpus as nvml
+
+        sample = nvml.sample()
+        if sample.get("gpus"):
+            rows = []
+            for g in sample["gpus"]:
+                g = dict(g)
+                g.pop("processes", None)
+                if g.get("memory_total_mib") is not None and g.get("memory_used_mib") is not None:
+                    g["memory_free_mib"] = g["memory_total_mib"] - g["memory_used_mib"]
+                rows.append(g)
+            return {"gpus": rows, "driver": sample.get("driver"), "source": "nvml"}
+        reason = sample.get("reason")
+    except ImportError:
+        pass
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return {"gpus": [], "driver": None,
+                "reason": reason or "no nvidia-smi in this container: no GPU is visible"}
+    fields = "index,name,uuid,memory.total,memory.used,memory.free,utilization.gpu,temperature.gpu,driver_version"
+    try:
+        out = subprocess.run([exe, f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"gpus": [], "driver": None, "reason": f"nvidia-smi failed: {exc}"}
+    if out.returncode != 0:
+        return {"gpus": [], "driver": None, "reason": f"nvidia-smi failed: {out.stderr.strip()[-300:]}"}
+    rows, driver = [], None
+    for line in out.stdout.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) < 9:
+            continue
+        num = lambda v: float(v) if re.fullmatch(r"[0-9.]+", v) else None  # noqa: E731 ("[N/A]")
+        rows.append({"index": int(parts[0]), "name": parts[1], "uuid": parts[2], "state": "ok",
+                     "memory_total_mib": num(parts[3]), "memory_used_mib": num(parts[4]),
+                     "memory_free_mib": num(parts[5]), "utilization_gpu_pct": num(parts[6]),
+                     "temperature_gpu_c": num(parts[7])})
+        driver = parts[8]
+    return {"gpus": rows, "driver": driver, "source": "nvidia-smi"}
+
+
+def fingerprint(pkgs: Optional[dict] = None, gpu: Optional[dict] = None) -> dict:
+    """What env drift compares: interpreter, torch + CUDA build, driver, every package."""
+    pkgs = packages() if pkgs is None else pkgs
+    t = torch_info(pkgs)
+    py = python_info()
+    return {"python": py["version"], "executable": py["executable"], "venv": py["venv"],
+            "torch": {"version": t["version"], "cuda": t["cuda"]},
+            "driver": (gpu or {}).get("driver"), "packages": pkgs}
+
+
+# --- paths -------------------------------------------------------------------------------------
+
+def _read_json(path: str) -> Optional[dict]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+        return doc if isinstance(doc, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def data_info(data_dir: Optional[str]) -> tuple[dict, list[str]]:
+    if not data_dir:
+        return {}, ["--data-dir is not set: name the prepared data directory"]
+    meta_path = os.path.join(data_dir, "meta.json")
+    if not os.path.isdir(data_dir):
+        return {"dir": data_dir}, [f"--data-dir {data_dir}: no such directory in this container; prepare the "
+                                   "data there (`python -m trainer prepare --out DIR`) or fix the path"]
+    meta = _read_json(meta_path)
+    if meta is None:
+        return {"dir": data_dir}, [f"--data-dir {data_dir}: no readable meta.json, so it is not a prepared data "
+                                   "directory; run `python -m trainer prepare --input FILE.jsonl --out DIR`"]
+    length = meta.get("length") if isinstance(meta.get("length"), dict) else {}
+    stats = {"samples": meta.get("samples"), "tokens": meta.get("tokens"),
+             "mean_length": length.get("mean", meta.get("mean_length")),
+             "p99_length": length.get("p99"), "max_length": length.get("max"),
+             "loss_fraction": meta.get("loss_fraction"), "fingerprint": meta.get("fingerprint")}
+    return {"dir": data_dir, "stats": stats}, []
+
+
+def model_info(target_model: Optional[str]) -> tuple[dict, list[str]]:
+    if not target_model:
+        return {}, ["--target-model is not set: name the target's Hugging Face directory"]
+    cfg = _read_json(os.path.join(target_model, "config.json"))
+    if not os.path.isdir(target_model):
+        return {"dir": target_model}, [f"--target-model {target_model}: no such directory in this container; "
+                                       "fix the path or copy the model there"]
+    if cfg is None:
+        return {"dir": target_model}, [f"--target-model {target_model}: no readable config.json; it must be a "
+                                       "Hugging Face model directory"]
+    keep = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+            "vocab_size", "head_dim", "intermediate_size")
+    return {"dir": target_model, "config": {k: cfg.get(k) for k in keep if k in cfg}}, []
+
+
+def _checkpoint_dir(path: str) -> Optional[str]:
+    """The step directory of a checkpoint given as the directory or its checkpoint.pt."""
+    if os.path.isfile(path):
+        return os.path.dirname(path)
+    if os.path.isfile(os.path.join(path, CHECKPOINT_FILE)):
+        return path
+    return None
+
+
+def _ckpt_describe(step_dir: str) -> dict:
+    """What the checkpoint says about itself without torch: the JSON files the trainer writes
+    beside checkpoint.pt (the drafter's config.json, a resolved-config JSON when present)."""
+    info: dict[str, Any] = {"dir": step_dir}
+    for name in ("meta.json", "checkpoint.json", "config.json", "train_config.json"):
+        doc = _read_json(os.path.join(step_dir, name))
+        if doc:
+            info.setdefault("meta", {}).update(doc)
+    drafter = _read_json(os.path.join(step_dir, "drafter", "config.json"))
+    if drafter:
+        info["drafter"] = drafter
+    return info
+
+
+def _get(d: Optional[dict], *keys: str) -> Any:
+    for key in keys:
+        cur: Any = d
+        for part in key.split("."):
+            cur = cur.get(part) if isinstance(cur, dict) else None
+        if cur is not None:
+            return cur
+    return None
+
+
+def checkpoint_info(start: dict, flags: dict, model: dict, data: dict) -> tuple[dict, list[str], list[str]]:
+    """Present, and compatible with this launch's drafter shape, target and (resume) data."""
+    kind, path = start.get("kind"), start.get("path")
+    if kind not in ("resume", "init") or not path:
+        return {}, [], []
+    flag = "--resume-from" if kind == "resume" else "--init-from"
+    step_dir = _checkpoint_dir(path)
+    if step_dir is None:
+        if os.path.isdir(path):
+            found = sorted(n for n in os.listdir(path) if n.startswith("step_"))
+            hint = f"; it holds {', '.join(found[-3:])} — name one of those" if found else ""
+            return {"path": path}, [f"{flag} {path}: no {CHECKPOINT_FILE} there{hint}"], []
+        return {"path": path}, [f"{flag} {path}: no such checkpoint in this container; list a run's "
+                                "checkpoints with `ctl runs` / `ctl status`, or use --from-scratch"], []
+    info = _ckpt_describe(step_dir)
+    info["path"] = path
+    errors: list[str] = []
+    warnings: list[str] = []
+    meta, drafter = info.get("meta"), info.get("drafter")
+    if meta is None and drafter is None:
+        warnings.append(f"{flag} {path}: no config beside {CHECKPOINT_FILE}; compatibility is checked by the "
+                        "trainer when it loads")
+    # Drafter shape: these must match or the weights do not load.
+    shape = (("num_draft_layers", ("num_draft_layers", "config.num_draft_layers", "num_hidden_layers"), "--num-draft-layers"),
+             ("block_size", ("block_size", "config.block_size"), "--block-size"))
+    for dest, keys, name in shape:
+        have = _get(meta, *keys) if _get(meta, *keys) is not None else _get(drafter, *keys)
+        want = flags.get(dest)
+        if have is not None and want is not None and int(have) != int(want):
+            errors.append(f"{flag} {path}: the checkpoint was trained with {name} {have}, this launch says {want}; "
+                          f"set {name} {have} or start --from-scratch")
+    target_cfg = model.get("config") or {}
+    for key in ("hidden_size", "vocab_size"):
+        have = _get(meta, f"target.{key}", f"target_{key}") or _get(drafter, key)
+        want = target_cfg.get(key)
+        if have is not None and want is not None and int(have) != int(want):
+            errors.append(f"{flag} {path}: the checkpoint's drafter has {key} {have} but --target-model "
+                          f"{model.get('dir')} has {want}: it belongs to another target; pick a checkpoint "
+                          "of this target or start --from-scratch")
+    if kind == "resume":
+        have = _get(meta, "data_fingerprint", "data.fingerprint")
+        want = (data.get("stats") or {}).get("fingerprint")
+        if have and want and have != want:
+            errors.append(f"--resume-from {path}: the checkpoint's data position belongs to other data "
+                          f"(fingerprint {str(have)[:12]}, --data-dir has {str(want)[:12]}); resuming would "
+                          "skip or repeat samples: use --init-from to keep only the weights")
+    return info, errors, warnings
+
+
+def disk_info(path: Optional[str]) -> dict:
+    probe = path or "/"
+    while probe and not os.path.exists(probe):
+        probe = os.path.dirname(probe.rstrip("/")) or "/"
+    usage = shutil.disk_usage(probe)
+    return {"path": path, "measured_at": probe, "free_gib": round(usage.free / GIB, 2),
+            "total_gib": round(usage.total / GIB, 2)}
+
+
+# --- the check ---------------------------------------------------------------------------------
+
+def check(req: dict) -> dict:
+    """The whole preflight. ``req`` keys: workspace, run_id, flags (trainer values by dest),
+    start {kind, path}, config (name)."""
+    workspace = req.get("workspace") or "/workspace"
+    flags = req.get("flags") or {}
+    errors: list[str] = []
+    warnings: list[str] = []
+
+    pkgs = packages()
+    gpu = gpus()
+    fp = fingerprint(pkgs, gpu)
+    py = python_info()
+    torch = torch_info(pkgs)
+    if torch["version"] is None:
+        errors.append(f"torch is not installed for {py['executable']}: install it into the container's venv "
+                      f"({py['prefix']}) — ctl does not install torch")
+
+    device = flags.get("device") or "auto"
+    roles = {"target": list(flags.get("target_gpus") or []), "drafter": list(flags.get("drafter_gpus") or [])}
+    visible = {g["index"]: g for g in gpu["gpus"]}
+    use_cuda = device == "cuda" or (device == "auto" and bool(visible))
+    if device == "cuda" and not visible:
+        errors.append(f"--device cuda but no GPU is visible in this container ({gpu.get('reason')}); "
+                      "pass the GPUs through to the container or use --device cpu")
+    if use_cuda:
+        if torch["version"] and not torch["cuda"]:
+            errors.append(f"torch {torch['version']} is a CPU-only build but this launch uses GPUs; install a CUDA "
+                          "build of torch in the container's venv, or use --device cpu")
+        for role, ids in roles.items():
+            missing = [i for i in ids if i not in visible]
+            if missing:
+                errors.append(f"--{role}-gpus {','.join(map(str, ids))}: GPU {','.join(map(str, missing))} not visible "
+                              f"in this container (visible: {','.join(map(str, sorted(visible))) or 'none'}); "
+                              "fix the role or the container's GPU passthrough")
+    elif device == "auto" and roles["target"]:
+        warnings.append("no GPU visible: --device auto runs on CPU with gloo; GPU ids name rank slots")
+
+    model, errs = model_info(flags.get("target_model"))
+    errors += errs
+    data, errs = data_info(flags.get("data_dir"))
+    errors += errs
+    ckpt, errs, warns = checkpoint_info(req.get("start") or {}, flags, model, data)
+    errors += errs
+    warnings += warns
+
+    disk = disk_info(flags.get("output_dir"))
+    if disk["free_gib"] < MIN_FREE_DISK_GIB:
+        errors.append(f"--output-dir {flags.get('output_dir')}: only {disk['free_gib']} GiB free on "
+                      f"{disk['measured_at']}; free space or choose another output dir")
+    elif disk["free_gib"] < WARN_FREE_DISK_GIB:
+        warnings.append(f"--output-dir: {disk['free_gib']} GiB free on {disk['measured_at']}")
+
+    run_id = req.get("run_id")
+    if run_id and os.path.exists(knowngood.run_dir(workspace, run_id)):
+        errors.append(f"run {run_id} already exists in {workspace}/runs; launch again for a new run id")
+
+    try:
+        known = knowngood.update(workspace)
+    except OSError as exc:  # a read-only or full workspace must not hide the rest of the report
+        known = knowngood.load(workspace)
+        warnings.append(f"cannot update the known-good record in {workspace}: {exc}")
+
+    return {"ok": not errors, "errors": errors, "warnings": warnings, "python": py,
+            "torch": torch, "packages_count": len(pkgs), "fingerprint": fp, "gpu": gpu, "roles": roles,
+            "device": "cuda" if use_cuda else "cpu", "model": model, "data": data, "checkpoint": ckpt,
+            "disk": disk, "known_good": known, "workspace": workspace, "ts": time.time()}
+
+
+# --- commit ------------------------------------------------------------------------------------
+
+def commit(req: dict) -> dict:
+    """Write the launch's files, record the launch, start the run through the agent.
+
+    ``req``: workspace, run_id, files [{path, content, mode}], record (launch record),
+    start_argv (the agent's start command). On any failure everything written is removed.
+    """
+    written: list[str] = []
+    workspace = req["workspace"]
+    run_id = req["run_id"]
+    try:
+        for f in req.get("files", []):
+            path, mode = f["path"], int(f.get("mode", 0o644))
+            os.makedirs(os.path.dirname(path), mode=0o700 if mode & 0o077 == 0 else 0o755, exist_ok=True)
+            _write_private(path, f["content"], mode)
+            written.append(path)
+        proc = subprocess.run(req["start_argv"], capture_output=True, text=True,
+                              env=dict(os.environ), timeout=req.get("timeout", 120))
+        reply = proc.stdout
+        if proc.returncode != 0:
+            raise RuntimeError(f"agent start exited {proc.returncode}: "
+                               f"{(proc.stderr.strip() or proc.stdout.strip())[-800:]}")
+        if req.get("record"):
+            written.append(knowngood.write_launch_record(workspace, req["record"]))
+        return {"ok": True, "run_id": run_id, "start_reply": reply, "files": written}
+    except BaseException as exc:
+        for path in written:
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        return {"ok": False, "run_id": run_id, "error": str(exc) or type(exc).__name__}
+
+
+def _write_private(path: str, content: str, mode: int) -> None:
+    """Create with the final mode from the start (O_EXCL on a temp name, then rename), so a
+    secret is never readable by anyone else, not even for an instant."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(content)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in ("check", "commit", "known-good"):
+        print("usage: python3 -m agent.preflight check|commit|known-good < request.json", file=sys.stderr)
+        return 2
+    try:
+        req = json.load(sys.stdin) if argv[0] != "known-good" else {"workspace": argv[1] if len(argv) > 1 else "/workspace"}
+    except ValueError as exc:
+        sys.stdout.write(wrap_payload({"ok": False, "error": f"request is not JSON: {exc}"}))
+        return 2
+    if argv[0] == "check":
+        reply = check(req)
+    elif argv[0] == "commit":
+        reply = commit(req)
+    else:
+        reply = {"ok": True, "known_good": knowngood.update(req["workspace"])}
+    sys.stdout.write(wrap_payload(reply))
+    sys.stdout.flush()
+    return 0 if reply.get("ok") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,354 @@
+"""Run config: the TOML file an operator launches from, validated by pydantic.
+
+The ``[trainer]`` table's model is generated from ``trainer/flags.py``'s FLAGS (one field
+per flag, the flag's own parser as validator), so a flag added there is accepted here
+without anyone keeping a copy. Layout::
+
+    name = "tiny"                 # data drift compares against the data this name last ran on
+    [trainer]                     # trainer flags, named as on the command line without "--"
+    target-model = "/workspace/tiny/target"
+    target-gpus = [0]             # or "0,1"
+    ...
+    [wandb]                       # project, run-name, mode; the key only by reference
+    api-key-file = "~/.config/dflash-ctl/wandb.key"   # or api-key-env = "WANDB_API_KEY"
+    [baseline]                    # when a run counts as known good (steady state)
+
+Path values may use ``{run_id}``, ``{run_dir}`` and ``{workspace}``; they are filled in at
+launch. The start decision is *not* part of a config: a file is reused across launches, so a
+stored ``resume-from`` would be exactly the implicit resume this product exists to prevent.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal, Mapping, Optional, Union
+
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
+                      create_model, field_validator, model_validator)
+from typing_extensions import Annotated
+
+from trainer import flags as F
+
+
+class RunConfigError(Exception):
+    """Bad run config or override; the message names the file, field, value and fix."""
+
+
+# Flags the run config does not hold, and why (the message tells the operator where they go).
+NOT_IN_CONFIG: dict[str, str] = {
+    "run_dir": "the agent sets the run directory for each run",
+    "probe_memory": "the memory probe is a separate step, not a training launch",
+    **{f.dest: "the start decision is never stored in a config (it would make a later launch an "
+               "implicit resume): pass --from-scratch, --resume-from CKPT or --init-from CKPT to "
+               "`ctl launch`" for f in F.START_FLAGS},
+}
+WANDB_FLAGS = {"wandb_project": "project", "wandb_run_name": "run_name", "wandb_mode": "mode"}
+
+# Where a run's checkpoints go unless the config says otherwise: inside the run directory,
+# so two launches of one config never write into each other's step_N/ folders.
+DEFAULT_OUTPUT_DIR = "{run_dir}/output"
+PLACEHOLDERS = ("run_id", "run_dir", "workspace")
+
+
+def _parser(flag: F.Flag):
+    def parse(value: Any) -> Any:
+        if value is None:
+            return None
+        if flag.kind in ("gpus", "layers") and isinstance(value, (list, tuple)):
+            return F.parse_gpus(list(value))
+        if flag.kind in ("gpus", "layers", "budget"):
+            return flag.parse(value)
+        return value  # pydantic's own coercion for scalars gives the better message
+
+    return parse
+
+
+def _field_type(flag: F.Flag) -> Any:
+    base: Any = {
+        "str": str, "path": str, "int": int, "float": float, "bool": bool,
+        "gpus": tuple[int, ...], "layers": tuple[int, ...],
+        "budget": Union[int, Literal["auto"]],
+    }.get(flag.kind)
+    if flag.kind == "choice":
+        base = Literal[flag.choices]  # type: ignore[valid-type]
+    if flag.default is None:
+        base = Optional[base]
+    return Annotated[base, BeforeValidator(_parser(flag))]
+
+
+def _trainer_model() -> type[BaseModel]:
+    fields: dict[str, Any] = {}
+    for flag in F.FLAGS:
+        if flag.dest in NOT_IN_CONFIG or flag.dest in WANDB_FLAGS:
+            continue
+        default: Any = ... if flag.required else flag.default
+        if flag.dest == "output_dir":
+            default = DEFAULT_OUTPUT_DIR
+        fields[flag.dest] = (_field_type(flag), Field(default, alias=flag.name.lstrip("-"),
+                                                      description=flag.help))
+    return create_model(
+        "TrainerSection",
+        __config__=ConfigDict(extra="forbid", populate_by_name=True, frozen=True),
+        **fields,
+    )
+
+
+TrainerSection = _trainer_model()
+
+
+class WandbSection(BaseModel):
+    """wandb settings. The API key is referenced, never held: a local file or an env var name."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+    project: Optional[str] = Field(None, description=F.BY_DEST["wandb_project"].help)
+    run_name: Optional[str] = Field(None, alias="run-name", description=F.BY_DEST["wandb_run_name"].help)
+    mode: Literal[F.BY_DEST["wandb_mode"].choices] = Field(  # type: ignore[valid-type]
+        F.BY_DEST["wandb_mode"].default, description=F.BY_DEST["wandb_mode"].help)
+    api_key_file: Optional[str] = Field(None, alias="api-key-file",
+                                        description="local file holding the wandb API key (chmod 600)")
+    api_key_env: Optional[str] = Field(None, alias="api-key-env",
+                                       description="name of a local environment variable holding the key")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_literal_key(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key in ("api-key", "api_key", "key"):
+                if key in data:
+                    raise ValueError(
+                        f"{key}: an API key is never stored in a run config; put it in a file "
+                        "(chmod 600) and set api-key-file, or name an environment variable in api-key-env")
+        return data
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "WandbSection":
+        if self.api_key_file and self.api_key_env:
+            raise ValueError("api-key-file and api-key-env are both set: keep one")
+        return self
+
+    def read_key(self, environ: Mapping[str, str] | None = None) -> Optional[str]:
+        """The key, read on the operator's machine; None when none is configured."""
+        environ = os.environ if environ is None else environ
+        if self.api_key_env:
+            value = environ.get(self.api_key_env, "").strip()
+            if not value:
+                raise RunConfigError(f"[wandb] api-key-env = {self.api_key_env!r}: that environment variable "
+                                     "is unset or empty; export it, or use api-key-file")
+            return value
+        if self.api_key_file:
+            path = Path(self.api_key_file).expanduser()
+            try:
+                value = path.read_text().strip()
+            except OSError as exc:
+                raise RunConfigError(f"[wandb] api-key-file = {self.api_key_file!r}: cannot read it "
+                                     f"({exc.strerror}); create it holding only the key (chmod 600), "
+                                     "or remove the setting") from None
+            if not value:
+                raise RunConfigError(f"[wandb] api-key-file = {self.api_key_file!r} is empty: put the key in it")
+            return value
+        return None
+
+
+class BaselineSection(BaseModel):
+    """When a run counts as known good: ``steady_steps`` step events in a row whose tokens/s
+    stay within ``throughput_tolerance`` (relative) of their median."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+    steady_steps: int = Field(20, alias="steady-steps", ge=2)
+    throughput_tolerance: float = Field(0.25, alias="throughput-tolerance", gt=0, le=1)
+    # Data statistics that differ by more than these count as drift.
+    length_tolerance: float = Field(0.10, alias="length-tolerance", ge=0)
+    loss_fraction_tolerance: float = Field(0.02, alias="loss-fraction-tolerance", ge=0)
+    samples_tolerance: float = Field(0.10, alias="samples-tolerance", ge=0)
+
+
+class RunConfig(BaseModel):
+    """A validated run config: trainer flags (less the start decision), wandb, baseline."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+    name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    trainer: TrainerSection  # type: ignore[valid-type]
+    wandb: WandbSection = Field(default_factory=WandbSection)
+    baseline: BaselineSection = Field(default_factory=BaselineSection)
+
+    @field_validator("trainer", mode="before")
+    @classmethod
+    def _not_in_config(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key in data:
+                dest = key.replace("-", "_")
+                if dest in NOT_IN_CONFIG:
+                    raise ValueError(f"{key}: not a run-config setting: {NOT_IN_CONFIG[dest]}")
+                if dest in WANDB_FLAGS:
+                    raise ValueError(f"{key}: wandb settings live in the [wandb] table as "
+                                     f"{WANDB_FLAGS[dest].replace('_', '-')} = …")
+        return data
+
+    # -- what launch needs ------------------------------------------------------------------
+    def values(self) -> dict[str, Any]:
+        """Trainer flag values by dest, wandb included, start decision not."""
+        out = dict(F.defaults())
+        out.update(self.trainer.model_dump())
+        out.update({dest: getattr(self.wandb, attr) for dest, attr in WANDB_FLAGS.items()})
+        for dest in NOT_IN_CONFIG:
+            out[dest] = F.BY_DEST[dest].default
+        return out
+
+    def resolve(self, start: Mapping[str, Any], *, run_id: str, run_dir: str, workspace: str) -> dict[str, Any]:
+        """Values for ``flags.to_argv``: placeholders filled, the start decision added."""
+        subst = {"run_id": run_id, "run_dir": run_dir, "workspace": workspace}
+        values = self.values()
+        values.update(start)
+        for dest, value in values.items():
+            if isinstance(value, str) and "{" in value:
+                values[dest] = fill(value, subst, F.BY_DEST[dest].name)
+        return values
+
+
+def fill(text: str, subst: Mapping[str, str], where: str) -> str:
+    try:
+        return text.format(**subst)
+    except (KeyError, IndexError, ValueError) as exc:
+        raise RunConfigError(f"{where} = {text!r}: unknown placeholder {exc}; "
+                             f"use only {', '.join('{' + p + '}' for p in PLACEHOLDERS)}") from None
+
+
+# --- loading and overrides -------------------------------------------------------------------
+
+def _set_override(data: dict[str, Any], key: str, value: Any) -> None:
+    """Put ``key`` (a trainer flag like ``lr``/``--lr``, or ``wandb.run-name``) into ``data``."""
+    key = key.strip().lstrip("-")
+    if "." in key:
+        table, sub = key.split(".", 1)
+        if table not in ("trainer", "wandb", "baseline"):
+            raise RunConfigError(f"--set {key}: unknown table {table!r}; use trainer.KEY, wandb.KEY or baseline.KEY")
+        section = data.setdefault(table, {})
+    else:
+        table, sub = "trainer", key
+        dest = key.replace("-", "_")
+        if dest in WANDB_FLAGS:
+            table, sub = "wandb", WANDB_FLAGS[dest].replace("_", "-")
+        section = data.setdefault(table, {})
+    # One spelling per field: drop any other spelling already present, the override wins.
+    norm = sub.replace("_", "-")
+    for existing in list(section):
+        if existing.replace("_", "-") == norm:
+            del section[existing]
+    section[norm] = value
+
+
+def parse_set(items: list[str]) -> list[tuple[str, str]]:
+    out = []
+    for item in items:
+        if "=" not in item:
+            raise RunConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set lr=3e-4")
+        key, value = item.split("=", 1)
+        out.append((key.strip(), value))
+    return out
+
+
+def load(path: str | Path, overrides: Mapping[str, Any] | None = None,
+         sets: list[str] | None = None) -> RunConfig:
+    """Read, merge CLI overrides (None values ignored), validate. Raises RunConfigError."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise RunConfigError(f"run config {path} does not exist: pass --config with an existing file "
+                             "(examples/tiny.toml is one)") from None
+    except OSError as exc:
+        raise RunConfigError(f"run config {path}: cannot read it ({exc.strerror})") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise RunConfigError(f"run config {path} is not valid TOML: {exc}") from None
+    return from_dict(data, source=str(path), default_name=path.stem, overrides=overrides, sets=sets)
+
+
+def from_dict(data: dict[str, Any], *, source: str = "run config", default_name: str = "run",
+              overrides: Mapping[str, Any] | None = None, sets: list[str] | None = None) -> RunConfig:
+    data = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items()}
+    data.setdefault("name", default_name)
+    data.setdefault("trainer", {})
+    for key, value in parse_set(sets or []):
+        _set_override(data, key, value)
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            _set_override(data, key, value)
+    try:
+        config = RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise RunConfigError(format_errors(exc, source)) from None
+    problems = [p for p in F.check({**config.values(), "from_scratch": True}) if "start decision" not in p]
+    if problems:
+        raise RunConfigError(f"{source}: " + "\n  ".join(problems))
+    return config
+
+
+def _flag_for(loc: tuple) -> Optional[F.Flag]:
+    if len(loc) >= 2 and loc[0] == "trainer":
+        return F.BY_DEST.get(str(loc[1]).replace("-", "_"))
+    return None
+
+
+def format_errors(exc: ValidationError, source: str) -> str:
+    """One line per problem: where ([table] key), the value, what is wrong and the fix."""
+    lines = []
+    for err in exc.errors():
+        loc = tuple(str(p) for p in err["loc"])
+        # Drop pydantic's union/type-branch suffixes (e.g. 'int', "literal['auto']").
+        loc = tuple(p for p in loc if not (p in ("int", "str", "float", "bool") or p.startswith(("literal[", "tuple["))))
+        where = f"[{loc[0]}] {loc[1]}" if len(loc) >= 2 else (loc[0] if loc else "(top level)")
+        msg = err["msg"].removeprefix("Value error, ")
+        if len(loc) == 1 and loc[0] in ("trainer", "wandb", "baseline") and ": " in msg:
+            key, msg = msg.split(": ", 1)  # a table-level check that names its own key
+            lines.append(f"[{loc[0]}] {key}: {msg}")
+            continue
+        flag = _flag_for(loc)
+        if err["type"] == "missing":
+            fix = f"set {loc[-1]} in the file" + (f" or pass {flag.name} to ctl launch" if flag else "")
+            what = f"{flag.help}" if flag else "required"
+            lines.append(f"{where}: missing ({what}); {fix}")
+            continue
+        if err["type"] == "extra_forbidden":
+            known = _known_keys(loc[0]) if loc else []
+            hint = _closest(loc[-1], known)
+            lines.append(f"{where}: unknown setting" + (f"; did you mean {hint!r}?" if hint else
+                                                         f"; known: {', '.join(known)}" if known else ""))
+            continue
+        got = err.get("input")
+        value = f" = {got!r}" if got is not None and not isinstance(got, dict) else ""
+        fix = f" ({flag.help})" if flag else ""
+        lines.append(f"{where}{value}: {msg}{fix}")
+    return f"{source}: " + "\n  ".join(lines)
+
+
+def _known_keys(table: str) -> list[str]:
+    model = {"trainer": TrainerSection, "wandb": WandbSection, "baseline": BaselineSection}.get(table)
+    if model is None:
+        return ["name", "trainer", "wandb", "baseline"]
+    return [(f.alias or n) for n, f in model.model_fields.items()]
+
+
+def _closest(word: str, options: list[str]) -> Optional[str]:
+    import difflib
+
+    match = difflib.get_close_matches(word.replace("_", "-"), options, n=1, cutoff=0.6)
+    return match[0] if match else None
+
+
+def start_decision(from_scratch: bool, resume_from: Optional[str], init_from: Optional[str]) -> dict[str, Any]:
+    """The start flags from `ctl launch`'s options; exactly one, or RunConfigError with the help."""
+    chosen = {"from_scratch": bool(from_scratch), "resume_from": resume_from or None, "init_from": init_from or None}
+    names = F.start_decision(chosen)
+    if not names:
+        raise RunConfigError(f"no start decision: {F.START_DECISION_HELP}")
+    if len(names) > 1:
+        raise RunConfigError(f"{' and '.join(names)} conflict: choose exactly one start decision "
+                             f"({F.START_DECISION_HELP})")
+    return chosen

@@ -1,0 +1,217 @@
+"""`ctl tail`: follow a run's seq-numbered stream across SSH drops, with no gap and no duplicate.
+
+The agent's ``follow --run ID --from SEQ`` prints every record with seq > SEQ. This loop
+keeps the last seq it handed on; when the connection drops it reconnects and asks again
+from there, and drops any record at or below it (a record in flight when the link broke may
+arrive twice). When the follow command ends, the stream's end is *not* taken as success:
+the run's state is asked (research §4.8: ray#57002 — a log stream that closes silently while
+the job still runs). Ctrl-C detaches and leaves the run alone: closing our channel ends only
+the follow process (pct does not forward signals, research §1.1), never the trainer.
+
+Written against :class:`StreamSource` so the loop is the same for SSH, a local node and tests.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Protocol
+
+from agent.protocol import RunState
+from controller.transport import TransportError
+
+# Agent follow's documented exit code when the agent is gone and the run has not finished.
+FOLLOW_AGENT_GONE = 3
+
+
+class StreamSource(Protocol):
+    """Where records come from: one follow call per connection, and the run's state."""
+
+    def follow(self, run_id: str, after: int, on_line: Callable[[str], None], *, once: bool) -> int:
+        """Run the agent's follow from ``after``; each stdout line to ``on_line``; return its
+        exit code. Raises TransportError when the connection is lost."""
+
+    def state(self, run_id: str) -> dict:
+        """The run's status document (``state`` key at least)."""
+
+
+@dataclass
+class TailResult:
+    """How a tail ended: ``state`` of the run (None when detached), last seq seen, drops."""
+
+    last_seq: int
+    state: Optional[str]
+    reconnects: int
+    detached: bool = False
+    gaps: list[tuple[int, int]] = field(default_factory=list)
+    status: Optional[dict] = None
+
+
+def tail(source: StreamSource, run_id: str, on_record: Callable[[dict], None], *, since: int = 0,
+         follow: bool = True, max_reconnects: int = 1000, backoff: Callable[[int], float] | None = None,
+         sleep: Callable[[float], None] = time.sleep, on_reconnect: Callable[[int, str], None] | None = None) -> TailResult:
+    """Hand every record with seq > ``since`` to ``on_record`` exactly once, in seq order.
+
+    ``follow=False`` prints what exists now and returns. ``follow=True`` goes on until the run
+    is in a terminal state (asked, not assumed) or Ctrl-C.
+    """
+    backoff = backoff or (lambda n: min(0.2 * (2 ** min(n, 5)), 5.0))
+    last = since
+    reconnects = 0
+    consecutive = 0
+    gaps: list[tuple[int, int]] = []
+
+    def handle(line: str) -> None:
+        nonlocal last, consecutive
+        line = line.strip()
+        if not line.startswith("{"):
+            return  # not a record (a stray line from a login shell); never mistaken for one
+        try:
+            rec = json.loads(line)
+            seq = int(rec["seq"])
+        except (ValueError, KeyError, TypeError):
+            return
+        if seq <= last:
+            return  # already handed on before the drop
+        if seq != last + 1:
+            gaps.append((last, seq))  # the agent promises none; if it happens, say so
+        last = seq
+        consecutive = 0
+        on_record(rec)
+
+    try:
+        while True:
+            try:
+                rc = source.follow(run_id, last, handle, once=not follow)
+            except TransportError as exc:
+                reconnects += 1
+                consecutive += 1
+                if consecutive > max_reconnects:
+                    raise
+                if on_reconnect:
+                    on_reconnect(reconnects, str(exc))
+                sleep(backoff(consecutive))
+                continue
+            status = _state(source, run_id)
+            state = status.get("state") if status else None
+            if not follow or _terminal(state):
+                return TailResult(last, state, reconnects, gaps=gaps, status=status)
+            if rc == FOLLOW_AGENT_GONE:
+                # The agent is gone and the run is not finished: the stream would never end.
+                return TailResult(last, state, reconnects, gaps=gaps, status=status)
+            sleep(backoff(0))  # follow ended early without a terminal state: ask again
+    except KeyboardInterrupt:
+        return TailResult(last, None, reconnects, detached=True, gaps=gaps)
+
+
+def _state(source: StreamSource, run_id: str) -> Optional[dict]:
+    for attempt in range(5):
+        try:
+            return source.state(run_id)
+        except TransportError:
+            time.sleep(0.2 * (attempt + 1))
+    return None
+
+
+def _terminal(state: Any) -> bool:
+    try:
+        return RunState(state).is_terminal()
+    except ValueError:
+        return False
+
+
+# --- rendering ---------------------------------------------------------------------------------
+
+def _num(v: Any, fmt: str) -> str:
+    return format(v, fmt) if isinstance(v, (int, float)) else "—"
+
+
+def fmt_rate(v: Any) -> str:
+    if not isinstance(v, (int, float)):
+        return "—"
+    return f"{v / 1000:.1f}K" if v >= 1000 else f"{v:.0f}"
+
+
+class Printer:
+    """Turns records into lines: logs as they are, notable events, and a one-line status at
+    most every ``status_every`` seconds (and at every state change)."""
+
+    def __init__(self, write: Callable[[str], None], *, status_every: float = 10.0,
+                 clock: Callable[[], float] = time.monotonic, raw: bool = False):
+        self.write = write
+        self.status_every = status_every
+        self.clock = clock
+        self.raw = raw
+        self.last_status_at: Optional[float] = None
+        self.step: dict = {}
+        self.gpus: list = []
+        self.state: Optional[str] = None
+        self.steps_seen = 0
+
+    def __call__(self, rec: dict) -> None:
+        if self.raw:
+            self.write(json.dumps(rec, sort_keys=True))
+            return
+        kind, payload = rec.get("kind"), rec.get("payload") or {}
+        if kind == "log":
+            line = payload.get("line", "")
+            rank = payload.get("rank")
+            self.write(f"[rank {rank}] {line}" if rank is not None else line)
+        elif kind == "event":
+            self._event(payload)
+        elif kind == "gpu":
+            self.gpus = payload.get("gpus") or []
+        elif kind == "status":
+            state = payload.get("state")
+            if state != self.state:
+                self.state = state
+                reason = _failure_reason(payload)
+                self.write(f"== run {state}" + (f": {reason}" if reason else ""))
+        now = self.clock()
+        if self.steps_seen and (self.last_status_at is None or now - self.last_status_at >= self.status_every):
+            self.write(self.status_line())
+            self.last_status_at = now
+
+    def _event(self, ev: dict) -> None:
+        kind = ev.get("kind", "")
+        if kind == "step":
+            self.step = ev
+            self.steps_seen += 1
+        elif kind == "phase":
+            self.write(f"== phase {ev.get('phase')}")
+        elif kind == "checkpoint":
+            self.write(f"== checkpoint step {ev.get('step')}: {ev.get('path')}")
+        elif kind == "eval":
+            self.write(f"== eval step {ev.get('step')}: τ {_num(ev.get('tau'), '.3f')}")
+        elif kind == "error":
+            where = f"rank {ev.get('rank')}" + (f" GPU {ev.get('gpu')}" if ev.get("gpu") is not None else "")
+            self.write(f"!! {where}: {ev.get('error')}: {ev.get('message')}")
+        elif kind == "agent.failure":
+            self.write(f"!! FAILURE {ev.get('failure')}: {ev.get('reason')}")
+        elif kind.startswith("agent."):
+            detail = ev.get("reason") or ev.get("message") or ""
+            self.write(f"== {kind[6:].replace('_', ' ')}" + (f": {detail}" if detail else ""))
+
+    def status_line(self) -> str:
+        s = self.step
+        total = s.get("total_steps")
+        parts = [f"step {s.get('step', '—')}" + (f"/{total}" if total else ""),
+                 f"loss {_num(s.get('loss'), '.4f')}", f"{fmt_rate(s.get('tokens_per_s'))} tok/s"]
+        mems = []
+        for g in self.gpus:
+            used, total_mib = g.get("memory_used_mib"), g.get("memory_total_mib")
+            if used is not None:
+                mems.append(f"GPU{g.get('index')} {used / 1024:.1f}" + (f"/{total_mib / 1024:.0f}G" if total_mib else "G"))
+        if not mems and s.get("mem_peak_mib") is not None:
+            mems.append(f"peak {s['mem_peak_mib'] / 1024:.2f}G")
+        if mems:
+            parts.append("mem " + " ".join(mems))
+        return "-- " + " | ".join(parts)
+
+
+def _failure_reason(status: dict) -> Optional[str]:
+    failure = status.get("failure") or (status.get("result") or {}).get("failure")
+    if isinstance(failure, dict):
+        return failure.get("reason") or failure.get("kind")
+    return failure or status.get("reason")
