@@ -357,36 +357,53 @@ def check(req: dict) -> dict:
 # --- commit ------------------------------------------------------------------------------------
 
 def commit(req: dict) -> dict:
-    """Write the launch's files, record the launch, start the run through the agent.
+    """Create the run directory with its start.sh, the run's secret file (0600), start the
+    run with the agent's own start verb, and record the launch for the known-good baseline.
 
-    ``req``: workspace, run_id, files [{path, content, mode}], record (launch record),
-    start_argv (the agent's start command). On any failure everything written is removed.
+    ``req``: workspace, run_id, run_dir, script, secrets_file, secret (text or None), record,
+    start_argv. On any failure before the agent reports a started run, everything created
+    here is removed again: a failed launch leaves no run directory and no secret behind.
     """
+    import shutil as _shutil
+
+    run_dir, secrets_file = req["run_dir"], req.get("secrets_file")
+    created_dir = False
     written: list[str] = []
-    workspace = req["workspace"]
-    run_id = req["run_id"]
     try:
-        for f in req.get("files", []):
-            path, mode = f["path"], int(f.get("mode", 0o644))
-            os.makedirs(os.path.dirname(path), mode=0o700 if mode & 0o077 == 0 else 0o755, exist_ok=True)
-            _write_private(path, f["content"], mode)
-            written.append(path)
-        proc = subprocess.run(req["start_argv"], capture_output=True, text=True,
-                              env=dict(os.environ), timeout=req.get("timeout", 120))
-        reply = proc.stdout
-        if proc.returncode != 0:
-            raise RuntimeError(f"agent start exited {proc.returncode}: "
-                               f"{(proc.stderr.strip() or proc.stdout.strip())[-800:]}")
+        if os.path.exists(run_dir):
+            return {"ok": False, "run_id": req["run_id"], "error": f"{run_dir} already exists; launch again for a new run id"}
+        os.makedirs(os.path.dirname(run_dir), exist_ok=True)
+        os.mkdir(run_dir, 0o755)
+        created_dir = True
+        _write_private(os.path.join(run_dir, "start.sh"), req["script"], 0o644)
+        if req.get("secret"):
+            os.makedirs(os.path.dirname(secrets_file), mode=0o700, exist_ok=True)
+            os.chmod(os.path.dirname(secrets_file), 0o700)
+            _write_private(secrets_file, req["secret"], 0o600)
+            written.append(secrets_file)
+        proc = subprocess.run(req["start_argv"], capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                              timeout=req.get("timeout", 120))
+        try:
+            from agent.protocol import extract_payload
+
+            reply = extract_payload(proc.stdout)
+        except ValueError:
+            reply = {"ok": False, "error": (proc.stderr.strip() or proc.stdout.strip())[-800:] or
+                     f"agent start exited {proc.returncode} without a reply"}
+        if proc.returncode != 0 or not reply.get("ok"):
+            raise RuntimeError(f"agent start failed: {reply.get('error')}")
         if req.get("record"):
-            written.append(knowngood.write_launch_record(workspace, req["record"]))
-        return {"ok": True, "run_id": run_id, "start_reply": reply, "files": written}
-    except BaseException as exc:
+            knowngood.write_launch_record(req["workspace"], req["record"])
+        return {"ok": True, "run_id": req["run_id"], "start": reply}
+    except BaseException as exc:  # noqa: BLE001 - undo, then report; never a half-done launch
         for path in written:
             try:
                 os.unlink(path)
             except OSError:
                 pass
-        return {"ok": False, "run_id": run_id, "error": str(exc) or type(exc).__name__}
+        if created_dir:
+            _shutil.rmtree(run_dir, ignore_errors=True)
+        return {"ok": False, "run_id": req["run_id"], "error": str(exc) or type(exc).__name__}
 
 
 def _write_private(path: str, content: str, mode: int) -> None:

@@ -61,6 +61,27 @@ EVENTS = "events.jsonl"  # written by the trainer
 HEARTBEAT_DIR = "heartbeat"  # heartbeat/rank-N, written by the trainer
 ENV_RUN_DIR = "DFLASH_RUN_DIR"  # the agent passes the run directory to the job in this variable
 
+# Added for the agent (issue 3). The job's stdout/stderr go to these files, never to a pipe
+# owned by the agent, so the job outlives an agent that dies and a re-attached agent reads on
+# from its recorded offsets (research §4.8: silent log loss).
+JOB_STDOUT = "job.stdout"
+JOB_STDERR = "job.stderr"
+JOB_PID = "job.pid"  # {"pid","starttime","boot_id","marker"}: the job monitor (PID-reuse guard)
+JOB_EXIT = "job.exit.json"  # written by the job monitor when the job's top process exits
+AGENT_PID = "agent.pid"  # same shape, for the supervising agent
+AGENT_LOCK = "agent.lock"  # flock held by the one process allowed to append to stream.jsonl
+AGENT_LOG = "agent.log"  # the agent's own stderr (tracebacks of the agent itself)
+STOP_REQUEST = "stop-request.json"  # written by `agent stop`, acted on by the live agent
+STREAM_INDEX = "stream.idx"  # recovery checkpoint of stream.jsonl (bytes, seq, source offsets)
+ENV_RUN_ID = "DFLASH_RUN_ID"  # run marker in every job process's environment (stop sweeps by it)
+ENV_WORKSPACE = "DFLASH_WORKSPACE"  # agent default workspace; runs live in <workspace>/runs/<id>
+DEFAULT_WORKSPACE = "/workspace"
+
+# `agent follow --run ID --from SEQ` prints the records with seq > SEQ: seq starts at 1, so
+# `--from 0` is the whole stream and a client reconnects with the last seq it saw. The last
+# record of a finished run is a "status" record whose payload state is terminal.
+FIRST_SEQ = 1
+
 
 class RunState(str, enum.Enum):
     """Life of a run::
@@ -105,6 +126,14 @@ class StreamKind(str, enum.Enum):
 #   error       error (cuda_oom|exception|nccl_timeout), message, traceback
 #   probe       peak_mib per role/gpu, fits, budget
 EVENT_KINDS = ("phase", "step", "checkpoint", "eval", "error", "probe")
+
+# Agent events (stream kind "event", payload key "kind" = "agent.<name>"): the agent's own
+# observations, next to the trainer's events. "agent.failure" carries "failure" (one of
+# FAILURE_KINDS), "rank", "gpu", "reason" (one line, printed first), "evidence" (log lines).
+AGENT_EVENT_KINDS = ("agent.started", "agent.reattached", "agent.failure", "agent.stop_requested",
+                     "agent.stop", "agent.restart", "agent.job_exit", "agent.fingerprint")
+FAILURE_KINDS = ("cuda_oom", "host_oom", "rank_exit", "rank_stall", "nccl_timeout",
+                 "throughput_regression", "job_exit")
 
 
 def atomic_write(path: str, data: str | bytes, mode: int = 0o644) -> None:

@@ -1,0 +1,317 @@
+"""Failure classification: from log lines, trainer events, heartbeats and exit statuses to
+one named failure with rank, GPU, a one-line reason and the evidence lines.
+
+Pure logic, no I/O: the supervisor feeds observations in; tests feed strings in.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+import time
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# --- per-line rank --------------------------------------------------------------------------
+# torch ≥ 2.2 prefixes worker lines with "[rank3]:"; torchrun --tee/-t with "[default3]:"
+# (role + local rank). Either names the rank that printed the line.
+_RANK_PREFIX = re.compile(r"^\[(?:rank|default|[A-Za-z_]+?)(\d+)\]:\s?")
+_RANK_IN_TEXT = re.compile(r"\[(?:Rank|rank) (\d+)\]")
+
+
+def split_rank(line: str) -> tuple[int | None, str]:
+    m = _RANK_PREFIX.match(line)
+    if m:
+        return int(m.group(1)), line[m.end():]
+    return None, line
+
+
+# --- CUDA OOM -------------------------------------------------------------------------------
+_UNITS = {"B": 1 / 2**20, "KiB": 1 / 1024, "KB": 1 / 1024, "MiB": 1.0, "MB": 1.0,
+          "GiB": 1024.0, "GB": 1024.0, "TiB": 2**20, "TB": 2**20}
+_SIZE = r"([\d.]+)\s*(B|KiB|KB|MiB|MB|GiB|GB|TiB|TB)"
+_OOM_MARK = re.compile(r"CUDA out of memory|OutOfMemoryError")
+_OOM_TRIED = re.compile(r"Tried to allocate " + _SIZE)
+_OOM_GPU = re.compile(r"GPU (\d+)")
+# torch ≥ 2.1: "GPU 3 has a total capacity of 79.15 GiB of which 1.59 GiB is free."
+# torch < 2.1: "(GPU 0; 7.93 GiB total capacity; 6.98 GiB already allocated; 4.56 MiB free; ...)"
+_OOM_TOTAL = [re.compile(r"total capacity of " + _SIZE), re.compile(_SIZE + r" total capacity")]
+_OOM_FREE = [re.compile(r"of which " + _SIZE + r" is free"), re.compile(_SIZE + r" free")]
+
+
+def _mib(m: re.Match | None) -> float | None:
+    return float(m.group(1)) * _UNITS[m.group(2)] if m else None
+
+
+def parse_cuda_oom(text: str) -> dict | None:
+    """The numbers in torch's CUDA OOM message; shortfall = requested − free, in MiB (ceil)."""
+    if not _OOM_MARK.search(text):
+        return None
+    gpu = _OOM_GPU.search(text)
+    tried = _mib(_OOM_TRIED.search(text))
+    total = next((v for p in _OOM_TOTAL if (v := _mib(p.search(text))) is not None), None)
+    free = next((v for p in _OOM_FREE if (v := _mib(p.search(text))) is not None), None)
+    short = math.ceil(tried - free) if tried is not None and free is not None else None
+    return {"gpu": int(gpu.group(1)) if gpu else None, "tried_mib": tried, "free_mib": free,
+            "total_mib": total, "short_mib": short}
+
+
+def oom_reason(info: dict, gpu: int | None = None) -> str:
+    where = info.get("gpu") if info.get("gpu") is not None else gpu
+    where_s = f"GPU {where}" if where is not None else "an unknown GPU"
+    if info.get("short_mib") is not None:
+        return f"CUDA OOM on {where_s}, short by {info['short_mib']} MiB"
+    if info.get("tried_mib") is not None:
+        return f"CUDA OOM on {where_s} (tried to allocate {info['tried_mib']:.0f} MiB)"
+    return f"CUDA OOM on {where_s}"
+
+
+# --- NCCL / collective timeouts (research §4.10) ----------------------------------------------
+_NCCL = re.compile(
+    r"Watchdog caught collective operation timeout"
+    r"|ran for \d+ milliseconds before timing out"
+    r"|watchdog got stuck for \d+ seconds"
+    r"|Heartbeat monitor timed out"
+    r"|NCCL (?:communicator|operation|watchdog).*(?:timeout|timed out)"
+    r"|DistBackendError.*[Tt]imeout")
+_NCCL_OP = re.compile(r"OpType=(\w+)")
+_NCCL_MS = re.compile(r"Timeout\(ms\)=(\d+)")
+
+# torchrun's own report of a dead worker (torch/distributed/elastic/multiprocessing/api.py):
+#   "failed (exitcode: -9) local_rank: 2 (pid: 1234) of binary: /usr/bin/python"
+_TORCHRUN_FAILED = re.compile(r"failed \(exitcode: (-?\d+)\) local_rank: (\d+) \(pid: (\d+)\)")
+_SIGNAL_RECEIVED = re.compile(r"Signal (\d+) \((SIG\w+)\) received by PID (\d+)")
+_TRACEBACK = "Traceback (most recent call last)"
+
+
+@dataclass
+class Failure:
+    """One classified failure. ``reason`` is the one line printed first."""
+
+    kind: str  # agent.protocol.FAILURE_KINDS
+    reason: str
+    rank: int | None = None
+    gpu: int | None = None
+    pid: int | None = None
+    ts: float = field(default_factory=time.time)
+    evidence: list[str] = field(default_factory=list)
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def root_cause(failures: list[Failure]) -> Failure | None:
+    """The earliest failure (torchelastic reports the earliest error file as root cause)."""
+    return min(failures, key=lambda f: f.ts) if failures else None
+
+
+class LineClassifier:
+    """Feeds on (rank, line) and keeps what later decisions need: recent lines per rank,
+    which ranks printed a traceback, what torchrun said about dead workers."""
+
+    def __init__(self, keep: int = 40):
+        self.recent: dict[int | None, deque[str]] = {}
+        self.keep = keep
+        self.traceback_ranks: set[int | None] = set()
+        self.exit_by_rank: dict[int, dict] = {}
+        self.exit_by_pid: dict[int, dict] = {}
+
+    def _evidence(self, rank: int | None, n: int = 12) -> list[str]:
+        return list(self.recent.get(rank, ()))[-n:]
+
+    def feed(self, line: str, rank: int | None = None, gpu_of_rank: dict | None = None,
+             ts: float | None = None) -> Failure | None:
+        if rank is None:
+            rank, body = split_rank(line)
+        else:
+            body = line
+        ring = self.recent.setdefault(rank, deque(maxlen=self.keep))
+        ring.append(line)
+        ts = time.time() if ts is None else ts
+        if _TRACEBACK in body:
+            self.traceback_ranks.add(rank)
+        if m := _TORCHRUN_FAILED.search(body):
+            info = _exit_info(int(m.group(1)))
+            info.update(local_rank=int(m.group(2)), pid=int(m.group(3)), line=line)
+            self.exit_by_rank[int(m.group(2))] = info
+            self.exit_by_pid[int(m.group(3))] = info
+        if m := _SIGNAL_RECEIVED.search(body):
+            info = {"exit_code": None, "signal": int(m.group(1)), "signal_name": m.group(2), "line": line}
+            self.exit_by_pid.setdefault(int(m.group(3)), info)
+        if "out of memory" in body or "OutOfMemoryError" in body:
+            info = parse_cuda_oom(body)
+            if info is not None:
+                gpu = info["gpu"]
+                if gpu is None and gpu_of_rank and rank in gpu_of_rank:
+                    gpu = gpu_of_rank[rank]
+                return Failure("cuda_oom", _with_rank(oom_reason(info, gpu), rank), rank, gpu, None, ts,
+                               self._evidence(rank), info)
+        if _NCCL.search(body):
+            if rank is None and (m := _RANK_IN_TEXT.search(body)):
+                rank = int(m.group(1))
+            details = {}
+            if m := _NCCL_OP.search(body):
+                details["op"] = m.group(1)
+            if m := _NCCL_MS.search(body):
+                details["timeout_ms"] = int(m.group(1))
+            gpu = (gpu_of_rank or {}).get(rank)
+            op = f" in {details['op']}" if "op" in details else ""
+            return Failure("nccl_timeout", _with_rank(f"NCCL collective timeout{op}", rank), rank, gpu, None, ts,
+                           self._evidence(rank) or [line], details)
+        return None
+
+    def had_traceback(self, rank: int | None) -> bool:
+        return rank in self.traceback_ranks
+
+    def evidence(self, rank: int | None, n: int = 12) -> list[str]:
+        return self._evidence(rank, n)
+
+
+def _with_rank(reason: str, rank: int | None) -> str:
+    return f"{reason} (rank {rank})" if rank is not None else reason
+
+
+def _exit_info(code: int) -> dict:
+    # torchrun reports a signalled worker as a negative exit code
+    if code < 0:
+        from agent.procs import signal_name
+        return {"exit_code": None, "signal": -code, "signal_name": signal_name(-code)}
+    return {"exit_code": code, "signal": None, "signal_name": None}
+
+
+def classify_event(event: dict, ts: float | None = None) -> Failure | None:
+    """A trainer ``error`` event (events.jsonl) as a failure."""
+    if event.get("kind") != "error":
+        return None
+    rank, gpu = event.get("rank"), event.get("gpu")
+    message = str(event.get("message", ""))
+    evidence = [message] + [l for l in str(event.get("traceback", "")).splitlines()[-8:] if l]
+    ts = float(event.get("ts") or ts or time.time())
+    error = event.get("error")
+    if error == "cuda_oom":
+        info = parse_cuda_oom(message) or {"gpu": gpu}
+        g = info.get("gpu") if info.get("gpu") is not None else gpu
+        return Failure("cuda_oom", _with_rank(oom_reason(info, gpu), rank), rank, g, event.get("pid"), ts, evidence, info)
+    if error == "nccl_timeout":
+        return Failure("nccl_timeout", _with_rank("NCCL collective timeout", rank), rank, gpu, event.get("pid"), ts, evidence)
+    return Failure("rank_exit", _with_rank(f"exception: {message[:200]}", rank), rank, gpu, event.get("pid"), ts, evidence)
+
+
+def exit_failure(rank: int | None, pid: int | None, gpu: int | None, status: dict | None,
+                 had_traceback: bool, evidence: list[str], oom_kills: int = 0,
+                 what: str | None = None) -> Failure:
+    """A process (a rank, or the whole job) that ended badly.
+
+    SIGKILL with no Python traceback is the host OOM killer's signature (research §6:
+    torchelastic leaves no error file for a signalled worker); a cgroup oom_kill increase
+    confirms it.
+    """
+    who = what or (f"rank {rank}" if rank is not None else "the job")
+    where = ", ".join(x for x in (f"pid {pid}" if pid else "", f"GPU {gpu}" if gpu is not None else "") if x)
+    who_full = f"{who} ({where})" if where else who
+    status = status or {}
+    sig = status.get("signal")
+    if oom_kills > 0:
+        reason = f"host OOM kill: {who_full} killed (cgroup memory.events oom_kill +{oom_kills})"
+        return Failure("host_oom", reason, rank, gpu, pid, evidence=evidence, details=dict(status, oom_kills=oom_kills))
+    if sig == 9 and not had_traceback:
+        reason = f"host OOM kill (suspected): {who_full} killed by SIGKILL with no traceback"
+        return Failure("host_oom", reason, rank, gpu, pid, evidence=evidence, details=dict(status))
+    if sig:
+        reason = f"{who_full} killed by {status.get('signal_name') or sig}"
+    elif status.get("exit_code") is not None:
+        reason = f"{who_full} exited with code {status['exit_code']}"
+    else:
+        reason = f"{who_full} exited (status unknown: not our child)"
+    return Failure("rank_exit" if rank is not None else "job_exit", reason, rank, gpu, pid,
+                   evidence=evidence, details=dict(status))
+
+
+# --- heartbeats: stalls -------------------------------------------------------------------------
+class StallMonitor:
+    """A rank whose heartbeat (step, ts) has not changed for ``timeout`` s while another rank's
+    has is stalled (a silent hang otherwise lasts until the NCCL timeout: research §4.10, §4.11).
+    All ranks silent for ``timeout`` s during training is a hang of the whole job."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self.last: dict[int, tuple] = {}
+        self.changed_at: dict[int, float] = {}
+
+    def reset(self) -> None:
+        self.last.clear()
+        self.changed_at.clear()
+
+    def update(self, heartbeats: dict[int, dict], now: float) -> None:
+        for rank, hb in heartbeats.items():
+            key = (hb.get("step"), hb.get("ts"))
+            if self.last.get(rank) != key:
+                self.last[rank] = key
+                self.changed_at[rank] = now
+
+    def check(self, heartbeats: dict[int, dict], now: float, training: bool) -> list[Failure]:
+        if self.timeout <= 0 or not self.changed_at:
+            return []
+        silent = {r: now - t for r, t in self.changed_at.items() if now - t > self.timeout}
+        moving = [r for r in self.changed_at if r not in silent]
+        out = []
+        if silent and (moving or training):
+            for rank, quiet in sorted(silent.items()):
+                hb = heartbeats.get(rank, {})
+                why = "while other ranks progress" if moving else "(all ranks silent)"
+                reason = (f"rank {rank} stalled: no heartbeat progress for {quiet:.0f} s at step "
+                          f"{hb.get('step')} {why}")
+                out.append(Failure("rank_stall", reason, rank, hb.get("gpu"), hb.get("pid"),
+                                   details={"silent_s": round(quiet, 1), "step": hb.get("step"),
+                                            "moving_ranks": sorted(moving)}))
+        return out
+
+
+# --- throughput regression ------------------------------------------------------------------
+class ThroughputMonitor:
+    """Steady-state tokens/s (median of the last ``window`` step events per rank, after
+    ``warmup`` events) summed over ranks, against a baseline (the story: 20 → 5.4 Ktok/s
+    with nobody told why, DESIGN.md)."""
+
+    def __init__(self, baseline: float | None, fraction: float, warmup: int = 3, window: int = 5):
+        self.baseline, self.fraction, self.warmup, self.window = baseline, fraction, warmup, window
+        self.seen: dict[Any, int] = {}
+        self.values: dict[Any, deque] = {}
+
+    def reset(self) -> None:
+        self.seen.clear()
+        self.values.clear()
+
+    def current(self) -> float | None:
+        full = [v for v in self.values.values() if len(v) >= self.window]
+        if not full:
+            return None
+        return sum(statistics.median(v) for v in full)
+
+    def feed(self, event: dict) -> Failure | None:
+        tps = event.get("tokens_per_s")
+        if tps is None:
+            return None
+        rank = event.get("rank")
+        self.seen[rank] = self.seen.get(rank, 0) + 1
+        if self.seen[rank] <= self.warmup:
+            return None
+        self.values.setdefault(rank, deque(maxlen=self.window)).append(float(tps))
+        if not self.baseline:
+            return None
+        # only judge once every rank that reports has a full window
+        if any(len(v) < self.window for v in self.values.values()):
+            return None
+        now = self.current()
+        limit = self.baseline * (1 - self.fraction)
+        if now is not None and now < limit:
+            drop = 1 - now / self.baseline
+            reason = (f"throughput regression: {now:,.0f} tokens/s vs baseline {self.baseline:,.0f} "
+                      f"(-{drop:.0%}, allowed -{self.fraction:.0%})")
+            return Failure("throughput_regression", reason, None, None, None,
+                           details={"tokens_per_s": now, "baseline": self.baseline, "fraction": self.fraction,
+                                    "step": event.get("step")})
+        return None

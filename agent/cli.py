@@ -1,0 +1,235 @@
+"""`python3 -m agent <verb> …`: the agent's fixed command line. Replies that a program
+reads are printed with wrap_payload (JSON between sentinel lines); `follow` prints JSON lines.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from agent import protocol as P
+from agent.rundir import RunDir, agent_live_or_none, agent_alive, read_json, resolve
+
+
+def _print(obj: dict) -> None:
+    sys.stdout.write(P.wrap_payload(obj))
+    sys.stdout.flush()
+
+
+def _fail(message: str, code: int = 2, **extra) -> int:
+    _print({"ok": False, "error": message, **extra})
+    print(f"agent: {message}", file=sys.stderr)
+    return code
+
+
+def _split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1:]
+    return argv, []
+
+
+def _run_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--run", help="run id (under <workspace>/runs/)")
+    p.add_argument("--workspace", help=f"default ${P.ENV_WORKSPACE} or {P.DEFAULT_WORKSPACE}")
+    p.add_argument("--run-dir", help="the run directory itself (instead of --run/--workspace)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python3 -m agent", description="dflash-ctl in-container agent")
+    sub = parser.add_subparsers(dest="verb", required=True)
+    s = sub.add_parser("start", help="start (or re-attach to) a supervised run: start --run-dir DIR -- ARGV…")
+    s.add_argument("--run-dir", required=True)
+    s.add_argument("--run-id")
+    s.add_argument("--cwd", help="working directory of the job (default: the current one)")
+    s.add_argument("--gpu-interval", type=float, default=10.0)
+    s.add_argument("--stall-timeout", type=float, default=300.0, help="seconds without heartbeat progress (0: off)")
+    s.add_argument("--baseline-tokens-per-s", type=float)
+    s.add_argument("--regression-fraction", type=float, default=0.3)
+    s.add_argument("--max-restarts", type=int, default=0)
+    s.add_argument("--kill-grace", type=float, default=10.0, help="SIGTERM→SIGKILL wait when a failed run is stopped")
+    s.add_argument("--settle", type=float, default=1.5, help="seconds of evidence gathering after a first failure")
+    s.add_argument("--reattach", action="store_true", help="re-attach to the live job of an existing run dir")
+    f = sub.add_parser("follow", help="print the stream from a seq, live, until the run ends")
+    _run_args(f)
+    f.add_argument("--from", dest="from_seq", type=int, default=0, help="print records with seq > FROM")
+    for verb in ("status", "stop"):
+        x = sub.add_parser(verb)
+        _run_args(x)
+        if verb == "stop":
+            x.add_argument("--grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL")
+    ls = sub.add_parser("list", help="runs in the workspace and their states")
+    ls.add_argument("--workspace")
+    sub.add_parser("gpus", help="one GPU sample")
+    fp = sub.add_parser("fingerprint", help="python, torch + CUDA build, driver, packages and their hash")
+    fp.add_argument("--python", help="the python to describe (default: python3 on PATH)")
+    fp.add_argument("--write", help="also write the fingerprint to this file (atomically)")
+    d = sub.add_parser("_daemon")
+    d.add_argument("--run-dir", required=True)
+    d.add_argument("--ready-fd", type=int)
+    d.add_argument("--reattach", action="store_true")
+    m = sub.add_parser("_monitor")
+    m.add_argument("--run-dir", required=True)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    head, tail = _split_argv(argv)
+    args = build_parser().parse_args(head)
+    handler = globals()[f"cmd_{args.verb.lstrip('_')}"]
+    return handler(args, tail) or 0
+
+
+def _rd(args) -> RunDir:
+    return resolve(getattr(args, "run", None), getattr(args, "workspace", None), getattr(args, "run_dir", None))
+
+
+# --- verbs -----------------------------------------------------------------------------------
+def cmd_start(args, job_argv: list[str]) -> int:
+    from agent import daemon
+
+    rd = RunDir(args.run_dir)
+    existing = read_json(rd.spec)
+    if existing:
+        if agent_alive(rd):
+            st = read_json(rd.status) or {}
+            _print({"ok": True, "run_id": existing["run_id"], "run_dir": rd.path, "state": st.get("state"),
+                    "already_supervised": True, "seq": st.get("seq")})
+            return 0
+        st = read_json(rd.status) or {}
+        if st.get("state") and P.RunState(st["state"]).is_terminal():
+            return _fail(f"run {existing['run_id']} in {rd.path} already ended ({st['state']}); "
+                         "start a new run in a new --run-dir")
+        reply = daemon.launch(rd, reattach=True)
+        return _reply(reply)
+    if args.reattach:
+        return _fail(f"nothing to re-attach to: {rd.spec} does not exist")
+    if not job_argv:
+        return _fail("no job command: put it after `--`, e.g. start --run-dir DIR -- python3 -m trainer …")
+    os.makedirs(rd.path, exist_ok=True)
+    spec = {
+        "run_id": args.run_id or os.path.basename(rd.path), "argv": job_argv,
+        "cwd": os.path.abspath(args.cwd or os.getcwd()), "created": time.time(),
+        "protocol": P.PROTOCOL_VERSION,
+        "options": {"gpu_interval": args.gpu_interval, "stall_timeout": args.stall_timeout,
+                    "baseline_tokens_per_s": args.baseline_tokens_per_s,
+                    "regression_fraction": args.regression_fraction, "max_restarts": args.max_restarts,
+                    "kill_grace": args.kill_grace, "settle_s": args.settle},
+    }
+    P.atomic_write_json(rd.spec, spec)
+    return _reply(daemon.launch(rd, reattach=False))
+
+
+def _reply(reply: dict) -> int:
+    if reply.get("ok"):
+        _print(reply)
+        return 0
+    return _fail(reply.get("error", "agent failed to start"), 1, **{k: v for k, v in reply.items() if k not in ("ok", "error")})
+
+
+def cmd_follow(args, _tail) -> int:
+    from agent.stream import follow
+
+    rd = _rd(args)
+    if not os.path.isdir(rd.path):
+        print(f"agent follow: no run directory {rd.path}", file=sys.stderr)
+        return 2
+    try:
+        return follow(rd.path, args.from_seq, sys.stdout.buffer, lambda: agent_alive(rd))
+    except (BrokenPipeError, KeyboardInterrupt):
+        try:
+            sys.stdout = None  # the reader went away: nothing more to say
+        except Exception:  # noqa: BLE001
+            pass
+        return 0
+
+
+def cmd_status(args, _tail) -> int:
+    rd = _rd(args)
+    if not os.path.isdir(rd.path):
+        return _fail(f"no run directory {rd.path}")
+    out = {"ok": True, "run_dir": rd.path, "run_id": rd.run_id, "agent_alive": agent_alive(rd),
+           "status": read_json(rd.status), "result": read_json(rd.result)}
+    job = agent_live_or_none(rd.job_pid)
+    out["job_alive"] = job
+    return _print(out) or 0
+
+
+def cmd_list(args, _tail) -> int:
+    ws = args.workspace or os.environ.get(P.ENV_WORKSPACE) or P.DEFAULT_WORKSPACE
+    base = os.path.join(ws, "runs")
+    runs = []
+    for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        rd = RunDir(os.path.join(base, name))
+        if not os.path.exists(rd.spec):
+            continue
+        st = read_json(rd.status) or {}
+        res = read_json(rd.result) or {}
+        runs.append({"run_id": rd.run_id, "run_dir": rd.path, "state": st.get("state"),
+                     "step": st.get("step"), "updated": st.get("updated"), "reason": res.get("reason"),
+                     "agent_alive": agent_alive(rd)})
+    return _print({"ok": True, "workspace": ws, "runs": runs}) or 0
+
+
+def cmd_gpus(args, _tail) -> int:
+    from agent import gpus
+
+    return _print({"ok": True, **gpus.sample()}) or 0
+
+
+def cmd_fingerprint(args, _tail) -> int:
+    from agent.fingerprint import fingerprint
+
+    fp = fingerprint(args.python)
+    if args.write:
+        P.atomic_write_json(args.write, fp)
+    return _print({"ok": "error" not in fp, **fp}) or 0
+
+
+def cmd_stop(args, _tail) -> int:
+    rd = _rd(args)
+    spec = read_json(rd.spec)
+    if not spec:
+        return _fail(f"no run at {rd.path}")
+    st = read_json(rd.status) or {}
+    if st.get("state") and P.RunState(st["state"]).is_terminal():
+        return _print({"ok": True, "already_ended": True, "state": st["state"], "result": read_json(rd.result)}) or 0
+    P.atomic_write_json(rd.stop_request, {"ts": time.time(), "grace": args.grace, "by": f"agent stop (pid {os.getpid()})"})
+    if agent_alive(rd):
+        deadline = time.monotonic() + args.grace + 60
+        while time.monotonic() < deadline:
+            res = read_json(rd.result)
+            st = read_json(rd.status) or {}
+            if res and st.get("state") and P.RunState(st["state"]).is_terminal():
+                return _print({"ok": True, "state": st["state"], "by": "agent", "result": res}) or 0
+            time.sleep(0.1)
+        return _fail(f"the agent of {rd.path} did not finish stopping within {args.grace + 60:.0f} s", 1)
+    # No agent: take its place for the stop (we hold the lock, so we may write the stream).
+    from agent.rundir import Lock
+    from agent.supervisor import Supervisor
+
+    lock = Lock(rd.agent_lock)
+    if not lock.acquire(timeout=5.0):
+        return _fail(f"an agent for {rd.path} appeared while stopping; retry", 1)
+    try:
+        Supervisor(rd, spec, reattach=True, lock=lock).run()
+    finally:
+        lock.release()
+    st = read_json(rd.status) or {}
+    return _print({"ok": True, "state": st.get("state"), "by": "stop (no agent was running)",
+                   "result": read_json(rd.result)}) or 0
+
+
+def cmd_daemon(args, _tail) -> int:
+    from agent import daemon
+
+    return daemon.main(args.run_dir, args.ready_fd, args.reattach)
+
+
+def cmd_monitor(args, tail) -> int:
+    from agent import monitor
+
+    return monitor.main(args.run_dir, tail)

@@ -1,0 +1,163 @@
+"""In-container checks and records for `ctl kill-and-rollback`.
+
+- ``survivors --run ID``: every live process that belongs to the run (below its recorded job
+  and agent PIDs, or carrying ``DFLASH_RUN_ID=ID`` in its environment). Asked *after* the
+  agent's stop, independently of it: a rollback must never start while a trainer process
+  still holds files of the venv or GPU memory.
+- ``gpus``: one NVML sample (agent.gpus), for "its GPU memory is released".
+- ``history-append`` / ``history``: the container's recovery history,
+  ``<workspace>/.dflash-ctl/history.jsonl``. One JSON line per kill or rollback, appended
+  with O_APPEND under an flock and fsynced, so concurrent writers never interleave and a
+  reader never sees half a record (a torn last line from a crash is skipped on read).
+
+Why a history file and not the run's stream: the stream's contract is that its last record
+of a finished run is the terminal status (agent/stream.py, protocol FIRST_SEQ comment), and
+a rollback happens after that. The stop itself is in the stream (the agent's
+agent.stop_requested / agent.stop events).
+
+Standard library only; run with the container's system python3 like agent.envgen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import sys
+import time
+from typing import Optional
+
+from agent import protocol as P
+from agent.protocol import wrap_payload
+
+HISTORY = ".dflash-ctl/history.jsonl"
+
+
+def history_path(workspace: str) -> str:
+    return os.path.join(workspace, HISTORY)
+
+
+def append_history(workspace: str, record: dict) -> dict:
+    record = dict(record)
+    record.setdefault("ts", time.time())
+    line = (json.dumps(record, sort_keys=True, separators=(",", ":")) + "\n").encode()
+    path = history_path(workspace)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        view = memoryview(line)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return record
+
+
+def read_history(workspace: str, run: Optional[str] = None, limit: int = 0) -> list[dict]:
+    out = [rec for _, rec in P.read_json_lines(history_path(workspace))
+           if run is None or rec.get("run") == run]
+    return out[-limit:] if limit else out
+
+
+def _pid_of(path: str) -> Optional[int]:
+    try:
+        with open(path) as fh:
+            doc = json.load(fh)
+        return int(doc.get("pid")) if isinstance(doc, dict) and doc.get("pid") else None
+    except (OSError, ValueError, TypeError):
+        return None
+
+
+def survivors(workspace: str, run: str) -> list[dict]:
+    from agent import procs  # the agent's own process helpers (PID table, env marker)
+
+    run_dir = os.path.join(workspace, "runs", run)
+    roots = [p for p in (_pid_of(os.path.join(run_dir, P.JOB_PID)),
+                         _pid_of(os.path.join(run_dir, P.AGENT_PID))) if p]
+    pids = procs.descendants(roots, marker={P.ENV_RUN_ID: run}) | {
+        p for p in roots if (st := procs.stat(p)) is not None and st["state"] not in ("Z", "X")}
+    return [{"pid": pid, "cmdline": " ".join(procs.cmdline(pid))[:300]} for pid in sorted(pids)]
+
+
+def _read(path: str) -> Optional[dict]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+        return doc if isinstance(doc, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def latest_run(workspace: str) -> Optional[str]:
+    """The run to act on when none is named: a live one if any, else the newest."""
+    root = os.path.join(workspace, "runs")
+    try:
+        names = [n for n in os.listdir(root) if os.path.isdir(os.path.join(root, n))]
+    except FileNotFoundError:
+        return None
+    def key(name: str):
+        status = _read(os.path.join(root, name, P.STATUS)) or {}
+        try:
+            live = not P.RunState(status.get("state")).is_terminal()
+        except ValueError:
+            live = False
+        return (live, os.path.getmtime(os.path.join(root, name)))
+    return max(names, key=key) if names else None
+
+
+def run_info(workspace: str, run: str) -> dict:
+    """State, spec, launch record and last checkpoint of one run (what the report needs)."""
+    run_dir = os.path.join(workspace, "runs", run)
+    info: dict = {"run": run, "run_dir": run_dir, "exists": os.path.isdir(run_dir)}
+    info["status"] = _read(os.path.join(run_dir, P.STATUS))
+    info["result"] = _read(os.path.join(run_dir, P.RESULT))
+    info["spec"] = _read(os.path.join(run_dir, P.SPEC))
+    info["launch"] = _read(os.path.join(workspace, ".dflash-ctl", "launches", f"{run}.json"))
+    last = None
+    for _, rec in P.read_json_lines(os.path.join(run_dir, P.EVENTS)):
+        if rec.get("kind") == "checkpoint" and rec.get("path"):
+            last = {"step": rec.get("step"), "path": rec["path"]}
+    if last is not None:
+        path = last["path"] if os.path.isabs(last["path"]) else os.path.join(run_dir, last["path"])
+        last["exists"] = os.path.exists(path)
+    info["checkpoint"] = last
+    return info
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m agent.recovery")
+    p.add_argument("--workspace", default=os.environ.get(P.ENV_WORKSPACE) or P.DEFAULT_WORKSPACE)
+    sub = p.add_subparsers(dest="verb", required=True)
+    s = sub.add_parser("survivors")
+    s.add_argument("--run", required=True)
+    sub.add_parser("gpus")
+    s = sub.add_parser("run-info")
+    s.add_argument("--run", help="default: the live run, else the newest")
+    sub.add_parser("history-append", help="one JSON record on stdin")
+    s = sub.add_parser("history")
+    s.add_argument("--run")
+    s.add_argument("--limit", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.verb == "survivors":
+        body = {"run": args.run, "survivors": survivors(args.workspace, args.run)}
+    elif args.verb == "run-info":
+        run = args.run or latest_run(args.workspace)
+        body = run_info(args.workspace, run) if run else {"run": None, "exists": False}
+    elif args.verb == "gpus":
+        from agent import gpus
+
+        body = gpus.sample()
+    elif args.verb == "history-append":
+        body = {"record": append_history(args.workspace, json.load(sys.stdin))}
+    else:
+        body = {"records": read_history(args.workspace, args.run, args.limit)}
+    body["ok"] = True
+    sys.stdout.write(wrap_payload(body))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""Paths and small file helpers of one run directory (DESIGN.md: run directory)."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+
+from agent import protocol as P
+
+
+class RunDir:
+    def __init__(self, path: str):
+        self.path = os.path.abspath(path)
+
+    def __getattr__(self, name: str) -> str:
+        # rd.status → <dir>/status.json, using the protocol's file names
+        table = {"spec": P.SPEC, "status": P.STATUS, "stream": P.STREAM, "output_log": P.OUTPUT_LOG,
+                 "result": P.RESULT, "events": P.EVENTS, "heartbeat_dir": P.HEARTBEAT_DIR,
+                 "job_stdout": P.JOB_STDOUT, "job_stderr": P.JOB_STDERR, "job_pid": P.JOB_PID,
+                 "job_exit": P.JOB_EXIT, "agent_pid": P.AGENT_PID, "agent_lock": P.AGENT_LOCK,
+                 "agent_log": P.AGENT_LOG, "stop_request": P.STOP_REQUEST, "fingerprint": P.FINGERPRINT}
+        if name in table:
+            return os.path.join(self.path, table[name])
+        raise AttributeError(name)
+
+    @property
+    def run_id(self) -> str:
+        spec = read_json(self.spec) or {}
+        return spec.get("run_id") or os.path.basename(self.path)
+
+
+def read_json(path: str) -> dict | None:
+    try:
+        with open(path) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
+
+
+def resolve(run: str | None = None, workspace: str | None = None, run_dir: str | None = None) -> RunDir:
+    """--run-dir wins; else <workspace>/runs/<run> with workspace from --workspace,
+    $DFLASH_WORKSPACE or /workspace."""
+    if run_dir:
+        return RunDir(run_dir)
+    if not run:
+        raise ValueError("name the run: --run ID (with --workspace W) or --run-dir DIR")
+    ws = workspace or os.environ.get(P.ENV_WORKSPACE) or P.DEFAULT_WORKSPACE
+    return RunDir(os.path.join(ws, "runs", run))
+
+
+class Lock:
+    """agent.lock: held (flock) for its whole life by the one process that may append to the
+    stream. The kernel drops it when that process dies, even by SIGKILL, so "is an agent
+    alive for this run" is answered without trusting a pidfile."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.fd: int | None = None
+
+    def acquire(self, timeout: float = 1.0) -> bool:
+        # retried briefly: a reader probing agent_alive() holds a shared lock for microseconds
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    return False
+                time.sleep(0.05)
+        self.fd = fd
+        return True
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def agent_alive(rd: RunDir) -> bool:
+    if not os.path.exists(rd.agent_lock):
+        return False
+    fd = os.open(rd.agent_lock, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def agent_live_or_none(pidfile: str) -> bool | None:
+    """Whether the process recorded in ``pidfile`` is alive (None: no pidfile)."""
+    from agent.procs import Identity
+
+    data = read_json(pidfile)
+    if not data:
+        return None
+    return Identity.from_json(data).alive()
