@@ -1,0 +1,63 @@
+"""A tiny Qwen3 target and data prepared from its own greedy continuations, for the trainer
+tests (CPU, seconds). Built from a config in code: no hub downloads."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.1,
+            tie_word_embeddings=False)
+
+
+def make_target(directory: str, seed: int = 0, **overrides) -> str:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    model = Qwen3ForCausalLM(Qwen3Config(**{**TINY, **overrides})).eval()
+    model.save_pretrained(directory)
+    return directory
+
+
+@torch.no_grad()
+def make_data(target_dir: str, out_dir: str, samples: int = 48, prompt_len: int = 8, new_tokens: int = 40, seed: int = 1) -> str:
+    """Random prompts + the target's greedy continuations; loss on the continuation."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.data import prepare
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    prompts = torch.randint(0, vocab - 1, (samples, prompt_len), generator=g)
+    seq = prompts
+    for _ in range(new_tokens):
+        nxt = model(input_ids=seq).logits[:, -1].argmax(-1, keepdim=True)
+        seq = torch.cat([seq, nxt], dim=1)
+    jsonl = out_dir.rstrip("/") + ".jsonl"
+    with open(jsonl, "w") as fh:
+        for i in range(samples):
+            # vary lengths a little so batching and padding are exercised
+            n = prompt_len + new_tokens - (i % 5) * 3
+            ids = seq[i, :n].tolist()
+            mask = [0] * prompt_len + [1] * (n - prompt_len)
+            fh.write(json.dumps({"input_ids": ids, "loss_mask": mask}) + "\n")
+    prepare([jsonl], out_dir, log=lambda line: None)
+    return out_dir
+
+
+def tiny_setup(root: str) -> tuple[str, str]:
+    target = make_target(os.path.join(root, "target"))
+    data = make_data(target, os.path.join(root, "data"))
+    return target, data
+
+
+def base_args(target: str, data: str, out: str, *extra: str) -> list[str]:
+    return ["--target-model", target, "--data-dir", data, "--output-dir", out, "--device", "cpu",
+            "--target-gpus", "0", "--drafter-gpus", "0", "--block-size", "8", "--max-anchors", "6",
+            "--num-draft-layers", "2", "--token-budget", "192", "--max-seq-len", "48", "--max-batch-size", "4",
+            "--grad-accum", "1", "--lr", "3e-3", "--warmup-ratio", "0.1", "--gamma", "4", "--save-interval", "1000",
+            "--epochs", "2", *extra]

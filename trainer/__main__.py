@@ -1,0 +1,213 @@
+"""``python -m trainer``: train a DFlash drafter; ``prepare``, ``tiny`` and ``flags`` subcommands.
+
+Bad input (flags, paths, an incompatible checkpoint, a missing start decision) is refused
+before anything is created: one line per problem on stderr, exit code 2 (EXIT_USAGE).
+
+Started without torchrun's environment (no RANK) and needing more than one process, the
+trainer re-launches itself under ``python -m torch.distributed.run --standalone`` (c10d
+rendezvous) and stays as a thin parent: it forwards SIGTERM to its own worker processes and
+exits EXIT_STOPPED when every rank stopped after its checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from trainer import flags
+
+PROG = "python -m trainer"
+
+
+def validate(args) -> list[str]:
+    """Every reason this run cannot start, one line each; touches nothing on disk."""
+    problems = flags.check(vars(args))
+    if args.token_budget == "auto":
+        problems.append("--token-budget auto needs the memory probe, which this trainer does not run yet; "
+                        "give a number of tokens, e.g. --token-budget 49152")
+    if args.target_model and not os.path.isfile(os.path.join(args.target_model, "config.json")):
+        problems.append(f"--target-model {args.target_model}: no config.json there; "
+                        "point it at a local Hugging Face model directory")
+    if args.data_dir and not os.path.isfile(os.path.join(args.data_dir, "meta.json")):
+        problems.append(f"--data-dir {args.data_dir}: no meta.json there; prepare the data with "
+                        f"`{PROG} prepare --input FILE.jsonl --out {args.data_dir}`")
+    if args.device == "cuda" or (args.device == "auto" and _cuda_available()):
+        n = _cuda_count()
+        if n == 0:
+            problems.append("--device cuda: no CUDA device is visible; use --device cpu or check the driver")
+        bad = sorted(g for g in set(args.target_gpus or ()) | set(args.drafter_gpus or ()) if g >= n)
+        if n and bad:
+            problems.append(f"GPU {','.join(map(str, bad))} named in --target-gpus/--drafter-gpus does not exist "
+                            f"(this machine shows {n} GPU(s): 0..{n - 1})")
+    if problems:
+        return problems
+    # -- the start decision's checkpoint must fit this target, block size and (resume) data
+    from trainer import checkpoint as ckpt_io
+    from trainer.model import DrafterConfig
+    from trainer.target import read_config, target_identity
+
+    try:
+        dcfg = DrafterConfig.from_target(read_config(args.target_model), args.num_draft_layers, args.block_size,
+                                         args.mask_token_id, args.target_layer_ids)
+    except (KeyError, ValueError) as exc:
+        return [f"--target-model {args.target_model}: not a Qwen3-family config ({exc})"]
+    L = dcfg.num_target_layers
+    if any(not 0 <= i < L for i in dcfg.target_layer_ids):
+        problems.append(f"--target-layer-ids {','.join(map(str, dcfg.target_layer_ids))}: the target has layers 0..{L - 1}")
+    if not 0 <= dcfg.mask_token_id < dcfg.vocab_size:
+        problems.append(f"--mask-token-id {dcfg.mask_token_id} is outside the target's vocabulary 0..{dcfg.vocab_size - 1}")
+    for flag, path in (("--resume-from", args.resume_from), ("--init-from", args.init_from)):
+        if not path:
+            continue
+        try:
+            meta = ckpt_io.read_meta(path)
+        except ValueError as exc:
+            problems.append(f"{flag} {path}: {exc}")
+            continue
+        meta["path"] = path
+        fingerprint = None
+        if flag == "--resume-from":
+            with open(os.path.join(args.data_dir, "meta.json")) as fh:
+                fingerprint = json.load(fh).get("fingerprint")
+        problems += ckpt_io.compatibility_problems(
+            meta, block_size=args.block_size, num_draft_layers=args.num_draft_layers,
+            target=target_identity(args.target_model), target_layer_ids=dcfg.target_layer_ids, flag=flag,
+            data_fingerprint=fingerprint)
+    return problems
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "prepare":
+        from trainer.data import main as prepare_main
+
+        return prepare_main(argv[1:])
+    if argv and argv[0] == "tiny":
+        from trainer.tiny import main as tiny_main
+
+        return tiny_main(argv[1:])
+    if argv and argv[0] == "flags":
+        if argv[1:] != ["--markdown"]:
+            print(f"{PROG} flags: usage: {PROG} flags --markdown", file=sys.stderr)
+            return flags.EXIT_USAGE
+        sys.stdout.write(flags.markdown())
+        return flags.EXIT_OK
+
+    args = flags.parse_args(argv)  # exits EXIT_USAGE with one line on a parse error
+    problems = validate(args)
+    if problems:
+        for p in problems:
+            print(f"{PROG}: error: {p}", file=sys.stderr)
+        return flags.EXIT_USAGE
+
+    from trainer.topology import world_size_for
+
+    world = world_size_for(args.target_gpus, args.drafter_gpus)
+    if world > 1 and "RANK" not in os.environ:
+        return relaunch(argv, world, args)
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) != world:
+        print(f"{PROG}: error: started with WORLD_SIZE {os.environ['WORLD_SIZE']} but --target-gpus/--drafter-gpus "
+              f"need {world} processes; start with --nproc-per-node {world} or without torchrun", file=sys.stderr)
+        return flags.EXIT_USAGE
+
+    import torch
+
+    from trainer import topology
+    from trainer.train import run
+
+    device_type = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
+    topo = topology.init(args.target_gpus, args.drafter_gpus, device_type)
+    try:
+        return run(args, topo)
+    finally:
+        topology.shutdown(topo)
+
+
+def relaunch(argv: list[str], world: int, args) -> int:
+    """Run ``world`` workers under torchrun (c10d rendezvous on a free local port) and wait.
+
+    torchrun runs in its own session, so a signal meant for this trainer does not make
+    torchrun's agent tear the workers down mid-save; on SIGTERM we signal our workers
+    (the pids in their heartbeats, checked to be torchrun's children) and they stop together
+    after a checkpoint."""
+    from trainer.train import run_dir_of
+    from agent.protocol import HEARTBEAT_DIR
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           "-m", "trainer", *argv]
+    started = time.time()
+    stop = {"requested": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("requested", True))
+    proc = subprocess.Popen(cmd, start_new_session=True)
+    hb_dir = os.path.join(run_dir_of(args), HEARTBEAT_DIR)
+    signalled: set[int] = set()
+    while proc.poll() is None:
+        if stop["requested"]:
+            for hb in _heartbeats(hb_dir, started):
+                pid = hb.get("pid")
+                if pid not in signalled and _parent_of(pid) in (proc.pid, *_children(proc.pid)):
+                    try:
+                        os.kill(pid, signal.SIGTERM)
+                        signalled.add(pid)
+                    except ProcessLookupError:
+                        pass
+        time.sleep(0.2)
+    rc = proc.returncode
+    states = [hb.get("state") for hb in _heartbeats(hb_dir, started)]
+    if rc != 0 and len(states) == world and all(s == "stopped" for s in states):
+        return flags.EXIT_STOPPED
+    return rc
+
+
+def _heartbeats(directory: str, since: float) -> list[dict]:
+    out = []
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return out
+    for name in names:
+        if name.startswith("rank-"):
+            try:
+                with open(os.path.join(directory, name)) as fh:
+                    hb = json.load(fh)
+            except (OSError, json.JSONDecodeError):
+                continue
+            if hb.get("ts", 0) >= since:
+                out.append(hb)
+    return out
+
+
+def _parent_of(pid) -> int | None:
+    try:
+        with open(f"/proc/{int(pid)}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError, TypeError):
+        return None
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as fh:
+            return [int(x) for x in fh.read().split()]
+    except OSError:
+        return []
+
+
+if __name__ == "__main__":
+    sys.exit(main())

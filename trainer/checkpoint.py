@@ -1,0 +1,136 @@
+"""Checkpoints: ``OUTPUT/step_N/`` holds
+
+* ``drafter/``       config.json + model.safetensors (inference export, z-lab layout)
+* ``meta.json``      the checkpoint's self-description (step, config, target identity,
+                     data fingerprint, schedule): read by launch validation without
+                     loading tensors
+* ``checkpoint.pt``  everything to resume: drafter weights, optimizer, schedule, step,
+                     epoch, data position, RNG states, config, fingerprint, target identity
+
+``checkpoint.pt`` is written last, to a temp name, fsynced and renamed: its presence means the
+step directory is complete, and a kill at any moment leaves earlier checkpoints untouched.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import tempfile
+
+import numpy as np
+import torch
+
+from agent.protocol import atomic_write_json
+
+FORMAT = "dflash-trainer-checkpoint"
+VERSION = 1
+CHECKPOINT = "checkpoint.pt"
+META = "meta.json"
+DRAFTER = "drafter"
+
+
+def step_dir(output_dir: str, step: int) -> str:
+    return os.path.join(output_dir, f"step_{step}")
+
+
+def resolve(path: str) -> str:
+    """A step directory or its checkpoint.pt → the step directory."""
+    path = os.path.abspath(path)
+    return os.path.dirname(path) if os.path.basename(path) == CHECKPOINT else path
+
+
+def read_meta(path: str) -> dict:
+    """meta.json of a checkpoint (``path``: step dir or checkpoint.pt); raises ValueError
+    with a one-line reason when it is not a complete checkpoint."""
+    d = resolve(path)
+    if not os.path.isfile(os.path.join(d, CHECKPOINT)):
+        raise ValueError(f"{d} holds no {CHECKPOINT} (not a checkpoint, or its save was interrupted); "
+                         "name a complete OUTPUT/step_N directory")
+    try:
+        with open(os.path.join(d, META)) as fh:
+            meta = json.load(fh)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{os.path.join(d, META)} is unreadable ({exc}); name another checkpoint")
+    if meta.get("format") != FORMAT:
+        raise ValueError(f"{d} is not a {FORMAT} (format {meta.get('format')!r})")
+    return meta
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(output_dir: str, step: int, drafter, meta: dict, state: dict) -> str:
+    """Write step_N/ (drafter export, meta.json, then checkpoint.pt atomically); return the
+    checkpoint.pt path. ``meta`` is JSON-able; ``state`` adds the tensors."""
+    d = step_dir(output_dir, step)
+    os.makedirs(d, exist_ok=True)
+    # drafter/ first, via a temp dir + rename, so a reader never sees half an export
+    tmp = tempfile.mkdtemp(prefix=".drafter-", dir=d)
+    drafter.save_pretrained(tmp)
+    final = os.path.join(d, DRAFTER)
+    if os.path.exists(final):
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    meta = {"format": FORMAT, "version": VERSION, "step": step, **meta}
+    atomic_write_json(os.path.join(d, META), meta)
+    path = os.path.join(d, CHECKPOINT)
+    fd, tmp_pt = tempfile.mkstemp(prefix=".checkpoint-", suffix=".tmp", dir=d)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            torch.save({**meta, **state, "rng": rng_state()}, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp_pt, path)
+    except BaseException:
+        if os.path.exists(tmp_pt):
+            os.unlink(tmp_pt)
+        raise
+    return path
+
+
+def load(path: str, map_location="cpu") -> dict:
+    d = resolve(path)
+    read_meta(d)
+    return torch.load(os.path.join(d, CHECKPOINT), map_location=map_location, weights_only=False)
+
+
+def compatibility_problems(meta: dict, *, block_size: int, num_draft_layers: int, target: dict,
+                           target_layer_ids: list[int], flag: str, data_fingerprint: str | None = None) -> list[str]:
+    """Why a checkpoint cannot start this run (one line each, naming the flag)."""
+    problems = []
+    where = meta.get("path", "the checkpoint")
+    cfg = meta.get("drafter_config", {})
+    if cfg.get("block_size") != block_size:
+        problems.append(f"{flag} {where}: checkpoint block size {cfg.get('block_size')} != --block-size {block_size}; "
+                        f"use --block-size {cfg.get('block_size')} or another checkpoint")
+    if cfg.get("num_hidden_layers") != num_draft_layers:
+        problems.append(f"{flag} {where}: checkpoint has {cfg.get('num_hidden_layers')} draft layers, "
+                        f"--num-draft-layers is {num_draft_layers}")
+    ids = (cfg.get("dflash_config") or {}).get("target_layer_ids")
+    if ids is not None and list(ids) != list(target_layer_ids):
+        problems.append(f"{flag} {where}: checkpoint taps target layers {ids}, this run taps {list(target_layer_ids)}")
+    theirs = meta.get("target") or {}
+    if theirs.get("config_sha256") != target.get("config_sha256"):
+        diff = [k for k in ("model_type", "num_hidden_layers", "hidden_size", "vocab_size") if theirs.get(k) != target.get(k)]
+        what = ", ".join(f"{k} {theirs.get(k)} vs {target.get(k)}" for k in diff) or "its config.json differs"
+        problems.append(f"{flag} {where}: trained against another target ({what}); "
+                        "point --target-model at the checkpoint's target or start --from-scratch")
+    if data_fingerprint is not None and meta.get("data_fingerprint") != data_fingerprint:
+        problems.append(f"{flag} {where}: checkpoint was trained on other data (fingerprint "
+                        f"{str(meta.get('data_fingerprint'))[:12]} vs {data_fingerprint[:12]}); resuming needs the same "
+                        "--data-dir to continue its data order — use --init-from to start on new data")
+    return problems

@@ -1,0 +1,194 @@
+"""The DFlash objective (TRAINER_SPEC.md, "Objective").
+
+Shapes: b sequences, N blocks (anchors) per sequence, B slots per block; slot k of the block
+at anchor a predicts token x[a+k]. Slot 0 (the anchor itself) has weight 0, so only slots
+1..B-1 ever go through the LM head; everything below indexes those K = B-1 slots.
+
+* anchors        :func:`sample_anchors` — positions a with loss_mask[a] and loss_mask[a+1],
+                 up to max_anchors per sequence, uniform without replacement, keyed by
+                 (seed, epoch, sample id) so every process draws the same ones.
+* valid_k        loss_mask[a+k] · [a+k < len] · keep (the slot has a real label).
+* weights        decay: w_k = exp(-(k-1)/gamma) · valid_k;
+                 dpace: w_j = Σ_{m≥j} Π_{i≤m} q̃_i, q̃_i = ((1-α)·exp(-CE_i) + α)·valid_i,
+                 detached (an invalid slot ends the chain: nothing after it can be accepted).
+* CE             Σ w·ce / Σ w.
+* KL (soft)      teacher = the target's logits at a+k-1 (its own next-token distribution for
+                 a+k), temperature T: Σ w·T²·KL(p_t‖p_d) / Σ w; L = (1-kl_w)·CE + kl_w·KL.
+* CAP            p_k = exp(-ce_k)·valid_k, C_j = Π_{k≤j} p_k, E = Σ_j C_j;
+                 L += λ·mean over kept blocks of (1 - E/(B-1)).
+
+Vocabulary-sized logits exist for one chunk of positions at a time; with autograd on, each
+chunk is recomputed in backward (activation checkpointing), so the peak is one chunk's
+logits, never positions × vocab.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def key(*parts) -> int:
+    """A 63-bit integer from any tuple of ints/strings: the seed of one keyed random draw.
+    Keyed draws (not per-process RNG streams) make split and colocated runs, and resumed
+    and straight runs, see the same anchors and noise."""
+    h = hashlib.blake2b(repr(parts).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") >> 1
+
+
+def sample_anchors(loss_mask: np.ndarray, lengths: np.ndarray, max_anchors: int, keys: list[int]):
+    """Anchors for a padded batch (numpy, on the host that assembles the batch).
+
+    loss_mask [b, S] (0/1), lengths [b] (after truncation), keys [b] (one per sample).
+    Returns anchors int64 [b, N] (sorted, padded with 0) and keep bool [b, N], where
+    N = max over the batch of min(max_anchors, valid count), at least 1.
+    """
+    b, S = loss_mask.shape
+    chosen = []
+    for i in range(b):
+        n = int(lengths[i])
+        lm = loss_mask[i, :n].astype(bool)
+        cand = np.flatnonzero(lm[:-1] & lm[1:]) if n >= 2 else np.zeros(0, np.int64)
+        rng = np.random.default_rng(keys[i])
+        pick = cand[rng.permutation(len(cand))[:max_anchors]] if len(cand) else cand
+        chosen.append(np.sort(pick))
+    N = max(1, max(len(c) for c in chosen))
+    anchors = np.zeros((b, N), np.int64)
+    keep = np.zeros((b, N), bool)
+    for i, c in enumerate(chosen):
+        anchors[i, :len(c)] = c
+        keep[i, :len(c)] = True
+    return anchors, keep
+
+
+def slot_index(anchors: torch.Tensor, block_size: int, shift: int = 0) -> torch.Tensor:
+    """[b, N, B-1] absolute positions a+k+shift for k = 1..B-1."""
+    k = torch.arange(1, block_size, device=anchors.device)
+    return anchors[:, :, None] + k + shift
+
+
+def valid_slots(anchors, keep, loss_mask, lengths, block_size) -> torch.Tensor:
+    """float [b, N, B-1]: loss_mask[a+k] · [a+k < len] · keep."""
+    b, S = loss_mask.shape
+    pos = slot_index(anchors, block_size)
+    inb = pos < lengths[:, None, None]
+    lm = loss_mask.gather(1, pos.clamp(max=S - 1).reshape(b, -1)).reshape(pos.shape).bool()
+    return (inb & lm & keep[:, :, None]).float()
+
+
+def decay_weights(valid: torch.Tensor, gamma: float) -> torch.Tensor:
+    K = valid.shape[-1]
+    w = torch.exp(-torch.arange(K, device=valid.device, dtype=torch.float32) / gamma)  # k-1 = 0..K-1
+    return w * valid
+
+
+def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
+    q = ((1 - alpha) * torch.exp(-ce.detach()) + alpha) * valid
+    C = torch.cumprod(q, dim=-1)
+    w = C.flip(-1).cumsum(-1).flip(-1)  # w_j = Σ_{m≥j} C_m
+    return w * valid
+
+
+def position_terms(hidden, lm_head, labels, teacher_hidden=None, temperature: float = 1.0,
+                   chunk: int = 4096):
+    """Per-position ce, kl (T²-scaled; zeros without a teacher), correct for flattened positions.
+
+    hidden [P, H] drafter outputs; labels [P]; teacher_hidden [P, H] the target's final
+    (normed) hidden state at the teacher position, whose logits are lm_head(teacher_hidden).
+    Logits are formed ``chunk`` positions at a time and recomputed in backward.
+    """
+    ces, kls, oks = [], [], []
+    for s in range(0, hidden.shape[0], chunk):
+        h = hidden[s:s + chunk]
+        t = teacher_hidden[s:s + chunk] if teacher_hidden is not None else None
+        args = (h, lm_head, labels[s:s + chunk], t, temperature)
+        if torch.is_grad_enabled() and h.requires_grad:
+            ce, kl, ok = checkpoint(_chunk_terms, *args, use_reentrant=False)
+        else:
+            ce, kl, ok = _chunk_terms(*args)
+        ces.append(ce), kls.append(kl), oks.append(ok)
+    return torch.cat(ces), torch.cat(kls), torch.cat(oks)
+
+
+def _chunk_terms(h, lm_head, labels, teacher_h, T):
+    z = F.linear(h, lm_head).float()
+    logp = z.log_softmax(-1)
+    ce = -logp.gather(-1, labels[:, None]).squeeze(-1)
+    ok = (z.argmax(-1) == labels).float()
+    if teacher_h is None:
+        return ce, torch.zeros_like(ce), ok
+    zt = F.linear(teacher_h, lm_head).float()
+    log_pt = (zt / T).log_softmax(-1)
+    log_pd = (z / T).log_softmax(-1)
+    kl = (T * T) * (log_pt.exp() * (log_pt - log_pd)).sum(-1)
+    return ce, kl, ok
+
+
+@dataclass
+class LossConfig:
+    block_size: int
+    gamma: float = 10.0
+    position_weights: str = "decay"  # decay | dpace
+    dpace_alpha: float = 0.5
+    use_soft_labels: bool = False
+    kl_weight: float = 0.15
+    kl_temperature: float = 2.0
+    cap_lambda: float = 0.0
+    chunk: int = 4096
+
+
+@dataclass
+class LossOut:
+    loss: torch.Tensor  # scalar, differentiable
+    ce: torch.Tensor  # detached scalars below
+    kl: torch.Tensor
+    cap: torch.Tensor
+    acc: torch.Tensor  # [B-1] per-slot accuracy over valid slots (slot k at index k-1)
+    acc_count: torch.Tensor  # [B-1] number of valid slots behind each accuracy
+
+
+def dflash_loss(c: LossConfig, block_out, lm_head, input_ids, loss_mask, lengths, anchors, keep,
+                target_final=None) -> LossOut:
+    """block_out [b, N·B, H] (drafter output); input_ids/loss_mask [b, S]; lengths [b];
+    anchors/keep [b, N]; target_final [b, S, H] (soft labels only)."""
+    b, S = input_ids.shape
+    n = anchors.shape[1]
+    B = c.block_size
+    H = block_out.shape[-1]
+    h = block_out.view(b, n, B, H)[:, :, 1:]  # slot 0 has weight 0: never through the head
+    pos = slot_index(anchors, B).clamp(max=S - 1)  # a+k
+    labels = input_ids.gather(1, pos.reshape(b, -1)).reshape(-1)
+    teacher = None
+    if c.use_soft_labels:
+        tpos = slot_index(anchors, B, shift=-1).clamp(max=S - 1)  # a+k-1
+        teacher = target_final.gather(1, tpos.reshape(b, -1, 1).expand(-1, -1, target_final.shape[-1])).reshape(-1, H)
+    ce, kl, ok = position_terms(h.reshape(-1, H), lm_head, labels, teacher, c.kl_temperature, c.chunk)
+    shape = (b, n, B - 1)
+    ce, kl, ok = ce.view(shape), kl.view(shape), ok.view(shape)
+
+    valid = valid_slots(anchors, keep, loss_mask, lengths, B)
+    if c.position_weights == "dpace":
+        w = dpace_weights(ce, valid, c.dpace_alpha)
+    else:
+        w = decay_weights(valid, c.gamma)
+    wsum = w.sum().clamp(min=1e-12)
+    ce_loss = (w * ce).sum() / wsum
+    kl_loss = (w * kl).sum() / wsum
+    loss = (1 - c.kl_weight) * ce_loss + c.kl_weight * kl_loss if c.use_soft_labels else ce_loss
+
+    # CAP: expected accepted length from the drafter's probability of the true tokens.
+    C = torch.cumprod(torch.exp(-ce) * valid, dim=-1)
+    kept = keep.float()
+    cap = ((1 - C.sum(-1) / (B - 1)) * kept).sum() / kept.sum().clamp(min=1)
+    if c.cap_lambda > 0:
+        loss = loss + c.cap_lambda * cap
+
+    count = valid.sum((0, 1))
+    acc = (ok * valid).sum((0, 1)) / count.clamp(min=1)
+    return LossOut(loss, ce_loss.detach(), kl_loss.detach(), cap.detach(), acc.detach(), count.detach())

@@ -1,0 +1,85 @@
+"""The frozen target: load a Qwen3-family model from a local directory and run the forward
+that produces what the drafter needs — the tapped decoder-layer outputs and, for soft
+labels, the final (normed) hidden state. Never the full sequence × vocab logits: the
+teacher logits are formed from the final hidden state through the shared lm_head, only at
+drafted positions (loss.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+
+import torch
+
+# Keys of config.json that do not change what the target computes.
+_IDENTITY_IGNORE = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures",
+                    "use_cache", "output_hidden_states", "return_dict", "id2label", "label2id"}
+
+
+def read_config(target_dir: str) -> dict:
+    with open(os.path.join(target_dir, "config.json")) as fh:
+        return json.load(fh)
+
+
+def target_identity(target_dir: str) -> dict:
+    """What a checkpoint records about its target; two targets with the same architecture
+    numbers and the same config hash are the same target as far as the drafter cares."""
+    cfg = read_config(target_dir)
+    body = json.dumps({k: v for k, v in sorted(cfg.items()) if k not in _IDENTITY_IGNORE}, sort_keys=True)
+    return {
+        "model_type": cfg.get("model_type"),
+        "num_hidden_layers": cfg.get("num_hidden_layers"),
+        "hidden_size": cfg.get("hidden_size"),
+        "vocab_size": cfg.get("vocab_size"),
+        "config_sha256": hashlib.sha256(body.encode()).hexdigest(),
+    }
+
+
+class Target:
+    """The frozen target on one device, with forward hooks on the tapped layers."""
+
+    def __init__(self, target_dir: str, layer_ids: list[int], device, dtype):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+        self.model.requires_grad_(False)
+        self.layer_ids = list(layer_ids)
+        self._taps: dict[int, torch.Tensor] = {}
+        for i in self.layer_ids:
+            self.model.model.layers[i].register_forward_hook(self._hook(i))
+
+    def _hook(self, i):
+        def fn(module, inputs, output):
+            # transformers 5 decoder layers return a tensor; 4.x returned a tuple.
+            self._taps[i] = output[0] if isinstance(output, (tuple, list)) else output
+        return fn
+
+    @property
+    def embed(self) -> torch.Tensor:
+        return self.model.model.embed_tokens.weight
+
+    @property
+    def lm_head(self) -> torch.Tensor:
+        return self.model.lm_head.weight
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, want_final: bool):
+        """input_ids [b, S], right-padded: causal attention means padding never reaches a
+        real position, so no attention mask is needed. Returns (taps [b, S, n·H], final
+        [b, S, H] or None)."""
+        self._taps.clear()
+        out = self.model.model(input_ids=input_ids, use_cache=False)
+        taps = torch.cat([self._taps[i] for i in self.layer_ids], dim=-1)
+        self._taps.clear()
+        return taps, (out.last_hidden_state if want_final else None)
+
+    @torch.no_grad()
+    def forward_logits(self, input_ids: torch.Tensor):
+        """(taps [b, S, n·H], full logits [b, S, V]) — evaluation on short sequences only."""
+        self._taps.clear()
+        logits = self.model(input_ids=input_ids, use_cache=False).logits
+        taps = torch.cat([self._taps[i] for i in self.layer_ids], dim=-1)
+        self._taps.clear()
+        return taps, logits

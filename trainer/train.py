@@ -1,0 +1,292 @@
+"""The training loop, top to bottom. One process per GPU (topology.py says who does what);
+every side effect — events, heartbeats, checkpoints, wandb, the stop decision — happens
+visibly in :func:`train`.
+
+Randomness is keyed, never drawn from per-process streams: data order by (seed, epoch)
+(data.make_batches), anchors by (seed, epoch, sample id), noise by (seed, micro-batch
+index), drafter init by seed. So split and colocated runs, and straight and resumed runs,
+see identical data, anchors and noise.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import resource
+import signal
+import time
+import traceback
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from agent.protocol import ENV_RUN_DIR
+from trainer import checkpoint as ckpt_io
+from trainer.data import PreparedData, make_batches
+from trainer.flags import EXIT_OK, EXIT_STOPPED
+from trainer.loss import LossConfig, dflash_loss, key, sample_anchors
+from trainer.model import Drafter, DrafterConfig, FrozenHead
+from trainer.target import Target, read_config, target_identity
+from trainer.telemetry import Events, Heartbeat, make_logger
+from trainer import topology as topo_mod
+from trainer.topology import MicroBatch, assemble, recv_microbatch, send_microbatch
+
+FINAL_LR_RATIO = 0.1  # cosine decays to 10 % of peak (TRAINER_SPEC.md)
+
+_STOP = {"requested": False}
+
+
+def _request_stop(signum, frame):
+    # SIGTERM: finish the current step, checkpoint, exit EXIT_STOPPED (agent contract).
+    _STOP["requested"] = True
+
+
+def run_dir_of(args) -> str:
+    return args.run_dir or os.environ.get(ENV_RUN_DIR) or args.output_dir
+
+
+# --------------------------------------------------------------------------- schedule
+
+
+def lr_at(step: int, peak: float, total: int, warmup: int) -> float:
+    """Linear warmup over ``warmup`` steps, then cosine from peak to 10 % of peak at ``total``."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return peak * (FINAL_LR_RATIO + (1 - FINAL_LR_RATIO) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def noise_amplitude(step: int, start: float, end: float, total: int) -> float:
+    return start + (end - start) * min(1.0, step / max(1, total - 1))
+
+
+def add_noise(taps: torch.Tensor, amp: float, kind: str, seed_key: int) -> torch.Tensor:
+    """U(-a, a) or N(0, a²) on the tapped target states, from a generator keyed by the
+    micro-batch, on the tensor's own device (no host round trip)."""
+    if amp <= 0:
+        return taps
+    g = torch.Generator(device=taps.device)
+    g.manual_seed(seed_key)
+    if kind == "uniform":
+        noise = torch.rand(taps.shape, generator=g, device=taps.device, dtype=taps.dtype).mul_(2).sub_(1)
+    else:
+        noise = torch.randn(taps.shape, generator=g, device=taps.device, dtype=taps.dtype)
+    return taps + noise.mul_(amp)
+
+
+# --------------------------------------------------------------------------- data
+
+
+def micro_batch_stream(data: PreparedData, args) -> list[tuple[int, list[int]]]:
+    """(epoch, sample ids) for every micro-batch of every epoch, in training order."""
+    stream = []
+    for epoch in range(args.epochs):
+        for ids in make_batches(data.lengths, args.token_budget, args.max_seq_len, args.max_batch_size, args.seed, epoch):
+            stream.append((epoch, ids))
+    return stream
+
+
+def produce(target: Target, data: PreparedData, stream, m: int, args, device) -> MicroBatch:
+    """Target side of micro-batch m: assemble, choose anchors (keyed), run the target."""
+    epoch, ids = stream[m]
+    input_ids, loss_mask, lengths = assemble(data, ids, args.max_seq_len)
+    keys = [key(args.seed, "anchors", epoch, int(s)) for s in ids]
+    anchors, keep = sample_anchors(loss_mask, lengths, args.max_anchors, keys)
+    t = lambda a: torch.from_numpy(a).to(device, non_blocking=True)  # noqa: E731
+    input_ids_t = t(input_ids)
+    taps, final = target.forward(input_ids_t, want_final=args.use_soft_labels)
+    return MicroBatch(m, epoch, torch.tensor(ids, dtype=torch.int64, device=device), input_ids_t, t(loss_mask),
+                      t(lengths), t(anchors), t(keep), taps, final)
+
+
+def mem_peak_mib(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def run(args, topo) -> int:
+    """Set up the run directory's outputs, train, and turn any failure into an error event."""
+    signal.signal(signal.SIGTERM, _request_stop)
+    run_dir = run_dir_of(args)
+    os.makedirs(run_dir, exist_ok=True)
+    os.makedirs(args.output_dir, exist_ok=True)
+    events = Events(run_dir, topo.rank, topo.role, topo.gpu)
+    hb = Heartbeat(run_dir, topo.rank, topo.role, topo.gpu)
+    hb.beat(0, "loading")
+    try:
+        return train(args, topo, run_dir, events, hb)
+    except Exception as exc:
+        oom = isinstance(exc, torch.cuda.OutOfMemoryError)
+        timeout = "timeout" in str(exc).lower() and "nccl" in (type(exc).__name__ + str(exc)).lower()
+        events.emit("error", error="cuda_oom" if oom else ("nccl_timeout" if timeout else "exception"),
+                    message=f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
+                    traceback=traceback.format_exc())
+        hb.beat(-1, "failed")
+        raise
+    finally:
+        events.close()
+
+
+def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
+    dev = topo.device
+    cuda = dev.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32  # target + shipped states; drafter master weights fp32
+    log = topo.is_log_rank
+    if log:
+        events.emit("phase", phase="loading")
+
+    tcfg = read_config(args.target_model)
+    dcfg = DrafterConfig.from_target(tcfg, args.num_draft_layers, args.block_size, args.mask_token_id, args.target_layer_ids)
+    data = PreparedData(args.data_dir)
+    stream = micro_batch_stream(data, args)
+    per_step = args.grad_accum * topo.n_drafter  # micro-batches per optimizer step (topology.py)
+
+    # -- where this run starts: the explicit start decision
+    resume = ckpt_io.load(args.resume_from) if args.resume_from else None
+    if resume is not None:
+        step0, mb0, schedule = resume["step"], resume["data_position"], resume["schedule"]
+    else:
+        total = args.schedule_steps or len(stream) // per_step
+        step0, mb0 = 0, 0
+        schedule = {"kind": "warmup_cosine", "total_steps": total, "peak_lr": args.lr,
+                    "warmup_steps": int(math.ceil(args.warmup_ratio * total)), "final_ratio": FINAL_LR_RATIO}
+    total_steps = step0 + (len(stream) - mb0) // per_step
+    last_step = min(total_steps, args.max_steps) if args.max_steps else total_steps
+
+    # -- models: the frozen target on target ranks, the drafter + optimizer on drafter ranks
+    target = Target(args.target_model, dcfg.target_layer_ids, dev, dtype) if topo.is_target else None
+    drafter = model = opt = head = None
+    if topo.is_drafter:
+        torch.manual_seed(args.seed)
+        drafter = Drafter(dcfg).to(dev)
+        if args.init_from:
+            drafter.load_state_dict(ckpt_io.load(args.init_from)["model"])
+        head = FrozenHead(target.embed, target.lm_head) if target else FrozenHead.from_target_dir(args.target_model, dev, dtype)
+        matrices = [p for p in drafter.parameters() if p.dim() >= 2]
+        vectors = [p for p in drafter.parameters() if p.dim() < 2]
+        opt = torch.optim.AdamW([{"params": matrices, "weight_decay": args.weight_decay},
+                                 {"params": vectors, "weight_decay": 0.0}], lr=args.lr, fused=cuda or None)
+        if resume is not None:
+            drafter.load_state_dict(resume["model"])
+            opt.load_state_dict(resume["optimizer"])
+            ckpt_io.set_rng_state(resume["rng"])
+        model = DDP(drafter, process_group=topo.drafter_group, device_ids=[dev] if cuda else None,
+                    broadcast_buffers=False) if topo.n_drafter > 1 else drafter
+    lcfg = LossConfig(block_size=args.block_size, gamma=args.gamma, position_weights=args.position_weights,
+                      dpace_alpha=args.dpace_alpha, use_soft_labels=args.use_soft_labels, kl_weight=args.kl_weight,
+                      kl_temperature=args.kl_temperature, cap_lambda=args.cap_lambda)
+    attn_impl = "flex" if cuda else "sdpa"
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
+    wandb = make_logger(log, args.wandb_project, args.wandb_run_name, args.wandb_mode, run_dir, vars(args))
+    meta = {"config": vars(args), "drafter_config": dcfg.to_hf(), "target": target_identity(args.target_model),
+            "data_fingerprint": data.fingerprint, "schedule": schedule,
+            "world": {"drafter_ranks": topo.n_drafter, "grad_accum": args.grad_accum}}
+
+    if log:
+        events.emit("phase", phase="training")
+        print(f"training: {topo.world} rank(s) ({topo.role}), steps {step0}→{last_step} of {total_steps}, "
+              f"{per_step} micro-batches/step, schedule {schedule['total_steps']} steps", flush=True)
+    hb.beat(step0)
+    stopped = False
+    step = step0
+    while step < last_step:
+        t0 = time.time()
+        base = mb0 + (step - step0) * per_step
+        # -- target role (split): produce this step's micro-batches and ship them
+        if topo.is_target and not topo.colocated:
+            for j in range(per_step):
+                if topo.producer(j) == topo.rank:
+                    send_microbatch(produce(target, data, stream, base + j, args, dev), topo.consumer(j))
+        # -- drafter role: forward/backward each micro-batch, then one optimizer step
+        if topo.is_drafter:
+            mine = [j for j in range(per_step) if topo.consumer(j) == topo.rank]
+            amp = noise_amplitude(step, args.noise_start, args.noise_end, schedule["total_steps"])
+            K = args.block_size - 1
+            sums = torch.zeros(6 + 2 * K, device=dev)  # loss ce kl cap tokens wait | acc·count[K] count[K]
+            for i, j in enumerate(mine):
+                tw = time.time()
+                mb = produce(target, data, stream, base + j, args, dev) if topo.colocated else recv_microbatch(topo.producer(j), dev)
+                wait = time.time() - tw
+                sync = nullcontext() if (i == len(mine) - 1 or model is drafter) else model.no_sync()
+                with sync:
+                    with autocast:
+                        taps = add_noise(mb.taps, amp, args.noise_type, key(args.seed, "noise", mb.index))
+                        blocks = head.embed_blocks(mb.input_ids, mb.anchors, args.block_size, dcfg.mask_token_id)
+                        out = model(taps, blocks, mb.anchors, mb.keep, attn_impl)
+                        lo = dflash_loss(lcfg, out, head.lm_head, mb.input_ids, mb.loss_mask, mb.lengths,
+                                         mb.anchors, mb.keep, mb.final)
+                    (lo.loss / len(mine)).backward()
+                sums[:6] += torch.stack([lo.loss.detach(), lo.ce, lo.kl, lo.cap, mb.lengths.sum().float(),
+                                         torch.tensor(wait, device=dev)]) / torch.tensor([len(mine)] * 4 + [1, 1], device=dev)
+                sums[6:6 + K] += lo.acc * lo.acc_count
+                sums[6 + K:] += lo.acc_count
+            lr = lr_at(step, schedule["peak_lr"], schedule["total_steps"], schedule["warmup_steps"])
+            for group in opt.param_groups:
+                group["lr"] = lr
+            grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf"))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        step += 1
+
+        # -- all ranks agree whether to stop after this step (SIGTERM may reach them apart)
+        stopped = topo_mod.all_reduce_max(topo, 1.0 if _STOP["requested"] else 0.0) > 0
+        finishing = stopped or step == last_step
+
+        # -- log: one step event, one wandb row, one human line
+        if topo.is_drafter and (step % args.log_interval == 0 or finishing):
+            topo_mod.drafter_sum(topo, sums)
+            s = sums.tolist()
+            D = topo.n_drafter
+            dt = time.time() - t0
+            counts = s[6 + K:]
+            acc = [round(a / c, 4) if c else None for a, c in zip(s[6:6 + K], counts)]
+            metrics = {"step": step, "total_steps": last_step, "epoch": stream[min(base, len(stream) - 1)][0],
+                       "loss": s[0] / D, "ce": s[1] / D, "kl": s[2] / D, "cap": s[3] / D, "lr": lr,
+                       "grad_norm": float(grad_norm), "tokens": int(s[4]), "tokens_per_s": s[4] / dt,
+                       "drafted_per_s": sum(counts) / dt, "acc": acc, "mem_peak_mib": mem_peak_mib(dev), "wait_s": s[5] / D}
+            if log:
+                events.emit("step", **metrics)
+                wandb.log({k: v for k, v in metrics.items() if k not in ("step", "total_steps")}, step=step)
+                print(f"step {step}/{last_step} | loss {metrics['loss']:.4f} ce {metrics['ce']:.4f} kl {metrics['kl']:.4f} "
+                      f"cap {metrics['cap']:.4f} | lr {lr:.2e} | gnorm {metrics['grad_norm']:.3f} | "
+                      f"{metrics['tokens_per_s']:.0f} tok/s | acc@1 {acc[0]} | wait {metrics['wait_s']:.2f}s", flush=True)
+        hb.beat(step)
+
+        # -- checkpoint (the log rank writes; everyone waits so nobody exits mid-save)
+        if step % args.save_interval == 0 or finishing:
+            if log:
+                events.emit("phase", phase="saving")
+                nxt = mb0 + (step - step0) * per_step
+                state = {"model": drafter.state_dict(), "optimizer": opt.state_dict(), "data_position": nxt,
+                         "epoch": stream[nxt][0] if nxt < len(stream) else args.epochs}
+                path = ckpt_io.save(args.output_dir, step, drafter,
+                                    {**meta, "data_position": nxt, "epoch": state["epoch"]}, state)
+                events.emit("checkpoint", step=step, path=path)
+                if args.eval_prompts > 0 and target is not None:
+                    from trainer.evaluate import acceptance_length
+
+                    events.emit("phase", phase="evaluating")
+                    tau = acceptance_length(target, drafter, head, data, args.eval_prompts, dev)
+                    events.emit("eval", step=step, tau=tau)
+                    print(f"eval step {step}: tau {tau:.3f}", flush=True)
+                events.emit("phase", phase="training")
+            topo_mod.barrier(topo)
+        if stopped:
+            break
+
+    wandb.finish()
+    if stopped and step < last_step:
+        if log:
+            events.emit("phase", phase="stopping")
+        hb.beat(step, "stopped")
+        return EXIT_STOPPED
+    if log:
+        events.emit("phase", phase="done")
+    hb.beat(step, "done")
+    return EXIT_OK
