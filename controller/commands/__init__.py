@@ -6,7 +6,7 @@ import importlib
 
 import typer
 
-GROUPS: list[str] = ["remote"]
+GROUPS: list[str] = ["remote", "sim"]
 
 
 def register_all(app: typer.Typer) -> None:

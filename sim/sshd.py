@@ -1,0 +1,242 @@
+"""The node's OpenSSH server on 127.0.0.1, with its own keys and a deliberately polluted login.
+
+sshd runs in a private mount namespace where a home of ours is bound over /root
+(research/sim-node.md). That keeps the test machine's own ~/.bashrc out, and lets us
+reproduce the incident host's environment on purpose: Homebrew and perl5 first on PATH,
+stray PERL5LIB / PERL_MB_OPT / JAVA_HOME, and a .bashrc that prints to stdout. The product
+must survive all of it; tests prove that it scrubs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+from typing import Optional
+
+from agent.protocol import atomic_write
+from sim.layout import NodePaths
+from sim.proc import SimError, run, tail, wait_until, which
+
+# What the incident host's login put in front of everything (DESIGN.md, the story).
+POLLUTED_PATH_PREFIX = "/opt/homebrew/opt/openjdk/bin:/root/perl5/bin"
+NOISE_PREFIX = "sim-node"
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+BASHRC = """\
+# ~/.bashrc of the simulated Proxmox node {name}. Polluted ON PURPOSE, like the real host's:
+# Homebrew's JDK and perl local::lib first on PATH, stray exports, and a line of noise on
+# stdout for every command run over SSH. dflash-ctl must scrub all of this.
+export PATH="{prefix}${{PATH:+:$PATH}}"
+export PERL5LIB="/root/perl5/lib/perl5${{PERL5LIB:+:$PERL5LIB}}"
+export PERL_LOCAL_LIB_ROOT="/root/perl5"
+export PERL_MB_OPT="--install_base \\"/root/perl5\\""
+export PERL_MM_OPT="INSTALL_BASE=/root/perl5"
+export JAVA_HOME="/opt/homebrew/opt/openjdk"
+echo "{noise} {name}: perl5 local::lib and openjdk are active"
+"""
+
+# Debian's root .profile: a login shell reads .bashrc through it.
+PROFILE = """\
+if [ "$BASH" ] && [ -f ~/.bashrc ]; then
+  . ~/.bashrc
+fi
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def accepting(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+            sock.settimeout(1.0)
+            return sock.recv(4).startswith(b"SSH-")
+    except OSError:
+        return False
+
+
+class Sshd:
+    """One node's sshd: files under ``<state>/ssh`` and ``<state>/home``."""
+
+    def __init__(self, paths: NodePaths):
+        self.paths = paths
+        d = paths.ssh
+        self.host_key = d / "ssh_host_ed25519_key"
+        self.client_key = d / "id_ed25519"
+        self.authorized_keys = d / "authorized_keys"
+        self.known_hosts = d / "known_hosts"
+        self.config = d / "sshd_config"
+        self.pidfile = d / "sshd.pid"
+        self.runfile = d / "sshd.run.json"  # pid + start time: guards against PID reuse
+        self.logfile = d / "sshd.log"
+
+    # --- files -------------------------------------------------------------------------
+    def prepare(self, port: int) -> None:
+        self.paths.ssh.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for key, comment in ((self.host_key, f"dflash-sim-{self.paths.name}-host"),
+                             (self.client_key, f"dflash-sim-{self.paths.name}-client")):
+            if not key.exists():
+                run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", key],
+                    what=f"ssh-keygen for {key.name}")
+        client_pub = Path(f"{self.client_key}.pub").read_text()
+        atomic_write(str(self.authorized_keys), client_pub, mode=0o600)
+        host_pub = Path(f"{self.host_key}.pub").read_text().split()
+        atomic_write(str(self.known_hosts), f"[127.0.0.1]:{port} {host_pub[0]} {host_pub[1]}\n", mode=0o644)
+        self._write_home()
+        atomic_write(str(self.config), self._config_text(port), mode=0o600)
+        proc = run([which("sshd") or "/usr/sbin/sshd", "-t", "-f", self.config],
+                   what=f"sshd -t (config check of {self.config})", check=False)
+        if proc.returncode != 0:
+            raise SimError(f"sim node {self.paths.name}: sshd rejects {self.config}: {tail(proc.stderr)}")
+
+    def _write_home(self) -> None:
+        home = self.paths.home
+        home.mkdir(parents=True, exist_ok=True, mode=0o700)
+        atomic_write(str(home / ".bashrc"), BASHRC.format(name=self.paths.name, prefix=POLLUTED_PATH_PREFIX,
+                                                         noise=NOISE_PREFIX))
+        atomic_write(str(home / ".profile"), PROFILE)
+
+    def _config_text(self, port: int) -> str:
+        d = self.paths.ssh
+        return "\n".join([
+            f"# sshd of the simulated Proxmox node {self.paths.name} (sim/sshd.py)",
+            f"Port {port}",
+            "ListenAddress 127.0.0.1",
+            f"HostKey {self.host_key}",
+            f"PidFile {self.pidfile}",
+            f"AuthorizedKeysFile {self.authorized_keys}",
+            "PermitRootLogin prohibit-password",
+            "PasswordAuthentication no",
+            "KbdInteractiveAuthentication no",
+            "UsePAM no",
+            "StrictModes no",
+            "PrintMotd no",
+            # Like Debian's default: the client's locale travels in, as on the incident host.
+            "AcceptEnv LANG LC_*",
+            # In-process sftp, so .bashrc noise cannot corrupt the SFTP stream.
+            "Subsystem sftp internal-sftp",
+            # pct on the login PATH; .bashrc then prepends the polluted entries before it.
+            f"SetEnv PATH={self.paths.bin}:{SYSTEM_PATH}",
+            # Tests open many sessions at once.
+            "MaxStartups 64:30:128",
+            "MaxSessions 64",
+            f"# host key fingerprint source: {d}",
+            "",
+        ])
+
+    # --- process -----------------------------------------------------------------------
+    def pid(self) -> Optional[int]:
+        """PID of our running sshd, or None (checks the recorded start time, not just the PID)."""
+        try:
+            rec = json.loads(self.runfile.read_text())
+        except (OSError, ValueError):
+            return None
+        pid = rec.get("pid")
+        if not isinstance(pid, int) or _start_time(pid) != rec.get("start_time"):
+            return None
+        return pid
+
+    def mount_ns(self) -> Optional[str]:
+        """The private mount namespace sshd (and every session under it) lives in."""
+        try:
+            return json.loads(self.runfile.read_text()).get("mnt_ns")
+        except (OSError, ValueError):
+            return None
+
+    def start(self, port: int) -> int:
+        pid = self.pid()
+        if pid and accepting(port):
+            return pid
+        if pid:
+            self.stop()
+        if not port_free(port):
+            raise SimError(f"sim node {self.paths.name}: port {port} is taken by another process")
+        sshd = which("sshd") or "/usr/sbin/sshd"
+        log = open(self.logfile, "ab")
+        # unshare without --fork execs in place: the Popen PID *is* sshd's PID.
+        proc = subprocess.Popen(
+            ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+             'mount --bind "$1" /root && exec "$2" -D -e -f "$3"', "sh",
+             str(self.paths.home), sshd, str(self.config)],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True)
+        log.close()
+        if not wait_until(lambda: accepting(port) or proc.poll() is not None, 10):
+            proc.kill()
+        if proc.poll() is not None or not accepting(port):
+            raise SimError(f"sim node {self.paths.name}: sshd did not come up on 127.0.0.1:{port}: "
+                           f"{tail(self.logfile.read_bytes())}")
+        record = {"pid": proc.pid, "start_time": _start_time(proc.pid), "port": port,
+                  "mnt_ns": os.readlink(f"/proc/{proc.pid}/ns/mnt")}
+        atomic_write(str(self.runfile), json.dumps(record) + "\n")
+        return proc.pid
+
+    def stop(self) -> None:
+        """Stop sshd and every process left in its mount namespace (sessions, nohup'd
+        commands): any of them would keep the btrfs storage mounted in that namespace."""
+        pid = self.pid()
+        ns = self.mount_ns()
+        if pid:
+            _signal(pid, signal.SIGTERM)
+            if not wait_until(lambda: _start_time(pid) is None, 5):
+                _signal(pid, signal.SIGKILL)
+                wait_until(lambda: _start_time(pid) is None, 5)
+        if ns:
+            for other in processes_in_mount_ns(ns):
+                _signal(other, signal.SIGKILL)
+            wait_until(lambda: not processes_in_mount_ns(ns), 5)
+        self.runfile.unlink(missing_ok=True)
+        self.pidfile.unlink(missing_ok=True)
+
+
+def processes_in_mount_ns(ns: str) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            if os.readlink(f"/proc/{entry}/ns/mnt") == ns:
+                pids.append(int(entry))
+        except OSError:
+            continue
+    return pids
+
+
+def _start_time(pid: int) -> Optional[str]:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    if fields[0] == "Z":  # a zombie is gone for our purposes
+        return None
+    return fields[19]  # starttime, field 22 of /proc/PID/stat
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
+    # Reap it if it is our child (ctl sim up and down in one process, as tests do).
+    try:
+        os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        pass

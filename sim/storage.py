@@ -1,0 +1,72 @@
+"""The node's two storages: a btrfs loop image (snapshot-capable, like Proxmox's btrfs/ZFS
+storage) and a plain directory (like Proxmox's ``dir`` storage, where CT snapshots are
+refused)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from sim.proc import Progress, SimError, quiet, run
+
+IMAGE_SIZE = "16G"  # sparse; holds two rootfs copies plus snapshots (CoW, so cheap)
+
+
+def mount_source(mountpoint: Path) -> Optional[str]:
+    """The device mounted on ``mountpoint`` in this mount namespace, else None."""
+    target = str(mountpoint)
+    for line in Path("/proc/self/mounts").read_text().splitlines():
+        fields = line.split()
+        if len(fields) > 2 and fields[1].replace("\\040", " ") == target:
+            return fields[0]
+    return None
+
+
+def loop_devices(image: Path) -> list[str]:
+    """Loop devices backed by ``image`` (``losetup -j``)."""
+    proc = run(["losetup", "-j", image], what="losetup -j", check=False)
+    return [line.split(":", 1)[0] for line in proc.stdout.decode().splitlines() if line.strip()]
+
+
+def ensure_btrfs(image: Path, mountpoint: Path, progress: Progress = quiet) -> None:
+    """Create the image once, then loop-mount it (idempotent)."""
+    if mount_source(mountpoint):
+        return
+    if not image.exists():
+        progress(f"creating btrfs storage image {image} ({IMAGE_SIZE}, sparse)")
+        image.parent.mkdir(parents=True, exist_ok=True)
+        tmp = image.with_suffix(".img.tmp")
+        run(["truncate", "-s", IMAGE_SIZE, tmp], what="truncate of the btrfs image")
+        run(["mkfs.btrfs", "-q", "-L", "dflash-sim", tmp], what="mkfs.btrfs of the snapshot storage")
+        tmp.rename(image)
+    mountpoint.mkdir(parents=True, exist_ok=True)
+    # A loop device left attached by a crash would make a second one; reuse none, detach them.
+    for dev in loop_devices(image):
+        run(["losetup", "-d", dev], what=f"losetup -d {dev}", check=False)
+    run(["mount", "-o", "loop", image, mountpoint], what=f"mount of the btrfs storage {image}")
+
+
+def release_btrfs(image: Path, mountpoint: Path) -> None:
+    """Unmount and detach the loop device; nothing of the storage stays in the kernel."""
+    if mount_source(mountpoint):
+        run(["umount", mountpoint], what=f"umount of {mountpoint} (is a shell or process using it?)")
+    for dev in loop_devices(image):
+        run(["losetup", "-d", dev], what=f"losetup -d {dev}", check=False)
+    left = loop_devices(image)
+    if left:
+        raise SimError(f"loop device(s) {', '.join(left)} for {image} are still attached; "
+                       "a process in another mount namespace may hold the storage")
+
+
+def is_subvolume(path: Path) -> bool:
+    return path.is_dir() and path.stat().st_ino == 256  # btrfs subvolume roots have inode 256
+
+
+def create_subvolume(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    run(["btrfs", "-q", "subvolume", "create", path], what=f"btrfs subvolume create {path}")
+
+
+def delete_subvolume(path: Path) -> None:
+    if path.exists():
+        run(["btrfs", "-q", "subvolume", "delete", path], what=f"btrfs subvolume delete {path}")

@@ -1,0 +1,73 @@
+"""Shared pytest fixtures.
+
+Simulated Proxmox node (sim/, docs/sim.md) — session scope, for tests marked ``@pytest.mark.sim``:
+
+``sim_node``
+    A ``sim.node.SimNode("sim")`` that is up: sshd on 127.0.0.1 (polluted root login, `pct`
+    on PATH) and running LXC containers 200 (btrfs storage: snapshots work) and 201 (dir
+    storage: snapshots refused), each with ``/root/venv`` (torch CPU, transformers,
+    safetensors, numpy) and ``/workspace``. Brought up once if it is not already up (the
+    first time on a machine builds the rootfs cache: a few minutes); left up at the end so
+    the next session starts in seconds, unless ``DFLASH_SIM_TEARDOWN=1``. Skips the test
+    when the machine cannot host it (not root, LXC missing). ``sim_node.node_config()``
+    gives host/port/user/identity_file/known_hosts/containers as plain data.
+
+    The node is shared by every test session on the machine: a test that changes a
+    container (files, snapshots, stopped state) must restore it, and must not call
+    ``down()`` on it (make your own ``SimNode("name", ctids=(a, b))`` for that).
+
+``ctl_config``
+    Path of a temporary controller config (TOML) holding only the sim node, as node
+    ``"sim"`` and ``default_node``; ``DFLASH_CTL_CONFIG`` points at it for the whole
+    session, so no test (and no ``ctl`` subprocess) reads the developer's ~/.config.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+TEARDOWN_ENV = "DFLASH_SIM_TEARDOWN"
+
+
+@pytest.fixture(scope="session")
+def sim_node():
+    from sim.node import SimNode
+    from sim.proc import SimError
+
+    if os.geteuid() != 0:
+        pytest.skip("the simulated node needs root (LXC, loop mounts, sshd)")
+    if not shutil.which("lxc-start"):
+        pytest.skip("LXC is not installed: apt-get install -y --no-install-recommends lxc debootstrap btrfs-progs")
+    node = SimNode("sim")
+    try:
+        if not node.is_up():
+            node.up()
+    except SimError as exc:
+        pytest.fail(f"could not bring the simulated node up: {exc}", pytrace=False)
+    yield node
+    if os.environ.get(TEARDOWN_ENV) == "1":
+        node.down()
+
+
+@pytest.fixture(scope="session")
+def ctl_config(sim_node, tmp_path_factory):
+    from controller import config as cfg
+
+    path = tmp_path_factory.mktemp("ctl-config") / "config.toml"
+    entry = sim_node.node_config()
+    node = cfg.NodeConfig(
+        host=entry["host"], port=entry["port"], user=entry["user"], identity_file=entry["identity_file"],
+        known_hosts=entry["known_hosts"],
+        containers={k: cfg.ContainerConfig(**v) for k, v in entry["containers"].items()},
+    )
+    cfg.save(cfg.Config(default_node="sim", nodes={"sim": node}), path)
+    old = os.environ.get(cfg.ENV_CONFIG)
+    os.environ[cfg.ENV_CONFIG] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop(cfg.ENV_CONFIG, None)
+    else:
+        os.environ[cfg.ENV_CONFIG] = old
