@@ -104,8 +104,16 @@ class Failure:
 
 
 def root_cause(failures: list[Failure]) -> Failure | None:
-    """The earliest failure (torchelastic reports the earliest error file as root cause)."""
-    return min(failures, key=lambda f: f.ts) if failures else None
+    """The earliest failure (torchelastic reports the earliest error file as root cause).
+
+    Rank deaths are seen by polling, so several can be noticed in one pass: the rank that
+    really died first and the ones its launcher then terminated. A death whose status is
+    unknown is likely such collateral and counts as a second later; among the rest, the rank
+    whose last heartbeat is oldest went silent first."""
+    def key(f: Failure):
+        penalty = 1.0 if f.details.get("status_unknown") else 0.0
+        return (f.ts + penalty, f.details.get("last_heartbeat") or f.ts)
+    return min(failures, key=key) if failures else None
 
 
 class LineClassifier:
@@ -226,6 +234,7 @@ def exit_failure(rank: int | None, pid: int | None, gpu: int | None, status: dic
         reason = f"{who_full} exited with code {status['exit_code']}"
     else:
         reason = f"{who_full} exited (status unknown: not our child)"
+        status = dict(status, status_unknown=True)
     return Failure("rank_exit" if rank is not None else "job_exit", reason, rank, gpu, pid,
                    evidence=evidence, details=dict(status))
 

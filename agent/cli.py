@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     f = sub.add_parser("follow", help="print the stream from a seq, live, until the run ends")
     _run_args(f)
     f.add_argument("--from", dest="from_seq", type=int, default=0, help="print records with seq > FROM")
+    f.add_argument("--once", action="store_true", help="print what exists now and exit 0")
     for verb in ("status", "stop"):
         x = sub.add_parser(verb)
         _run_args(x)
@@ -138,7 +139,7 @@ def cmd_follow(args, _tail) -> int:
         print(f"agent follow: no run directory {rd.path}", file=sys.stderr)
         return 2
     try:
-        return follow(rd.path, args.from_seq, sys.stdout.buffer, lambda: agent_alive(rd))
+        return follow(rd.path, args.from_seq, sys.stdout.buffer, lambda: agent_alive(rd), once=args.once)
     except (BrokenPipeError, KeyboardInterrupt):
         try:
             sys.stdout = None  # the reader went away: nothing more to say

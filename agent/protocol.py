@@ -74,6 +74,10 @@ AGENT_LOG = "agent.log"  # the agent's own stderr (tracebacks of the agent itsel
 STOP_REQUEST = "stop-request.json"  # written by `agent stop`, acted on by the live agent
 STREAM_INDEX = "stream.idx"  # recovery checkpoint of stream.jsonl (bytes, seq, source offsets)
 ENV_RUN_ID = "DFLASH_RUN_ID"  # run marker in every job process's environment (stop sweeps by it)
+# On a restart (--max-restarts) the agent replaces a start flag it finds in the job argv by
+# --resume-from CKPT; it also sets this variable, so a start script whose flags are inside
+# it (bash start.sh) can do the same replacement.
+ENV_RESUME_FROM = "DFLASH_RESUME_FROM"
 ENV_WORKSPACE = "DFLASH_WORKSPACE"  # agent default workspace; runs live in <workspace>/runs/<id>
 DEFAULT_WORKSPACE = "/workspace"
 

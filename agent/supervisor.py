@@ -66,7 +66,11 @@ def agent_env() -> dict:
 
 
 def resume_argv(argv: list[str], checkpoint: str) -> list[str]:
-    """The job's argv with its start decision replaced by --resume-from CHECKPOINT."""
+    """The job's argv with its start decision replaced by --resume-from CHECKPOINT.
+
+    An argv without a start flag (``bash start.sh``) is left as it is: appending a second
+    start decision would conflict with the one inside the script, which reads
+    $DFLASH_RESUME_FROM instead."""
     out: list[str] = []
     placed = False
     i = 0
@@ -81,8 +85,6 @@ def resume_argv(argv: list[str], checkpoint: str) -> list[str]:
             continue
         out.append(tok)
         i += 1
-    if not placed:
-        out += ["--resume-from", checkpoint]
     return out
 
 
@@ -191,7 +193,7 @@ class Supervisor:
         return out
 
     # --- spawn / attach -----------------------------------------------------------------------
-    def spawn(self, argv: list[str]) -> None:
+    def spawn(self, argv: list[str], resume_from: str | None = None) -> None:
         for name in (P.JOB_EXIT,):
             try:
                 os.unlink(os.path.join(self.rd.path, name))
@@ -199,6 +201,8 @@ class Supervisor:
                 pass
         env = agent_env()
         env.update({P.ENV_RUN_DIR: self.rd.path, P.ENV_RUN_ID: self.run_id, "PYTHONUNBUFFERED": "1"})
+        if resume_from:
+            env[P.ENV_RESUME_FROM] = resume_from
         # The job writes into files, never into a pipe of ours: it must outlive the agent.
         with open(self.rd.job_stdout, "ab") as out, open(self.rd.job_stderr, "ab") as err:
             self.child = subprocess.Popen(
@@ -366,6 +370,7 @@ class Supervisor:
             f = exit_failure(rank, dead["pid"], dead["gpu"], status, self.classifier.had_traceback(rank),
                              self.classifier.evidence(rank), oom_delta)
             f.ts = dead["ts"]
+            f.details["last_heartbeat"] = self.heartbeats.get(rank, {}).get("ts")
             out.append(f)
         return out
 
@@ -541,7 +546,7 @@ class Supervisor:
         except FileNotFoundError:
             pass
         self.final_failure = None
-        self.spawn(argv)
+        self.spawn(argv, resume_from=ckpt)
         self.store.set(RunState.RUNNING)
 
     def find_checkpoint(self) -> str | None:
