@@ -155,3 +155,38 @@ def test_memory_model_monotone_and_fits_logic():
     tgt = memory.target_peak_bytes(memory.QWEN3_8B, token_budget=49152, max_seq_len=8192, last_layer=33, n_tapped=5)
     assert tgt["params"] == pytest.approx(2 * (34 * memory.QWEN3_8B.layer_params + 151936 * 4096 + 4096 * 2), rel=0.01)
     assert math.isfinite(tgt["total"])
+
+
+# ---------------------------------------------------------------- chunked drafter step
+
+@pytest.mark.parametrize("attn,soft,cap", [("sdpa", False, 0.0), ("sdpa", True, 0.2)])  # flex has no CPU backward
+def test_fast_drafter_step_matches_dense_reference(attn, soft, cap):
+    from trainer import fast_drafter as fd
+
+    torch.manual_seed(4)
+    H, nh, nkv, hd, I, V, nl, nt, B = 16, 4, 2, 4, 24, 53, 2, 2, 4
+    b, S, N = 2, 22, 5
+    d = fd.MiniDrafter(H, nh, nkv, hd, I, nl, nt, block_size=B, dtype=torch.float64)
+    for p in d.parameters():  # non-trivial norm weights too
+        p.data.add_(0.1 * torch.randn_like(p))
+    embed = torch.randn(V, H, dtype=torch.float64)
+    head = torch.randn(V, H, dtype=torch.float64)
+    ids = torch.randint(0, V - 1, (b, S))
+    lengths = torch.tensor([S, 17])
+    lm = (torch.rand(b, S) > 0.15).long()
+    taps = torch.randn(b, S, nt * H, dtype=torch.float64)
+    anchors = torch.sort(torch.stack([torch.randperm(S - 1)[:N], torch.randperm(15)[:N]]), -1).values
+    keep = torch.ones(b, N, dtype=torch.bool)
+    keep[1, -2:] = False
+    teacher = torch.randn(b, S, H, dtype=torch.float64) if soft else None
+    kw = dict(block_size=B, mask_token_id=V - 1, gamma=3.0, cap_lambda=cap, kl_weight=0.3 if soft else 0.0,
+              temperature=2.0, teacher_final=teacher)
+    ref = fd.reference_loss(d, embed, head, ids, taps, lm, lengths, anchors, keep, **kw)
+    ref.backward()
+    g_ref = {n: p.grad.clone() for n, p in d.named_parameters()}
+    d.zero_grad()
+    out = fd.step_backward(d, embed, head, ids, taps, lm, lengths, anchors, keep, chunk_anchors=2,
+                           head_chunk_rows=6, dtype=torch.float64, attn=attn, ctx_multiple=8, **kw)
+    assert abs(float(out["loss"]) - float(ref.detach())) < 1e-9
+    for n, p in d.named_parameters():
+        assert (p.grad - g_ref[n]).norm() <= 1e-9 * (1 + g_ref[n].norm()), n

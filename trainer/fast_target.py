@@ -1,0 +1,136 @@
+"""A fast no-grad forward of a Qwen3-family target that produces what the drafter needs:
+the tapped decoder-layer outputs (and, for soft labels, the final normed hidden state).
+
+Against the plain Hugging Face forward it (1) stops after the last tapped layer unless the
+final state is wanted (34 of 36 layers for Qwen3-8B with 5 taps); (2) uses fused q|k|v and
+gate|up weights (one GEMM each); (3) fuses the elementwise work (fused_ops); (4) picks the
+SDPA backend (cuDNN by default on Hopper, FlashAttention-2 as fallback); (5) keeps no
+hidden states but the tapped ones.
+
+Build it from an HF model (``FastTarget.from_hf(model.model, layer_ids)``) or with random
+weights directly on the device (``FastTarget.random(shape, …)``, benchmarks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from trainer import fused_ops as fo
+from trainer.flops import ModelShape
+
+
+@dataclass
+class TargetLayer:
+    ln1: torch.Tensor
+    wqkv: torch.Tensor
+    qn: torch.Tensor
+    kn: torch.Tensor
+    wo: torch.Tensor
+    ln2: torch.Tensor
+    wgu: torch.Tensor
+    wd: torch.Tensor
+
+
+def sdpa_causal(backend: str = "cudnn"):
+    """attn(q [b,h,L,d], k/v [b,hk,L,d]) → [b,h,L,d], causal, with one SDPA backend."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
+          "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[backend]
+
+    def attn(q, k, v):
+        rep = q.shape[1] // k.shape[1]
+        with sdpa_kernel([be]):
+            if backend == "flash" and rep > 1:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            if rep > 1:
+                k = k.repeat_interleave(rep, dim=1)
+                v = v.repeat_interleave(rep, dim=1)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    return attn
+
+
+class FastTarget:
+    def __init__(self, shape: ModelShape, embed: torch.Tensor, layers: list[TargetLayer],
+                 layer_ids: list[int], final_norm: torch.Tensor | None = None, rope_theta: float = 1e6,
+                 eps: float = 1e-6, attn_backend: str = "cudnn"):
+        self.shape, self.embed, self.layers = shape, embed, layers
+        self.layer_ids = list(layer_ids)
+        self.final_norm = final_norm
+        self.eps = eps
+        self.rope_theta = rope_theta
+        self.attn = sdpa_causal(attn_backend)
+        self._rope = None
+
+    def _tables(self, L: int, device):
+        if self._rope is None or self._rope[0].shape[0] < L:
+            self._rope = fo.rope_tables(max(L, 8192), self.shape.head_dim, device, self.rope_theta)
+        return self._rope[0][:L], self._rope[1][:L]
+
+    def _layer(self, x, w: TargetLayer, cos, sin):
+        s = self.shape
+        b, L, _ = x.shape
+        h = fo.norm(x, w.ln1, self.eps)
+        q, k, v = fo.qkv_prep(h @ w.wqkv.t(), w.qn, w.kn, cos, sin, s.n_heads, s.n_kv_heads, s.head_dim, self.eps)
+        o = self.attn(q, k, v).transpose(1, 2).reshape(b, L, s.q_dim)
+        x = x + o @ w.wo.t()
+        h = fo.norm(x, w.ln2, self.eps)
+        return x + fo.silu_mul(h @ w.wgu.t()) @ w.wd.t()
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, want_final: bool = False):
+        """input_ids [b, S] right-padded → (taps [b, S, n·H], final [b, S, H] or None)."""
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self._tables(input_ids.shape[1], input_ids.device)
+        last = len(self.layers) - 1 if want_final else max(self.layer_ids)
+        taps = []
+        for i in range(last + 1):
+            x = self._layer(x, self.layers[i], cos, sin)
+            if i in self.layer_ids:
+                taps.append(x)
+        out = torch.cat(taps, dim=-1)
+        final = fo.norm(x, self.final_norm, self.eps) if want_final else None
+        return out, final
+
+    # ------------------------------------------------------------------ builders
+    @classmethod
+    def from_hf(cls, hf_model, layer_ids, attn_backend: str = "cudnn", keep_all_layers: bool = False):
+        """From a transformers Qwen3Model (``model.model``). Fused weights are new tensors;
+        layers after the last tapped one are skipped unless ``keep_all_layers``."""
+        cfg = hf_model.config
+        shape = ModelShape.from_hf_config(cfg)
+        n = shape.n_layers if keep_all_layers else max(layer_ids) + 1
+        layers = []
+        with torch.no_grad():
+            for lyr in hf_model.layers[:n]:
+                a, m = lyr.self_attn, lyr.mlp
+                layers.append(TargetLayer(
+                    lyr.input_layernorm.weight, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
+                    a.q_norm.weight, a.k_norm.weight, a.o_proj.weight, lyr.post_attention_layernorm.weight,
+                    torch.cat([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight))
+        theta = getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 1e6)
+        return cls(shape, hf_model.embed_tokens.weight, layers, layer_ids, hf_model.norm.weight,
+                   rope_theta=float(theta), eps=float(getattr(cfg, "rms_norm_eps", 1e-6)), attn_backend=attn_backend)
+
+    @classmethod
+    def random(cls, shape: ModelShape, layer_ids, device="cuda", dtype=torch.bfloat16, n_layers: int | None = None,
+               attn_backend: str = "cudnn", std: float = 0.02):
+        """Random weights made on the device (benchmarks): layers 0..max(layer_ids) unless
+        n_layers says more."""
+        n = n_layers if n_layers is not None else max(layer_ids) + 1
+        H, q, kv, I, hd = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.head_dim
+
+        def mat(o, i):
+            return torch.randn(o, i, device=device, dtype=dtype) * std
+
+        def ones(k):
+            return torch.ones(k, device=device, dtype=dtype)
+
+        layers = [TargetLayer(ones(H), mat(q + 2 * kv, H), ones(hd), ones(hd), mat(H, q), ones(H),
+                              mat(2 * I, H), mat(H, I)) for _ in range(n)]
+        embed = torch.randn(shape.vocab, H, device=device, dtype=dtype) * std
+        return cls(shape, embed, layers, layer_ids, ones(H), attn_backend=attn_backend)
