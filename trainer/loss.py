@@ -84,7 +84,7 @@ def valid_slots(anchors, keep, loss_mask, lengths, block_size) -> torch.Tensor:
 
 def decay_weights(valid: torch.Tensor, gamma: float) -> torch.Tensor:
     K = valid.shape[-1]
-    w = torch.exp(-torch.arange(K, device=valid.device, dtype=torch.float32) / gamma)  # k-1 = 0..K-1
+    w = torch.exp(-torch.arange(K, device=valid.device, dtype=valid.dtype) / gamma)  # k-1 = 0..K-1
     return w * valid
 
 
@@ -116,14 +116,18 @@ def position_terms(hidden, lm_head, labels, teacher_hidden=None, temperature: fl
     return torch.cat(ces), torch.cat(kls), torch.cat(oks)
 
 
+def _up(x):  # softmax statistics in fp32 at least (fp64 stays fp64, for exact tests)
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def _chunk_terms(h, lm_head, labels, teacher_h, T):
-    z = F.linear(h, lm_head).float()
+    z = _up(F.linear(h, lm_head))
     logp = z.log_softmax(-1)
     ce = -logp.gather(-1, labels[:, None]).squeeze(-1)
     ok = (z.argmax(-1) == labels).float()
     if teacher_h is None:
         return ce, torch.zeros_like(ce), ok
-    zt = F.linear(teacher_h, lm_head).float()
+    zt = _up(F.linear(teacher_h, lm_head))
     log_pt = (zt / T).log_softmax(-1)
     log_pd = (z / T).log_softmax(-1)
     kl = (T * T) * (log_pt.exp() * (log_pt - log_pd)).sum(-1)
@@ -172,7 +176,7 @@ def dflash_loss(c: LossConfig, block_out, lm_head, input_ids, loss_mask, lengths
     shape = (b, n, B - 1)
     ce, kl, ok = ce.view(shape), kl.view(shape), ok.view(shape)
 
-    valid = valid_slots(anchors, keep, loss_mask, lengths, B)
+    valid = valid_slots(anchors, keep, loss_mask, lengths, B).to(ce.dtype)
     if c.position_weights == "dpace":
         w = dpace_weights(ce, valid, c.dpace_alpha)
     else:
@@ -184,7 +188,7 @@ def dflash_loss(c: LossConfig, block_out, lm_head, input_ids, loss_mask, lengths
 
     # CAP: expected accepted length from the drafter's probability of the true tokens.
     C = torch.cumprod(torch.exp(-ce) * valid, dim=-1)
-    kept = keep.float()
+    kept = keep.to(ce.dtype)
     cap = ((1 - C.sum(-1) / (B - 1)) * kept).sum() / kept.sum().clamp(min=1)
     if c.cap_lambda > 0:
         loss = loss + c.cap_lambda * cap

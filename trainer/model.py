@@ -68,6 +68,8 @@ class DrafterConfig:
         L = int(target["num_hidden_layers"])
         vocab = int(target["vocab_size"])
         ids = list(target_layer_ids) if target_layer_ids else build_target_layer_ids(L, num_draft_layers)
+        if mask_token_id is None:  # a target may name its reserved id (trainer/tiny.py does)
+            mask_token_id = target.get("mask_token_id")
         if mask_token_id is None:
             mask_token_id = DEFAULT_MASK_TOKEN_ID if vocab > DEFAULT_MASK_TOKEN_ID else vocab - 1
         return cls(
