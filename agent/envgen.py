@@ -766,7 +766,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("switch", help="make an existing generation current")
     s.add_argument("gen")
     sub.add_parser("resume", help="complete an operation that was interrupted")
-    s = sub.add_parser("match", help="the generation holding a package set (JSON {name: version} on stdin)")
+    sub.add_parser("match", help="the generation holding a package set (JSON {name: version} on stdin)")
+    sub.add_parser("compare", help='diff of two fingerprints, JSON {"old": FP, "new": FP} on stdin')
     s = sub.add_parser("pin", help="record that a run uses a generation: it will not be removed")
     s.add_argument("--ref", required=True)
     s.add_argument("--gen", default="current")
@@ -801,6 +802,9 @@ def dispatch(args: argparse.Namespace) -> dict:
         return op_resume(store)
     if verb == "match":
         return op_match(store, json.load(sys.stdin))
+    if verb == "compare":
+        doc = json.load(sys.stdin)
+        return diff_fingerprints(doc["old"], doc["new"])
     if verb == "pin":
         return op_pin(store, args.ref, args.gen, args.reason)
     if verb == "unpin":

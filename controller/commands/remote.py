@@ -110,4 +110,5 @@ def env_command(
 def register(app: typer.Typer) -> None:
     # Options stop at the first argument, so `ctl exec -c 200 ls -l` passes -l to ls.
     app.command("exec", context_settings={"allow_interspersed_args": False})(exec_command)
-    app.command("env")(env_command)
+    # `ctl env` is a group (controller/commands/envs.py) whose no-subcommand form calls
+    # env_command, so `ctl env --container 200` keeps this behaviour next to `ctl env list`.

@@ -1,0 +1,93 @@
+"""`ctl kill-and-rollback` and `ctl history`: stop a run cleanly, restore the environment
+that worked (controller/rollback.py), and the container's record of every kill and rollback."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from typing import Optional
+
+import typer
+
+from controller import envgen_client as eg
+from controller import rollback as rb
+from controller.commands import remote
+from controller.commands.remote import ConfigOpt, ContainerOpt, NodeOpt, TrustOpt, container_session
+
+EXIT_REFUSED = 3
+EXIT_ABORTED = 4
+
+
+def kill_and_rollback_command(
+    container: int = ContainerOpt,
+    run: Optional[str] = typer.Option(None, "--run", help="run id (default: the live run, else the newest)"),
+    to: str = typer.Option("last-good", "--to", help="last-good | env:GENERATION | snapshot:NAME"),
+    grace: float = typer.Option(60.0, "--grace", help="seconds between SIGTERM and SIGKILL (the trainer "
+                                                      "checkpoints in between)"),
+    dry_run: bool = typer.Option(False, "--dry-run", help="print the plan, change nothing"),
+    yes: bool = typer.Option(False, "--yes", "-y", help="do not ask before stopping and rolling back"),
+    node: Optional[str] = NodeOpt,
+    config: Optional[str] = ConfigOpt,
+    trust_new_host_key: bool = TrustOpt,
+) -> None:
+    """Stop a run gracefully, check nothing of it is left, restore the venv generation of the
+    last known-good run (or a named generation, or a Proxmox snapshot), verify, and print
+    what changed and the exact command to resume."""
+    with container_session(container, node, config, trust_new_host_key) as ct:
+        try:
+            plan = rb.make_plan(ct, run, to, grace)
+        except (rb.RollbackRefused, eg.EnvGenRefused) as exc:
+            raise remote.fail(f"refused, nothing changed: {exc}", EXIT_REFUSED) from None
+        for line in plan.lines():
+            typer.echo(line)
+        if dry_run:
+            typer.echo("dry run: nothing was changed")
+            return
+        if not yes:
+            if not sys.stdin.isatty():
+                raise remote.fail("this stops the run and changes the container's environment: "
+                                  "confirm with --yes (no terminal to ask on)", EXIT_ABORTED)
+            if not typer.confirm("proceed?", default=False):
+                raise remote.fail("aborted; nothing was changed", EXIT_ABORTED)
+        try:
+            report = rb.execute(ct, plan, say=typer.echo)
+        except (rb.RollbackRefused, eg.EnvGenRefused) as exc:
+            raise remote.fail(f"refused: {exc}", EXIT_REFUSED) from None
+        for line in report.lines():
+            typer.echo(line)
+
+
+def history_command(
+    container: int = ContainerOpt,
+    run: Optional[str] = typer.Option(None, "--run", help="only this run's records"),
+    limit: int = typer.Option(0, "--limit", help="only the last N records"),
+    as_json: bool = typer.Option(False, "--json", help="one JSON record per line"),
+    node: Optional[str] = NodeOpt,
+    config: Optional[str] = ConfigOpt,
+    trust_new_host_key: bool = TrustOpt,
+) -> None:
+    """Every kill and rollback in the container, oldest first (kept in its workspace)."""
+    with container_session(container, node, config, trust_new_host_key) as ct:
+        records = eg.recovery(ct, "history", *(["--run", run] if run else []), "--limit", str(limit))["records"]
+    for rec in records:
+        if as_json:
+            typer.echo(json.dumps(rec, sort_keys=True))
+            continue
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(rec.get("ts", 0))) + "Z"
+        if rec.get("event") == "kill":
+            typer.echo(f"{when}  kill      run {rec.get('run')}: {rec.get('how')}")
+        elif rec.get("event") == "rollback":
+            typer.echo(f"{when}  rollback  run {rec.get('run')} → {rec.get('to')}: venv {rec.get('from_env')} → "
+                       f"{rec.get('to_env')} (verified {rec.get('verified')})")
+            for line in rb.render_diff(rec.get("diff") or {}):
+                typer.echo(f"{'':22}  {line}")
+        else:
+            typer.echo(f"{when}  {rec.get('event')}  {json.dumps(rec, sort_keys=True)}")
+    if not records:
+        typer.echo(f"no kills or rollbacks recorded in container {container}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("kill-and-rollback")(kill_and_rollback_command)
+    app.command("history")(history_command)
