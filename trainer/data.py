@@ -220,6 +220,28 @@ def make_batches(
     return [batches[j].tolist() for j in perm]
 
 
+def random_batches(
+    lengths: Sequence[int] | np.ndarray, token_budget: int, max_seq_len: int, max_batch_size: int, seed: int, epoch: int
+) -> list[list[int]]:
+    """Naive baseline for benchmarks and tests: shuffle, then fill each batch in that order
+    until the next sample would break the budget or size limit. Not used for training."""
+    cost = np.maximum(np.minimum(np.asarray(lengths, dtype=np.int64), max_seq_len), 1)
+    order = np.random.default_rng(_seed_entropy(seed, epoch)).permutation(len(cost))
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    longest = 0
+    for i in order.tolist():
+        c = int(cost[i])
+        if cur and (len(cur) + 1 > max_batch_size or max(longest, c) * (len(cur) + 1) > token_budget):
+            batches.append(cur)
+            cur, longest = [], 0
+        cur.append(i)
+        longest = max(longest, c)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
 def _seed_entropy(seed: int, epoch: int) -> list[int]:
     # SeedSequence wants non-negative ints; keep negative seeds distinct from positive ones.
     return [0x64666C61, int(seed) % (1 << 64), int(epoch) % (1 << 64)]
@@ -370,15 +392,18 @@ def prepare(
     if not inputs:
         raise DataError("no --input given; name at least one JSONL file")
     for path in inputs:
-        if not os.path.isfile(path):
+        # exists-and-not-a-directory rather than isfile: a FIFO or /dev/stdin is a fine input
+        if not os.path.exists(path) or os.path.isdir(path):
             raise DataError(f"{path}: input file not found; check the --input path")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise DataError(f"{out}: already exists and is not empty; remove it or choose another --out")
     parent = os.path.dirname(out)
+    created = _missing_ancestors(parent)
     os.makedirs(parent, exist_ok=True)
     # Same parent → same file system → os.rename is atomic.
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=parent)
     writer = _ShardWriter(tmp, shard_tokens)
+    committed = False
     try:
         meta = _fill(inputs, writer, shard_tokens, progress_every, log)
         if extra_meta:
@@ -393,12 +418,30 @@ def prepare(
             os.rename(tmp, out)  # replaces an empty directory; fails on a non-empty one
         except OSError as exc:
             raise DataError(f"{out}: cannot move the prepared data into place ({exc}); remove it or choose another --out") from None
+        committed = True
         _fsync_dir(parent)
         return meta
-    except BaseException:
-        writer.abort()
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    finally:
+        if not committed:  # bad input or interrupted: leave nothing behind, not even parents
+            writer.abort()
+            shutil.rmtree(tmp, ignore_errors=True)
+            for d in created:
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    break
+
+
+def _missing_ancestors(path: str) -> list[str]:
+    """Directories that ``os.makedirs(path)`` would create, deepest first."""
+    missing = []
+    while path and not os.path.exists(path):
+        missing.append(path)
+        up = os.path.dirname(path)
+        if up == path:
+            break
+        path = up
+    return missing
 
 
 def _fill(inputs: Sequence[str], writer: _ShardWriter, shard_tokens: int, progress_every: int, log) -> dict:
@@ -434,7 +477,8 @@ def _fill(inputs: Sequence[str], writer: _ShardWriter, shard_tokens: int, progre
                 if progress_every and len(lengths) % progress_every == 0:
                     log(f"prepare: {len(lengths):,} samples, {sum_tokens(lengths):,} tokens, "
                         f"{time.monotonic() - t0:.0f} s ({path}:{lineno})")
-        sources.append({"file": os.path.basename(path), "bytes": os.path.getsize(path), "lines": lines})
+        size = os.path.getsize(path) if os.path.isfile(path) else None
+        sources.append({"file": os.path.basename(path), "bytes": size, "lines": lines})
     if not lengths:
         raise DataError(f"{', '.join(inputs)}: no samples; the input holds no JSON lines — check the --input files")
     shards = writer.close()

@@ -8,8 +8,9 @@
   suppressed during generation, so it never appears in the data. ``mask_token_id`` is in
   ``config.json`` and in ``dflash_tiny.json`` beside it.
 - ``DIR/data``: a prepared dataset (through :func:`trainer.data.prepare`) of random prompts
-  (loss_mask 0) followed by the target's greedy continuation (loss_mask 1) — the tiny
-  analogue of target-regenerated training data, so a drafter has something to learn.
+  (loss_mask 0) followed by the target's greedy continuation (loss_mask 1 from a random
+  start of 8–32 tokens on; total 48–200 tokens) — the tiny analogue of target-regenerated
+  training data, so a drafter has something to learn.
 
 No download; CPU only; deterministic for a seed on a given torch/transformers build.
 """
@@ -35,7 +36,9 @@ EXIT_USAGE = 2
 VOCAB = 512
 MASK_TOKEN_ID = VOCAB - 1
 MIN_LEN, MAX_LEN = 48, 200  # total tokens per sample, prompt included
-PROMPT_LENS = (8, 16, 24, 32)  # one prompt length per generation group (batched generation needs equal lengths)
+PROMPT_LEN = 8  # random prompt tokens; equal for all, so generation batches without padding
+MAX_LOSS_START = 32  # the loss starts at a random position in [PROMPT_LEN, MAX_LOSS_START]
+CHUNK = 512  # samples decoded together (bounds the KV cache for large --samples)
 INFO = "dflash_tiny.json"
 
 
@@ -102,22 +105,27 @@ def greedy_continue(model, prompts: np.ndarray, steps: int) -> np.ndarray:
 
 
 def generate_samples(model, seed: int, samples: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Random ``PROMPT_LEN``-token prompts, greedily continued to a random total length.
+
+    Every sample in a chunk shares the prompt length, so a chunk is one batched, cached
+    decode with no padding (which would perturb the logits, and the data must be exactly the
+    target's greedy continuation). Where the loss starts still varies per sample: the first
+    few greedy tokens may be left out of the loss, like a longer prompt.
+    """
     rng = np.random.default_rng([seed, 1])
     totals = rng.integers(MIN_LEN, MAX_LEN + 1, size=samples)
-    group = rng.integers(0, len(PROMPT_LENS), size=samples)
-    out: list[tuple[np.ndarray, np.ndarray] | None] = [None] * samples
-    for g, p in enumerate(PROMPT_LENS):
-        members = np.flatnonzero(group == g)
-        if len(members) == 0:
-            continue
-        prompts = rng.integers(0, MASK_TOKEN_ID, size=(len(members), p), dtype=np.int64)
-        cont = greedy_continue(model, prompts, int(totals[members].max()) - p)
-        for row, i in enumerate(members):
-            ids = np.concatenate([prompts[row], cont[row, : int(totals[i]) - p]]).astype(np.int32)
+    loss_start = rng.integers(PROMPT_LEN, MAX_LOSS_START + 1, size=samples)
+    prompts = rng.integers(0, MASK_TOKEN_ID, size=(samples, PROMPT_LEN), dtype=np.int64)
+    out: list[tuple[np.ndarray, np.ndarray]] = []
+    for start in range(0, samples, CHUNK):
+        part = slice(start, min(start + CHUNK, samples))
+        cont = greedy_continue(model, prompts[part], int(totals[part].max()) - PROMPT_LEN)
+        for row, i in enumerate(range(part.start, part.stop)):
+            ids = np.concatenate([prompts[i], cont[row, : int(totals[i]) - PROMPT_LEN]]).astype(np.int32)
             mask = np.zeros(len(ids), np.uint8)
-            mask[p:] = 1
-            out[i] = (ids, mask)
-    return out  # type: ignore[return-value]
+            mask[int(loss_start[i]):] = 1
+            out.append((ids, mask))
+    return out
 
 
 def write_tiny(out_dir: str, seed: int = 0, samples: int = 320, log=None) -> dict:
