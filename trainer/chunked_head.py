@@ -18,7 +18,7 @@ chunk of whole blocks at a time; for each chunk the forward pass
 
 Backward then only scales the stored ∂L/∂hidden by the incoming gradient. Two head-sized
 matmuls per position (the minimum with a frozen head), no recompute, peak extra memory
-≈ chunk × V × (2 + 3·4) bytes.
+≈ chunk × V × 4 bytes on GPU (bf16 logits + bf16 gradient; the fp32 math is fused).
 
 The loss must be a sum of per-chunk terms, each a function of that chunk's per-position
 ce/kl only, with global normalisers fixed ahead (Σ weights, number of valid blocks). The
@@ -40,24 +40,61 @@ __all__ = ["chunked_head_loss", "dflash_loss_fn", "naive_head_loss", "position_w
 LossFn = Callable[[torch.Tensor, Optional[torch.Tensor], slice], torch.Tensor]
 
 
-def _chunk_terms(logits: torch.Tensor, targets: torch.Tensor,
-                 teacher_logits: Optional[torch.Tensor], temperature: float):
-    """logits [c, V] (any float dtype) → ce [c], kl [c] | None, correct [c], softmax, soft."""
+def _stats(logits: torch.Tensor, targets: torch.Tensor):
+    """One pass over bf16/fp32 logits [c, V]: lse, ce, top-1 correct (fp32 math)."""
     z = logits if logits.dtype == torch.float64 else logits.float()
     lse = torch.logsumexp(z, dim=-1)
     ce = lse - z.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     correct = z.argmax(dim=-1) == targets
-    p = torch.exp(z - lse.unsqueeze(-1))
-    if teacher_logits is None:
-        return ce, None, correct, p, None
-    T = float(temperature)
+    return lse, ce, correct
+
+
+def _stats_soft(logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor, T: float):
+    z = logits if logits.dtype == torch.float64 else logits.float()
+    lse, ce, correct = _stats(logits, targets)
     zs = z / T
-    log_q = zs - torch.logsumexp(zs, dim=-1, keepdim=True)
+    lse_s = torch.logsumexp(zs, dim=-1)
     zt = teacher_logits.to(z.dtype) / T
-    log_pt = zt - torch.logsumexp(zt, dim=-1, keepdim=True)
-    pt = torch.exp(log_pt)
-    kl = (pt * (log_pt - log_q)).sum(-1)
-    return ce, kl, correct, p, (torch.exp(log_q) - pt) / T
+    lse_t = torch.logsumexp(zt, dim=-1)
+    log_pt = zt - lse_t.unsqueeze(-1)
+    kl = (torch.exp(log_pt) * (log_pt - (zs - lse_s.unsqueeze(-1)))).sum(-1)
+    return lse, ce, correct, lse_s, lse_t, kl
+
+
+def _grad(logits, lse, targets, g_ce, out_dtype: torch.dtype):
+    """∂L/∂z = g_ce · (softmax(z) − onehot(target)), written once in ``out_dtype``."""
+    z = logits if logits.dtype == torch.float64 else logits.float()
+    p = torch.exp(z - lse.unsqueeze(-1))
+    iota = torch.arange(z.shape[-1], device=z.device)
+    onehot = (iota.unsqueeze(0) == targets.unsqueeze(-1)).to(z.dtype)
+    return ((p - onehot) * g_ce.unsqueeze(-1)).to(out_dtype)
+
+
+def _grad_soft(logits, teacher_logits, lse, lse_s, lse_t, targets, g_ce, g_kl, T: float, out_dtype: torch.dtype):
+    """… + g_kl · (softmax(z/T) − softmax(z_t/T)) / T."""
+    z = logits if logits.dtype == torch.float64 else logits.float()
+    p = torch.exp(z - lse.unsqueeze(-1))
+    iota = torch.arange(z.shape[-1], device=z.device)
+    onehot = (iota.unsqueeze(0) == targets.unsqueeze(-1)).to(z.dtype)
+    q = torch.exp(z / T - lse_s.unsqueeze(-1))
+    pt = torch.exp(teacher_logits.to(z.dtype) / T - lse_t.unsqueeze(-1))
+    g = (p - onehot) * g_ce.unsqueeze(-1) + (q - pt) * (g_kl / T).unsqueeze(-1)
+    return g.to(out_dtype)
+
+
+_FNS = {}
+
+
+def _fns(device: torch.device):
+    """The four elementwise passes, compiled (fused, one read of the logits each) on CUDA."""
+    key = device.type
+    if key not in _FNS:
+        if key == "cuda":
+            c = lambda f: torch.compile(f, dynamic=True)  # noqa: E731
+            _FNS[key] = (c(_stats), c(_stats_soft), c(_grad), c(_grad_soft))
+        else:
+            _FNS[key] = (_stats, _stats_soft, _grad, _grad_soft)
+    return _FNS[key]
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -81,8 +118,12 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             if teacher is not None:
                 tsrc = teacher[sl]
                 tl = tsrc.reshape(-1, tsrc.shape[-1]) if teacher_is_logits else tsrc.reshape(-1, H) @ w.t()
-            ce, kl, correct, p, dkl = _chunk_terms(logits, t, tl, temperature)
-            del logits, tl
+            stats, stats_soft, grad, grad_soft = _fns(h.device)
+            if tl is None:
+                lse, ce, correct = stats(logits, t)
+                kl = None
+            else:
+                lse, ce, correct, lse_s, lse_t, kl = stats_soft(logits, tl, t, temperature)
             n = sl.stop - sl.start
             with torch.enable_grad():
                 ce_v = ce.detach().view(n, K).requires_grad_(True)
@@ -90,14 +131,15 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 part = loss_fn(ce_v, kl_v, sl)
                 leaves = [ce_v] if kl_v is None else [ce_v, kl_v]
                 grads = torch.autograd.grad(part, leaves, allow_unused=True)
-            g_ce = grads[0] if grads[0] is not None else torch.zeros_like(ce_v)
-            # ∂ce/∂z = softmax − onehot, scaled per row
-            gz = p.mul_(g_ce.reshape(-1, 1))
-            gz.scatter_add_(-1, t.unsqueeze(-1), -g_ce.reshape(-1, 1))
-            if kl_v is not None and grads[1] is not None:
-                gz.add_(dkl.mul_(grads[1].reshape(-1, 1)))
-            del dkl, p
-            grad_hidden[sl] = (gz.to(w.dtype) @ w).view(n, K, H).to(hidden.dtype)
+            g_ce = (grads[0] if grads[0] is not None else torch.zeros_like(ce_v)).reshape(-1).to(ce.dtype)
+            gdt = torch.float64 if w.dtype == torch.float64 else w.dtype
+            if kl_v is None:
+                gz = grad(logits, lse, t, g_ce, gdt)
+            else:
+                g_kl = (grads[1] if grads[1] is not None else torch.zeros_like(kl_v)).reshape(-1).to(ce.dtype)
+                gz = grad_soft(logits, tl, lse, lse_s, lse_t, t, g_ce, g_kl, temperature, gdt)
+            del logits, tl
+            grad_hidden[sl] = (gz @ w).view(n, K, H).to(hidden.dtype)
             del gz
             total = total + part.detach()
             ce_all[sl] = ce.view(n, K)
@@ -204,12 +246,10 @@ def naive_head_loss(hidden, weight, targets, loss_fn, *, teacher=None, teacher_i
 
 
 def head_logit_bytes(chunk_rows: int, vocab: int, soft_labels: bool) -> int:
-    """Transient bytes of one chunk (memory model): bf16 logits + fp32 copies (z, softmax,
-    gradient) and, with soft labels, teacher logits and two more fp32 tensors."""
-    per = 2 + 4 * 3
-    if soft_labels:
-        per += 2 + 4 * 4
-    return int(chunk_rows) * int(vocab) * per
+    """Transient bytes of one head chunk on GPU (memory model): bf16 logits and the bf16
+    gradient of the logits (the compiled passes fuse the fp32 math); with soft labels, the
+    teacher's bf16 logits too."""
+    return int(chunk_rows) * int(vocab) * (4 + (2 if soft_labels else 0))
 
 
 def _selfcheck() -> float:  # pragma: no cover - quick manual check

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from trainer import fused_ops as fo
 from trainer.chunked_head import chunked_head_loss, dflash_loss_fn
-from trainer.flex_mask import dense_dflash_mask, make_dflash_block_mask
+from trainer.flex_mask import dense_dflash_mask
 
 _FLEX = {}
 
@@ -94,6 +94,30 @@ class MiniDrafter(nn.Module):
             L.self_attn, L.mlp = a, m
             self.layers.append(L)
         self.norm = nrm(hidden)
+
+
+_MASKS: dict = {}
+
+
+def _chunk_block_mask(a, kp, S_pad: int, B: int):
+    """BlockMask for one chunk. The mask_mod closes over persistent buffers (one set per
+    shape) that are refilled per chunk, so the compiled flex kernel sees the same mask
+    function every time and never recompiles for new anchors."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from trainer.flex_mask import dflash_mask_mod
+
+    n = a.shape[0]
+    key = (n, S_pad, B, a.device)
+    if key not in _MASKS:
+        a_buf = torch.zeros(1, n, dtype=torch.long, device=a.device)
+        k_buf = torch.zeros(1, n, dtype=torch.bool, device=a.device)
+        _MASKS[key] = (a_buf, k_buf, dflash_mask_mod(a_buf, S_pad, B, k_buf))
+    a_buf, k_buf, mod = _MASKS[key]
+    a_buf.copy_(a[None])
+    k_buf.copy_(kp[None])
+    return create_block_mask(mod, 1, None, n * B, S_pad + n * B, device=a.device,
+                             _compile=a.device.type == "cuda")
 
 
 def _cast(p, dtype):
@@ -211,7 +235,7 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
             else:
                 padded = leaves
             if attn == "flex":
-                bm = make_dflash_block_mask(a[None], S_pad, B, kp[None])
+                bm = _chunk_block_mask(a, kp, S_pad, B)
 
                 def attend(q, k, v, bm=bm):
                     return flex(q, k, v, block_mask=bm, enable_gqa=k.shape[1] != q.shape[1])

@@ -20,7 +20,7 @@ drafter role
   context     per token: fc output and its norm, and per layer the context k/v (saved,
               leaves and their fp32 gradients)
   activations one anchor chunk of C positions: per position per layer what backward keeps
-  logit_chunk one head chunk: bf16 logits + fp32 z, softmax, gradient (+ teacher terms)
+  logit_chunk one head chunk: bf16 logits + bf16 logit gradient (+ teacher logits)
   head_grad   the head's stored ∂L/∂hidden for one anchor chunk
 target role
   params      bf16 weights of layers 0..last_layer, embedding (+ norm and head when soft
@@ -105,7 +105,7 @@ def drafter_peak_bytes(shape: ModelShape, *, n_layers: int, block_size: int, max
         # fc out + norm out (bf16) + fp32 rstd; per layer: pre-norm k, k/v leaves, fp32 grads
         "context": int(coef.drafter_ctx * tokens * (4 * H + n_layers * (2 + 4 + 8) * kv)),
         "activations": int(coef.drafter_act * C * n_layers * 2 * drafter_act_elems_per_position_layer(shape)),
-        "logit_chunk": int(min(head_chunk_rows, C) * V * (2 + 12 + (18 if soft_labels else 0))),
+        "logit_chunk": int(min(head_chunk_rows, C) * V * (4 + (2 if soft_labels else 0))),
         "head_grad": C * H * 2 * 2,  # final-norm output + stored ∂L/∂hidden
         "fixed": int(coef.fixed_bytes),
     }
