@@ -257,8 +257,10 @@ class Report:
             out.append(f"the last checkpoint {ck['path']} (step {ck.get('step')}) no longer exists"
                        + (" (it was inside the rolled-back root filesystem)" if t.kind == "snapshot" else ""))
             out.append(f"  start again: {self.resume_line}")
-        else:
+        elif p.run:
             out.append(f"no checkpoint of run {p.run} to resume from; start again: {self.resume_line}")
+        else:
+            out.append(f"start a run: {self.resume_line}")
         return out
 
 
