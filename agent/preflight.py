@@ -202,32 +202,14 @@ def _checkpoint_dir(path: str) -> Optional[str]:
     return None
 
 
-def _ckpt_describe(step_dir: str) -> dict:
-    """What the checkpoint says about itself without torch: the JSON files the trainer writes
-    beside checkpoint.pt (the drafter's config.json, a resolved-config JSON when present)."""
-    info: dict[str, Any] = {"dir": step_dir}
-    for name in ("meta.json", "checkpoint.json", "config.json", "train_config.json"):
-        doc = _read_json(os.path.join(step_dir, name))
-        if doc:
-            info.setdefault("meta", {}).update(doc)
-    drafter = _read_json(os.path.join(step_dir, "drafter", "config.json"))
-    if drafter:
-        info["drafter"] = drafter
-    return info
-
-
-def _get(d: Optional[dict], *keys: str) -> Any:
-    for key in keys:
-        cur: Any = d
-        for part in key.split("."):
-            cur = cur.get(part) if isinstance(cur, dict) else None
-        if cur is not None:
-            return cur
-    return None
-
-
 def checkpoint_info(start: dict, flags: dict, model: dict, data: dict) -> tuple[dict, list[str], list[str]]:
-    """Present, and compatible with this launch's drafter shape, target and (resume) data."""
+    """Present, complete, and compatible with this launch: the drafter's shape (block size,
+    draft layers), the target it was trained against, and for a resume the same data.
+
+    Reads the checkpoint's own meta.json (trainer/checkpoint.py writes it beside
+    checkpoint.pt for exactly this: no tensors loaded). The trainer checks again when it
+    loads; this catches the same mistakes before a run directory exists.
+    """
     kind, path = start.get("kind"), start.get("path")
     if kind not in ("resume", "init") or not path:
         return {}, [], []
@@ -235,44 +217,39 @@ def checkpoint_info(start: dict, flags: dict, model: dict, data: dict) -> tuple[
     step_dir = _checkpoint_dir(path)
     if step_dir is None:
         if os.path.isdir(path):
-            found = sorted(n for n in os.listdir(path) if n.startswith("step_"))
+            found = sorted((n for n in os.listdir(path) if n.startswith("step_")), key=lambda n: int(n[5:]) if n[5:].isdigit() else -1)
             hint = f"; it holds {', '.join(found[-3:])} — name one of those" if found else ""
-            return {"path": path}, [f"{flag} {path}: no {CHECKPOINT_FILE} there{hint}"], []
-        return {"path": path}, [f"{flag} {path}: no such checkpoint in this container; list a run's "
-                                "checkpoints with `ctl runs` / `ctl status`, or use --from-scratch"], []
-    info = _ckpt_describe(step_dir)
-    info["path"] = path
+            return {"path": path}, [f"{flag} {path}: no {CHECKPOINT_FILE} there (not a complete checkpoint){hint}"], []
+        return {"path": path}, [f"{flag} {path}: no such checkpoint in this container; `ctl status --run ID` shows "
+                                "a run's last checkpoint — or start --from-scratch"], []
+    info: dict[str, Any] = {"path": path, "dir": step_dir}
+    meta = _read_json(os.path.join(step_dir, "meta.json"))
+    if meta is None or meta.get("format") != "dflash-trainer-checkpoint":
+        return info, [f"{flag} {path}: no readable meta.json of a dflash trainer checkpoint beside "
+                      f"{CHECKPOINT_FILE}; name a complete OUTPUT/step_N directory written by this trainer"], []
+    info["step"] = meta.get("step")
     errors: list[str] = []
-    warnings: list[str] = []
-    meta, drafter = info.get("meta"), info.get("drafter")
-    if meta is None and drafter is None:
-        warnings.append(f"{flag} {path}: no config beside {CHECKPOINT_FILE}; compatibility is checked by the "
-                        "trainer when it loads")
-    # Drafter shape: these must match or the weights do not load.
-    shape = (("num_draft_layers", ("num_draft_layers", "config.num_draft_layers", "num_hidden_layers"), "--num-draft-layers"),
-             ("block_size", ("block_size", "config.block_size"), "--block-size"))
-    for dest, keys, name in shape:
-        have = _get(meta, *keys) if _get(meta, *keys) is not None else _get(drafter, *keys)
-        want = flags.get(dest)
+    cfg = meta.get("drafter_config") or {}
+    for key, dest, name in (("block_size", "block_size", "--block-size"),
+                            ("num_hidden_layers", "num_draft_layers", "--num-draft-layers")):
+        have, want = cfg.get(key), flags.get(dest)
         if have is not None and want is not None and int(have) != int(want):
-            errors.append(f"{flag} {path}: the checkpoint was trained with {name} {have}, this launch says {want}; "
-                          f"set {name} {have} or start --from-scratch")
-    target_cfg = model.get("config") or {}
-    for key in ("hidden_size", "vocab_size"):
-        have = _get(meta, f"target.{key}", f"target_{key}") or _get(drafter, key)
-        want = target_cfg.get(key)
-        if have is not None and want is not None and int(have) != int(want):
-            errors.append(f"{flag} {path}: the checkpoint's drafter has {key} {have} but --target-model "
-                          f"{model.get('dir')} has {want}: it belongs to another target; pick a checkpoint "
-                          "of this target or start --from-scratch")
+            errors.append(f"{flag} {path}: the checkpoint was trained with {name} {have}, this launch says "
+                          f"{want}; set {name} {have} or start --from-scratch")
+    theirs, ours = meta.get("target") or {}, model.get("config") or {}
+    diff = [k for k in ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")
+            if theirs.get(k) is not None and ours.get(k) is not None and theirs.get(k) != ours.get(k)]
+    if diff:
+        what = ", ".join(f"{k} {theirs.get(k)} vs {ours.get(k)}" for k in diff)
+        errors.append(f"{flag} {path}: trained against another target ({what}); point --target-model at the "
+                      "checkpoint's target or start --from-scratch")
     if kind == "resume":
-        have = _get(meta, "data_fingerprint", "data.fingerprint")
-        want = (data.get("stats") or {}).get("fingerprint")
+        have, want = meta.get("data_fingerprint"), (data.get("stats") or {}).get("fingerprint")
         if have and want and have != want:
-            errors.append(f"--resume-from {path}: the checkpoint's data position belongs to other data "
-                          f"(fingerprint {str(have)[:12]}, --data-dir has {str(want)[:12]}); resuming would "
-                          "skip or repeat samples: use --init-from to keep only the weights")
-    return info, errors, warnings
+            errors.append(f"--resume-from {path}: trained on other data (fingerprint {str(have)[:12]}, --data-dir "
+                          f"has {str(want)[:12]}); resuming continues that data's order — use --init-from to keep "
+                          "only the weights")
+    return info, errors, []
 
 
 def disk_info(path: Optional[str]) -> dict:
@@ -322,6 +299,11 @@ def check(req: dict) -> dict:
                               "fix the role or the container's GPU passthrough")
     elif device == "auto" and roles["target"]:
         warnings.append("no GPU visible: --device auto runs on CPU with gloo; GPU ids name rank slots")
+
+    if flags.get("wandb_project") and flags.get("wandb_mode") != "disabled" and "wandb" not in pkgs:
+        errors.append(f"[wandb] project = {flags['wandb_project']!r} but wandb is not installed for "
+                      f"{py['executable']}: install it into the container's venv, or drop the project "
+                      "(or set mode = \"disabled\") in the run config")
 
     model, errs = model_info(flags.get("target_model"))
     errors += errs

@@ -6,7 +6,7 @@ import importlib
 
 import typer
 
-GROUPS: list[str] = ["remote", "sim", "envs", "rollback"]
+GROUPS: list[str] = ["remote", "sim", "envs", "rollback", "run"]
 
 
 def register_all(app: typer.Typer) -> None:

@@ -1,0 +1,95 @@
+"""Read-only views of a container's runs for `ctl status`, `ctl runs` and `ctl tail`, each
+answered in one call (one round trip):
+
+    python3 -m agent.runview status --workspace W [--run ID]   # the run (default: latest)
+    python3 -m agent.runview stream --workspace W --run ID --from SEQ   # what exists now
+
+``status`` resolves "the latest run" itself (so the operator's default costs no extra
+listing round trip), returns the agent's status.json and result.json, whether the agent and
+the job are alive, the run's launch record and the known-good baseline for its config
+(updated first: a run that reached steady state since the last look becomes the baseline).
+``stream`` is ``agent follow`` that stops at the current end instead of waiting for more.
+
+Standard library only; it reads what the agent writes and never writes into a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional
+
+from agent import knowngood
+from agent.protocol import DEFAULT_WORKSPACE, ENV_WORKSPACE, SPEC, wrap_payload
+from agent.rundir import RunDir, agent_alive, agent_live_or_none, read_json
+
+
+def runs(workspace: str) -> list[dict]:
+    """Run directories that hold a spec, oldest first (by the agent's creation time)."""
+    base = os.path.join(workspace, "runs")
+    out = []
+    for name in os.listdir(base) if os.path.isdir(base) else []:
+        spec = read_json(os.path.join(base, name, SPEC))
+        if spec:
+            out.append({"run_id": spec.get("run_id") or name, "run_dir": os.path.join(base, name),
+                        "created": spec.get("created") or 0})
+    return sorted(out, key=lambda r: (r["created"], r["run_id"]))
+
+
+def status(workspace: str, run: Optional[str] = None) -> dict:
+    all_runs = runs(workspace)
+    if run is None:
+        if not all_runs:
+            return {"ok": False, "error": f"no runs in {workspace}/runs yet: start one with `ctl launch`"}
+        run = all_runs[-1]["run_id"]
+    rd = RunDir(os.path.join(workspace, "runs", run))
+    if not os.path.exists(rd.spec):
+        known = ", ".join(r["run_id"] for r in all_runs[-5:]) or "none"
+        return {"ok": False, "error": f"no run {run!r} in {workspace}/runs (latest: {known}); `ctl runs` lists them"}
+    try:
+        known_good = knowngood.update(workspace)
+    except OSError:
+        known_good = knowngood.load(workspace)
+    launch = read_json(knowngood.launch_record_path(workspace, run)) or {}
+    config = launch.get("config")
+    baseline = ((known_good.get("configs") or {}).get(config) or {}) if config else {}
+    spec = read_json(rd.spec) or {}
+    return {"ok": True, "run_id": run, "run_dir": rd.path, "latest": all_runs[-1]["run_id"] == run,
+            "spec": {k: spec.get(k) for k in ("run_id", "created", "argv", "cwd", "options")},
+            "status": read_json(rd.status) or {}, "result": read_json(rd.result),
+            "agent_alive": agent_alive(rd), "job_alive": agent_live_or_none(rd.job_pid),
+            "config": config, "start": launch.get("start"), "gpus": launch.get("gpus"),
+            "baseline": {"run_id": baseline.get("run_id"), "steady": baseline.get("steady")} if baseline else None,
+            "known_good_run": (known_good.get("env") or {}).get("run_id")}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m agent.runview")
+    p.add_argument("verb", choices=("status", "stream"))
+    p.add_argument("--workspace", default=os.environ.get(ENV_WORKSPACE) or DEFAULT_WORKSPACE)
+    p.add_argument("--run")
+    p.add_argument("--from", dest="from_seq", type=int, default=0)
+    args = p.parse_args(argv)
+    if args.verb == "status":
+        reply = status(args.workspace, args.run)
+        sys.stdout.write(wrap_payload(reply))
+        return 0 if reply.get("ok") else 1
+    from agent.stream import follow
+
+    if not args.run:
+        print("agent.runview stream: --run is required", file=sys.stderr)
+        return 2
+    rd = RunDir(os.path.join(args.workspace, "runs", args.run))
+    if not os.path.isdir(rd.path):
+        print(f"agent.runview stream: no run directory {rd.path}", file=sys.stderr)
+        return 2
+    try:
+        return follow(rd.path, args.from_seq, sys.stdout.buffer, lambda: agent_alive(rd), once=True)
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,299 @@
+"""`ctl launch`, `ctl tail`, `ctl status`, `ctl runs`: the operator's loop.
+
+    ctl launch --container 200 --config run.toml --from-scratch [--follow]
+    ctl tail   [--container 200] [--run ID] [--follow] [--since SEQ]
+    ctl status [--container 200] [--run ID] [--json]
+    ctl runs   [--container 200]
+
+Every command is one SSH connection. Without --container the last launch's container is
+used (remembered beside the controller config); without --run, the latest run there.
+Exit codes: 0 ok (a followed run completed), 1 the run failed, 2 bad input, 3 launch
+refused (preflight or drift; nothing was started), 4 the run stopped or its agent is gone,
+255 the node could not be reached.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+from controller import config as cfg
+from controller import runconfig as R
+from controller.commands.remote import EXIT_CONFIG, TrustOpt, container_session, fail
+from controller.container import Container
+
+EXIT_FAILED = 1
+EXIT_REFUSED = 3
+EXIT_NOT_DONE = 4
+LAST_LAUNCH = "last-launch.json"
+
+NodeOpt = typer.Option(None, "--node", "-n", help="node name from the controller config (default: default_node)")
+CtlConfigOpt = typer.Option(None, "--ctl-config", help="controller config (default: $DFLASH_CTL_CONFIG, else "
+                                                       "~/.config/dflash-ctl/config.toml)")
+ContainerOpt = typer.Option(None, "--container", "-c", help="container id (default: the last launch's)")
+RunOpt = typer.Option(None, "--run", "-r", help="run id (default: the latest run in the container)")
+
+
+# --- where: remembered last launch ------------------------------------------------------------
+
+def _last_path(ctl_config: Optional[str]) -> Path:
+    return cfg.config_path(ctl_config).parent / LAST_LAUNCH
+
+
+def remember(ctl_config: Optional[str], node: str, container: str, run_id: str) -> None:
+    from agent.protocol import atomic_write_json
+
+    path = _last_path(ctl_config)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(str(path), {"node": node, "container": container, "run_id": run_id, "ts": time.time()})
+    except OSError:
+        pass  # a convenience only; never fail a launch over it
+
+
+def _where(container: Optional[int], node: Optional[str], ctl_config: Optional[str]) -> tuple[int, Optional[str]]:
+    if container is not None:
+        return container, node
+    try:
+        last = json.loads(_last_path(ctl_config).read_text())
+        return int(last["container"]), node or last.get("node")
+    except (OSError, ValueError, KeyError):
+        raise fail("no --container given and no earlier launch to default to: pass --container ID", EXIT_CONFIG)
+
+
+# --- stream source over the product's exec path ------------------------------------------------
+
+class ContainerStream:
+    """tail.StreamSource for one container: `agent follow` live, `agent.runview stream` once."""
+
+    def __init__(self, ct: Container, caller):
+        self.ct = ct
+        self.caller = caller
+        self.workspace = ct.config.workspace
+
+    def follow(self, run_id: str, after: int, on_line, *, once: bool) -> int:
+        if once:
+            module, args = "agent.runview", ["stream", "--workspace", self.workspace, "--run", run_id, "--from", after]
+        else:
+            module, args = "agent", ["follow", "--workspace", self.workspace, "--run", run_id, "--from", after]
+        result = self.caller.run(module, args, capture=False, on_stdout=on_line)
+        if result.failed and result.returncode not in (3,):
+            tail = result.tail("stderr", 3)
+            if "no run directory" in tail:
+                raise fail(f"no run {run_id!r} in container {self.ct.ctid}: `ctl runs --container "
+                           f"{self.ct.ctid}` lists them", EXIT_CONFIG)
+        return result.returncode
+
+    def state(self, run_id: str) -> dict:
+        reply = self.caller.call("agent.runview", ["status", "--workspace", self.workspace, "--run", run_id])
+        return reply.get("status") or {}
+
+
+def _exit_for(state: Optional[str]) -> int:
+    return {"completed": 0, "failed": EXIT_FAILED}.get(state or "", EXIT_NOT_DONE)
+
+
+def _follow(ct: Container, caller, run_id: str, since: int, follow: bool, raw: bool) -> int:
+    from controller.tail import Printer, tail
+
+    printer = Printer(lambda line: typer.echo(line), raw=raw)
+
+    def reconnecting(n: int, why: str) -> None:
+        typer.echo(f"ctl: connection lost ({why.splitlines()[0][:120]}); reconnecting (#{n}) from seq "
+                   f"{printer_last['seq']}", err=True)
+
+    printer_last = {"seq": since}
+
+    def on_record(rec: dict) -> None:
+        printer_last["seq"] = rec["seq"]
+        printer(rec)
+
+    result = tail(ContainerStream(ct, caller), run_id, on_record, since=since, follow=follow,
+                  on_reconnect=reconnecting)
+    if printer.steps_seen and not raw:
+        typer.echo(printer.status_line())
+    if result.detached:
+        typer.echo(f"ctl: detached at seq {result.last_seq}; the run goes on. Resume with "
+                   f"`ctl tail --container {ct.ctid} --run {run_id} --since {result.last_seq} --follow`", err=True)
+        return 0
+    if result.gaps:
+        typer.echo(f"ctl: warning: the stream skipped seq ranges {result.gaps}", err=True)
+    if not follow:
+        return 0
+    state = result.state
+    status = result.status or {}
+    if state == "failed":
+        typer.echo(f"ctl: run {run_id} FAILED: {status.get('reason') or status.get('last_error')}", err=True)
+    elif state == "completed":
+        typer.echo(f"ctl: run {run_id} completed" + (f"; last checkpoint {status['checkpoint'][1]}"
+                                                     if isinstance(status.get("checkpoint"), list) else ""))
+    else:
+        typer.echo(f"ctl: the stream of run {run_id} ended while the run is {state or 'unknown'}: its agent is not "
+                   "running; see `ctl status`", err=True)
+    return _exit_for(state)
+
+
+# --- commands ----------------------------------------------------------------------------------
+
+def launch_command(
+    container: int = typer.Option(..., "--container", "-c", help="container id (Proxmox VMID), e.g. 200"),
+    config: Path = typer.Option(..., "--config", help="run config (TOML): trainer flags, GPU roles, paths, wandb"),
+    from_scratch: bool = typer.Option(False, "--from-scratch", help="start a new drafter from random weights"),
+    resume_from: Optional[str] = typer.Option(None, "--resume-from", metavar="CKPT",
+                                              help="continue a run: weights, optimizer, schedule, data position"),
+    init_from: Optional[str] = typer.Option(None, "--init-from", metavar="CKPT",
+                                            help="weights only; fresh optimizer and schedule"),
+    accept_drift: bool = typer.Option(False, "--accept-drift",
+                                      help="launch although env or data drifted from the known-good run"),
+    follow: bool = typer.Option(False, "--follow", "-f", help="go on to tail the run until it ends"),
+    node: Optional[str] = NodeOpt,
+    target_model: Optional[str] = typer.Option(None, "--target-model", metavar="DIR"),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", metavar="DIR"),
+    output_dir: Optional[str] = typer.Option(None, "--output-dir", metavar="DIR"),
+    target_gpus: Optional[str] = typer.Option(None, "--target-gpus", metavar="IDS"),
+    drafter_gpus: Optional[str] = typer.Option(None, "--drafter-gpus", metavar="IDS"),
+    wandb_run_name: Optional[str] = typer.Option(None, "--wandb-run-name", metavar="NAME"),
+    sets: List[str] = typer.Option([], "--set", metavar="KEY=VALUE",
+                                   help="override any config setting, e.g. --set lr=3e-4 --set wandb.mode=disabled"),
+    ctl_config: Optional[str] = CtlConfigOpt,
+    trust_new_host_key: bool = TrustOpt,
+    json_out: bool = typer.Option(False, "--json", help="print the launch result as JSON (not with --follow)"),
+) -> None:
+    """Preflight, drift check and start of a training run in a container: one SSH connection."""
+    from controller.launch import Launcher, LaunchRefused
+    from controller.render import RenderError
+
+    # Everything that can be checked here is, before any connection is opened.
+    try:
+        start = R.start_decision(from_scratch, resume_from, init_from)
+        run_config = R.load(config, overrides={"target_model": target_model, "data_dir": data_dir,
+                                               "output_dir": output_dir, "target_gpus": target_gpus,
+                                               "drafter_gpus": drafter_gpus, "wandb_run_name": wandb_run_name},
+                            sets=sets)
+        wandb_key = run_config.wandb.read_key()
+    except R.RunConfigError as exc:
+        raise fail(str(exc), EXIT_CONFIG) from None
+    say = (lambda line: typer.echo(line, err=True)) if json_out else typer.echo
+    with container_session(container, node, ctl_config, trust_new_host_key) as ct:
+        try:
+            launcher = Launcher(ct, run_config, start, accept_drift=accept_drift, say=say, wandb_key=wandb_key)
+            result = launcher.run()
+        except (R.RunConfigError, RenderError) as exc:
+            raise fail(str(exc), EXIT_CONFIG) from None
+        except LaunchRefused as exc:
+            raise fail(f"launch refused — nothing was started:\n  {exc}", EXIT_REFUSED) from None
+        remember(ctl_config, ct.node_name, ct.ctid, result.run_id)
+        first = result.start_reply
+        if json_out:
+            typer.echo(json.dumps({"run_id": result.run_id, "run_dir": result.run_dir, "container": ct.ctid,
+                                   "node": ct.node_name, "start": first, "round_trips": result.round_trips,
+                                   "timings": result.timings}, sort_keys=True))
+        else:
+            typer.echo(f"run {result.run_id} started in {ct}: state {first.get('state')}, agent pid "
+                       f"{first.get('agent_pid')}, job pid {first.get('job_pid')} ({result.round_trips} round trips, "
+                       f"{result.timings['total_s']:.1f} s)")
+            typer.echo(f"  follow: ctl tail --container {ct.ctid} --run {result.run_id} --follow")
+        code = 0
+        if follow:
+            code = _follow(ct, launcher.caller, result.run_id, 0, True, False)
+    raise typer.Exit(code)
+
+
+def _resolve_run(ct: Container, caller, run: Optional[str]) -> dict:
+    from controller.agentcall import AgentCallError
+
+    args = ["status", "--workspace", ct.config.workspace] + (["--run", run] if run else [])
+    try:
+        reply = caller.call("agent.runview", args, what="run status")
+    except AgentCallError as exc:
+        raise fail(str(exc), EXIT_FAILED) from None
+    if not reply.get("ok"):
+        raise fail(f"container {ct.ctid}: {reply.get('error')}", EXIT_CONFIG)
+    return reply
+
+
+def tail_command(
+    container: Optional[int] = ContainerOpt,
+    run: Optional[str] = RunOpt,
+    follow: bool = typer.Option(False, "--follow", "-f", help="keep following until the run ends (Ctrl-C detaches)"),
+    since: int = typer.Option(0, "--since", metavar="SEQ", help="only records after this seq"),
+    raw: bool = typer.Option(False, "--json", help="print the stream's records as JSON lines"),
+    node: Optional[str] = NodeOpt,
+    ctl_config: Optional[str] = CtlConfigOpt,
+    trust_new_host_key: bool = TrustOpt,
+) -> None:
+    """A run's log lines and events, with a periodic one-line status; survives SSH drops."""
+    from controller.agentcall import AgentCaller
+
+    container, node = _where(container, node, ctl_config)
+    with container_session(container, node, ctl_config, trust_new_host_key) as ct:
+        caller = AgentCaller(ct)
+        run_id = run or _resolve_run(ct, caller, None)["run_id"]
+        code = _follow(ct, caller, run_id, since, follow, raw)
+    raise typer.Exit(code)
+
+
+def status_command(
+    container: Optional[int] = ContainerOpt,
+    run: Optional[str] = RunOpt,
+    json_out: bool = typer.Option(False, "--json", help="the full status document as JSON"),
+    node: Optional[str] = NodeOpt,
+    ctl_config: Optional[str] = CtlConfigOpt,
+    trust_new_host_key: bool = TrustOpt,
+) -> None:
+    """State, phase, step/total, ETA, loss, tokens/s against the baseline, ranks and GPUs."""
+    from controller.agentcall import AgentCaller
+    from controller.status import render_status
+
+    container, node = _where(container, node, ctl_config)
+    with container_session(container, node, ctl_config, trust_new_host_key) as ct:
+        reply = _resolve_run(ct, AgentCaller(ct), run)
+        if json_out:
+            typer.echo(json.dumps(reply, sort_keys=True, indent=1))
+        else:
+            for line in render_status(reply, ct.ctid, ct.node_name):
+                typer.echo(line)
+
+
+def runs_command(
+    container: Optional[int] = ContainerOpt,
+    json_out: bool = typer.Option(False, "--json"),
+    node: Optional[str] = NodeOpt,
+    ctl_config: Optional[str] = CtlConfigOpt,
+    trust_new_host_key: bool = TrustOpt,
+) -> None:
+    """The runs in a container, oldest first, with state, step and reason."""
+    from controller.agentcall import AgentCaller
+    from controller.status import render_runs
+
+    container, node = _where(container, node, ctl_config)
+    with container_session(container, node, ctl_config, trust_new_host_key) as ct:
+        reply = AgentCaller(ct).call("agent", ["list", "--workspace", ct.config.workspace], what="agent list")
+        runs = reply.get("runs") or []
+        # The agent lists by directory name; run ids start with the config name, so sort by
+        # the time the agent recorded, which it keeps in status.json's "updated" only —
+        # the id's embedded UTC stamp is the creation order for ids made by `ctl launch`.
+        reply["runs"] = sorted(runs, key=lambda r: (_stamp(r["run_id"]), r["run_id"]))
+        if json_out:
+            typer.echo(json.dumps(reply, sort_keys=True, indent=1))
+        else:
+            for line in render_runs(reply, ct.ctid):
+                typer.echo(line)
+
+
+def _stamp(run_id: str) -> str:
+    parts = run_id.rsplit("-", 3)
+    return "-".join(parts[1:3]) if len(parts) == 4 else ""
+
+
+def register(app: typer.Typer) -> None:
+    app.command("launch")(launch_command)
+    app.command("tail")(tail_command)
+    app.command("status")(status_command)
+    app.command("runs")(runs_command)

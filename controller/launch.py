@@ -1,0 +1,219 @@
+"""`ctl launch`: validate → preflight → drift → start, over one SSH connection.
+
+Round trips once this version's bundle is in the container: (1) the preflight (one agent
+call that answers everything, agent/preflight.py), (2) the commit (secret file, start
+script, launch record and the agent's start, in one call that undoes itself on failure).
+The bundle check rides on the preflight: it runs from the bundle's path and only when that
+fails with "no such module" is the bundle uploaded (then one more round trip).
+
+Everything that can be refused is refused before anything is written: config and start
+decision locally, before a connection; paths, GPUs, checkpoint, env and data drift in the
+preflight, which writes nothing but the known-good record. A failed launch leaves no run
+directory and no process.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from controller import drift as D
+from controller.agentcall import AgentCallError, AgentCaller
+from controller import render
+from controller.container import Container, ContainerError
+from controller.runconfig import RunConfig, RunConfigError
+from trainer import flags as F
+
+SECRETS_DIR = ".dflash-ctl/secrets"  # under the workspace; one 0600 file per run
+STATE_DIR = ".dflash-ctl"
+
+
+class LaunchRefused(Exception):
+    """The launch was refused before anything was started; ``lines`` is the full report."""
+
+    def __init__(self, message: str, lines: Optional[list[str]] = None):
+        super().__init__(message)
+        self.lines = lines or []
+
+
+@dataclass
+class LaunchResult:
+    run_id: str
+    run_dir: str
+    report: list[str]
+    start_reply: dict
+    preflight: dict
+    round_trips: int
+    timings: dict = field(default_factory=dict)
+
+
+def new_run_id(config_name: str, now: Optional[float] = None) -> str:
+    """Sortable by start time, unique without asking the container: name-YYYYmmdd-HHMMSS-xxxx."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now or time.time()))
+    return f"{config_name}-{stamp}-{secrets.token_hex(2)}"
+
+
+def start_kind(start: dict) -> dict:
+    if start.get("resume_from"):
+        return {"kind": "resume", "path": start["resume_from"]}
+    if start.get("init_from"):
+        return {"kind": "init", "path": start["init_from"]}
+    return {"kind": "scratch", "path": None}
+
+
+class Launcher:
+    """One launch into one container. ``say`` prints progress lines for the operator."""
+
+    def __init__(self, container: Container, config: RunConfig, start: dict, *, accept_drift: bool = False,
+                 say: Callable[[str], None] = print, wandb_key: Optional[str] = None,
+                 run_id: Optional[str] = None, agent_options: Optional[dict] = None):
+        self.ct = container
+        self.config = config
+        self.start = start
+        self.accept_drift = accept_drift
+        self.say = say
+        self.wandb_key = wandb_key
+        self.workspace = container.config.workspace
+        self.run_id = run_id or new_run_id(config.name)
+        self.run_dir = posixpath.join(self.workspace, "runs", self.run_id)
+        self.values = config.resolve(start, run_id=self.run_id, run_dir=self.run_dir, workspace=self.workspace)
+        problems = F.check(self.values)
+        if problems:
+            raise RunConfigError("\n  ".join(problems))
+        self.caller = AgentCaller(container, say)
+        self.bundle_path = self.caller.bundle_path
+        self.agent_options = dict(agent_options or {})
+
+    def _call(self, module_argv: list[str], request: dict, what: str) -> dict:
+        try:
+            return self.caller.call(module_argv[0], module_argv[1:], request, what)
+        except AgentCallError as exc:
+            raise LaunchRefused(str(exc)) from None
+
+    @property
+    def round_trips(self) -> int:
+        return self.caller.round_trips
+
+    # -- the steps -----------------------------------------------------------------------------
+    def preflight(self) -> dict:
+        request = {"workspace": self.workspace, "run_id": self.run_id, "config": self.config.name,
+                   "flags": {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.values.items()},
+                   "start": start_kind(self.start)}
+        return self._call(["agent.preflight", "check"], request, "the launch preflight")
+
+    def report(self, pf: dict) -> tuple[list[str], list[D.Finding]]:
+        """The operator's view of the preflight: what will run, then drift against known good."""
+        lines = []
+        py, torch, gpu = pf.get("python", {}), pf.get("torch", {}), pf.get("gpu", {})
+        lines.append(f"python   {py.get('executable')} {py.get('version')} (venv {py.get('venv') or 'none'}, "
+                     f"{pf.get('packages_count')} packages)")
+        lines.append(f"torch    {torch.get('version') or 'NOT INSTALLED'}" +
+                     (f", CUDA build {torch['cuda']}" if torch.get("cuda") else ", CPU build"))
+        if gpu.get("gpus"):
+            for g in gpu["gpus"]:
+                roles = [r for r, ids in (pf.get("roles") or {}).items() if g["index"] in ids]
+                free = g.get("memory_free_mib")
+                lines.append(f"GPU {g['index']}    {g.get('name')} free {free / 1024:.1f} GiB" if free is not None
+                             else f"GPU {g['index']}    {g.get('name')}")
+                if roles:
+                    lines[-1] += f"  [{'+'.join(roles)}]"
+        else:
+            lines.append(f"GPUs     none visible ({gpu.get('reason')}); device {pf.get('device')}, "
+                         f"ranks: target {self.values['target_gpus']}, drafter {self.values['drafter_gpus']}")
+        disk = pf.get("disk") or {}
+        lines.append(f"disk     {disk.get('free_gib')} GiB free at {disk.get('measured_at')}")
+        stats = (pf.get("data") or {}).get("stats") or {}
+        if stats:
+            lines.append(f"data     {pf['data']['dir']}: {stats.get('samples'):,} samples, mean length "
+                         f"{stats.get('mean_length') or 0:,.1f}, loss tokens {(stats.get('loss_fraction') or 0) * 100:.1f} %")
+        ck = pf.get("checkpoint") or {}
+        if ck.get("dir"):
+            lines.append(f"ckpt     {ck['dir']}")
+        for w in pf.get("warnings") or []:
+            lines.append(f"warning: {w}")
+
+        known = pf.get("known_good") or {}
+        findings: list[D.Finding] = []
+        env_base = known.get("env") or {}
+        if env_base.get("fingerprint"):
+            env_f = D.env_drift(env_base["fingerprint"], pf.get("fingerprint") or {})
+            label = f"known-good run {env_base.get('run_id')}"
+            lines += D.render("env drift", env_f, label) or [f"env      same as known-good run {env_base.get('run_id')}"]
+            findings += env_f
+        else:
+            lines.append("env      no known-good run in this container yet: nothing to compare")
+        data_base = (known.get("configs") or {}).get(self.config.name) or {}
+        if data_base.get("data") and stats:
+            b = self.config.baseline
+            data_f = D.data_drift(data_base["data"], stats, length_tolerance=b.length_tolerance,
+                                  loss_fraction_tolerance=b.loss_fraction_tolerance,
+                                  samples_tolerance=b.samples_tolerance)
+            lines += D.render("data", data_f, f"the data config {self.config.name!r} last ran well on "
+                                               f"({data_base.get('data_dir')}, run {data_base.get('run_id')})")
+            findings += data_f
+        return lines, findings
+
+    def commit(self, pf: dict) -> dict:
+        container = self.ct.config
+        secrets_file = posixpath.join(self.workspace, SECRETS_DIR, f"{self.run_id}.env")
+        script = render.render_start_script(self.values, container=container, bundle=self.bundle_path,
+                                            run_id=self.run_id, run_dir=self.run_dir,
+                                            env={"WANDB_DIR": self.run_dir, "WANDB_MODE": self.values["wandb_mode"]},
+                                            secrets_file=secrets_file)
+        known = pf.get("known_good") or {}
+        base = ((known.get("configs") or {}).get(self.config.name) or {}).get("steady") or {}
+        options = dict(self.agent_options)
+        if base.get("tokens_per_s") and "baseline_tokens_per_s" not in options:
+            options["baseline_tokens_per_s"] = base["tokens_per_s"]
+        b = self.config.baseline
+        record = {"run_id": self.run_id, "ts": time.time(), "config": self.config.name,
+                  "start": start_kind(self.start),
+                  "data_dir": self.values["data_dir"], "data": (pf.get("data") or {}).get("stats"),
+                  "fingerprint": pf.get("fingerprint"),
+                  "gpus": {"target": list(self.values["target_gpus"]), "drafter": list(self.values["drafter_gpus"])},
+                  "baseline": {"steady_steps": b.steady_steps, "throughput_tolerance": b.throughput_tolerance}}
+        # The key travels only inside this request's stdin and lands in a 0600 file; never
+        # argv, never the script (which reads it at run time), never the stream.
+        request = {"workspace": self.workspace, "run_id": self.run_id, "record": record,
+                   "run_dir": self.run_dir, "script": script, "secrets_file": secrets_file,
+                   "secret": f"WANDB_API_KEY={self.wandb_key}\n" if self.wandb_key else None,
+                   "start_argv": start_argv(self.ct, self.run_dir, self.run_id, options)}
+        reply = self._call(["agent.preflight", "commit"], request, "starting the run")
+        if not reply.get("ok"):
+            raise LaunchRefused(f"the run did not start in {self.ct}: {reply.get('error')}; nothing was left behind")
+        return reply
+
+    def run(self) -> LaunchResult:
+        t0 = time.monotonic()
+        pf = self.preflight()
+        t_pf = time.monotonic()
+        lines, findings = self.report(pf)
+        for line in lines:
+            self.say(line)
+        errors = pf.get("errors") or []
+        if errors:
+            raise LaunchRefused(f"preflight refused the launch in {self.ct}:\n  " + "\n  ".join(errors), lines)
+        blocking = D.blocking(findings, self.accept_drift)
+        if blocking:
+            what = "; ".join(f.line() for f in blocking)
+            raise LaunchRefused(f"drift against the known-good baseline in {self.ct}: {what}. "
+                                "Check that this is intended, then rerun with --accept-drift", lines)
+        reply = self.commit(pf)
+        start = reply.get("start") or {}
+        return LaunchResult(self.run_id, self.run_dir, lines, start, pf, self.round_trips,
+                            {"preflight_s": t_pf - t0, "total_s": time.monotonic() - t0})
+
+
+def start_argv(ct: Container, run_dir: str, run_id: str, options: dict) -> list[str]:
+    """The agent's start command, run by the commit step inside the container. The job is
+    ``bash start.sh`` in the run directory (DESIGN.md: run directory), written there by the
+    commit step just before."""
+    argv = [ct.config.python, "-m", "agent", "start", "--run-dir", run_dir, "--run-id", run_id, "--cwd", run_dir]
+    for key, value in sorted(options.items()):
+        if value is not None:
+            argv += [f"--{key.replace('_', '-')}", str(value)]
+    return argv + ["--", "bash", posixpath.join(run_dir, "start.sh")]
