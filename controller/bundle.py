@@ -86,10 +86,15 @@ def ensure_bundle(container: "Container", bundle: Bundle | None = None) -> str:
     if container.exec(["test", "-d", dest]).ok:
         return dest
     data = bundle.tar()
-    tmp = posixpath.join(posixpath.dirname(dest), f".tmp-{bundle.version}-{uuid.uuid4().hex[:8]}")
-    result = container.exec(["sh", "-c", _UPLOAD_SCRIPT, "sh", tmp, dest, str(len(data)),
-                             hashlib.sha256(data).hexdigest()], stdin=data)
+    result = container.exec(upload_argv(dest, data), stdin=data)
     if result.failed:
         raise ContainerError(f"cannot install the agent bundle {bundle.version} at {dest} in {container}: "
                              f"{result.tail('stderr', 3)}")
     return dest
+
+
+def upload_argv(dest: str, data: bytes) -> list[str]:
+    """The in-container argv that receives the bundle tar ``data`` on stdin and installs it
+    at ``dest`` (via a temp directory beside it)."""
+    tmp = posixpath.join(posixpath.dirname(dest), f".tmp-{posixpath.basename(dest)}-{uuid.uuid4().hex[:8]}")
+    return ["sh", "-c", _UPLOAD_SCRIPT, "sh", tmp, dest, str(len(data)), hashlib.sha256(data).hexdigest()]

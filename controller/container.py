@@ -109,16 +109,19 @@ class Container:
     def write_file(self, path: str, data: bytes | str, mode: int = 0o644) -> None:
         """Atomically replace ``path`` in the container with ``data``: uploaded through stdin
         into a temp file in the same directory, verified, then renamed."""
-        self._check_path(path)
         if isinstance(data, str):
             data = data.encode()
-        directory, base = posixpath.split(path)
-        tmp = posixpath.join(directory, f".{base}.ctl-{uuid.uuid4().hex[:12]}.tmp")
-        argv = ["sh", "-c", _WRITE_SCRIPT, "sh", tmp, path, f"{mode:o}", str(len(data)),
-                hashlib.sha256(data).hexdigest()]
-        result = self.exec(argv, stdin=data)
+        result = self.exec(self.write_argv(path, data, mode), stdin=data)
         if result.failed:
             raise ContainerError(f"cannot write {path} in {self}: {result.tail('stderr', 3)}")
+
+    def write_argv(self, path: str, data: bytes, mode: int = 0o644) -> list[str]:
+        """The in-container argv that receives ``data`` on stdin for :meth:`write_file`."""
+        self._check_path(path)
+        directory, base = posixpath.split(path)
+        tmp = posixpath.join(directory, f".{base}.ctl-{uuid.uuid4().hex[:12]}.tmp")
+        return ["sh", "-c", _WRITE_SCRIPT, "sh", tmp, path, f"{mode:o}", str(len(data)),
+                hashlib.sha256(data).hexdigest()]
 
     def read_file(self, path: str) -> bytes:
         self._check_path(path)

@@ -1,0 +1,153 @@
+"""Benchmark: `ctl exec --container 200 -- true` round trip against raw `ssh … pct exec 200 -- true`.
+
+Both are measured in the same run, as whole commands an operator would type (process start
+included), median of N after one warm-up each; plus the SSH connections each `ctl exec`
+opened (from $DFLASH_CTL_STATS) and, for reference, one command on an already open
+connection inside one process. Figures go to docs/benchmarks.md under "ctl exec round trip".
+
+    .venv/bin/python bench/exec_roundtrip.py [--config PATH] [--node sim] [--container 200] [-n 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from controller import config as cfg  # noqa: E402
+from controller.container import Container  # noqa: E402
+from controller.ssh import ENV_SSH_CONFIG, SSHRunner, resolve_target  # noqa: E402
+
+HEADING = "## ctl exec round trip"
+
+
+def timed(argv: list[str], env: dict) -> float:
+    start = time.perf_counter()
+    proc = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, capture_output=True)
+    elapsed = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise SystemExit(f"{shlex.join(argv)} failed ({proc.returncode}): {proc.stderr.decode()[-500:]}")
+    return elapsed
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        kb = int(re.search(r"MemTotal:\s+(\d+)", Path("/proc/meminfo").read_text()).group(1))
+        mem = f", {kb / 2**20:.0f} GiB"
+    except (OSError, AttributeError):
+        pass
+    return f"{platform.node()}: {os.cpu_count()} cores ({cpu}){mem}, {platform.system()} {platform.release()}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=None)
+    ap.add_argument("--node", default=None)
+    ap.add_argument("--container", default="200")
+    ap.add_argument("-n", type=int, default=20)
+    ap.add_argument("--write", default=str(REPO / "docs" / "benchmarks.md"), help="'' to print only")
+    args = ap.parse_args()
+
+    conf = cfg.load(args.config)
+    node_name, node = conf.node(args.node)
+    target = resolve_target(node_name, node)
+    env = dict(os.environ)
+    if args.config:
+        env[cfg.ENV_CONFIG] = str(Path(args.config).resolve())
+    env.setdefault(ENV_SSH_CONFIG, "none")
+
+    stats = tempfile.NamedTemporaryFile(prefix="ctl-stats-", suffix=".json", delete=False).name
+    ctl = [str(REPO / ".venv" / "bin" / "ctl"), "exec", "--container", args.container,
+           *(["--node", node_name]), "--", "true"]
+    ssh = ["ssh", "-F", "/dev/null", "-T", "-p", str(target.port), "-o", "BatchMode=yes",
+           "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={target.known_hosts}",
+           *[a for k in target.key_filenames for a in ("-i", k)],
+           f"{target.user}@{target.hostname}", shlex.join([node.pct, "exec", args.container, "--", "true"])]
+
+    ctl_env = dict(env, DFLASH_CTL_STATS=stats)
+    timed(ctl, ctl_env)
+    timed(ssh, env)
+    ctl_times, ssh_times, conns = [], [], []
+    for _ in range(args.n):  # interleaved, so drift on a shared machine hits both alike
+        ctl_times.append(timed(ctl, ctl_env))
+        conns.append(json.loads(Path(stats).read_text())["ssh_connections"])
+        ssh_times.append(timed(ssh, env))
+    os.unlink(stats)
+
+    before = SSHRunner.connections_opened
+    with SSHRunner(target) as runner:
+        ct = Container(runner, node_name, node, args.container)
+        ct.exec(["true"], check=True)
+        warm = []
+        for _ in range(args.n):
+            start = time.perf_counter()
+            ct.exec(["true"], check=True)
+            warm.append(time.perf_counter() - start)
+    warm_conns = SSHRunner.connections_opened - before
+
+    ctl_med, ssh_med, warm_med = (statistics.median(x) * 1000 for x in (ctl_times, ssh_times, warm))
+    now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    section = "\n".join([
+        HEADING,
+        "",
+        f"`bench/exec_roundtrip.py`, {now}, node `{node_name}` ({target.hostname}:{target.port}), "
+        f"container {args.container}, median of {args.n} (interleaved, one warm-up each).",
+        f"Machine: {machine()}.",
+        "",
+        "| command | median | vs raw ssh | SSH connections per command |",
+        "| --- | --- | --- | --- |",
+        f"| raw `ssh … {node.pct} exec {args.container} -- true` | {ssh_med:.0f} ms | 1.00× | 1 |",
+        f"| `ctl exec --container {args.container} -- true` (new process) | {ctl_med:.0f} ms | "
+        f"{ctl_med / ssh_med:.2f}× | {statistics.median(conns):g} (max {max(conns)}) |",
+        f"| `Container.exec(['true'])` on an open connection (in-process) | {warm_med:.0f} ms | "
+        f"{warm_med / ssh_med:.2f}× | {warm_conns} for all {args.n + 1} |",
+        "",
+        "`ctl exec` includes starting Python and importing the controller; it runs the command "
+        "through `pct exec --keep-env 0 -- env -i …` (the raw command does not scrub) and prints a "
+        "marker line first so login-shell noise is dropped.",
+        "",
+    ])
+    print(section)
+    if args.write:
+        write_section(Path(args.write), section)
+        print(f"written to {args.write}")
+
+
+def write_section(path: Path, section: str) -> None:
+    """Replace our section if present (re-runs), else append; other sections are untouched."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
+    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.M | re.S)
+    if pattern.search(text):
+        text = pattern.sub(lambda _m: section + "\n", text, count=1)
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+if __name__ == "__main__":
+    main()
