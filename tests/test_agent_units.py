@@ -1,0 +1,155 @@
+"""The agent's pure parts: OOM arithmetic, rank prefixes, the state store, argv rewriting,
+stream recovery after a torn append, line tailing."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from agent.capture import LineTail
+from agent.classify import (Failure, LineClassifier, StallMonitor, ThroughputMonitor, classify_event,
+                            exit_failure, parse_cuda_oom, root_cause, split_rank)
+from agent.protocol import RunState
+from agent.state import StateStore, TerminalStateError
+from agent.stream import StreamWriter, follow
+from agent.supervisor import resume_argv
+
+NEW_OOM = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 1.50 GiB. GPU 6 has a total capacity "
+           "of 79.19 GiB of which 1.09 GiB is free. Including non-PyTorch memory, this process has 78.09 GiB memory in use.")
+OLD_OOM = ("RuntimeError: CUDA out of memory. Tried to allocate 20.00 MiB (GPU 0; 7.93 GiB total capacity; "
+           "6.98 GiB already allocated; 4.56 MiB free; 7.21 GiB reserved in total by PyTorch)")
+
+
+def test_cuda_oom_shortfall_from_torch_2_message():
+    info = parse_cuda_oom(NEW_OOM)
+    assert info["gpu"] == 6 and info["tried_mib"] == 1536.0
+    assert info["short_mib"] == 420  # 1536 − 1116.16 = 419.84 → 420
+    assert round(info["total_mib"]) == 81091
+
+
+def test_cuda_oom_shortfall_from_torch_1_message():
+    info = parse_cuda_oom(OLD_OOM)
+    assert info["gpu"] == 0 and info["tried_mib"] == 20.0 and info["free_mib"] == 4.56
+    assert info["short_mib"] == 16
+
+
+def test_classifier_names_rank_gpu_and_shortfall_from_a_prefixed_line():
+    c = LineClassifier()
+    c.feed("[rank3]: Traceback (most recent call last):")
+    f = c.feed("[rank3]: " + NEW_OOM.replace("GPU 6", "GPU 3"))
+    assert f.kind == "cuda_oom" and f.rank == 3 and f.gpu == 3
+    assert f.reason == "CUDA OOM on GPU 3, short by 420 MiB (rank 3)"
+    assert c.had_traceback(3) and not c.had_traceback(2)
+
+
+def test_split_rank_understands_torch_and_torchrun_prefixes():
+    assert split_rank("[rank3]: hello") == (3, "hello")
+    assert split_rank("[default12]:x") == (12, "x")
+    assert split_rank("plain line") == (None, "plain line")
+
+
+def test_torchrun_failure_line_gives_the_signal_of_a_worker():
+    c = LineClassifier()
+    c.feed("torch.distributed.elastic.multiprocessing.api: [ERROR] failed (exitcode: -9) local_rank: 2 "
+           "(pid: 4242) of binary: /usr/bin/python3")
+    assert c.exit_by_rank[2]["signal"] == 9 and c.exit_by_pid[4242]["signal_name"] == "SIGKILL"
+
+
+def test_sigkill_without_traceback_is_host_oom_but_with_traceback_is_not():
+    assert exit_failure(1, 10, 1, {"signal": 9, "signal_name": "SIGKILL"}, False, []).kind == "host_oom"
+    assert exit_failure(1, 10, 1, {"signal": 9, "signal_name": "SIGKILL"}, True, []).kind == "rank_exit"
+    f = exit_failure(1, 10, 1, {"exit_code": 1}, True, [], oom_kills=1)
+    assert f.kind == "host_oom" and "oom_kill +1" in f.reason
+
+
+def test_root_cause_is_the_earliest_and_collateral_deaths_count_later():
+    first = Failure("cuda_oom", "a", ts=100.0)
+    later = Failure("nccl_timeout", "b", ts=101.0)
+    assert root_cause([later, first]) is first
+    known = exit_failure(2, 1, 2, {"signal": 9}, False, [])
+    unknown = exit_failure(1, 2, 1, None, False, [])
+    known.ts = unknown.ts = 50.0
+    assert root_cause([unknown, known]) is known
+
+
+def test_trainer_error_event_is_classified():
+    f = classify_event({"kind": "error", "error": "cuda_oom", "rank": 5, "gpu": 5, "message": NEW_OOM, "ts": 1.0})
+    assert f.kind == "cuda_oom" and f.gpu == 6 and f.details["short_mib"] == 420
+
+
+def test_stall_needs_another_rank_moving_or_training():
+    m = StallMonitor(timeout=5)
+    m.update({0: {"step": 1, "ts": 1}, 1: {"step": 1, "ts": 1}}, now=0)
+    m.update({0: {"step": 9, "ts": 9}, 1: {"step": 1, "ts": 1}}, now=6)
+    out = m.check({0: {"step": 9}, 1: {"step": 1, "gpu": 1}}, now=6, training=False)
+    assert [f.rank for f in out] == [1] and out[0].gpu == 1
+    m2 = StallMonitor(timeout=5)
+    m2.update({0: {"step": 1, "ts": 1}}, now=0)
+    assert m2.check({0: {}}, now=6, training=False) == []
+    assert [f.rank for f in m2.check({0: {}}, now=6, training=True)] == [0]
+
+
+def test_throughput_judged_on_steady_state_median_only():
+    t = ThroughputMonitor(baseline=20000, fraction=0.3, warmup=3, window=5)
+    for v in [1000, 1000, 1000]:  # warm-up steps are slow and ignored
+        assert t.feed({"rank": 0, "tokens_per_s": v}) is None
+    for v in [19000, 19500, 3000, 19800, 20100]:  # one dip is not a regression
+        assert t.feed({"rank": 0, "tokens_per_s": v}) is None
+    fails = [t.feed({"rank": 0, "tokens_per_s": 5400}) for _ in range(3)]
+    assert fails[-1] is not None and fails[-1].kind == "throughput_regression"
+
+
+def test_state_store_refuses_to_leave_a_terminal_state():
+    seen = []
+    s = StateStore(on_change=lambda a, b: seen.append((a.value, b.value)))
+    s.set(RunState.RUNNING)
+    s.set(RunState.FAILED)
+    with pytest.raises(TerminalStateError):
+        s.set(RunState.RUNNING)
+    with pytest.raises(ValueError):
+        StateStore().set(RunState.RESTARTING)
+    assert seen == [("starting", "running"), ("running", "failed")]
+
+
+def test_resume_argv_replaces_the_start_flag_in_place():
+    assert resume_argv(["t", "--from-scratch", "--lr", "1"], "C") == ["t", "--resume-from", "C", "--lr", "1"]
+    assert resume_argv(["t", "--init-from", "W", "--x"], "C") == ["t", "--resume-from", "C", "--x"]
+    assert resume_argv(["t", "--resume-from=OLD"], "C") == ["t", "--resume-from", "C"]
+    assert resume_argv(["bash", "start.sh"], "C") == ["bash", "start.sh"]  # uses $DFLASH_RESUME_FROM
+
+
+def test_stream_writer_recovers_seq_and_offsets_after_a_torn_append(tmp_path):
+    w = StreamWriter(str(tmp_path))
+    w.append([("log", {"line": "a"}, ("stdout", 2)), ("log", {"line": "b"}, ("stdout", 4))])
+    w.append([("gpu", {"gpus": []}, None)])
+    w.sync(force=True)
+    w.append([("log", {"line": "c"}, ("stdout", 6))])
+    os.close(w.fd)
+    with open(tmp_path / "stream.jsonl", "ab") as fh:
+        fh.write(b'{"seq":5,"ts":1,"kind":"log","payload":{"li')  # killed mid-append
+    w2 = StreamWriter(str(tmp_path))
+    assert w2.seq == 4 and w2.offsets == {"stdout": 6}
+    w2.append([("log", {"line": "d"}, ("stdout", 8))])
+    os.close(w2.fd)
+    import io
+
+    out = io.BytesIO()
+    assert follow(str(tmp_path), 0, out, lambda: False, once=True) == 0
+    recs = [json.loads(l) for l in out.getvalue().splitlines()]
+    assert [r["seq"] for r in recs] == [1, 2, 3, 4, 5]
+    assert recs[-1]["payload"] == {"line": "d"}
+
+
+def test_line_tail_hands_out_complete_lines_only(tmp_path):
+    p = tmp_path / "f"
+    p.write_bytes(b"one\ntw")
+    t = LineTail(str(p))
+    assert t.read() == [("one", 4)]
+    with open(p, "ab") as fh:
+        fh.write(b"o\nthree")
+    assert t.read() == [("two", 8)]
+    assert t.read(final=True) == [("three", 13)]
+    t2 = LineTail(str(p), offset=4)
+    assert [l for l, _ in t2.read(final=True)] == ["two", "three"]
