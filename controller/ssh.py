@@ -20,20 +20,50 @@ Lessons this module encodes (research/proxmox-and-supervision.md §3):
 
 from __future__ import annotations
 
+import importlib
 import os
 import shlex
 import socket
+import sys
 import threading
+import types
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-import paramiko
-import tenacity
 
-from controller.config import NodeConfig
-from controller.transport import (
+def _import_paramiko():
+    """Import paramiko with its ``import invoke`` deferred.
+
+    paramiko.config imports invoke at import time, only to run ``Match exec`` lines of an
+    ssh_config; that is a third to a half of paramiko's import time, paid by every `ctl`
+    command (bench/exec_roundtrip.py). A stand-in module imports the real invoke the first
+    time paramiko touches it, so ``Match exec`` still works.
+    """
+    if "paramiko" in sys.modules or "invoke" in sys.modules:
+        return importlib.import_module("paramiko")
+
+    class _DeferredInvoke(types.ModuleType):
+        def __getattr__(self, name):
+            if sys.modules.get("invoke") is self:
+                del sys.modules["invoke"]
+            return getattr(importlib.import_module("invoke"), name)
+
+    stand_in = _DeferredInvoke("invoke")
+    sys.modules["invoke"] = stand_in
+    try:
+        return importlib.import_module("paramiko")
+    finally:
+        if sys.modules.get("invoke") is stand_in:
+            del sys.modules["invoke"]
+
+
+paramiko = _import_paramiko()
+import tenacity  # noqa: E402
+
+from controller.config import NodeConfig  # noqa: E402
+from controller.transport import (  # noqa: E402
     CHUNK,
     HostKeyError,
     Result,

@@ -19,7 +19,7 @@ import pytest
 
 from controller import config as cfg
 from controller.bundle import build as build_bundle, ensure_bundle, remote_path, upload_argv
-from controller.container import Container, ContainerError
+from controller.container import AgentError, Container, ContainerError
 from controller.pct import container_env, raw_exec_argv
 from controller.ssh import SSHRunner
 
@@ -344,6 +344,42 @@ def test_bundle_is_uploaded_once_and_importable(ct, runner, scratch):
     assert ensure_bundle(fresh, bundle) == path
     assert fresh.exec(["stat", "-c", "%Y.%i", path], check=True).stdout == stamp
     assert listing(fresh, f"{scratch}/.dflash-ctl/bundles") == [bundle.version]
+
+
+FAKE_AGENT = """
+import sys
+from agent.protocol import wrap_payload
+print("noise a login file or library printed first")
+print("more noise", file=sys.stderr)
+verb, args = sys.argv[1], sys.argv[2:]
+if verb == "fail":
+    sys.stdout.write(wrap_payload({"error": "run r1 does not exist"}))
+    sys.exit(3)
+if verb == "crash":
+    raise SystemExit("agent exploded before replying")
+sys.stdout.write(wrap_payload({"verb": verb, "args": args}))
+print("trailing noise")
+"""
+
+
+def test_agent_call_parses_the_sentinel_payload_through_noise(ct, runner, scratch):
+    root = Path(f"/tmp/{TAG}-agent-src")
+    (root / "agent").mkdir(parents=True, exist_ok=True)
+    (root / "trainer").mkdir(parents=True, exist_ok=True)
+    (root / "agent" / "__init__.py").write_text("")
+    (root / "agent" / "__main__.py").write_text(FAKE_AGENT)
+    (root / "agent" / "protocol.py").write_bytes((REPO / "agent" / "protocol.py").read_bytes())
+    (root / "trainer" / "__init__.py").write_text("")
+    fresh = Container(runner, ct.node_name, ct.node, ct.ctid)
+    fresh.config = ct.config.model_copy(update={"workspace": scratch})
+    fresh._bundle = ensure_bundle(fresh, build_bundle(root=root))
+    weird = ["it's", "$(id)", "a\nb", ""]
+    reply = fresh.agent_call("status", weird)
+    assert reply["verb"] == "status" and reply["args"] == weird
+    with pytest.raises(AgentError, match="agent fail in container 200 on node sim failed .*run r1 does not exist"):
+        fresh.agent_call("fail")
+    with pytest.raises(AgentError, match="(?s)gave no readable reply.*agent exploded"):
+        fresh.agent_call("crash")
 
 
 def test_killed_bundle_upload_never_looks_complete(ct, scratch):
