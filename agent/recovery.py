@@ -124,7 +124,35 @@ def run_info(workspace: str, run: str) -> dict:
         path = last["path"] if os.path.isabs(last["path"]) else os.path.join(run_dir, last["path"])
         last["exists"] = os.path.exists(path)
     info["checkpoint"] = last
+    info["started_from"] = started_from(os.path.join(run_dir, P.START_SCRIPT))
     return info
+
+
+def started_from(start_script: str) -> Optional[dict]:
+    """The start decision in the run's start.sh (one trainer flag per line, shell-quoted):
+    {"kind": "resume"|"init", "path"} or None for --from-scratch. A failed run with no
+    checkpoint of its own is resumed from where it started."""
+    import shlex
+
+    try:
+        with open(start_script, encoding="utf-8") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        try:
+            tokens = shlex.split(line, comments=True)
+        except ValueError:
+            continue
+        for flag, kind in (("--resume-from", "resume"), ("--init-from", "init")):
+            if flag in tokens and tokens.index(flag) + 1 < len(tokens):
+                path = tokens[tokens.index(flag) + 1]
+                return {"kind": kind, "path": path, "exists": os.path.exists(path)}
+            for tok in tokens:
+                if tok.startswith(flag + "="):
+                    path = tok.split("=", 1)[1]
+                    return {"kind": kind, "path": path, "exists": os.path.exists(path)}
+    return None
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -134,6 +162,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     s = sub.add_parser("survivors")
     s.add_argument("--run", required=True)
     sub.add_parser("gpus")
+    sub.add_parser("known-good", help="the known-good env record, folded up to date (agent.knowngood)")
     s = sub.add_parser("run-info")
     s.add_argument("--run", help="default: the live run, else the newest")
     sub.add_parser("history-append", help="one JSON record on stdin")
@@ -146,6 +175,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     elif args.verb == "run-info":
         run = args.run or latest_run(args.workspace)
         body = run_info(args.workspace, run) if run else {"run": None, "exists": False}
+    elif args.verb == "known-good":
+        from agent import knowngood
+
+        body = {"env": knowngood.update(args.workspace).get("env")}
     elif args.verb == "gpus":
         from agent import gpus
 

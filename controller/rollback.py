@@ -80,7 +80,9 @@ class Plan:
             out.append(f"  1. stop: run {self.run} already ended ({self.run_state}); check that none of its "
                        f"processes is left")
         t = self.target
-        if t.kind == "env":
+        if t.kind == "env" and t.ref == self.before.get("id"):
+            out.append(f"  2. the venv already runs generation {t.ref} ({t.why}): nothing to switch")
+        elif t.kind == "env":
             out.append(f"  2. switch the venv to generation {t.ref} ({t.why}); the current one "
                        f"({self.before.get('id')}) is kept")
             if self.diff is not None:
@@ -120,16 +122,9 @@ def render_diff(diff: dict) -> list[str]:
 
 
 def known_good(ct: Container) -> Optional[dict]:
-    """The container's known-good env record (agent/knowngood.py: <workspace>/.dflash-ctl/known-good.json)."""
-    try:
-        raw = ct.read_file(f"{ct.config.workspace}/.dflash-ctl/known-good.json")
-    except ContainerError:
-        return None
-    try:
-        doc = json.loads(raw)
-    except ValueError:
-        return None
-    env = doc.get("env") if isinstance(doc, dict) else None
+    """The container's known-good env record (agent/knowngood.py), brought up to date first
+    so a run that reached steady state since the last launch or status counts."""
+    env = eg.recovery(ct, "known-good").get("env")
     return env if env and env.get("fingerprint") else None
 
 
@@ -251,7 +246,9 @@ class Report:
         out += self.notes
         ck = self.checkpoint
         if ck and ck.get("exists", True):
-            out.append(f"resume from checkpoint {ck['path']} (step {ck.get('step')})")
+            origin = f" ({ck['origin']})" if ck.get("origin") else ""
+            out.append(f"resume from checkpoint {ck['path']}" + (f" (step {ck['step']})" if ck.get("step") is not None
+                                                                 else "") + origin)
             out.append(f"  {self.resume_line}")
         elif ck:
             out.append(f"the last checkpoint {ck['path']} (step {ck.get('step')}) no longer exists"
@@ -262,6 +259,23 @@ class Report:
         else:
             out.append(f"start a run: {self.resume_line}")
         return out
+
+
+def pick_checkpoint(info: dict, plan: Plan) -> Optional[dict]:
+    """The run's own last checkpoint; else, for a run that was itself a resume and failed
+    before writing one, the checkpoint it started from; else what the plan saw before a
+    snapshot rollback took the run directory away (marked as gone)."""
+    own = info.get("checkpoint")
+    if own and own.get("exists", True):
+        return own
+    start = info.get("started_from") or {}
+    if start.get("kind") == "resume" and start.get("exists"):
+        return {"path": start["path"], "step": None, "exists": True, "origin": "the checkpoint the run started from"}
+    if own:
+        return own
+    if plan.checkpoint:
+        return dict(plan.checkpoint, exists=False)
+    return None
 
 
 def resume_line(ct: Container, launch: Optional[dict], checkpoint: Optional[dict]) -> str:
@@ -358,9 +372,7 @@ def execute(ct: Container, plan: Plan, say: Callable[[str], None] = print) -> Re
                             f"(bind mounts are not part of a snapshot)")
     report.verified = report.after.get("id") == t.expected_id if t.expected_id else True
     info = eg.recovery(ct, "run-info", "--run", plan.run) if plan.run else {}
-    report.checkpoint = info.get("checkpoint") if plan.run else None
-    if plan.run and not info.get("exists") and plan.checkpoint:
-        report.checkpoint = dict(plan.checkpoint, exists=False)  # the run dir went with the snapshot
+    report.checkpoint = pick_checkpoint(info, plan) if plan.run else None
     report.resume_line = resume_line(ct, info.get("launch") or plan.launch, report.checkpoint)
     history.append({"event": "rollback", "container": ct.ctid, "run": plan.run, "to": t.label, "why": t.why,
                     "from_env": plan.before.get("id"), "to_env": report.after.get("id"),
