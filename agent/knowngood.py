@@ -46,23 +46,28 @@ def run_dir(workspace: str, run_id: str) -> str:
 
 
 def steady_state(steps: Iterable[dict], steady_steps: int, tolerance: float) -> Optional[dict]:
-    """The first window of ``steady_steps`` consecutive step events (one rank's) whose
-    tokens/s all lie within ``tolerance`` (relative) of the window's median, or None.
+    """The first point where throughput has settled: the median tokens/s of the last
+    ``steady_steps`` step events (one rank's) is within ``tolerance`` (relative) of the median
+    of the ``steady_steps`` before them. None until then.
 
-    The first step is never part of it: it carries start-up (allocation, warm caches).
+    Medians of windows, not every single step: one slow step (a checkpoint save, a noisy
+    neighbour on the node) must not keep a run from ever counting as steady, while a
+    ramp-up (warming caches, growing batches) still shows as a change between windows. The
+    first step never counts: it carries start-up.
     """
     series = [s for s in steps if isinstance(s.get("tokens_per_s"), (int, float))]
     if not series:
         return None
     ranks = sorted({s.get("rank", 0) for s in series}, key=lambda r: (r is None, r))
     series = [s for s in series if s.get("rank", 0) == ranks[0]][1:]
-    for end in range(steady_steps, len(series) + 1):
-        window = series[end - steady_steps:end]
-        rates = [float(s["tokens_per_s"]) for s in window]
-        median = statistics.median(rates)
-        if median > 0 and all(abs(r - median) <= tolerance * median for r in rates):
-            return {"step": window[-1].get("step"), "tokens_per_s": round(median, 3),
-                    "window": [window[0].get("step"), window[-1].get("step")]}
+    n = steady_steps
+    for end in range(2 * n, len(series) + 1):
+        before = statistics.median(float(s["tokens_per_s"]) for s in series[end - 2 * n:end - n])
+        now = statistics.median(float(s["tokens_per_s"]) for s in series[end - n:end])
+        if before > 0 and abs(now - before) <= tolerance * before:
+            return {"step": series[end - 1].get("step"), "tokens_per_s": round(now, 3),
+                    "window": [series[end - n].get("step"), series[end - 1].get("step")],
+                    "previous_tokens_per_s": round(before, 3)}
     return None
 
 

@@ -37,9 +37,25 @@ def provision_tiny(ct: Container, say: Callable[[str], None] = lambda line: None
     ct.exec(["rm", "-rf", "--", target, data], check=True)
     say(f"provisioning {base} in {ct} (tiny Qwen3 target + data, `python -m trainer tiny`)")
     caller = AgentCaller(ct, say)
-    result = caller.run("trainer.tiny", ["--out", base, "--seed", str(seed), "--samples", str(samples)],
+    result = caller.run("trainer", ["tiny", "--out", base, "--seed", str(seed), "--samples", str(samples)],
                         timeout=900)
     if result.failed:
         raise ContainerError(f"`python -m trainer tiny --out {base}` failed in {ct} (exit code "
                              f"{result.returncode}): {result.tail('stderr', 6) or result.tail('stdout', 6)}")
     return {"container": ct.ctid, "dir": base, "created": True, "output": result.stdout.strip()}
+
+
+def provision_node(node_name: str, config_file: str | None = None,
+                   say: Callable[[str], None] = lambda line: None) -> list[dict]:
+    """``provision_tiny`` in every container the controller config lists for ``node_name``,
+    over one SSH connection. ``ctl sim up`` calls this after writing the node's entry."""
+    from controller import config as cfg
+    from controller.transport import open_runner
+
+    conf = cfg.load(config_file)
+    name, node = conf.node(node_name)
+    done = []
+    with open_runner(name, node) as runner:
+        for ctid in sorted(node.containers, key=int):
+            done.append(provision_tiny(Container(runner, name, node, ctid), say))
+    return done

@@ -153,13 +153,13 @@ class WandbSection(BaseModel):
 
 
 class BaselineSection(BaseModel):
-    """When a run counts as known good: ``steady_steps`` step events in a row whose tokens/s
-    stay within ``throughput_tolerance`` (relative) of their median."""
+    """When a run counts as known good: the median tokens/s of its last ``steady_steps``
+    steps is within ``throughput_tolerance`` (relative) of the median of the steps before."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
 
-    steady_steps: int = Field(20, alias="steady-steps", ge=2)
-    throughput_tolerance: float = Field(0.25, alias="throughput-tolerance", gt=0, le=1)
+    steady_steps: int = Field(20, alias="steady-steps", ge=1)
+    throughput_tolerance: float = Field(0.15, alias="throughput-tolerance", gt=0, le=1)
     # Data statistics that differ by more than these count as drift.
     length_tolerance: float = Field(0.10, alias="length-tolerance", ge=0)
     loss_fraction_tolerance: float = Field(0.02, alias="loss-fraction-tolerance", ge=0)

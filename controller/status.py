@@ -67,7 +67,8 @@ def render_status(reply: dict, ctid: str, node: str) -> list[str]:
             vs = " (no baseline for this config yet)"
         lines.append(f"tok/s    {fmt_rate(rate)}{vs}")
     for rank, r in sorted((st.get("ranks") or {}).items(), key=lambda kv: int(kv[0])):
-        where = f"GPU {r['gpu']}" if r.get("gpu") is not None else "CPU"
+        cpu = st.get("gpu_state") == "no GPU"
+        where = (f"rank slot {r['gpu']} (CPU)" if cpu else f"GPU {r['gpu']}") if r.get("gpu") is not None else "CPU"
         lines.append(f"rank {rank}   {r.get('role') or '?'} on {where}: {r.get('health')}, step {r.get('step')}, "
                      f"heartbeat {r.get('heartbeat_age_s')} s ago")
     roles = _roles(reply)

@@ -148,6 +148,7 @@ class Printer:
         self.gpus: list = []
         self.state: Optional[str] = None
         self.steps_seen = 0
+        self.status_is_last = False  # the last line written was a status line
 
     def __call__(self, rec: dict) -> None:
         if self.raw:
@@ -167,11 +168,14 @@ class Printer:
             if state != self.state:
                 self.state = state
                 reason = _failure_reason(payload)
-                self.write(f"== run {state}" + (f": {reason}" if reason else ""))
+                self.write(f"== run {state}" + (f": {reason}" if reason and reason != state else ""))
         now = self.clock()
         if self.steps_seen and (self.last_status_at is None or now - self.last_status_at >= self.status_every):
             self.write(self.status_line())
             self.last_status_at = now
+            self.status_is_last = True
+        else:
+            self.status_is_last = False
 
     def _event(self, ev: dict) -> None:
         kind = ev.get("kind", "")

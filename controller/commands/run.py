@@ -116,7 +116,7 @@ def _follow(ct: Container, caller, run_id: str, since: int, follow: bool, raw: b
 
     result = tail(ContainerStream(ct, caller), run_id, on_record, since=since, follow=follow,
                   on_reconnect=reconnecting)
-    if printer.steps_seen and not raw:
+    if printer.steps_seen and not raw and not printer.status_is_last:
         typer.echo(printer.status_line())
     if result.detached:
         typer.echo(f"ctl: detached at seq {result.last_seq}; the run goes on. Resume with "

@@ -63,6 +63,8 @@ def up(
     name: str = typer.Option("sim", "--name", help="node name; also the key in the controller config"),
     ctids: Optional[str] = typer.Option(None, "--ctids", help="two container ids 'SNAP,DIR' (default 200,201 for sim)"),
     config_file: Optional[str] = typer.Option(None, "--config", help="controller config file to update"),
+    tiny: bool = typer.Option(True, "--tiny/--no-tiny", help="provision /workspace/tiny/{target,data} in each "
+                                                             "container (`python -m trainer tiny`, once)"),
 ) -> None:
     """Bring the node up (idempotent). The first run on a machine builds the rootfs cache."""
     from sim.proc import SimError
@@ -76,6 +78,15 @@ def up(
     console.print(f"[green]sim node {name} up[/green] in {info['seconds']} s"
                   f"{' (cold: built the rootfs cache)' if info['cold'] else ''}; "
                   f"containers {', '.join(info['containers'])}; config: {path}")
+    if tiny:  # as a real node already holds its model and data (issue 5: controller/provision.py)
+        from controller.container import ContainerError
+        from controller.provision import provision_node
+        from controller.transport import TransportError
+
+        try:
+            provision_node(name, config_file, say=_progress)
+        except (ContainerError, TransportError, cfg.ConfigError) as exc:
+            _fail(f"provisioning the tiny target and data: {exc}")
 
 
 @group.command("status")
