@@ -87,8 +87,10 @@ def exec_command(
     stdin: bool = typer.Option(False, "--stdin", "-i", help="forward this process's stdin to the command"),
     trust_new_host_key: bool = TrustOpt,
 ) -> None:
-    """Run a command in a container with a clean, explicit environment; stream its output
-    and exit with its exit code (a command killed by signal N exits 128+N)."""
+    """Run a command in a container with a clean, explicit environment.
+
+    Output streams as it comes; ctl exits with the command's exit code (128+N when a
+    signal N killed it)."""
     with container_session(container, node, config, trust_new_host_key) as ct:
         result = ct.exec(argv, stdin=sys.stdin.buffer if stdin else None, capture=False,
                          stdout_sink=sys.stdout.buffer, stderr_sink=sys.stderr.buffer)
