@@ -99,7 +99,9 @@ def greedy_continue(model, prompts: np.ndarray, steps: int) -> np.ndarray:
             logits[:, MASK_TOKEN_ID] = float("-inf")
             nxt = logits.argmax(-1, keepdim=True)
             out_tokens.append(nxt)
-            cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+            cache = getattr(out, "cache", None)  # not `or`: a cache object may define __len__
+            if cache is None:
+                cache = getattr(out, "past_key_values", None)
             out = model(input_ids=nxt, use_cache=True, logits_to_keep=1, **{kw: cache})
     return torch.cat(out_tokens, 1).numpy().astype(np.int32) if out_tokens else np.zeros((len(prompts), 0), np.int32)
 
