@@ -193,6 +193,7 @@ class SSHRunner(Runner):
         self._client: Optional[paramiko.SSHClient] = None
         self.connections = 0  # opened by this runner
         self.trusted_key: Optional[str] = None  # fingerprint recorded with trust_new_host_key
+        self._connect_lock = threading.Lock()  # threads share one connection, never open two
 
     @classmethod
     def for_node(cls, node_name: str, node: NodeConfig, **kw) -> "SSHRunner":
@@ -220,6 +221,10 @@ class SSHRunner(Runner):
         return client
 
     def connect(self) -> paramiko.SSHClient:
+        with self._connect_lock:
+            return self._connect_locked()
+
+    def _connect_locked(self) -> paramiko.SSHClient:
         if self._client is not None and self._client.get_transport() and self._client.get_transport().is_active():
             return self._client
         t = self.target

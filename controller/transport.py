@@ -201,8 +201,10 @@ def _stdin_chunks(stdin: Stdin) -> Iterable[bytes]:
         for i in range(0, len(view), CHUNK):
             yield bytes(view[i : i + CHUNK])
         return
+    # read1 returns what is there (interactive stdin); read(n) would wait for n bytes.
+    read = getattr(stdin, "read1", None) or stdin.read
     while True:
-        chunk = stdin.read(CHUNK)
+        chunk = read(CHUNK)
         if not chunk:
             return
         yield chunk

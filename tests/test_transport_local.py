@@ -79,3 +79,15 @@ def test_marker_gate_drops_noise_before_the_marker_only():
         gate.feed(piece)
     gate.close()
     assert sink.value() == b"real output\n--m--\n"
+
+
+def test_transport_modules_import_without_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "import controller.transport, controller.ssh, controller.pct, controller.container, "
+            "controller.bundle, controller.render, controller.commands.remote\n"
+            "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr

@@ -62,6 +62,11 @@ def container_session(container: int, node: Optional[str], config_path: Optional
         raise fail(str(exc), EXIT_CONTAINER) from None
     except CommandError as exc:
         raise fail(str(exc), exc.result.returncode or 1) from None
+    except KeyboardInterrupt:
+        # pct exec does not forward signals (research §1.1): closing our side is not a kill.
+        raise fail(f"interrupted; whatever was started in container {container} may still be running "
+                   f"(pct exec does not forward signals): check with `ctl exec -c {container} -- ps -ef`",
+                   130) from None
     finally:
         if runner is not None:
             runner.close()
