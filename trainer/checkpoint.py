@@ -121,7 +121,8 @@ def compatibility_problems(meta: dict, *, block_size: int, num_draft_layers: int
         problems.append(f"{flag} {where}: checkpoint has {cfg.get('num_hidden_layers')} draft layers, "
                         f"--num-draft-layers is {num_draft_layers}")
     ids = (cfg.get("dflash_config") or {}).get("target_layer_ids")
-    if ids is not None and list(ids) != list(target_layer_ids):
+    same_target = (meta.get("target") or {}).get("config_sha256") == target.get("config_sha256")
+    if same_target and ids is not None and list(ids) != list(target_layer_ids):  # else the target line says it
         problems.append(f"{flag} {where}: checkpoint taps target layers {ids}, this run taps {list(target_layer_ids)}")
     theirs = meta.get("target") or {}
     if theirs.get("config_sha256") != target.get("config_sha256"):

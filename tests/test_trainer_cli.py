@@ -1,0 +1,94 @@
+"""Bad input is refused before anything is written: one line per problem on stderr, exit
+code 2 (flags.EXIT_USAGE), no directory created."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from _trainer_tiny import base_args, make_target, tiny_setup
+from trainer import flags
+from trainer.__main__ import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    target, data = tiny_setup(str(root))
+    other = make_target(str(root / "other-target"), num_hidden_layers=8)
+    out = str(root / "trained")
+    assert main(base_args(target, data, out, "--from-scratch", "--max-steps", "1")) == 0
+    return {"root": root, "target": target, "data": data, "other": other, "ckpt": os.path.join(out, "step_1")}
+
+
+def snapshot(root):
+    return sorted(os.path.relpath(os.path.join(d, f), root) for d, ds, fs in os.walk(root) for f in fs + ds)
+
+
+def without(argv, name, n=1):
+    i = argv.index(name)
+    return argv[:i] + argv[i + 1 + n:]
+
+
+def replace(argv, name, value):
+    i = argv.index(name)
+    return argv[:i + 1] + [value] + argv[i + 2:]
+
+
+CASES = {
+    "missing drafter gpus": (lambda e: without(base_args(e["target"], e["data"], e["new"], "--from-scratch"), "--drafter-gpus"),
+                             "--drafter-gpus is required"),
+    "overlapping gpu sets": (lambda e: replace(replace(base_args(e["target"], e["data"], e["new"], "--from-scratch"),
+                                                       "--target-gpus", "0,1"), "--drafter-gpus", "1,2"), "overlap on 1"),
+    "token budget below max seq len": (lambda e: replace(base_args(e["target"], e["data"], e["new"], "--from-scratch"),
+                                                         "--token-budget", "32"), "--token-budget 32 is below --max-seq-len 48"),
+    "missing data dir": (lambda e: base_args(e["target"], str(e["root"] / "nope"), e["new"], "--from-scratch"),
+                         "no meta.json there"),
+    "missing target": (lambda e: base_args(str(e["root"] / "nope"), e["data"], e["new"], "--from-scratch"),
+                       "no config.json there"),
+    "no start decision": (lambda e: base_args(e["target"], e["data"], e["new"]), "no start decision"),
+    "checkpoint with another block size": (lambda e: replace(base_args(e["target"], e["data"], e["new"], "--resume-from", e["ckpt"]),
+                                                             "--block-size", "4"), "checkpoint block size 8 != --block-size 4"),
+    "checkpoint of another target": (lambda e: base_args(e["other"], e["data"], e["new"], "--init-from", e["ckpt"]),
+                                     "trained against another target (num_hidden_layers 6 vs 8"),
+    "not a checkpoint": (lambda e: base_args(e["target"], e["data"], e["new"], "--resume-from", e["data"]),
+                         "holds no checkpoint.pt"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_one_line_exit_2_nothing_written(env, case, capsys):
+    argv_of, expected = CASES[case]
+    env = {**env, "new": str(env["root"] / "new-output")}
+    argv = argv_of(env)
+    before = snapshot(env["root"])
+    rc = _rc(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == flags.EXIT_USAGE
+    assert len(err) == 1, err
+    assert expected in err[0] and err[0].startswith("python -m trainer: error: ")
+    assert snapshot(env["root"]) == before
+
+
+def test_bad_input_through_the_real_command(env, tmp_path):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "trainer", *base_args(env["target"], env["data"], str(tmp_path / "out"))],
+                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "DFLASH_RUN_DIR": str(run_dir)})
+    assert proc.returncode == flags.EXIT_USAGE
+    assert proc.stderr.strip().splitlines() == [f"python -m trainer: error: no start decision: {flags.START_DECISION_HELP}"]
+    assert not (tmp_path / "out").exists() and not run_dir.exists()
+
+
+def test_flags_markdown(capsys):
+    assert main(["flags", "--markdown"]) == 0
+    assert capsys.readouterr().out == flags.markdown()
+
+
+def _rc(argv):
+    try:
+        return main(argv)
+    except SystemExit as exc:  # argparse errors exit directly (also one line, code 2)
+        return exc.code
