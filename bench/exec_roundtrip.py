@@ -86,14 +86,19 @@ def main() -> None:
            *[a for k in target.key_filenames for a in ("-i", k)],
            f"{target.user}@{target.hostname}", shlex.join([node.pct, "exec", args.container, "--", "true"])]
 
+    # What `ctl` pays before any connection: Python start-up and the controller's imports.
+    startup = [sys.executable, "-c", "from controller.cli import _register; _register(); import controller.ssh"]
+
     ctl_env = dict(env, DFLASH_CTL_STATS=stats)
+    load_before = os.getloadavg()[0]
     timed(ctl, ctl_env)
     timed(ssh, env)
-    ctl_times, ssh_times, conns = [], [], []
+    ctl_times, ssh_times, start_times, conns = [], [], [], []
     for _ in range(args.n):  # interleaved, so drift on a shared machine hits both alike
         ctl_times.append(timed(ctl, ctl_env))
         conns.append(json.loads(Path(stats).read_text())["ssh_connections"])
         ssh_times.append(timed(ssh, env))
+        start_times.append(timed(startup, dict(env, PYTHONPATH=str(REPO))))
     os.unlink(stats)
 
     before = SSHRunner.connections_opened
@@ -107,14 +112,17 @@ def main() -> None:
             warm.append(time.perf_counter() - start)
     warm_conns = SSHRunner.connections_opened - before
 
-    ctl_med, ssh_med, warm_med = (statistics.median(x) * 1000 for x in (ctl_times, ssh_times, warm))
+    load_after = os.getloadavg()[0]
+    ctl_med, ssh_med, warm_med, start_med = (statistics.median(x) * 1000
+                                             for x in (ctl_times, ssh_times, warm, start_times))
     now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     section = "\n".join([
         HEADING,
         "",
         f"`bench/exec_roundtrip.py`, {now}, node `{node_name}` ({target.hostname}:{target.port}), "
         f"container {args.container}, median of {args.n} (interleaved, one warm-up each).",
-        f"Machine: {machine()}.",
+        f"Machine: {machine()}; 1-minute load average {load_before:.1f} before, {load_after:.1f} after "
+        f"(the machine is shared with other test runs).",
         "",
         "| command | median | vs raw ssh | SSH connections per command |",
         "| --- | --- | --- | --- |",
@@ -123,6 +131,8 @@ def main() -> None:
         f"{ctl_med / ssh_med:.2f}× | {statistics.median(conns):g} (max {max(conns)}) |",
         f"| `Container.exec(['true'])` on an open connection (in-process) | {warm_med:.0f} ms | "
         f"{warm_med / ssh_med:.2f}× | {warm_conns} for all {args.n + 1} |",
+        f"| `ctl` start-up alone (Python + imports, no connection) | {start_med:.0f} ms | "
+        f"{start_med / ssh_med:.2f}× | 0 |",
         "",
         "`ctl exec` includes starting Python and importing the controller; it runs the command "
         "through `pct exec --keep-env 0 -- env -i …` (the raw command does not scrub) and prints a "
