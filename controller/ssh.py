@@ -294,9 +294,15 @@ class SSHRunner(Runner):
             t.start()
         try:
             if stdin is not None:
-                for chunk in _stdin_chunks(stdin):
-                    chan.sendall(chunk)
-            chan.shutdown_write()
+                try:
+                    for chunk in _stdin_chunks(stdin):
+                        chan.sendall(chunk)
+                except OSError:
+                    if not chan.closed and not chan.exit_status_ready():
+                        raise
+                    # The command ended without reading all its input; its exit code says why.
+            if not chan.closed:
+                chan.shutdown_write()
             for t in readers:
                 t.join(timeout)
                 if t.is_alive():

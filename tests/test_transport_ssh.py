@@ -105,6 +105,12 @@ def test_stdin_reaches_the_command_byte_for_byte(runner):
     assert result.stdout.split()[0] == hashlib.sha256(data).hexdigest()
 
 
+def test_command_that_ignores_its_stdin_is_not_an_error(runner):
+    result = runner.run(["sh", "-c", "exit 3"], stdin=b"x" * (8 << 20))
+    assert result.returncode == 3
+    assert runner.run(["true"]).ok  # the connection is still usable
+
+
 def test_unknown_host_key_is_refused_with_the_fix(sshd, tmp_path):
     empty = tmp_path / "known_hosts"
     empty.write_text("")
