@@ -10,7 +10,8 @@ source it follows, is listed in docs/sim.md. In short:
   (``exit(-1)``); task commands (start, stop, snapshot, rollback, delsnapshot) exit 255 on
   failure like ``$upid_exit``;
 - ``exec`` defaults to ``--keep-env 1`` (the caller's environment leaks in, as on real
-  Proxmox before PVE 9) and replaces itself with ``lxc-attach`` via execvp, list form;
+  Proxmox before PVE 9, except PATH, which pct's CLI handler resets to
+  /sbin:/bin:/usr/sbin:/usr/bin) and replaces itself with ``lxc-attach`` via execvp;
 - snapshots need snapshot-capable storage: the btrfs storage has them, the ``dir`` storage
   refuses with "snapshot feature is not available".
 """
@@ -530,7 +531,14 @@ def usage(name: str) -> str:
     return f"pct {name} {pos}{opts}".replace("  ", " ")
 
 
+# PVE::CLIHandler::run_cli_handler (and older src/pct) set this before anything runs: pct
+# is a taint-mode Perl script. So a `pct exec --keep-env 1` child sees this PATH, not the
+# caller's, while every other variable of the caller (SSH_*, PERL5LIB, ...) leaks through.
+CLI_PATH = "/sbin:/bin:/usr/sbin:/usr/bin"
+
+
 def main(argv: list[str]) -> int:
+    os.environ["PATH"] = CLI_PATH
     if NODE is None:
         print(f"pct: {STATE / 'node.json'} is missing; run `ctl sim up`", file=sys.stderr)
         return 255

@@ -6,8 +6,8 @@ Simulated Proxmox node (sim/, docs/sim.md) — session scope, for tests marked `
     A ``sim.node.SimNode("sim")`` that is up: sshd on 127.0.0.1 (polluted root login, `pct`
     on PATH) and running LXC containers 200 (btrfs storage: snapshots work) and 201 (dir
     storage: snapshots refused), each with ``/root/venv`` (torch CPU, transformers,
-    safetensors, numpy) and ``/workspace``. Brought up once if it is not already up (the
-    first time on a machine builds the rootfs cache: a few minutes); left up at the end so
+    safetensors, numpy) and ``/workspace``. ``up()`` once per session: a no-op when it is
+    already up (the first time on a machine builds the rootfs cache: a few minutes); left up so
     the next session starts in seconds, unless ``DFLASH_SIM_TEARDOWN=1``. Skips the test
     when the machine cannot host it (not root, LXC missing). ``sim_node.node_config()``
     gives host/port/user/identity_file/known_hosts/containers as plain data.
@@ -43,8 +43,9 @@ def sim_node():
         pytest.skip("LXC is not installed: apt-get install -y --no-install-recommends lxc debootstrap btrfs-progs")
     node = SimNode("sim")
     try:
-        if not node.is_up():
-            node.up()
+        # Always: up() is idempotent (well under a second when the node is up) and also
+        # refreshes bin/pct from the working tree.
+        node.up()
     except SimError as exc:
         pytest.fail(f"could not bring the simulated node up: {exc}", pytrace=False)
     yield node
