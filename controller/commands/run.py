@@ -131,8 +131,9 @@ def _follow(ct: Container, caller, run_id: str, since: int, follow: bool, raw: b
     if state == "failed":
         typer.echo(f"ctl: run {run_id} FAILED: {status.get('reason') or status.get('last_error')}", err=True)
     elif state == "completed":
+        # With --json, stdout carries only records: the verdict goes to stderr.
         typer.echo(f"ctl: run {run_id} completed" + (f"; last checkpoint {status['checkpoint'][1]}"
-                                                     if isinstance(status.get("checkpoint"), list) else ""))
+                                                     if isinstance(status.get("checkpoint"), list) else ""), err=raw)
     else:
         typer.echo(f"ctl: the stream of run {run_id} ended while the run is {state or 'unknown'}: its agent is not "
                    "running; see `ctl status`", err=True)
