@@ -190,3 +190,31 @@ def test_fast_drafter_step_matches_dense_reference(attn, soft, cap):
     assert abs(float(out["loss"]) - float(ref.detach())) < 1e-9
     for n, p in d.named_parameters():
         assert (p.grad - g_ref[n]).norm() <= 1e-9 * (1 + g_ref[n].norm()), n
+
+
+# ---------------------------------------------------------------- fast target
+
+def test_fast_target_matches_hf_qwen3():
+    transformers = pytest.importorskip("transformers")
+    from trainer.fast_target import FastTarget
+
+    torch.manual_seed(5)
+    cfg = transformers.Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=6,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                   max_position_embeddings=128, attn_implementation="sdpa")
+    hf = transformers.Qwen3Model(cfg).eval()
+    with torch.no_grad():  # non-trivial norm weights
+        for n, p in hf.named_parameters():
+            if "norm" in n:
+                p.add_(0.1 * torch.randn_like(p))
+    ids = torch.randint(0, 97, (2, 19))
+    taps = [1, 3, 4]
+    ft = FastTarget.from_hf(hf, taps, attn_backend="math", keep_all_layers=True)
+    with torch.no_grad():
+        ref = hf(input_ids=ids, output_hidden_states=True)
+    got, final = ft.forward(ids, want_final=True)
+    want = torch.cat([ref.hidden_states[i + 1] for i in taps], -1)
+    assert (got - want).norm() / want.norm() < 1e-5
+    assert (final - ref.last_hidden_state).norm() / ref.last_hidden_state.norm() < 1e-5
+    short, none = FastTarget.from_hf(hf, taps, attn_backend="math").forward(ids)
+    assert none is None and torch.allclose(short, want, atol=1e-5)

@@ -90,7 +90,7 @@ def _fns(device: torch.device):
     key = device.type
     if key not in _FNS:
         if key == "cuda":
-            c = lambda f: torch.compile(f, dynamic=True)  # noqa: E731
+            c = lambda f: torch.compile(f, dynamic=False)  # noqa: E731  (static: see fused_ops)
             _FNS[key] = (c(_stats), c(_stats_soft), c(_grad), c(_grad_soft))
         else:
             _FNS[key] = (_stats, _stats_soft, _grad, _grad_soft)

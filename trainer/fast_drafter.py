@@ -152,8 +152,8 @@ def block_forward(drafter, x, ctx_kv_leaves, cos_b, sin_b, attend, dtype):
         q, k, v = fo.qkv_prep(h @ wqkv.t(), _cast(a.q_norm.weight, dtype), _cast(a.k_norm.weight, dtype),
                               cos_b, sin_b, nh, nkv, hd, eps)
         o = attend(q, torch.cat([kc.to(dtype), k], dim=2), torch.cat([vc.to(dtype), v], dim=2))
-        x = x + o.transpose(1, 2).reshape(1, Q, nh * hd) @ _cast(a.o_proj.weight, dtype).t()
-        h = fo.norm(x, _cast(lyr.post_attention_layernorm.weight, dtype), eps)
+        x, h = fo.add_norm(x, o.transpose(1, 2).reshape(1, Q, nh * hd) @ _cast(a.o_proj.weight, dtype).t(),
+                           _cast(lyr.post_attention_layernorm.weight, dtype), eps)
         wgu = torch.cat([_cast(m.gate_proj.weight, dtype), _cast(m.up_proj.weight, dtype)])
         x = x + fo.silu_mul(h @ wgu.t()) @ _cast(m.down_proj.weight, dtype).t()
     return fo.norm(x, _cast(drafter.norm.weight, dtype), eps)

@@ -34,8 +34,12 @@ class TargetLayer:
     wd: torch.Tensor
 
 
+_GQA_OK: dict = {}
+
+
 def sdpa_causal(backend: str = "cudnn"):
-    """attn(q [b,h,L,d], k/v [b,hk,L,d]) → [b,h,L,d], causal, with one SDPA backend."""
+    """attn(q [b,h,L,d], k/v [b,hk,L,d]) → [b,h,L,d], causal, with one SDPA backend. GQA is
+    passed natively (enable_gqa) where the backend takes it, else by repeating k/v."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     be = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
@@ -44,8 +48,11 @@ def sdpa_causal(backend: str = "cudnn"):
     def attn(q, k, v):
         rep = q.shape[1] // k.shape[1]
         with sdpa_kernel([be]):
-            if backend == "flash" and rep > 1:
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            if rep > 1 and _GQA_OK.get(backend, True):
+                try:
+                    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+                except RuntimeError:
+                    _GQA_OK[backend] = False
             if rep > 1:
                 k = k.repeat_interleave(rep, dim=1)
                 v = v.repeat_interleave(rep, dim=1)
@@ -71,30 +78,32 @@ class FastTarget:
             self._rope = fo.rope_tables(max(L, 8192), self.shape.head_dim, device, self.rope_theta)
         return self._rope[0][:L], self._rope[1][:L]
 
-    def _layer(self, x, w: TargetLayer, cos, sin):
-        s = self.shape
-        b, L, _ = x.shape
-        h = fo.norm(x, w.ln1, self.eps)
-        q, k, v = fo.qkv_prep(h @ w.wqkv.t(), w.qn, w.kn, cos, sin, s.n_heads, s.n_kv_heads, s.head_dim, self.eps)
-        o = self.attn(q, k, v).transpose(1, 2).reshape(b, L, s.q_dim)
-        x = x + o @ w.wo.t()
-        h = fo.norm(x, w.ln2, self.eps)
-        return x + fo.silu_mul(h @ w.wgu.t()) @ w.wd.t()
-
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, want_final: bool = False):
-        """input_ids [b, S] right-padded → (taps [b, S, n·H], final [b, S, H] or None)."""
+        """input_ids [b, S] right-padded → (taps [b, S, n·H], final [b, S, H] or None).
+        Each residual add is fused with the norm that follows it."""
+        s = self.shape
+        b, L = input_ids.shape
         x = F.embedding(input_ids, self.embed)
-        cos, sin = self._tables(input_ids.shape[1], input_ids.device)
+        cos, sin = self._tables(L, input_ids.device)
         last = len(self.layers) - 1 if want_final else max(self.layer_ids)
         taps = []
+        h = fo.norm(x, self.layers[0].ln1, self.eps)
         for i in range(last + 1):
-            x = self._layer(x, self.layers[i], cos, sin)
+            w = self.layers[i]
+            q, k, v = fo.qkv_prep(h @ w.wqkv.t(), w.qn, w.kn, cos, sin, s.n_heads, s.n_kv_heads, s.head_dim, self.eps)
+            o = self.attn(q, k, v).transpose(1, 2).reshape(b, L, s.q_dim)
+            x, h = fo.add_norm(x, o @ w.wo.t(), w.ln2, self.eps)
+            m = fo.silu_mul(h @ w.wgu.t()) @ w.wd.t()
+            nxt = self.layers[i + 1].ln1 if i < last else self.final_norm
+            if nxt is not None and (i < last or want_final):
+                x, h = fo.add_norm(x, m, nxt, self.eps)
+            else:
+                x = x + m
             if i in self.layer_ids:
                 taps.append(x)
         out = torch.cat(taps, dim=-1)
-        final = fo.norm(x, self.final_norm, self.eps) if want_final else None
-        return out, final
+        return out, (h if want_final else None)
 
     # ------------------------------------------------------------------ builders
     @classmethod

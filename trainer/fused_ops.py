@@ -17,7 +17,19 @@ _COMPILE = os.environ.get("DFLASH_FUSED_COMPILE", "1" if torch.cuda.is_available
 
 
 def _maybe_compile(fn):
-    return torch.compile(fn, dynamic=True) if _COMPILE else fn
+    # Static shapes: with dynamic=True Inductor's kernels index with run-time divisions and
+    # lose 16-byte vector loads; measured 4-6x under the copy bandwidth on H200 (see
+    # docs/gpu-notes.md). The drafter's chunk shapes are fixed, the target's take a few
+    # values per run, so specialising costs a few compiles.
+    return torch.compile(fn, dynamic=False) if _COMPILE else fn
+
+
+if _COMPILE:
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+    if hasattr(torch._dynamo.config, "accumulated_cache_size_limit"):
+        torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit, 1024)
 
 
 def _rms(x, w, eps: float = EPS):
@@ -61,6 +73,12 @@ def _kv_prep(kv, kn, cos, sin, nkv: int, hd: int, eps: float = EPS):
     return k.transpose(1, 2), v.transpose(1, 2)
 
 
+def _add_norm(x, y, w, eps: float = EPS):
+    """(x + y, rmsnorm(x + y)) in one pass: the residual add fused with the next norm."""
+    r = x + y
+    return r, _rms(r, w, eps)
+
+
 def _silu_mul(gu):
     g, u = gu.chunk(2, dim=-1)
     return F.silu(g) * u
@@ -70,6 +88,7 @@ norm = _maybe_compile(_norm)
 qkv_prep = _maybe_compile(_qkv_prep)
 kv_prep = _maybe_compile(_kv_prep)
 silu_mul = _maybe_compile(_silu_mul)
+add_norm = _maybe_compile(_add_norm)
 
 
 def rope_tables(max_pos: int, head_dim: int, device, theta: float = 1_000_000.0):

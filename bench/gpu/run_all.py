@@ -122,6 +122,21 @@ def sec_target(args):
             record(section="target", model="Qwen3-8B", impl=f"fast-{backend}", budget=budget, batch=b, seq=L,
                    median_s=t, times=ts, tok_s=b * L / t, mfu=fl.mfu(f, t), tflops=f / t / 1e12,
                    peak_alloc_gib=pa, peak_reserved_gib=pr, weights_gib=base, model_pred_gib=pred, padding_eff=1.0)
+    # profile one forward at budget 49152 (cuDNN)
+    try:
+        from torch.profiler import ProfilerActivity, profile as prof
+        ft.attn = __import__("trainer.fast_target", fromlist=["x"]).sdpa_causal("cudnn")
+        ids = torch.randint(0, shape.vocab - 1, (6, L), device="cuda")
+        ft.forward(ids)
+        torch.cuda.synchronize()
+        with prof(activities=[ProfilerActivity.CUDA]) as p:
+            ft.forward(ids)
+            torch.cuda.synchronize()
+        with open(os.path.join(OUT, "target_profile.txt"), "w") as fh:
+            fh.write(p.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70))
+        del ids
+    except Exception:  # noqa: BLE001
+        traceback.print_exc()
     # mixed lengths, length-sorted padded batches under the budget (real tokens counted)
     import random
     rng = random.Random(0)
@@ -304,6 +319,64 @@ def sec_drafter(args):
             record(section="drafter", budget=budget, block=block, anchors=anchors, error=repr(e)[:400])
 
 
+def sec_core(args):
+    """The core engineer's Drafter (trainer/model.py): through fast_drafter.step_backward, and
+    through its own forward + trainer/loss.py (unchunked; budget 8192)."""
+    from trainer import fast_drafter as fd
+    from trainer.loss import LossConfig, dflash_loss
+    from trainer.model import Drafter, DrafterConfig
+
+    shape = fl.QWEN3_8B
+    tcfg = dict(num_hidden_layers=36, hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=1e6, rms_norm_eps=1e-6)
+    L = 8192
+    def one(path, budget, block, n_anchors):
+        b = budget // L
+        reset_peak()
+        try:
+            d = Drafter(DrafterConfig.from_target(tcfg, 5, block)).cuda()
+            embed = torch.randn(shape.vocab, shape.hidden, device="cuda", dtype=torch.bfloat16) * 0.02
+            head = torch.randn(shape.vocab, shape.hidden, device="cuda", dtype=torch.bfloat16) * 0.02
+            opt = torch.optim.AdamW(d.parameters(), lr=1e-4, fused=True)
+            ids, taps, lm, lengths, anchors, keep = make_drafter_batch(shape, b, L, n_anchors, block, 5)
+            lcfg = LossConfig(block_size=block, gamma=7.0)
+
+            def step():
+                if path == "fast":
+                    fd.step_backward(d, embed, head, ids, taps, lm, lengths, anchors, keep, block_size=block,
+                                     mask_token_id=shape.vocab - 1, gamma=7.0, chunk_anchors=16384 // block)
+                else:
+                    with torch.autocast("cuda", dtype=torch.bfloat16):
+                        bl = torch.full((b, n_anchors, block), shape.vocab - 1, device="cuda", dtype=torch.long)
+                        bl[:, :, 0] = ids.gather(1, anchors)
+                        blocks = torch.nn.functional.embedding(bl.view(b, -1), embed)
+                        out = d(taps, blocks, anchors, keep, "flex")
+                        lo = dflash_loss(lcfg, out, head, ids, lm, lengths, anchors, keep)
+                    lo.loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            t, ts = timed(step, warmup=2, iters=3)
+            pa, pr = peaks()
+            pairs = int(anchors.sum()) * block
+            f = fl.drafter_step_flops(shape, n_layers=5, block_size=block, n_blocks=b * n_anchors, ctx_tokens=b * L,
+                                      visible_ctx_pairs=pairs)["total"]
+            pos = b * n_anchors * block
+            record(section="drafter", model="Qwen3-8B", label=f"core Drafter {path} b{block} a{n_anchors}", budget=budget,
+                   block=block, anchors=n_anchors, median_s=t, times=ts, positions=pos, pos_s=pos / t, tok_s=b * L / t,
+                   mfu=fl.mfu(f, t), peak_alloc_gib=pa, peak_reserved_gib=pr, model_pred_gib=0.0,
+                   mb_per_position=pa * GIB / pos / 1e6)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            record(section="drafter", label=f"core Drafter {path} b{block} a{n_anchors}", budget=budget,
+                   error=repr(e)[:300], peak_alloc_gib=peaks()[0])
+        torch.cuda.empty_cache()
+
+    for cfg in [("fast", 49152, 32, 1024), ("own", 8192, 32, 1024), ("own", 8192, 16, 512)]:
+        one(*cfg)
+        torch.cuda.empty_cache()
+
+
 def sec_drafter27(args):
     shape = fl.QWEN3_27B_LIKE
     try:
@@ -352,7 +425,7 @@ def main():
     p = torch.cuda.get_device_properties(0)
     log(f"torch {torch.__version__} device {p.name} SMs {p.multi_processor_count} mem {p.total_memory / GIB:.1f} GiB")
     record(section="env", torch=torch.__version__, device=p.name, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()))
-    fns = {"ceilings": sec_ceilings, "target": sec_target, "drafter": sec_drafter, "drafter27": sec_drafter27,
+    fns = {"core": sec_core, "ceilings": sec_ceilings, "target": sec_target, "drafter": sec_drafter, "drafter27": sec_drafter27,
            "target27": sec_target27}
     for name in args.sections.split(","):
         t0 = time.time()
