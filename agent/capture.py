@@ -25,7 +25,7 @@ class LineTail:
                 return None
         return self._fh
 
-    def read(self, max_bytes: int = 4 << 20, final: bool = False) -> list[tuple[str, int]]:
+    def read(self, max_bytes: int = 1 << 20, final: bool = False) -> list[tuple[str, int]]:
         """(line without newline, end offset) for each complete line past the offset.
 
         ``final``: the writer is gone, so a last line without newline is complete too.
@@ -40,6 +40,7 @@ class LineTail:
         out = []
         pos = 0
         base = self.offset
+        final = final and len(data) < max_bytes  # only at the real end of the file
         while True:
             nl = data.find(b"\n", pos)
             if nl < 0:

@@ -236,18 +236,28 @@ class Supervisor:
         self.store.set(RunState.RUNNING)
 
     # --- reading ---------------------------------------------------------------------------
+    def drain(self) -> None:
+        """Everything the job wrote, to the end of each file as it is now (after the job
+        has ended). Bounded by today's sizes: an orphan still printing cannot hold us here."""
+        target = {name: tail.size() for name, tail in self.tails.items()}
+        while self.pump(final=True) and any(self.tails[n].offset < size for n, size in target.items()):
+            pass
+
     def pump(self, final: bool = False) -> int:
-        """Copy new output lines and trainer events into the stream; classify them."""
+        """Copy new output lines and trainer events into the stream; classify them.
+        One bounded read per source (so a flood cannot starve the other checks)."""
         records = []
         log_lines = []
         gpu_of_rank = {r: hb.get("gpu") for r, hb in self.heartbeats.items()}
         now = time.time()
+        stamp = f"{now:.3f}"
+        LOG = StreamKind.LOG.value
         for name in ("stdout", "stderr"):
             for line, end in self.tails[name].read(final=final):
-                rank, _ = split_rank(line)
-                records.append((StreamKind.LOG.value, {"stream": name, "line": line, "rank": rank}, (name, end)))
-                log_lines.append(f"{now:.3f} [{name}] {line}\n")
-                failure = self.classifier.feed(line, None, gpu_of_rank, now)
+                rank, body = split_rank(line)
+                records.append((LOG, {"stream": name, "line": line, "rank": rank}, (name, end)))
+                log_lines.append(f"{stamp} [{name}] {line}\n")
+                failure = self.classifier.feed(line, rank, gpu_of_rank, now, body)
                 if failure:
                     self.add_failure(failure, defer_event=records)
         events = []
@@ -442,7 +452,7 @@ class Supervisor:
                         self.add_failure(f)
                 ex = self.job_exit()
                 if ex is not None:
-                    self.pump(final=True)
+                    self.drain()
                     return Outcome("exit", exit=ex, failures=self._collect())
             if self.first_failure_at is not None and now - self.first_failure_at >= self.opts.settle_s:
                 return Outcome("failure", failures=self._collect())
@@ -632,7 +642,7 @@ class Supervisor:
         report["survivors"] = sorted(left)
         report["graceful"] = not any(s["signal"] == "SIGKILL" for s in report["signals"])
         report["duration_s"] = round(time.time() - started, 3)
-        self.pump(final=True)
+        self.drain()
         self.stop_report = report
         self.event("agent.stop", **report)
         return report
