@@ -21,8 +21,16 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SAMPLES = 24  # enough for all four prompt-length groups; keeps the test to a few seconds
 
 
+@pytest.fixture(scope="module", autouse=True)
+def small_chunks():
+    """Several decode chunks even for a few samples, so the chunk → sample mapping is tested."""
+    saved, tiny.CHUNK = tiny.CHUNK, 10
+    yield
+    tiny.CHUNK = saved
+
+
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
+def tiny_dir(tmp_path_factory, small_chunks):
     root = tmp_path_factory.mktemp("tiny")
     tiny.write_tiny(str(root / "a"), seed=5, samples=SAMPLES)
     return root
