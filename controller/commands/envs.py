@@ -134,9 +134,11 @@ def install_command(specs: List[str] = typer.Argument(..., help="requirements, e
     with _session(container, node, config, trust_new_host_key) as ct:
         if not force:
             _refuse_if_live(ct)
-        pin_known_good(ct)
         typer.echo(f"building a new generation of {ct.config.venv} in container {container}: {' '.join(specs)} …")
         body = _guard(lambda: eg.envgen(ct, "install", *specs, *(["--wheelhouse", wheelhouse] if wheelhouse else [])))
+        # After the install: the first one adopts the venv, only then can the known-good
+        # run's generation be found and pinned.
+        pin_known_good(ct)
     if body["from"] == body["to"]:
         typer.echo(f"nothing changed: generation {body['to']} already holds {' '.join(specs)}")
         return
