@@ -71,9 +71,15 @@ def test_ctl_env_shows_exactly_the_product_variables_while_raw_pct_exec_is_pollu
     assert not any(k.startswith("SSH_") for k in got)
     assert "homebrew" not in got["PATH"] and "perl5" not in got["PATH"]
 
-    raw = runner.run(raw_exec_argv(node[1], CT, ["env"]), check=True).stdout
-    assert "/opt/homebrew/opt/openjdk/bin" in raw and "/root/perl5/bin" in raw
-    assert "PERL5LIB=" in raw and "SSH_CONNECTION=" in raw
+    # The same node, the same container, plain `pct exec` (keep-env defaults to 1): the login's
+    # exports and the SSH session leak in. (pct resets PATH itself, like PVE's CLI handler;
+    # the login PATH with Homebrew and perl5 is what the node's shell has.)
+    raw = dict(line.split("=", 1) for line in
+               runner.run(raw_exec_argv(node[1], CT, ["env"]), check=True).stdout.splitlines() if "=" in line)
+    assert raw["PERL5LIB"].startswith("/root/perl5") and raw["JAVA_HOME"].startswith("/opt/homebrew")
+    assert "SSH_CONNECTION" in raw and "SSH_CLIENT" in raw
+    login_path = runner.run(["sh", "-c", 'echo "$PATH"'], check=True).stdout
+    assert login_path.startswith("/opt/homebrew/opt/openjdk/bin:/root/perl5/bin")
 
 
 def test_login_noise_never_reaches_ctl_exec_output():
