@@ -406,6 +406,35 @@ def test_this_checkouts_bundle_runs_the_agent_package(ct):
     assert out.strip() == str(PROTOCOL_VERSION)
 
 
+def test_hostile_start_script_uploaded_and_run_in_the_container_interprets_nothing(ct, scratch):
+    from controller.render import render_start_script, start_env
+    from trainer import flags as F
+
+    pwned = f"{scratch}/PWNED"
+    fake_python = ("#!/usr/bin/python3\nimport json, os, sys\n"
+                   "open(os.path.join(os.getcwd(), 'dump.json'), 'w').write("
+                   "json.dumps({'argv': sys.argv[1:], 'env': dict(os.environ)}))\n")
+    container = ct.config.model_copy(update={"venv": f"{scratch}/venv"})
+    ct.exec(["mkdir", "-p", f"{scratch}/venv/bin"], check=True)
+    ct.write_file(f"{scratch}/venv/bin/python3", fake_python, mode=0o755)
+    run_dir = f"{scratch}/run 'x' $(touch {pwned})"
+    ct.exec(["mkdir", "-p", run_dir], check=True)
+    values = F.defaults()
+    values.update(target_model=f"/m/$(touch {pwned})", data_dir=f"`touch {pwned}`", output_dir="/o/*",
+                  target_gpus=(0,), drafter_gpus=(0,), from_scratch=True,
+                  wandb_run_name=f"run\nname; touch {pwned} 'q' \"d\" $HOME")
+    run_id = f"r1 $(touch {pwned})"
+    script = render_start_script(values, container=container, bundle=f"{scratch}/bundle", run_id=run_id,
+                                 run_dir=run_dir, secrets_file=f"{scratch}/no-secrets")
+    ct.write_file(f"{run_dir}/start.sh", script, mode=0o755)
+    assert ct.exec(["bash", "-n", f"{run_dir}/start.sh"]).ok
+    ct.exec(["bash", f"{run_dir}/start.sh"], check=True)
+    dump = json.loads(ct.read_file(f"{run_dir}/dump.json"))
+    assert dump["argv"] == ["-m", "trainer", *F.to_argv(values)]
+    assert dump["env"] == start_env(container, bundle=f"{scratch}/bundle", run_id=run_id, run_dir=run_dir)
+    assert not ct.exec(["test", "-e", pwned]).ok
+
+
 # --- nothing left behind ----------------------------------------------------------------------
 
 def test_zz_nothing_left_behind_in_the_container(ct):
