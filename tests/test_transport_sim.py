@@ -435,6 +435,19 @@ def test_hostile_start_script_uploaded_and_run_in_the_container_interprets_nothi
     assert not ct.exec(["test", "-e", pwned]).ok
 
 
+def test_a_local_transport_node_takes_the_same_path(sim_node, tmp_path, ct):
+    # ctl running on the node itself (transport = "local"): no SSH, same pct exec + env -i.
+    local = cfg.NodeConfig(host="localhost", transport="local", pct=str(sim_node.paths.pct),
+                           containers={str(CT): ct.config})
+    path = cfg.save(cfg.Config(nodes={"here": local}), tmp_path / "local.toml")
+    proc = ctl("env", "--config", str(path), "--container", str(CT),
+               env={"PERL5LIB": "/leak", "SSH_CONNECTION": "leak"})
+    assert proc.returncode == 0, proc.stderr
+    assert dict(l.split("=", 1) for l in proc.stdout.decode().splitlines()) == container_env(ct.config)
+    proc = ctl("exec", "--config", str(path), "--container", str(CT), "--", "sh", "-c", "exit 5")
+    assert proc.returncode == 5
+
+
 # --- nothing left behind ----------------------------------------------------------------------
 
 def test_zz_nothing_left_behind_in_the_container(ct):
@@ -444,6 +457,12 @@ def test_zz_nothing_left_behind_in_the_container(ct):
         return [line for line in ps if TAG in line and "ps -eo" not in line]
 
     assert wait_until(lambda: leftovers() == []), leftovers()
+
+    def node_leftovers() -> list[str]:  # pct / lxc-attach / sh on the node itself
+        ps = ct.runner.run(["ps", "-eo", "pid,args"], check=True).stdout.splitlines()
+        return [line for line in ps if TAG in line and "ps -eo" not in line]
+
+    assert wait_until(lambda: node_leftovers() == []), node_leftovers()
     found = ct.exec(["sh", "-c", 'ls -d /tmp/"$1"* 2>/dev/null; find / -xdev -name ".*.ctl-*.tmp" 2>/dev/null',
                      "sh", TAG], check=False).stdout
     assert found.strip() == ""
