@@ -36,6 +36,9 @@ def node(rb_node, rb_config, tmp_path_factory):
     wheel = build_wheel(tmp_path_factory.mktemp("wheels"), "safetensors", "99.0", BROKEN)
     h.sh("mkdir", "-p", WHEELHOUSE)
     h.ct.write_file(f"{WHEELHOUSE}/{wheel.name}", wheel.read_bytes())
+    # Every test starts from a managed venv (the first generation: the venv as provisioned).
+    adopted = ctl(rb_config, "env", "adopt", "--container", CT)
+    assert adopted.returncode == 0, adopted.stderr
     yield h
     h.close()
 
@@ -66,6 +69,20 @@ def launch(config, run_config: Path, *extra: str) -> tuple[int, str, str]:
     run_id = next((w for line in out.splitlines() for w in line.split()
                    if w.startswith("tiny-") and line.startswith("run ")), None)
     return proc.returncode, out, run_id
+
+
+def second_generation(config, cur: str) -> str:
+    """A generation other than ``cur`` (built with the broken safetensors if there is none);
+    ``cur`` stays current."""
+    gens = [g["id"] for g in env_list(config)["generations"]]
+    other = next((g for g in gens if g != cur), None)
+    if other is None:
+        proc = ctl(config, "env", "install", "--container", CT, "safetensors==99.0", "--wheelhouse", WHEELHOUSE,
+                   "--force")
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        other = env_list(config)["current"]
+        assert ctl(config, "env", "switch", "--container", CT, cur, "--force").returncode == 0
+    return other
 
 
 def survivors(h: Handle, run_id: str) -> list:
@@ -209,8 +226,7 @@ def test_interrupted_switch_never_leaves_a_broken_venv_and_a_rerun_completes(nod
         proc = ctl(rb_config, "env", "install", "--container", CT, "safetensors==99.0", "--wheelhouse", WHEELHOUSE,
                    "--force", env={"DFLASH_ENVGEN_FAULT": f"{point}=die"})
     else:
-        gens = [g["id"] for g in env_list(rb_config)["generations"]]
-        other = next(g for g in gens if g != cur)
+        other = second_generation(rb_config, cur)
         proc = ctl(rb_config, "kill-and-rollback", "--container", CT, "--to", f"env:{other}", "--yes",
                    env={"DFLASH_ENVGEN_FAULT": f"{point}=die"})
     assert proc.returncode != 0 and "killed midway" in proc.stderr, proc.stdout + proc.stderr
