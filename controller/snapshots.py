@@ -141,3 +141,21 @@ def start_and_wait(ct: Container, wait_s: float = 120.0) -> float:
             raise SnapshotError(f"{ct} was rolled back and started but does not answer after {wait_s:.0f} s; "
                                 f"look at it with `{ct.node.pct} status {ct.ctid}` on the node")
         time.sleep(0.5)
+
+
+def launch_snapshot(ct: Container, run_id: str, say=print) -> Snapshot:
+    """For `ctl launch --snapshot`: ``pct snapshot <ctid> ctl-<run>`` before the run starts,
+    its description naming the venv generation, so a rollback can verify it. On storage
+    without snapshots the launch is refused (controller.launch.LaunchRefused) with that plain
+    reason: the operator asked for a safety net that this container cannot have."""
+    from controller import envgen_client as eg
+    from controller.launch import LaunchRefused
+
+    venv_id = eg.envgen(ct, "fingerprint").get("id")
+    try:
+        snap = take_snapshot(ct, run_id, venv_id)
+    except SnapshotError as exc:
+        raise LaunchRefused(f"{exc} Nothing was started.") from None
+    say(f"snapshot {snap.name} of container {ct.ctid} taken (venv {venv_id}); undo everything after it with "
+        f"`ctl kill-and-rollback --container {ct.ctid} --to snapshot:{snap.name}`")
+    return snap

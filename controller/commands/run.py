@@ -165,6 +165,9 @@ def launch_command(
     ctl_config: Optional[str] = CtlConfigOpt,
     trust_new_host_key: bool = TrustOpt,
     json_out: bool = typer.Option(False, "--json", help="print the launch result as JSON (not with --follow)"),
+    snapshot: bool = typer.Option(False, "--snapshot",
+                                  help="first take `pct snapshot <ctid> ctl-<run>` (snapshot-capable storage only; "
+                                       "`ctl kill-and-rollback --to snapshot:ctl-<run>` restores it)"),
 ) -> None:
     """Preflight, drift check and start of a training run in a container: one SSH connection."""
     from controller.launch import Launcher, LaunchRefused
@@ -184,6 +187,10 @@ def launch_command(
     with container_session(container, node, ctl_config, trust_new_host_key) as ct:
         try:
             launcher = Launcher(ct, run_config, start, accept_drift=accept_drift, say=say, wandb_key=wandb_key)
+            if snapshot:  # kill-and-rollback's snapshot path (controller/snapshots.py)
+                from controller.snapshots import launch_snapshot
+
+                launch_snapshot(ct, launcher.run_id, say)
             result = launcher.run()
         except (R.RunConfigError, RenderError) as exc:
             raise fail(str(exc), EXIT_CONFIG) from None
