@@ -261,6 +261,7 @@ class SSHRunner(Runner):
             ) from None
         transport = client.get_transport()
         transport.set_keepalive(self.keepalive_s)
+        _tcp_keepalive(transport.sock)
         self._client = client
         self.connections += 1
         with SSHRunner._count_lock:
@@ -330,6 +331,20 @@ class SSHRunner(Runner):
             status = 255  # the remote side ended without an exit status (killed by a signal)
         sig = status - 128 if 128 < status < 128 + 65 else None
         return _finish(argv, status, out, err, sig, self.where, check)
+
+
+def _tcp_keepalive(sock, idle: int = 30, interval: int = 10, count: int = 3) -> None:
+    """paramiko's keepalive is sent with wait=False: it keeps NAT state alive but never notices
+    a dead peer (research §3), so a command on a vanished node would wait forever. TCP
+    keepalive does notice: after idle + interval × count seconds the socket errors, the
+    command ends, and the caller is told the connection was lost."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", count)):
+            if hasattr(socket, name):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    except (OSError, AttributeError):
+        pass  # not a TCP socket (a ProxyCommand): paramiko's keepalive still runs
 
 
 def _drain(recv, gate: _MarkerGate) -> None:

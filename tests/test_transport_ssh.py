@@ -4,7 +4,7 @@ login noise, concurrent streams, exit codes, connection reuse, ~/.ssh/config ali
 from __future__ import annotations
 
 import hashlib
-import shutil
+import socket
 
 import paramiko
 import pytest
@@ -66,6 +66,8 @@ def test_one_connection_is_reused_for_many_commands(sshd):
         for i in range(5):
             assert r.run(["echo", str(i)]).stdout == f"{i}\n"
         assert r.connections == 1
+        sock = r.connect().get_transport().sock  # a dead peer is noticed (TCP keepalive)
+        assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
     assert SSHRunner.connections_opened == before + 1
 
 
