@@ -183,3 +183,48 @@ def test_unreachable_node_is_retried_then_reported(tmp_path):
         with pytest.raises(TransportError) as info:
             r.run(["true"])
     assert "cannot connect to node gone" in str(info.value) and "after 2 attempts" in str(info.value)
+
+
+def test_connection_lost_mid_command_is_reported_not_retried(sshd):
+    import os
+    import signal
+    import threading
+    import time
+
+    def session_pids() -> list[int]:  # this fixture's per-connection sshd processes (its children)
+        pids = []
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    stat = open(f"/proc/{entry}/stat").read()
+                except OSError:
+                    continue
+                if int(stat.rsplit(")", 1)[1].split()[1]) == sshd.proc.pid:
+                    pids.append(int(entry))
+        return pids
+
+    outcome: dict = {}
+    with SSHRunner.for_node("testnode", node(sshd)) as r:
+        r.connect()
+        before = set(session_pids())
+
+        def run():
+            try:
+                outcome["result"] = r.run(["sleep", "8"])
+            except Exception as exc:  # noqa: BLE001 - the test inspects it
+                outcome["error"] = exc
+
+        worker = threading.Thread(target=run)
+        worker.start()
+        deadline = time.monotonic() + 10
+        while not before and time.monotonic() < deadline:
+            before = set(session_pids())
+            time.sleep(0.05)
+        time.sleep(0.5)  # the command is running
+        for pid in session_pids():
+            os.kill(pid, signal.SIGKILL)
+        worker.join(30)
+        assert not worker.is_alive()
+    assert isinstance(outcome.get("error"), TransportError), outcome
+    assert "may or may not have completed" in str(outcome["error"])
+    assert r.connections == 1
