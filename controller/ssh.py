@@ -228,6 +228,10 @@ class SSHRunner(Runner):
         if self._client is not None and self._client.get_transport() and self._client.get_transport().is_active():
             return self._client
         t = self.target
+        for key in t.key_filenames:  # retrying cannot create a missing key file
+            if not Path(key).is_file():
+                raise TransportError(f"the SSH key {key} for node {t.node} does not exist: fix identity_file "
+                                     f"in the config (or IdentityFile in the ssh config)")
         try:
             for attempt in tenacity.Retrying(
                 stop=tenacity.stop_after_attempt(self.attempts),

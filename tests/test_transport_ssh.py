@@ -174,6 +174,12 @@ def test_authentication_failure_is_clear_and_not_retried(sshd, tmp_path):
     assert _retryable(ConnectionRefusedError())
 
 
+def test_missing_key_file_is_named_not_retried(sshd, tmp_path):
+    with SSHRunner.for_node("testnode", node(sshd, identity_file=str(tmp_path / "nope"))) as r:
+        with pytest.raises(TransportError, match=r"the SSH key .*nope for node testnode does not exist"):
+            r.run(["true"])
+
+
 def test_unreachable_node_is_retried_then_reported(tmp_path):
     port = _sshd._free_port()
     known = tmp_path / "kh"
