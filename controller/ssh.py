@@ -129,8 +129,10 @@ def resolve_target(node_name: str, node: NodeConfig) -> SSHTarget:
     hostname = looked.get("hostname", node.host)
     port = node.port or int(looked.get("port", 22))
     user = node.user or looked.get("user") or "root"
-    keys = [node.identity_file] if node.identity_file else list(looked.get("identityfile", []))
-    keys = [str(Path(k).expanduser()) for k in keys]
+    if node.identity_file:
+        keys = [str(Path(node.identity_file).expanduser())]
+    else:  # like OpenSSH, IdentityFile lines naming absent files are skipped
+        keys = [str(Path(k).expanduser()) for k in looked.get("identityfile", []) if Path(k).expanduser().is_file()]
     known = node.known_hosts or (looked.get("userknownhostsfile", "").split() or [DEFAULT_KNOWN_HOSTS])[0]
     return SSHTarget(node_name, hostname, port, user, keys, str(Path(known).expanduser()))
 
@@ -231,7 +233,7 @@ class SSHRunner(Runner):
         for key in t.key_filenames:  # retrying cannot create a missing key file
             if not Path(key).is_file():
                 raise TransportError(f"the SSH key {key} for node {t.node} does not exist: fix identity_file "
-                                     f"in the config (or IdentityFile in the ssh config)")
+                                     f"in the config")
         try:
             for attempt in tenacity.Retrying(
                 stop=tenacity.stop_after_attempt(self.attempts),
