@@ -91,3 +91,24 @@ def test_transport_modules_import_without_torch():
             "assert 'torch' not in [m for m in sys.modules if sys.modules[m] is not None]\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
+
+
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+_ARG = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\x00"), max_size=20)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(_ARG, max_size=6))
+def test_the_ssh_command_string_reaches_argv_intact_through_a_login_shell(args):
+    # What sshd does with our command: `$SHELL -c <string>`. The string is exactly what
+    # SSHRunner sends (prelude + marker + shlex.join); bash must hand back the same bytes.
+    from controller.ssh import _PRELUDE
+    import shlex
+
+    marker = "--m--"
+    remote = shlex.join(["sh", "-c", _PRELUDE, marker, "printf", "%s\\0", "first", *args])
+    result = LocalRunner().run(["bash", "-c", remote], check=True)
+    out = result.stdout_bytes
+    assert out.startswith(marker.encode() + b"\n")
+    assert out[len(marker) + 1:] == b"".join(a.encode() + b"\0" for a in ["first", *args])
