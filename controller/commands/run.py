@@ -28,6 +28,13 @@ from controller import runconfig as R
 from controller.commands.remote import EXIT_CONFIG, TrustOpt, container_session, fail
 from controller.container import Container
 
+def _help(flag: str) -> str:
+    """The trainer's own words for a flag (trainer/flags.py), plus that it overrides the file."""
+    from trainer.flags import BY_NAME
+
+    return f"{BY_NAME[flag].help} (overrides the run config)"
+
+
 EXIT_FAILED = 1
 EXIT_REFUSED = 3
 EXIT_NOT_DONE = 4
@@ -154,12 +161,12 @@ def launch_command(
                                       help="launch although env or data drifted from the known-good run"),
     follow: bool = typer.Option(False, "--follow", "-f", help="go on to tail the run until it ends"),
     node: Optional[str] = NodeOpt,
-    target_model: Optional[str] = typer.Option(None, "--target-model", metavar="DIR"),
-    data_dir: Optional[str] = typer.Option(None, "--data-dir", metavar="DIR"),
-    output_dir: Optional[str] = typer.Option(None, "--output-dir", metavar="DIR"),
-    target_gpus: Optional[str] = typer.Option(None, "--target-gpus", metavar="IDS"),
-    drafter_gpus: Optional[str] = typer.Option(None, "--drafter-gpus", metavar="IDS"),
-    wandb_run_name: Optional[str] = typer.Option(None, "--wandb-run-name", metavar="NAME"),
+    target_model: Optional[str] = typer.Option(None, "--target-model", metavar="DIR", help=_help("--target-model")),
+    data_dir: Optional[str] = typer.Option(None, "--data-dir", metavar="DIR", help=_help("--data-dir")),
+    output_dir: Optional[str] = typer.Option(None, "--output-dir", metavar="DIR", help=_help("--output-dir")),
+    target_gpus: Optional[str] = typer.Option(None, "--target-gpus", metavar="IDS", help=_help("--target-gpus")),
+    drafter_gpus: Optional[str] = typer.Option(None, "--drafter-gpus", metavar="IDS", help=_help("--drafter-gpus")),
+    wandb_run_name: Optional[str] = typer.Option(None, "--wandb-run-name", metavar="NAME", help=_help("--wandb-run-name")),
     sets: List[str] = typer.Option([], "--set", metavar="KEY=VALUE",
                                    help="override any config setting, e.g. --set lr=3e-4 --set wandb.mode=disabled"),
     ctl_config: Optional[str] = CtlConfigOpt,
