@@ -109,8 +109,10 @@ def auto_budget(shape: ModelShape, free_bytes: float, margin_bytes: float, role:
 # ------------------------------------------------------------------ measured probe (torch)
 def run_worst_case(role: str, shape: ModelShape, *, gpu: int, block_size: int, max_anchors: int, max_seq_len: int,
                    token_budget: int, num_draft_layers: int = 5, max_batch_size: int = 64,
-                   chunk_positions: int = 16384, head_chunk_rows: int = 4096, steps: int = 1) -> dict:
-    """Run the worst-case step on one GPU and return the measured peaks, or the OOM."""
+                   chunk_positions: int = 16384, head_chunk_rows: int = 4096, steps: int = 2) -> dict:
+    """Run the worst-case step on one GPU and return the measured peaks, or the OOM. Two
+    steps by default: AdamW's state exists only from the first optimizer step on, so the
+    steady-state peak is the second step's (a one-step probe under-reads by 8 B/param)."""
     import torch
 
     from trainer import fast_drafter as fd
@@ -218,7 +220,7 @@ def main(argv=None) -> int:
         import torch
 
         need = p[check_role]["need"] + margin
-        size = int(free - need + a.ballast_short_mib * MIB - 64 * MIB)  # allocator rounding slack
+        size = int(free - need + a.ballast_short_mib * MIB)
         ballast = torch.empty(max(0, size), dtype=torch.uint8, device=f"cuda:{a.gpu}")
         free = float(torch.cuda.mem_get_info(a.gpu)[0])
         print(f"ballast: occupied {size / GIB:.2f} GiB on GPU {a.gpu}; free now {free / GIB:.2f} GiB")
