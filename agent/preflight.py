@@ -261,6 +261,28 @@ def disk_info(path: Optional[str]) -> dict:
             "total_gib": round(usage.total / GIB, 2)}
 
 
+def active_runs(workspace: str) -> list[dict]:
+    """Runs whose agent is alive and whose state is not terminal, with their GPU roles (from
+    the launch record ctl wrote; a run started otherwise shows no roles)."""
+    from agent.protocol import RunState
+    from agent.rundir import RunDir, agent_alive, read_json
+
+    base = os.path.join(workspace, "runs")
+    out = []
+    for name in os.listdir(base) if os.path.isdir(base) else []:
+        rd = RunDir(os.path.join(base, name))
+        state = (read_json(rd.status) or {}).get("state")
+        try:
+            if state is None or RunState(state).is_terminal() or not agent_alive(rd):
+                continue
+        except ValueError:
+            continue
+        rec = read_json(knowngood.launch_record_path(workspace, name)) or {}
+        gpus = rec.get("gpus") or {}
+        out.append({"run_id": name, "state": state, "gpus": list(gpus.get("target", [])) + list(gpus.get("drafter", []))})
+    return out
+
+
 # --- the check ---------------------------------------------------------------------------------
 
 def check(req: dict) -> dict:
@@ -319,6 +341,21 @@ def check(req: dict) -> dict:
                       f"{disk['measured_at']}; free space or choose another output dir")
     elif disk["free_gib"] < WARN_FREE_DISK_GIB:
         warnings.append(f"--output-dir: {disk['free_gib']} GiB free on {disk['measured_at']}")
+
+    for other in active_runs(workspace):
+        shared = sorted(set(other.get("gpus") or []) & set(roles["target"] + roles["drafter"]))
+        if not shared:
+            continue
+        where = f"GPU {','.join(map(str, shared))}" if use_cuda else f"rank slot {','.join(map(str, shared))}"
+        message = (f"run {other['run_id']} is still {other['state']} on {where} in this container: stop it first "
+                   "(`ctl kill-and-rollback`) or give this run other GPUs")
+        # Two runs on one GPU is the OOM of the story; on CPU slots they only compete for cores.
+        (errors if use_cuda else warnings).append(message)
+    for g in gpu["gpus"] if use_cuda else []:
+        used = g.get("memory_used_mib")
+        if g["index"] in roles["target"] + roles["drafter"] and isinstance(used, (int, float)) and used > 1024:
+            warnings.append(f"GPU {g['index']} already has {used / 1024:.1f} GiB in use by something else: "
+                            "the memory probe's margin assumes an empty GPU")
 
     run_id = req.get("run_id")
     if run_id and os.path.exists(knowngood.run_dir(workspace, run_id)):
