@@ -56,10 +56,9 @@ class WandbLogger:
         import wandb
 
         # WANDB_DIR from the environment wins; else the run directory (never the cwd).
-        os.environ.setdefault("WANDB_DIR", run_dir)
-        os.makedirs(os.environ["WANDB_DIR"], exist_ok=True)
-        self.run = wandb.init(project=project, name=name, mode=mode, config=config,
-                              dir=os.environ["WANDB_DIR"])
+        directory = os.environ.get("WANDB_DIR") or run_dir
+        os.makedirs(directory, exist_ok=True)
+        self.run = wandb.init(project=project, name=name, mode=mode, config=config, dir=directory)
 
     def log(self, metrics: dict, step: int) -> None:
         flat = {}
