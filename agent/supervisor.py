@@ -361,6 +361,8 @@ class Supervisor:
                 status = self.reaped[pid]
             self.dead_ranks[rank] = {"pid": pid, "gpu": hb.get("gpu"), "ts": time.time(), "status": status}
             self._status_dirty = True
+            if hb.get("state") in ("done", "stopped"):
+                self.done_ranks.add(rank)  # the trainer's last heartbeat says it left cleanly
             if rank in self.done_ranks or None in self.done_ranks or (status and status.get("exit_code") == 0):
                 continue
             if self.store.state == RunState.STOPPING:

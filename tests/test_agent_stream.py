@@ -77,7 +77,9 @@ def test_agent_kill9_and_reattach_three_times_loses_and_repeats_no_line(run_dir)
         wait_for(lambda: not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split(") ")[1][0] == "Z",
                  10, what="the agent to die")
         time.sleep(0.7)  # the job keeps printing into its files while no agent runs
-        reply = payload("start", "--run-dir", run_dir, "--reattach")
+        # `start` on an existing run whose agent is gone re-attaches too (no --reattach needed)
+        verb = ["--reattach"] if round_ != 1 else []
+        reply = payload("start", "--run-dir", run_dir, *verb)
         assert reply["reattached"] is True and reply["agent_pid"] != pid
     res = wait_terminal(run_dir, timeout=120)
     assert res["state"] == "completed"
@@ -88,6 +90,16 @@ def test_agent_kill9_and_reattach_three_times_loses_and_repeats_no_line(run_dir)
     reattached = [r for r in recs if r["payload"].get("kind") == "agent.reattached"]
     assert len(reattached) == 3 and all(r["payload"]["job_alive"] for r in reattached)
     assert no_run_pids(run_dir)
+
+
+def test_a_flood_printed_just_before_exit_is_captured_to_the_last_line(run_dir):
+    # regression: the final read after the job's exit was one bounded chunk, so the tail
+    # of a fast printer was lost and the chunk's last line was cut in two
+    start(run_dir, [PY, PRINTER, "300000", "1e9"])
+    res = wait_terminal(run_dir, timeout=240)
+    assert res["state"] == "completed"
+    lines = [r["payload"]["line"] for r in records(run_dir) if r["kind"] == "log"]
+    assert len(lines) == 300000 and lines == [f"line {i}" for i in range(300000)]
 
 
 def test_status_json_is_never_seen_half_written_while_the_agent_rewrites_it(run_dir):
