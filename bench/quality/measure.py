@@ -1,0 +1,73 @@
+"""Acceptance length, wall-clock speedup and losslessness of a drafter on evaluation prompts.
+
+Three decoders share one target (fp32, no KV cache: each forward recomputes the prefix):
+plain greedy (trainer.evaluate.greedy, the reference output and the baseline time), block
+verification (trainer.evaluate.speculative) and tree verification (trainer.ddtree). τ is
+pooled over all rounds of all prompts: committed tokens per target forward, bonus included.
+Every speculative output is compared with the greedy one, token for token, on every prompt.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from trainer.ddtree import speculative_tree
+from trainer.evaluate import greedy, speculative
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn, device):
+    _sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return out, time.perf_counter() - t0
+
+
+def reference(target, prompts, max_new: int, device) -> dict:
+    """Greedy outputs (the lossless reference) and their total time."""
+    greedy(target, prompts[0], 4, device)  # warm-up: kernels chosen before timing
+    outs, total = [], 0.0
+    for p in prompts:
+        o, dt = _timed(lambda: greedy(target, p, max_new, device), device)
+        outs.append(o)
+        total += dt
+    return {"outputs": outs, "seconds": total, "tokens": len(prompts) * max_new}
+
+
+def decode_all(kind: str, target, drafter, head, prompts, refs: dict, max_new: int, device,
+               budget: int | None = None) -> dict:
+    """One decoder over all prompts: τ, per-prompt losslessness, time, speedup vs greedy."""
+    if kind == "block":
+        run = lambda p, n: speculative(target, drafter, head, p, n, device)  # noqa: E731
+    else:
+        run = lambda p, n: speculative_tree(target, drafter, head, p, n, budget, device)  # noqa: E731
+    run(prompts[0], 4)  # warm-up
+    counts: list[int] = []
+    mismatches: list[dict] = []
+    total = 0.0
+    for i, p in enumerate(prompts):
+        (out, per_forward), dt = _timed(lambda: run(p, max_new), device)
+        total += dt
+        counts += per_forward
+        ref = refs["outputs"][i]
+        if out != ref:
+            first = next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+            mismatches.append({"prompt": i, "first_diff": first})
+    return {"tau": sum(counts) / max(1, len(counts)), "forwards": len(counts), "seconds": total,
+            "speedup": refs["seconds"] / total if total > 0 else None,
+            "lossless": not mismatches, "prompts": len(prompts), "mismatches": mismatches}
+
+
+def block_tau(target, drafter, head, prompts, max_new: int, device) -> float:
+    """τ only (the τ-vs-steps curve): block verification, no reference, no timing."""
+    counts: list[int] = []
+    for p in prompts:
+        counts += speculative(target, drafter, head, p, max_new, device)[1]
+    return sum(counts) / max(1, len(counts))

@@ -1,0 +1,248 @@
+"""Drafter quality on a real (small) target, end to end, in one command:
+
+    python3 bench/quality/run.py --scale gpu --out $OUT      # one H200, < 10 minutes
+    python3 bench/quality/run.py --scale cpu --out DIR       # the same pipeline, tiny (tests)
+
+1. a byte-level Qwen3 target trained on the Python stdlib sources (held-out files kept apart);
+2. self-distillation data: its greedy completions of training-split prompts, loss on the
+   completion, through ``python -m trainer prepare``;
+3. one drafter per variant (variants.py), trained by ``python -m trainer`` on the same budget;
+4. τ by block verification at every checkpoint (the curve) and, for the final checkpoint,
+   τ by block and by tree verification (budgets 16/32/64), wall-clock speedup over plain
+   greedy decoding, and a token-for-token losslessness check on every held-out prompt.
+
+Writes OUT/results.json (after every phase, so a cut-off run still leaves data),
+OUT/table.md and OUT/tau_vs_steps.png, and prints the table last. Exit code 0 when every
+check passed, 1 when a speculative output differed from greedy. On the GPU scale a deadline
+(--deadline-s) skips the remaining evaluations rather than overrunning the device call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+sys.path[:0] = [HERE, ROOT]
+
+import torch  # noqa: E402
+
+import corpus  # noqa: E402
+import distill  # noqa: E402
+import measure  # noqa: E402
+import report  # noqa: E402
+import target as target_mod  # noqa: E402
+import variants  # noqa: E402
+
+SCALES = {
+    # 2-core CPU, about a minute and a half: just enough that the drafter learns (τ > 1).
+    "cpu": {
+        "threads": 1, "device": "cpu", "corpus_bytes": 1_000_000, "deadline_s": None,
+        "target": {"shape": {"hidden": 64, "layers": 4, "heads": 4, "kv_heads": 2, "intermediate": 192},
+                   "steps": 150, "seconds": 25, "batch": 16, "seq_len": 128, "lr": 3e-3},
+        "distill": {"samples": 96, "prompt_len": 24, "completion_len": 48, "chunk": 96},
+        "drafter": {"steps": 40, "save_interval": 20, "log_interval": 20, "lr": 3e-3, "token_budget": 1152,
+                    "max_batch_size": 16, "block_size": 8, "max_anchors": 12, "layers": 2,
+                    "target_layer_ids": "1,2"},
+        "eval": {"prompts": 4, "max_new": 32, "curve_prompts": 3, "curve_max_new": 24, "tree_budgets": [16, 32, 64]},
+    },
+    # One H200: ~26M-parameter target (8 layers, hidden 512), block 16, 3-layer drafters.
+    "gpu": {
+        "threads": None, "device": "cuda", "corpus_bytes": None, "deadline_s": 540,
+        "target": {"shape": {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 4, "intermediate": 1536},
+                   "steps": 3000, "seconds": 110, "batch": 64, "seq_len": 512, "lr": 1.5e-3},
+        "distill": {"samples": 3072, "prompt_len": 128, "completion_len": 256, "chunk": 1024},
+        "drafter": {"steps": 300, "save_interval": 75, "log_interval": 25, "lr": 1e-3, "token_budget": 24576,
+                    "max_batch_size": 64, "block_size": 16, "max_anchors": 48, "layers": 3},
+        "eval": {"prompts": 16, "max_new": 128, "curve_prompts": 6, "curve_max_new": 64, "tree_budgets": [16, 32, 64]},
+    },
+}
+
+
+class Clock:
+    def __init__(self, deadline_s):
+        self.t0 = time.time()
+        self.deadline_s = deadline_s
+
+    def elapsed(self) -> float:
+        return time.time() - self.t0
+
+    def left(self) -> float:
+        return math.inf if self.deadline_s is None else self.deadline_s - self.elapsed()
+
+
+def log(msg: str) -> None:
+    print(f"[quality] {msg}", flush=True)
+
+
+def drafter_budget(s: dict) -> dict:
+    d = dict(s["drafter"])
+    length = s["distill"]["prompt_len"] + s["distill"]["completion_len"]
+    d["max_seq_len"] = length
+    per_batch = min(d["max_batch_size"], d["token_budget"] // length)
+    per_epoch = math.ceil(s["distill"]["samples"] / per_batch)
+    d["epochs"] = math.ceil(d["steps"] / per_epoch) + 1
+    return d
+
+
+def final_loss(out_dir: str) -> tuple[float | None, float | None]:
+    last = None
+    with open(os.path.join(out_dir, "events.jsonl")) as fh:
+        for line in fh:
+            e = json.loads(line)
+            if e.get("kind") == "step":
+                last = e
+    return (last["loss"], last["ce"]) if last else (None, None)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--scale", choices=sorted(SCALES), required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--variants", default=",".join(variants.VARIANTS), help="comma list (default: all)")
+    p.add_argument("--deadline-s", type=float, default=None, help="override the scale's time budget")
+    args = p.parse_args(argv)
+    s = SCALES[args.scale]
+    names = [v for v in args.variants.split(",") if v]
+    unknown = [v for v in names if v not in variants.VARIANTS]
+    if unknown:
+        p.error(f"unknown variant(s) {unknown}; known: {', '.join(variants.VARIANTS)}")
+    clock = Clock(args.deadline_s if args.deadline_s is not None else s["deadline_s"])
+    if s["threads"]:
+        torch.set_num_threads(s["threads"])  # tiny matrices on a busy 2-core VM: 1 thread is far faster
+    if s["device"] == "cuda" and not torch.cuda.is_available():
+        p.error("--scale gpu needs a CUDA device")
+    device = torch.device(s["device"])
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 evaluation: no near-ties flipped by TF32
+    torch.backends.cudnn.allow_tf32 = False
+    out = os.path.abspath(args.out)
+    work = os.path.join(out, "work")
+    os.makedirs(work, exist_ok=True)
+    ev = s["eval"]
+    d = drafter_budget(s)
+    results = {"config": {"scale": args.scale, "block_size": d["block_size"], "tree_budgets": ev["tree_budgets"],
+                          "curve_prompts": ev["curve_prompts"], "scale_config": s, "drafter_budget": d,
+                          "torch": torch.__version__, "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"},
+               "timings": {}, "variants": {}}
+
+    def save():
+        with open(os.path.join(out, "results.json"), "w") as fh:
+            json.dump(results, fh, indent=1)
+
+    # -- 1. the target
+    split = corpus.load_split(s["corpus_bytes"])
+    results["corpus"] = {k: {"files": len(v), "bytes": int(sum(len(x) for x in v))} for k, v in split.items()}
+    log(f"corpus: {results['corpus']}")
+    tgt_dir = os.path.join(work, "target")
+    t = s["target"]
+    results["target"] = target_mod.train_target(tgt_dir, split["train"], t["shape"], steps=t["steps"],
+                                                seconds=t["seconds"], batch=t["batch"], seq_len=t["seq_len"],
+                                                lr=t["lr"], device=device, log=log)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tgt_dir, dtype=torch.float32).to(device).eval()
+    ho = target_mod.held_out_loss(hf, split["held_out"], t["seq_len"], 32, device)
+    results["target"]["held_out_bits_per_byte"] = round(ho / math.log(2), 3)
+    results["timings"]["target_s"] = round(clock.elapsed(), 1)
+    log(f"target: {results['target']}")
+    save()
+
+    # -- 2. self-distillation data
+    ds = s["distill"]
+    results["data"] = distill.make_distill_data(hf, split["train"], work, samples=ds["samples"],
+                                                prompt_len=ds["prompt_len"], completion_len=ds["completion_len"],
+                                                chunk=ds["chunk"], device=device, log=log)
+    del hf
+    results["timings"]["distill_s"] = round(clock.elapsed(), 1)
+    save()
+
+    # -- 3 + 4. evaluation setup: the target (fp32), held-out prompts, greedy references
+    from trainer.model import Drafter, DrafterConfig, FrozenHead
+    from trainer.target import Target, read_config
+
+    dcfg = DrafterConfig.from_target(read_config(tgt_dir), d["layers"], d["block_size"], None,
+                                     [int(x) for x in d["target_layer_ids"].split(",")] if d.get("target_layer_ids") else None)
+    target = Target(tgt_dir, dcfg.target_layer_ids, device, torch.float32)
+    head = FrozenHead(target.embed, target.lm_head)
+    prompts = distill.eval_prompts(split["held_out"], ev["prompts"], ds["prompt_len"])
+    curve_prompts = prompts[:ev["curve_prompts"]]
+    refs = measure.reference(target, prompts, ev["max_new"], device)
+    results["greedy"] = {"seconds": round(refs["seconds"], 3), "tokens": refs["tokens"],
+                         "tokens_per_s": round(refs["tokens"] / refs["seconds"], 1)}
+    torch.manual_seed(0)  # the trainer's --seed 0 init: the step-0 point of every curve
+    untrained = Drafter(dcfg).to(device).eval()
+    tau0 = measure.block_tau(target, untrained, head, curve_prompts, ev["curve_max_new"], device)
+    del untrained
+    save()
+
+    drafters = {}
+    for name in names:
+        if clock.left() < 60:
+            log(f"{name}: skipped, {clock.left():.0f} s left of the time budget")
+            results["variants"][name] = {"skipped": "time budget"}
+            continue
+        v_out = os.path.join(work, "drafters", name)
+        argv = variants.trainer_argv(name, tgt_dir, results["data"]["data_dir"], v_out, d)
+        log(f"{name}: {variants.command_line(argv)}")
+        t0 = time.time()
+        rc = variants.train(argv)
+        loss, ce = final_loss(v_out)
+        v = {"flags": variants.VARIANTS[name], "rc": rc, "steps": d["steps"], "final_loss": loss, "final_ce": ce,
+             "train_s": round(time.time() - t0, 1), "curve": [[0, tau0]]}
+        results["variants"][name] = v
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if rc != 0:
+            log(f"{name}: trainer exited {rc}")
+            save()
+            continue
+        ckpts = variants.checkpoints(v_out)
+        for step, path in ckpts[:-1]:
+            dr = Drafter.from_pretrained(path, device).eval()
+            v["curve"].append([step, measure.block_tau(target, dr, head, curve_prompts, ev["curve_max_new"], device)])
+        final_step, final_path = ckpts[-1]
+        dr = Drafter.from_pretrained(final_path, device).eval()
+        drafters[name] = dr
+        blk = measure.decode_all("block", target, dr, head, prompts, refs, ev["max_new"], device)
+        # the curve's last point on the curve prompts, for a like-for-like line
+        v["curve"].append([final_step, measure.block_tau(target, dr, head, curve_prompts, ev["curve_max_new"], device)])
+        v["final"] = {"step": final_step, "block": blk, "tree": {}}
+        log(f"{name}: loss {loss:.3f}, τ block {blk['tau']:.2f}, speedup {blk['speedup']:.2f}×, "
+            f"lossless {blk['lossless']}, {time.time() - t0:.0f} s")
+        results["timings"][f"{name}_s"] = round(clock.elapsed(), 1)
+        save()
+
+    # -- tree verification last: the block results above are the must-haves
+    for budget in ev["tree_budgets"]:
+        for name, dr in drafters.items():
+            if clock.left() < 20:
+                log(f"tree {budget} {name}: skipped, {clock.left():.0f} s left")
+                continue
+            tr = measure.decode_all("tree", target, dr, head, prompts, refs, ev["max_new"], device, budget)
+            results["variants"][name]["final"]["tree"][str(budget)] = tr
+            log(f"{name}: tree {budget}: τ {tr['tau']:.2f}, speedup {tr['speedup']:.2f}×, lossless {tr['lossless']}")
+            save()
+    results["timings"]["total_s"] = round(clock.elapsed(), 1)
+    save()
+
+    md = report.table(results)
+    with open(os.path.join(out, "table.md"), "w") as fh:
+        fh.write(md + "\n")
+    plotted = report.plot(results, os.path.join(out, "tau_vs_steps.png"))
+    ok = all(c["lossless"] for v in results["variants"].values() if v.get("final")
+             for c in [v["final"]["block"], *v["final"]["tree"].values()])
+    log(f"target {results['target']['params'] / 1e6:.1f}M params, {results['target']['steps']} steps, held-out "
+        f"{results['target']['held_out_bits_per_byte']} bits/byte; data {results['data']['samples']} samples; "
+        f"greedy {results['greedy']['tokens_per_s']} tok/s; total {results['timings']['total_s']} s; "
+        f"plot {'written' if plotted else 'skipped (no matplotlib)'}; lossless on every prompt: {ok}")
+    print(md, flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
