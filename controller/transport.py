@@ -125,6 +125,10 @@ class _Sink:
         self.parts: list[bytes] = []
         self.tail = bytearray()
         self.pending = bytearray()
+        # A failing consumer must not stop the draining: an undrained stream fills its window
+        # and blocks the remote command (paramiko#1778). Errors are kept and raised at the end.
+        self.error: Optional[BaseException] = None
+        self.raw_closed = False  # the raw sink went away (e.g. `ctl exec … | head`)
 
     def feed(self, data: bytes) -> None:
         if not data:
@@ -136,22 +140,31 @@ class _Sink:
             if len(self.tail) > 2 * TAIL_BYTES:
                 del self.tail[:-TAIL_BYTES]
         if self.raw is not None:
-            self.raw.write(data)
-            self.raw.flush()
-        if self.on_line is not None:
-            self.pending += data
-            while True:
-                nl = self.pending.find(b"\n")
-                if nl < 0:
-                    if len(self.pending) > MAX_LINE:
-                        self.on_line(_decode(bytes(self.pending)))
-                        self.pending.clear()
-                    break
-                self.on_line(_decode(bytes(self.pending[:nl])))
-                del self.pending[: nl + 1]
+            try:
+                self.raw.write(data)
+                self.raw.flush()
+            except (BrokenPipeError, ValueError):
+                self.raw, self.raw_closed = None, True
+        if self.on_line is not None and self.error is None:
+            try:
+                self._lines(data)
+            except Exception as exc:  # noqa: BLE001 - re-raised by _finish once the command ended
+                self.error = exc
+
+    def _lines(self, data: bytes) -> None:
+        self.pending += data
+        while True:
+            nl = self.pending.find(b"\n")
+            if nl < 0:
+                if len(self.pending) > MAX_LINE:
+                    self.on_line(_decode(bytes(self.pending)))
+                    self.pending.clear()
+                return
+            self.on_line(_decode(bytes(self.pending[:nl])))
+            del self.pending[: nl + 1]
 
     def close(self) -> None:
-        if self.on_line is not None and self.pending:
+        if self.on_line is not None and self.pending and self.error is None:
             self.on_line(_decode(bytes(self.pending)))
             self.pending.clear()
 
@@ -248,6 +261,9 @@ class Runner(ABC):
 def _finish(argv, returncode, out: _Sink, err: _Sink, sig, where, check) -> Result:
     out.close()
     err.close()
+    for sink in (out, err):
+        if sink.error is not None:
+            raise sink.error
     result = Result(list(argv), returncode, out.value(), err.value(), sig, where)
     if check and result.failed:
         raise CommandError(result)

@@ -112,3 +112,27 @@ def test_the_ssh_command_string_reaches_argv_intact_through_a_login_shell(args):
     out = result.stdout_bytes
     assert out.startswith(marker.encode() + b"\n")
     assert out[len(marker) + 1:] == b"".join(a.encode() + b"\0" for a in ["first", *args])
+
+
+def test_a_failing_line_callback_does_not_stop_draining_and_is_raised_at_the_end():
+    script = "import sys\nfor i in range(20000):\n    print('x' * 200)\nsys.exit(4)\n"
+
+    def explode(line):
+        raise RuntimeError("consumer bug")
+
+    with pytest.raises(RuntimeError, match="consumer bug"):
+        LocalRunner().run(["python3", "-c", script], on_stdout=explode)
+
+
+def test_a_closed_raw_sink_is_dropped_and_the_command_still_completes(tmp_path):
+    import io
+
+    class Closed(io.RawIOBase):
+        def writable(self):
+            return True
+
+        def write(self, b):
+            raise BrokenPipeError
+
+    result = LocalRunner().run(["python3", "-c", "print('y' * 10_000_000)"], stdout_sink=Closed())
+    assert result.ok and len(result.stdout_bytes) == 10_000_001

@@ -41,7 +41,8 @@ def node(sim_node, ctl_config):
 
 
 @pytest.fixture(autouse=True)
-def _hermetic_ssh(monkeypatch):
+def _hermetic(monkeypatch, ctl_config):
+    # Every test (and every `ctl` subprocess) uses the sim's config and no ~/.ssh/config.
     monkeypatch.setenv("DFLASH_CTL_SSH_CONFIG", "none")
 
 
@@ -161,6 +162,16 @@ def test_50mb_on_both_streams_through_the_ctl_cli():
 def test_exit_codes_and_signals_propagate_through_ctl_exec(script, code):
     proc = ctl("exec", "--container", str(CT), "--", "sh", "-c", script, TAG)
     assert proc.returncode == code, proc.stderr
+
+
+def test_ctl_exec_into_a_pipe_that_closes_early_is_quiet():
+    import shlex
+
+    ctl_argv = [*CTL, "exec", "--container", str(CT), "--", "python3", "-c", "print('y' * 20_000_000)"]
+    proc = subprocess.run(["bash", "-c", shlex.join(ctl_argv) + " | head -c 5"], capture_output=True,
+                          cwd=str(REPO), env=dict(os.environ, DFLASH_CTL_SSH_CONFIG="none"))
+    assert proc.stdout == b"yyyyy"
+    assert b"Traceback" not in proc.stderr and b"Exception" not in proc.stderr, proc.stderr
 
 
 def test_missing_program_in_the_container_exits_127():

@@ -99,7 +99,18 @@ def exec_command(
     with container_session(container, node, config, trust_new_host_key) as ct:
         result = ct.exec(argv, stdin=sys.stdin.buffer if stdin else None, capture=False,
                          stdout_sink=sys.stdout.buffer, stderr_sink=sys.stderr.buffer)
+    _quiet_if_stdout_closed()
     raise typer.Exit(result.returncode & 0xFF)
+
+
+def _quiet_if_stdout_closed() -> None:
+    """`ctl exec … | head`: the reader left early. The command ran to its end anyway (its
+    output was drained, not fed back as SIGPIPE); don't let Python's exit flush complain."""
+    try:
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
 
 
 def env_command(
