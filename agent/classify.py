@@ -226,7 +226,7 @@ def exit_failure(rank: int | None, pid: int | None, gpu: int | None, status: dic
     status = status or {}
     sig = status.get("signal")
     if oom_kills > 0:
-        reason = f"host OOM kill: {who_full} killed (cgroup memory.events oom_kill +{oom_kills})"
+        reason = f"host OOM kill: {who_full} killed (cgroup oom_kill counter +{oom_kills})"
         return Failure("host_oom", reason, rank, gpu, pid, evidence=evidence, details=dict(status, oom_kills=oom_kills))
     if sig == 9 and not had_traceback:
         reason = f"host OOM kill (suspected): {who_full} killed by SIGKILL with no traceback"

@@ -61,7 +61,7 @@ def test_sigkill_without_traceback_is_host_oom_but_with_traceback_is_not():
     assert exit_failure(1, 10, 1, {"signal": 9, "signal_name": "SIGKILL"}, False, []).kind == "host_oom"
     assert exit_failure(1, 10, 1, {"signal": 9, "signal_name": "SIGKILL"}, True, []).kind == "rank_exit"
     f = exit_failure(1, 10, 1, {"exit_code": 1}, True, [], oom_kills=1)
-    assert f.kind == "host_oom" and "oom_kill +1" in f.reason
+    assert f.kind == "host_oom" and "oom_kill counter +1" in f.reason
 
 
 def test_root_cause_is_the_earliest_and_collateral_deaths_count_later():
