@@ -162,3 +162,14 @@ def test_wandb_offline_files_hold_the_metrics(tiny, tmp_path, monkeypatch):
     assert [r["loss"] for r in rows] == pytest.approx([e["loss"] for e in logged])
     for name in ("ce", "kl", "cap", "lr", "grad_norm", "tokens_per_s", "acc/1", "mem_peak_mib"):
         assert name in rows[-1], name
+
+
+def test_probe_memory_reports_a_peak_and_trains_nothing(tiny, tmp_path):
+    out = str(tmp_path / "out")
+    assert main(base_args(tiny["target"], tiny["data"], out, "--from-scratch", "--probe-memory", "--use-soft-labels")) == 0
+    with open(os.path.join(out, "events.jsonl")) as fh:
+        events = [json.loads(line) for line in fh]
+    probes = [e for e in events if e["kind"] == "probe"]
+    assert len(probes) == 1 and probes[0]["peak_mib"] > 0 and probes[0]["fits"] is True
+    assert probes[0]["batch"] == [4, 48] and probes[0]["anchors"] == 6
+    assert not [e for e in events if e["kind"] == "step"] and not glob.glob(os.path.join(out, "step_*"))

@@ -107,6 +107,20 @@ def mem_peak_mib(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def build_drafter(args, dcfg: DrafterConfig, target, dev, dtype):
+    """The drafter (fp32 master weights, init keyed by --seed), the frozen shared head (the
+    target's own tensors when colocated, else read from its safetensors) and AdamW with
+    weight decay on matrices only."""
+    torch.manual_seed(args.seed)
+    drafter = Drafter(dcfg).to(dev)
+    head = FrozenHead(target.embed, target.lm_head) if target else FrozenHead.from_target_dir(args.target_model, dev, dtype)
+    matrices = [p for p in drafter.parameters() if p.dim() >= 2]
+    vectors = [p for p in drafter.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": matrices, "weight_decay": args.weight_decay},
+                             {"params": vectors, "weight_decay": 0.0}], lr=args.lr, fused=dev.type == "cuda" or None)
+    return drafter, head, opt
+
+
 # --------------------------------------------------------------------------- the run
 
 
@@ -120,6 +134,8 @@ def run(args, topo) -> int:
     hb = Heartbeat(run_dir, topo.rank, topo.role, topo.gpu)
     hb.beat(0, "loading")
     try:
+        if args.probe_memory:
+            return probe(args, topo, events, hb)
         return train(args, topo, run_dir, events, hb)
     except Exception as exc:
         oom = isinstance(exc, torch.cuda.OutOfMemoryError)
@@ -163,15 +179,9 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
     target = Target(args.target_model, dcfg.target_layer_ids, dev, dtype) if topo.is_target else None
     drafter = model = opt = head = None
     if topo.is_drafter:
-        torch.manual_seed(args.seed)
-        drafter = Drafter(dcfg).to(dev)
+        drafter, head, opt = build_drafter(args, dcfg, target, dev, dtype)
         if args.init_from:
             drafter.load_state_dict(ckpt_io.load(args.init_from)["model"])
-        head = FrozenHead(target.embed, target.lm_head) if target else FrozenHead.from_target_dir(args.target_model, dev, dtype)
-        matrices = [p for p in drafter.parameters() if p.dim() >= 2]
-        vectors = [p for p in drafter.parameters() if p.dim() < 2]
-        opt = torch.optim.AdamW([{"params": matrices, "weight_decay": args.weight_decay},
-                                 {"params": vectors, "weight_decay": 0.0}], lr=args.lr, fused=cuda or None)
         if resume is not None:
             drafter.load_state_dict(resume["model"])
             opt.load_state_dict(resume["optimizer"])
@@ -289,4 +299,56 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
     if log:
         events.emit("phase", phase="done")
     hb.beat(step, "done")
+    return EXIT_OK
+
+
+def probe(args, topo, events: Events, hb: Heartbeat) -> int:
+    """--probe-memory: run the worst-case micro-batch on each role's device — the full token
+    budget at --max-seq-len, --max-anchors per sequence, soft labels if on — through the
+    target forward (target ranks) and forward + backward + optimizer step (drafter ranks;
+    split ranks use random states of the right shape, nothing is sent). One probe event per
+    rank with its peak; nothing is trained or saved."""
+    dev = topo.device
+    cuda = dev.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    dcfg = DrafterConfig.from_target(read_config(args.target_model), args.num_draft_layers, args.block_size,
+                                     args.mask_token_id, args.target_layer_ids)
+    b, S = max(1, min(args.max_batch_size, args.token_budget // args.max_seq_len)), args.max_seq_len
+    n = min(args.max_anchors, S - 1)
+    g = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, dcfg.mask_token_id, (b, S), generator=g).to(dev)
+    loss_mask = torch.ones(b, S, dtype=torch.int64, device=dev)
+    lengths = torch.full((b,), S, dtype=torch.int64, device=dev)
+    anchors = torch.linspace(0, S - 2, n).long().expand(b, n).contiguous().to(dev)
+    keep = torch.ones(b, n, dtype=torch.bool, device=dev)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(dev)
+    target = Target(args.target_model, dcfg.target_layer_ids, dev, dtype) if topo.is_target else None
+    taps = final = None
+    if target is not None:
+        taps, final = target.forward(ids, want_final=args.use_soft_labels)
+    if topo.is_drafter:
+        if taps is None:
+            taps = torch.randn(b, S, len(dcfg.target_layer_ids) * dcfg.hidden_size, device=dev, dtype=dtype)
+            final = torch.randn(b, S, dcfg.hidden_size, device=dev, dtype=dtype) if args.use_soft_labels else None
+        drafter, head, opt = build_drafter(args, dcfg, target, dev, dtype)
+        lcfg = LossConfig(block_size=args.block_size, gamma=args.gamma, position_weights=args.position_weights,
+                          dpace_alpha=args.dpace_alpha, use_soft_labels=args.use_soft_labels, kl_weight=args.kl_weight,
+                          kl_temperature=args.kl_temperature, cap_lambda=args.cap_lambda)
+        with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext():
+            out = drafter(taps, head.embed_blocks(ids, anchors, args.block_size, dcfg.mask_token_id), anchors, keep,
+                          "flex" if cuda else "sdpa")
+            lo = dflash_loss(lcfg, out, head.lm_head, ids, loss_mask, lengths, anchors, keep, final)
+        lo.loss.backward()
+        opt.step()
+    peak = mem_peak_mib(dev)
+    total = torch.cuda.get_device_properties(dev).total_memory / 2**20 if cuda else None
+    fits = peak < 0.9 * total if total else True  # 10 % margin for fragmentation and the allocator
+    events.emit("probe", peak_mib=round(peak, 1), total_mib=total, fits=fits, budget=args.token_budget,
+                batch=[b, S], anchors=n)
+    print(f"probe rank {topo.rank} ({topo.role}, gpu {topo.gpu}): peak {peak:.0f} MiB"
+          + (f" of {total:.0f} MiB" if total else "") + f" for {b}×{S} tokens, {n} anchors/seq: "
+          + ("fits" if fits else "does NOT fit"), flush=True)
+    hb.beat(0, "done")
+    topo_mod.barrier(topo)
     return EXIT_OK
