@@ -186,6 +186,19 @@ def resolve_target(ct: Container, to: str) -> Target:
                   expected_id=snap.venv_id, snapshot=snap)
 
 
+def current_fingerprint(ct: Container) -> dict:
+    """The venv as a new process gets it now. If its python does not even run (the kind of
+    breakage a rollback is for), fall back to what was recorded for the current generation."""
+    try:
+        return eg.envgen(ct, "fingerprint")
+    except ContainerError as exc:
+        try:
+            recorded = eg.envgen(ct, "show", "current").get("fingerprint") or {}
+        except ContainerError:
+            recorded = {}
+        return dict(recorded, unrunnable=str(exc))
+
+
 def _gpus_of(info: dict) -> list[int]:
     launch = info.get("launch") or {}
     gpus = launch.get("gpus") or {}
@@ -207,7 +220,7 @@ def make_plan(ct: Container, run: Optional[str], to: str, grace: float) -> Plan:
     state = ((info.get("status") or {}).get("state")) if run else None
     live = bool(run) and state not in ("completed", "failed", "stopped")
     target = resolve_target(ct, to)
-    before = eg.envgen(ct, "fingerprint")
+    before = current_fingerprint(ct)
     diff = None
     if target.kind == "env":
         diff = eg.envgen(ct, "diff", "current", target.ref)

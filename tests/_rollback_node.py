@@ -141,7 +141,7 @@ def reset_to_pristine(config: Path) -> None:
         h.close()
 
 
-def tiny_config(tmp: Path) -> Path:
+def tiny_config(tmp: Path, max_steps: int = 8, save_interval: int = 4) -> Path:
     """examples/tiny.toml, shorter, with a baseline any 2 steps satisfy (|r - median| <= median
     always holds for two positive rates), so a completed run is known-good deterministically."""
     text = (REPO / "examples" / "tiny.toml").read_text()
@@ -149,14 +149,16 @@ def tiny_config(tmp: Path) -> Path:
     for line in text.splitlines():
         key = line.split("=", 1)[0].strip()
         if key == "max-steps":
-            line = "max-steps = 8"
+            line = f"max-steps = {max_steps}"
         elif key == "save-interval":
-            line = "save-interval = 4"
+            line = f"save-interval = {save_interval}"
+        elif key == "epochs" and max_steps > 100:
+            line = "epochs = 1000"
         elif key == "steady-steps":
             line = "steady-steps = 2"
         elif key == "throughput-tolerance":
             line = "throughput-tolerance = 1.0"
         out.append(line)
-    path = tmp / "tiny-rb.toml"
+    path = tmp / f"tiny-rb-{max_steps}.toml"
     path.write_text("\n".join(out) + "\n")
     return path

@@ -48,6 +48,12 @@ def run_config(tmp_path_factory) -> Path:
     return tiny_config(tmp_path_factory.mktemp("runcfg"))
 
 
+@pytest.fixture(scope="module")
+def long_config(tmp_path_factory) -> Path:
+    """A run that trains long enough to be stopped while it runs."""
+    return tiny_config(tmp_path_factory.mktemp("runcfg-long"), max_steps=100000, save_interval=100000)
+
+
 def env_list(config) -> dict:
     proc = ctl(config, "env", "list", "--container", CT, "--json")
     assert proc.returncode == 0, proc.stderr
@@ -154,11 +160,11 @@ def test_the_story_good_run_upgrade_breaks_kill_and_rollback_resume(node, rb_con
     assert "completed" in proc.stdout
 
 
-def test_kill_of_a_live_run_checkpoints_and_resume_line_names_that_checkpoint(node, rb_config, run_config):
+def test_kill_of_a_live_run_checkpoints_and_resume_line_names_that_checkpoint(node, rb_config, long_config):
     h = node
     base = env_list(rb_config)["current"]
-    proc = ctl_popen(rb_config, "launch", "--container", CT, "--config", str(run_config), "--from-scratch",
-                     "--set", "max-steps=400", "--set", "save-interval=1000", "--accept-drift")
+    proc = ctl_popen(rb_config, "launch", "--container", CT, "--config", str(long_config), "--from-scratch",
+                     "--accept-drift")
     out, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, out + err
     run_id = next(w for w in out.split() if w.startswith("tiny-"))

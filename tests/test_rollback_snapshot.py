@@ -31,10 +31,17 @@ def run_config(tmp_path_factory) -> Path:
     return tiny_config(tmp_path_factory.mktemp("runcfg"))
 
 
-def test_snapshot_launch_then_damage_then_rollback_restores_files_and_the_container_runs(node, rb_config, run_config):
+@pytest.fixture(scope="module")
+def long_config(tmp_path_factory) -> Path:
+    """A run that trains long enough to be stopped while it runs."""
+    return tiny_config(tmp_path_factory.mktemp("runcfg-long"), max_steps=100000, save_interval=100000)
+
+
+def test_snapshot_launch_then_damage_then_rollback_restores_files_and_the_container_runs(node, rb_config,
+                                                                                         long_config):
     h = node
-    proc = ctl(rb_config, "launch", "--container", str(SNAP_CT), "--config", str(run_config), "--from-scratch",
-               "--snapshot", "--set", "max-steps=400", "--set", "save-interval=1000")
+    proc = ctl(rb_config, "launch", "--container", str(SNAP_CT), "--config", str(long_config), "--from-scratch",
+               "--snapshot")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     run_id = next(w for w in proc.stdout.split() if w.startswith("tiny-"))
     snap = next(w for w in proc.stdout.split() if w.startswith("ctl-"))
