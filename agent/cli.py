@@ -199,29 +199,29 @@ def cmd_stop(args, _tail) -> int:
     if st.get("state") and P.RunState(st["state"]).is_terminal():
         return _print({"ok": True, "already_ended": True, "state": st["state"], "result": read_json(rd.result)}) or 0
     P.atomic_write_json(rd.stop_request, {"ts": time.time(), "grace": args.grace, "by": f"agent stop (pid {os.getpid()})"})
-    if agent_alive(rd):
-        deadline = time.monotonic() + args.grace + 60
-        while time.monotonic() < deadline:
-            res = read_json(rd.result)
-            st = read_json(rd.status) or {}
-            if res and st.get("state") and P.RunState(st["state"]).is_terminal():
-                return _print({"ok": True, "state": st["state"], "by": "agent", "result": res}) or 0
-            time.sleep(0.1)
-        return _fail(f"the agent of {rd.path} did not finish stopping within {args.grace + 60:.0f} s", 1)
-    # No agent: take its place for the stop (we hold the lock, so we may write the stream).
     from agent.rundir import Lock
     from agent.supervisor import Supervisor
 
-    lock = Lock(rd.agent_lock)
-    if not lock.acquire(timeout=5.0):
-        return _fail(f"an agent for {rd.path} appeared while stopping; retry", 1)
-    try:
-        Supervisor(rd, spec, reattach=True, lock=lock).run()
-    finally:
-        lock.release()
-    st = read_json(rd.status) or {}
-    return _print({"ok": True, "state": st.get("state"), "by": "stop (no agent was running)",
-                   "result": read_json(rd.result)}) or 0
+    deadline = time.monotonic() + args.grace + 60
+    while time.monotonic() < deadline:
+        res = read_json(rd.result)
+        st = read_json(rd.status) or {}
+        if res and st.get("state") and P.RunState(st["state"]).is_terminal():
+            return _print({"ok": True, "state": st["state"], "by": "agent", "result": res}) or 0
+        if not agent_alive(rd):
+            # No agent (never was, or it died mid-stop): take its place for the stop; holding
+            # the lock makes us the one writer of the stream.
+            lock = Lock(rd.agent_lock)
+            if lock.acquire(timeout=1.0):
+                try:
+                    Supervisor(rd, spec, reattach=True, lock=lock).run()
+                finally:
+                    lock.release()
+                st = read_json(rd.status) or {}
+                return _print({"ok": True, "state": st.get("state"), "by": "stop (no agent was running)",
+                               "result": read_json(rd.result)}) or 0
+        time.sleep(0.1)
+    return _fail(f"the agent of {rd.path} did not finish stopping within {args.grace + 60:.0f} s", 1)
 
 
 def cmd_daemon(args, _tail) -> int:

@@ -175,3 +175,19 @@ def test_follow_says_so_and_exits_3_when_the_agent_is_gone_and_the_run_is_not_fi
                           capture_output=True, env=env(), cwd=REPO, timeout=60)
     assert proc.returncode == 3
     assert b"--reattach" in proc.stderr
+
+
+def test_a_job_that_failed_while_no_agent_ran_is_finalized_on_reattach(run_dir):
+    from tests._agent_util import heartbeats
+
+    start(run_dir, [PY, FAKE, "--ranks", "0", "--step-time", "0.1"])
+    hb = wait_for(lambda: heartbeats(run_dir).get(0), 30, what="rank 0")
+    os.kill(agent_pid(run_dir), signal.SIGKILL)
+    os.kill(hb["pid"], signal.SIGKILL)  # the job dies while nobody watches
+    wait_for(lambda: os.path.exists(os.path.join(run_dir, "job.exit.json")), 30, what="the monitor's record")
+    payload("start", "--run-dir", run_dir)  # re-attach
+    res = wait_terminal(run_dir, 30)
+    assert res["state"] == "failed" and res["exit"]["signal"] == 9
+    assert res["root_cause"]["kind"] == "host_oom"
+    recs = records(run_dir)
+    assert [r["seq"] for r in recs] == list(range(1, len(recs) + 1))

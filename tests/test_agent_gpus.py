@@ -1,0 +1,56 @@
+"""GPU sampling. This machine has no GPU, so the real path is the "no GPU" answer; the
+per-call isolation (gpustat's safenvml habit) is checked against a stand-in NVML module
+whose calls fail the way real drivers do (NotSupported on one field, a lost GPU)."""
+
+from __future__ import annotations
+
+import types
+
+from agent import gpus
+
+
+def test_no_gpu_is_a_clear_answer_never_a_crash():
+    s = gpus.sample()
+    assert s["state"] == "no GPU" and s["gpus"] == [] and s["reason"]
+
+
+class _NotSupported(Exception):
+    pass
+
+
+def _fake_nvml(lost_index: int):
+    mib = 2**20
+
+    def handle(i):
+        if i == lost_index:
+            raise _NotSupported("GPU is lost")
+        return i
+
+    def unsupported(h, *a):
+        raise _NotSupported("Not Supported")
+
+    nv = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 3, nvmlSystemGetDriverVersion=lambda: b"570.86",
+        nvmlDeviceGetHandleByIndex=handle, nvmlDeviceGetUUID=lambda h: f"GPU-{h}", nvmlDeviceGetName=lambda h: b"H200",
+        nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=97, memory=40),
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=70000 * mib, total=143771 * mib),
+        nvmlDeviceGetTemperature=lambda h, kind: 61, NVML_TEMPERATURE_GPU=0,
+        nvmlDeviceGetPowerUsage=unsupported,  # one field unsupported: None, the rest intact
+        nvmlDeviceGetEnforcedPowerLimit=lambda h: 700000,
+        nvmlDeviceGetComputeRunningProcesses=lambda h: [types.SimpleNamespace(pid=4242, usedGpuMemory=69000 * mib)],
+        nvmlDeviceGetGraphicsRunningProcesses=unsupported,
+    )
+    return nv
+
+
+def test_each_nvml_call_fails_on_its_own(monkeypatch):
+    monkeypatch.setattr(gpus, "_nv", _fake_nvml(lost_index=1))
+    monkeypatch.setattr(gpus, "_initialised", False)
+    s = gpus.sample()
+    assert s["state"] == "ok" and s["driver"] == "570.86"
+    g0, g1, g2 = s["gpus"]
+    assert g0["name"] == "H200" and g0["utilization_gpu_pct"] == 97 and g0["memory_used_mib"] == 70000
+    assert g0["power_draw_w"] is None and g0["power_limit_w"] == 700.0
+    assert g0["processes"] == [{"pid": 4242, "used_memory_mib": 69000}]
+    assert g1 == {"index": 1, "state": "invalid", "error": "handle unavailable (GPU lost?)"}
+    assert g2["uuid"] == "GPU-2"
