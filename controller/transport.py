@@ -18,16 +18,12 @@ is a fixed, long-lived host: an unknown or changed key must stop us, not be lear
 
 from __future__ import annotations
 
-import os
 import shlex
 import signal as _signal
-import socket
 import subprocess
 import threading
-import uuid
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import IO, Callable, Iterable, Optional, Sequence, Union
 
 LineCallback = Callable[[str], None]
