@@ -295,14 +295,17 @@ class LocalRunner(Runner):
                 except BrokenPipeError:
                     pass  # the command stopped reading; its exit code says why
             proc.wait(timeout=timeout)
-        except BaseException:
-            # Interrupted (or stdin failed): the command's input is incomplete. Close its stdin
-            # and stop it, so no half-fed process lingers (research §4 item 3).
+        except BaseException as exc:
+            # Interrupted, timed out or stdin failed: stop it, so no half-fed process lingers
+            # (research §4 item 3). Here, unlike over SSH, we own the process and can kill it.
             _close_quietly(proc.stdin)
             proc.kill()
             proc.wait()
             for t in readers:
-                t.join()
+                t.join(5)
+            if isinstance(exc, subprocess.TimeoutExpired):
+                raise TimeoutError(f"{shlex.join(argv)} did not finish within {timeout} s on {self.where}; "
+                                   "it was killed") from None
             raise
         for t in readers:
             t.join()

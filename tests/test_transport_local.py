@@ -136,3 +136,11 @@ def test_a_closed_raw_sink_is_dropped_and_the_command_still_completes(tmp_path):
 
     result = LocalRunner().run(["python3", "-c", "print('y' * 10_000_000)"], stdout_sink=Closed())
     assert result.ok and len(result.stdout_bytes) == 10_000_001
+
+
+def test_timeout_raises_timeouterror_and_kills_the_command(tmp_path):
+    pidfile = tmp_path / "pid"
+    with pytest.raises(TimeoutError, match="did not finish within 0.5 s"):
+        LocalRunner().run(["sh", "-c", f"echo $$ > {pidfile}; exec sleep 60"], timeout=0.5)
+    with pytest.raises(ProcessLookupError):
+        os.kill(int(pidfile.read_text()), 0)

@@ -234,3 +234,9 @@ def test_connection_lost_mid_command_is_reported_not_retried(sshd):
     assert isinstance(outcome.get("error"), TransportError), outcome
     assert "may or may not have completed" in str(outcome["error"])
     assert r.connections == 1
+
+
+def test_timeout_raises_and_the_connection_stays_usable(runner):
+    with pytest.raises(TimeoutError, match="did not finish within 0.5 s"):
+        runner.run(["sleep", "3"], timeout=0.5)
+    assert runner.run(["echo", "still here"]).stdout == "still here\n"
