@@ -313,7 +313,8 @@ class SSHRunner(Runner):
             for t in readers:
                 t.join(timeout)
                 if t.is_alive():
-                    raise TimeoutError(f"{shlex.join(argv)} did not finish within {timeout} s on {self.where}")
+                    raise TimeoutError(f"{shlex.join(argv)} did not finish within {timeout} s on {self.where}; "
+                                       "it may still be running there (closing the channel does not stop it)")
         except BaseException:
             # Interrupted, timed out or stdin failed: the input is incomplete. Closing the
             # channel gives the remote side EOF; it is not a kill (research §1.1: pct does not
