@@ -62,3 +62,31 @@ def test_split_ranks_follow_the_colocated_trajectory(tmp_path):
     assert beats == ["rank-0", "rank-1", "rank-2"]
     roles = [json.load(open(os.path.join(split, "heartbeat", r)))["role"] for r in beats]
     assert roles == ["target", "drafter", "drafter"]
+
+
+def test_sigterm_to_a_relaunched_run_stops_every_rank_after_a_checkpoint(tmp_path):
+    """The agent signals the process it started (the thin parent); every rank must stop after
+    the same step, the checkpoint must be written, and the exit code must be EXIT_STOPPED."""
+    import signal
+    import time
+
+    from trainer import flags
+
+    target, data = tiny_setup(str(tmp_path))
+    out = str(tmp_path / "out")
+    argv = replace(replace(base_args(target, data, out, "--from-scratch", "--epochs", "20"), "--target-gpus", "0"),
+                   "--drafter-gpus", "1")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", *argv], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    while proc.poll() is None:
+        if os.path.exists(os.path.join(out, "events.jsonl")) and len(step_events(out)) >= 2:
+            proc.send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.05)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == flags.EXIT_STOPPED, err[-3000:]
+    k = step_events(out)[-1]["step"]
+    beats = [json.load(open(os.path.join(out, "heartbeat", f"rank-{r}"))) for r in (0, 1)]
+    assert [(b["state"], b["step"]) for b in beats] == [("stopped", k), ("stopped", k)]
+    assert ckpt_io.load(os.path.join(out, f"step_{k}"))["step"] == k

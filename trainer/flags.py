@@ -130,7 +130,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--lr", "float", 6e-4, "peak learning rate (AdamW)", "optim"),
     Flag("--warmup-ratio", "float", 0.04, "fraction of total steps spent in linear warmup; cosine decay to 10 % of peak after", "optim"),
     Flag("--weight-decay", "float", 0.01, "AdamW weight decay, applied to matrices only", "optim"),
-    Flag("--grad-accum", "int", 4, "micro-batches per optimizer step", "optim"),
+    Flag("--grad-accum", "int", 4, "micro-batches per optimizer step on each drafter rank: one step consumes grad-accum × len(--drafter-gpus) micro-batches", "optim"),
     Flag("--grad-clip", "float", 1.0, "global gradient-norm clip (0 disables)", "optim"),
     Flag("--seed", "int", 0, "seed for data order, anchors, noise and init", "optim"),
     # -- batching
