@@ -218,3 +218,12 @@ def test_fast_target_matches_hf_qwen3():
     assert (final - ref.last_hidden_state).norm() / ref.last_hidden_state.norm() < 1e-5
     short, none = FastTarget.from_hf(hf, taps, attn_backend="math").forward(ids)
     assert none is None and torch.allclose(short, want, atol=1e-5)
+
+
+def test_gpus_per_role_rule():
+    # measured per-GPU rates (docs/benchmarks.md): 8B target 39.8 Ktok/s, drafter b32/1024 14.1 Ktok/s
+    assert flops.gpus_per_role(8, 39.8e3, 14.1e3)[:2] == (2, 6)
+    assert flops.gpus_per_role(8, 39.8e3, 51.2e3)[:2] == (4, 4)
+    assert flops.gpus_per_role(2, 1.0, 1.0)[:2] == (1, 1)
+    t, d = flops.role_tok_s(flops.QWEN3_8B, flops.QWEN3_8B, seq_len=8192, anchors_per_seq=1024, block_size=32)
+    assert 30e3 < t < 50e3 and 10e3 < d < 20e3

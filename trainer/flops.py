@@ -132,3 +132,33 @@ def drafter_step_flops(shape: ModelShape, *, n_layers: int, block_size: int, n_b
 
 def mfu(flop: float, seconds: float, peak: float = H200_BF16_PEAK) -> float:
     return flop / seconds / peak if seconds > 0 else 0.0
+
+
+def gpus_per_role(total_gpus: int, target_tok_s_per_gpu: float, drafter_tok_s_per_gpu: float):
+    """Split of ``total_gpus`` into (target GPUs, drafter GPUs) that maximises the pipeline's
+    throughput min(n_t·T, n_d·D), with T and D the tokens per second one GPU of each role
+    sustains for this target, drafter and configuration (measured, e.g. docs/benchmarks.md,
+    or estimated with :func:`role_tok_s`). Returns (n_t, n_d, tokens/s of the pipeline).
+
+    The rule behind it: n_d / n_t ≈ T / D — give the drafter as many GPUs per target GPU
+    as the target is faster per token than the drafter."""
+    best = (1, max(1, total_gpus - 1), 0.0)
+    for n_t in range(1, total_gpus):
+        n_d = total_gpus - n_t
+        rate = min(n_t * target_tok_s_per_gpu, n_d * drafter_tok_s_per_gpu)
+        if rate > best[2]:
+            best = (n_t, n_d, rate)
+    return best
+
+
+def role_tok_s(shape: ModelShape, drafter: ModelShape, *, seq_len: int, anchors_per_seq: int, block_size: int,
+               n_layers: int = 5, target_mfu: float = 0.62, drafter_mfu: float = 0.53,
+               peak: float = H200_BF16_PEAK) -> tuple[float, float]:
+    """Estimated tokens/s per GPU of each role from FLOP counts and an MFU per role (defaults:
+    what the fast paths measured on an H200 for Qwen3-8B, docs/benchmarks.md)."""
+    last = shape.n_layers - 3 if n_layers > 1 else shape.n_layers // 2
+    t = target_forward_flops(shape, [seq_len], last_layer=last) / seq_len
+    n = min(anchors_per_seq, seq_len - 1)
+    d = drafter_step_flops(drafter, n_layers=n_layers, block_size=block_size, n_blocks=n, ctx_tokens=seq_len,
+                           visible_ctx_pairs=n * block_size * seq_len // 2)["total"] / seq_len
+    return target_mfu * peak / t, drafter_mfu * peak / d
