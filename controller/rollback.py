@@ -377,6 +377,9 @@ def execute(ct: Container, plan: Plan, say: Callable[[str], None] = print) -> Re
     else:
         say(f"pct rollback {ct.ctid} {t.ref} (the container is hard-stopped, then started) …")
         took = snaps.rollback(ct, t.ref)
+        # A fresh handle: the agent bundle this one uploaded may have been erased with the
+        # rest of the root filesystem, and the handle remembers it as present.
+        ct = Container(ct.runner, ct.node_name, ct.node, ct.ctid)
         report.rollback = {"snapshot": t.ref, "restart_s": round(took, 2)}
         report.after = eg.envgen(ct, "fingerprint")
         report.diff = eg.envgen(ct, "compare", stdin=json.dumps(
