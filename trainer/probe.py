@@ -60,11 +60,11 @@ def plan(shape: ModelShape, *, block_size: int, max_anchors: int, max_seq_len: i
                              last_layer=shape.n_layers - 1 if soft_labels else max(taps), n_tapped=len(taps),
                              max_batch_size=max_batch_size, soft_labels=soft_labels,
                              send_buffers=0 if colocated else 1)
-    out = {"drafter": {"peak": d["total"], "need": mm.device_bytes_needed(d["total"]), "terms": d},
-           "target": {"peak": t["total"], "need": mm.device_bytes_needed(t["total"]), "terms": t}}
+    out = {"drafter": {"peak": d["total"], "need": mm.device_bytes_needed(d["total"], role="drafter"), "terms": d},
+           "target": {"peak": t["total"], "need": mm.device_bytes_needed(t["total"], role="target"), "terms": t}}
     if colocated:
         both = d["total"] + t["total"] - (2 * 2 * shape.vocab * shape.hidden)  # embed/head shared
-        out["colocated"] = {"peak": both, "need": mm.device_bytes_needed(both)}
+        out["colocated"] = {"peak": both, "need": mm.device_bytes_needed(both, role="colocated")}
     return out
 
 
