@@ -1,11 +1,12 @@
 """Peak GPU memory per role, predicted from the configuration before anything runs.
 
 Standard library and math only, so the controller's preflight can import it without torch.
-The model describes the fast drafter step of ``bench/gpu/fast_drafter.py`` (anchor-chunked
-forward/backward, flex attention, chunked LM head; see docs/gpu-notes.md) and the plain
-no-grad target forward that stops after the last tapped layer. Its per-element
-coefficients were fitted once against measured peaks on an H200 and the fit error is
-reported in docs/benchmarks.md; re-fit when the step's implementation changes.
+The model describes the fast drafter step of ``trainer/fast_drafter.py`` (anchor-chunked
+forward/backward, flex attention, chunked LM head) and the no-grad target forward of
+``trainer/fast_target.py`` that stops after the last tapped layer. The structural counts
+below, unfitted (every coefficient 1.0), matched 22 measured peaks on H200s within 3.7 %
+(docs/benchmarks.md, "Memory known before launch"); re-check when either step changes — the
+unchunked ``Drafter`` + loss.py path keeps ~10× more activations and is not modelled here.
 
 Terms (bytes):
 
