@@ -14,17 +14,16 @@ directory and no process.
 
 from __future__ import annotations
 
-import json
 import posixpath
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 from controller import drift as D
 from controller.agentcall import AgentCallError, AgentCaller
 from controller import render
-from controller.container import Container, ContainerError
+from controller.container import Container
 from controller.runconfig import RunConfig, RunConfigError
 from trainer import flags as F
 

@@ -15,8 +15,6 @@ refused (preflight or drift; nothing was started), 4 the run stopped or its agen
 from __future__ import annotations
 
 import json
-import os
-import sys
 import time
 from pathlib import Path
 from typing import List, Optional
