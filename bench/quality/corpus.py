@@ -47,7 +47,8 @@ def decode(ids) -> str:
 
 
 def load_split(max_bytes: int | None = None, root: str | None = None) -> dict:
-    """{"train": [np.ndarray ids per file], "held_out": [...]}, each file prefixed with BOS.
+    """{"train": [np.ndarray ids per file], "held_out": [...], "names": {split: [rel paths]}},
+    each file prefixed with BOS.
 
     ``max_bytes`` caps each split's total (files taken in a fixed pseudo-random order, so a
     small cap still mixes many modules instead of taking one package alphabetically)."""
@@ -55,6 +56,7 @@ def load_split(max_bytes: int | None = None, root: str | None = None) -> dict:
     files.sort(key=lambda f: hashlib.sha256(f[0].encode()).digest())
     split: dict[str, list[np.ndarray]] = {"train": [], "held_out": []}
     size = {"train": 0, "held_out": 0}
+    names: dict[str, list[str]] = {"train": [], "held_out": []}
     for rel, path in files:
         part = "held_out" if is_held_out(rel) else "train"
         cap = max_bytes if part == "train" else (max_bytes // 10 if max_bytes else None)
@@ -68,10 +70,11 @@ def load_split(max_bytes: int | None = None, root: str | None = None) -> dict:
         if len(raw) < 256:
             continue
         split[part].append(np.concatenate([[BOS], encode(raw)]))
+        names[part].append(rel)
         size[part] += len(raw)
     if not split["train"] or not split["held_out"]:
         raise RuntimeError(f"no stdlib sources found under {root or sysconfig.get_paths()['stdlib']}")
-    return split
+    return {**split, "names": names}
 
 
 def line_start_windows(docs: list[np.ndarray], n: int, length: int, seed: int) -> np.ndarray:

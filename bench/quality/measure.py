@@ -71,3 +71,27 @@ def block_tau(target, drafter, head, prompts, max_new: int, device) -> float:
     for p in prompts:
         counts += speculative(target, drafter, head, p, max_new, device)[1]
     return sum(counts) / max(1, len(counts))
+
+
+@torch.no_grad()
+def tree_pass_error(target, prompt: list[int], vocab: int, device, budget: int = 8) -> float:
+    """Largest |logit| difference between one tree pass (random tree) and plain causal passes
+    along each of its paths: float noise when this transformers build honours the custom 4D
+    mask and positions, large when it does not (then tree τ would be meaningless)."""
+    from trainer.ddtree import build_tree, target_tree_forward, tree_mask
+
+    g = torch.Generator().manual_seed(0)
+    tokens, parents, depths = build_tree(torch.randn(3, vocab, generator=g).log_softmax(-1), budget)
+    n, bonus = len(prompt), prompt[-1]
+    mask = tree_mask(n, parents, target.model.dtype, device)
+    _, logits = target_tree_forward(target, prompt + [bonus] + tokens, list(range(n + 1)) + [n + d for d in depths],
+                                    mask, device)
+    worst = 0.0
+    for i in range(1, len(tokens) + 1):
+        path, j = [], i
+        while j:
+            path.append(tokens[j - 1])
+            j = parents[j - 1]
+        _, ref = target.forward_logits(torch.tensor([prompt + [bonus] + path[::-1]], device=device))
+        worst = max(worst, float((logits[0, n + i] - ref[0, -1]).abs().max()))
+    return worst

@@ -23,6 +23,10 @@ def table(results: dict) -> str:
         checked = [c for c in checked if c]
         lossless = ("yes" if all(c["lossless"] for c in checked) else "NO") + f" ({len(checked)}×{blk.get('prompts', 0)})" \
             if checked else "—"
+        if v.get("error") or fin.get("tree_errors"):
+            lossless += " — FAILED (see results.json)"
+        elif v.get("skipped"):
+            lossless = f"skipped ({v['skipped']})"
         row = [name, str(v.get("steps", "—")), _f(blk.get("tau"))]
         row += [_f((trees.get(str(b)) or {}).get("tau")) for b in budgets]
         row += [_f(blk.get("speedup"), "{:.2f}×")]

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -44,7 +45,7 @@ SCALES = {
     "cpu": {
         "threads": 1, "device": "cpu", "corpus_bytes": 1_000_000, "deadline_s": None,
         "target": {"shape": {"hidden": 64, "layers": 4, "heads": 4, "kv_heads": 2, "intermediate": 192},
-                   "steps": 150, "seconds": 25, "batch": 16, "seq_len": 128, "lr": 3e-3},
+                   "steps": 80, "seconds": 120, "batch": 16, "seq_len": 128, "lr": 3e-3},
         "distill": {"samples": 96, "prompt_len": 24, "completion_len": 48, "chunk": 96},
         "drafter": {"steps": 40, "save_interval": 20, "log_interval": 20, "lr": 3e-3, "token_budget": 1152,
                     "max_batch_size": 16, "block_size": 8, "max_anchors": 12, "layers": 2,
@@ -55,11 +56,11 @@ SCALES = {
     "gpu": {
         "threads": None, "device": "cuda", "corpus_bytes": None, "deadline_s": 540,
         "target": {"shape": {"hidden": 512, "layers": 8, "heads": 8, "kv_heads": 4, "intermediate": 1536},
-                   "steps": 3000, "seconds": 110, "batch": 64, "seq_len": 512, "lr": 1.5e-3},
+                   "steps": 4000, "seconds": 90, "batch": 64, "seq_len": 512, "lr": 1.5e-3},
         "distill": {"samples": 3072, "prompt_len": 128, "completion_len": 256, "chunk": 1024},
         "drafter": {"steps": 300, "save_interval": 75, "log_interval": 25, "lr": 1e-3, "token_budget": 24576,
                     "max_batch_size": 64, "block_size": 16, "max_anchors": 48, "layers": 3},
-        "eval": {"prompts": 16, "max_new": 128, "curve_prompts": 6, "curve_max_new": 64, "tree_budgets": [16, 32, 64]},
+        "eval": {"prompts": 12, "max_new": 128, "curve_prompts": 6, "curve_max_new": 64, "tree_budgets": [16, 32, 64]},
     },
 }
 
@@ -90,6 +91,26 @@ def drafter_budget(s: dict) -> dict:
     return d
 
 
+def override(scale: dict, sets: list[str]) -> dict:
+    """A deep copy of ``scale`` with KEY=VALUE overrides (dotted keys into nested dicts)."""
+    s = json.loads(json.dumps(scale))
+    for item in sets:
+        key, sep, raw = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. drafter.steps=200")
+        *path, last = key.split(".")
+        node = s
+        for part in path:
+            node = node.get(part) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or last not in node:
+            raise ValueError(f"--set {key}: no such setting")
+        try:
+            node[last] = json.loads(raw)
+        except json.JSONDecodeError:
+            node[last] = raw
+    return s
+
+
 def final_loss(out_dir: str) -> tuple[float | None, float | None]:
     last = None
     with open(os.path.join(out_dir, "events.jsonl")) as fh:
@@ -100,14 +121,51 @@ def final_loss(out_dir: str) -> tuple[float | None, float | None]:
     return (last["loss"], last["ce"]) if last else (None, None)
 
 
+def train_and_evaluate(name: str, argv: list[str], v_out: str, v: dict, c: dict):
+    """Train one variant with the trainer, then: τ at every checkpoint (the curve, on the curve
+    prompts) and, for the final checkpoint, block τ, speedup and losslessness on all prompts.
+    Fills ``v``; returns the final drafter (for the tree phase)."""
+    from trainer.model import Drafter
+
+    target, head, device, ev = c["target"], c["head"], c["device"], c["ev"]
+    log(f"{name}: {v['command']}")
+    t0 = time.time()
+    v["rc"] = variants.train(argv)
+    v["final_loss"], v["final_ce"] = final_loss(v_out)
+    v["train_s"] = round(time.time() - t0, 1)
+    if v["rc"] != 0:
+        raise RuntimeError(f"the trainer exited {v['rc']}")
+    v["curve"] = [[0, c["tau0"]]]
+    ckpts = variants.checkpoints(v_out)
+    for step, path in ckpts[:-1]:
+        dr = Drafter.from_pretrained(path, device).eval()
+        v["curve"].append([step, measure.block_tau(target, dr, head, c["curve_prompts"], ev["curve_max_new"], device)])
+    final_step, final_path = ckpts[-1]
+    dr = Drafter.from_pretrained(final_path, device).eval()
+    blk = measure.decode_all("block", target, dr, head, c["prompts"], c["refs"], ev["max_new"], device)
+    v["curve"].append([final_step, measure.block_tau(target, dr, head, c["curve_prompts"], ev["curve_max_new"], device)])
+    v["final"] = {"step": final_step, "block": blk, "tree": {}}
+    log(f"{name}: loss {v['final_loss']:.3f}, τ block {blk['tau']:.2f}, speedup {blk['speedup']:.2f}×, "
+        f"lossless {blk['lossless']}, {time.time() - t0:.0f} s")
+    return dr
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scale", choices=sorted(SCALES), required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--work", default=None,
+                   help="target, data and checkpoints (default: a fresh directory under /tmp, so $OUT stays small)")
     p.add_argument("--variants", default=",".join(variants.VARIANTS), help="comma list (default: all)")
     p.add_argument("--deadline-s", type=float, default=None, help="override the scale's time budget")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one scale setting, e.g. --set target.seconds=60 --set drafter.steps=200 "
+                        "(VALUE is JSON; a bare word is a string)")
     args = p.parse_args(argv)
-    s = SCALES[args.scale]
+    try:
+        s = override(SCALES[args.scale], args.set)
+    except ValueError as exc:
+        p.error(str(exc))
     names = [v for v in args.variants.split(",") if v]
     unknown = [v for v in names if v not in variants.VARIANTS]
     if unknown:
@@ -121,13 +179,14 @@ def main(argv=None) -> int:
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 evaluation: no near-ties flipped by TF32
     torch.backends.cudnn.allow_tf32 = False
     out = os.path.abspath(args.out)
-    work = os.path.join(out, "work")
+    work = os.path.abspath(args.work) if args.work else tempfile.mkdtemp(prefix="dflash-quality-")
+    os.makedirs(out, exist_ok=True)
     os.makedirs(work, exist_ok=True)
     ev = s["eval"]
     d = drafter_budget(s)
     results = {"config": {"scale": args.scale, "block_size": d["block_size"], "tree_budgets": ev["tree_budgets"],
                           "curve_prompts": ev["curve_prompts"], "scale_config": s, "drafter_budget": d,
-                          "torch": torch.__version__, "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"},
+                          "torch": torch.__version__, "work": work, "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"},
                "timings": {}, "variants": {}}
 
     def save():
@@ -136,7 +195,8 @@ def main(argv=None) -> int:
 
     # -- 1. the target
     split = corpus.load_split(s["corpus_bytes"])
-    results["corpus"] = {k: {"files": len(v), "bytes": int(sum(len(x) for x in v))} for k, v in split.items()}
+    results["corpus"] = {k: {"files": len(split[k]), "bytes": int(sum(len(x) for x in split[k]))}
+                         for k in ("train", "held_out")}
     log(f"corpus: {results['corpus']}")
     tgt_dir = os.path.join(work, "target")
     t = s["target"]
@@ -174,12 +234,16 @@ def main(argv=None) -> int:
     refs = measure.reference(target, prompts, ev["max_new"], device)
     results["greedy"] = {"seconds": round(refs["seconds"], 3), "tokens": refs["tokens"],
                          "tokens_per_s": round(refs["tokens"] / refs["seconds"], 1)}
+    results["tree_pass_max_logit_error"] = measure.tree_pass_error(target, prompts[0], dcfg.vocab_size, device)
+    log(f"tree pass vs causal passes: max |Δlogit| {results['tree_pass_max_logit_error']:.2e}")
     torch.manual_seed(0)  # the trainer's --seed 0 init: the step-0 point of every curve
     untrained = Drafter(dcfg).to(device).eval()
     tau0 = measure.block_tau(target, untrained, head, curve_prompts, ev["curve_max_new"], device)
     del untrained
     save()
 
+    ctx = {"target": target, "head": head, "prompts": prompts, "curve_prompts": curve_prompts, "refs": refs,
+           "ev": ev, "device": device, "tau0": tau0}
     drafters = {}
     for name in names:
         if clock.left() < 60:
@@ -188,32 +252,15 @@ def main(argv=None) -> int:
             continue
         v_out = os.path.join(work, "drafters", name)
         argv = variants.trainer_argv(name, tgt_dir, results["data"]["data_dir"], v_out, d)
-        log(f"{name}: {variants.command_line(argv)}")
-        t0 = time.time()
-        rc = variants.train(argv)
-        loss, ce = final_loss(v_out)
-        v = {"flags": variants.VARIANTS[name], "rc": rc, "steps": d["steps"], "final_loss": loss, "final_ce": ce,
-             "train_s": round(time.time() - t0, 1), "curve": [[0, tau0]]}
-        results["variants"][name] = v
+        v = results["variants"][name] = {"flags": variants.VARIANTS[name], "steps": d["steps"],
+                                         "command": variants.command_line(argv)}
+        try:  # one variant failing (or its evaluation) must not cost the others their results
+            drafters[name] = train_and_evaluate(name, argv, v_out, v, ctx)
+        except Exception as exc:  # noqa: BLE001 — recorded, printed, and fails the run's exit code
+            v["error"] = f"{type(exc).__name__}: {exc}"
+            log(f"{name}: FAILED {v['error']}")
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        if rc != 0:
-            log(f"{name}: trainer exited {rc}")
-            save()
-            continue
-        ckpts = variants.checkpoints(v_out)
-        for step, path in ckpts[:-1]:
-            dr = Drafter.from_pretrained(path, device).eval()
-            v["curve"].append([step, measure.block_tau(target, dr, head, curve_prompts, ev["curve_max_new"], device)])
-        final_step, final_path = ckpts[-1]
-        dr = Drafter.from_pretrained(final_path, device).eval()
-        drafters[name] = dr
-        blk = measure.decode_all("block", target, dr, head, prompts, refs, ev["max_new"], device)
-        # the curve's last point on the curve prompts, for a like-for-like line
-        v["curve"].append([final_step, measure.block_tau(target, dr, head, curve_prompts, ev["curve_max_new"], device)])
-        v["final"] = {"step": final_step, "block": blk, "tree": {}}
-        log(f"{name}: loss {loss:.3f}, τ block {blk['tau']:.2f}, speedup {blk['speedup']:.2f}×, "
-            f"lossless {blk['lossless']}, {time.time() - t0:.0f} s")
         results["timings"][f"{name}_s"] = round(clock.elapsed(), 1)
         save()
 
@@ -223,8 +270,14 @@ def main(argv=None) -> int:
             if clock.left() < 20:
                 log(f"tree {budget} {name}: skipped, {clock.left():.0f} s left")
                 continue
-            tr = measure.decode_all("tree", target, dr, head, prompts, refs, ev["max_new"], device, budget)
-            results["variants"][name]["final"]["tree"][str(budget)] = tr
+            fin = results["variants"][name]["final"]
+            try:
+                tr = measure.decode_all("tree", target, dr, head, prompts, refs, ev["max_new"], device, budget)
+            except Exception as exc:  # noqa: BLE001
+                fin.setdefault("tree_errors", {})[str(budget)] = f"{type(exc).__name__}: {exc}"
+                log(f"{name}: tree {budget} FAILED {fin['tree_errors'][str(budget)]}")
+                continue
+            fin["tree"][str(budget)] = tr
             log(f"{name}: tree {budget}: τ {tr['tau']:.2f}, speedup {tr['speedup']:.2f}×, lossless {tr['lossless']}")
             save()
     results["timings"]["total_s"] = round(clock.elapsed(), 1)
@@ -236,12 +289,14 @@ def main(argv=None) -> int:
     plotted = report.plot(results, os.path.join(out, "tau_vs_steps.png"))
     ok = all(c["lossless"] for v in results["variants"].values() if v.get("final")
              for c in [v["final"]["block"], *v["final"]["tree"].values()])
+    failed = [n for n, v in results["variants"].items() if v.get("error") or (v.get("final") or {}).get("tree_errors")]
     log(f"target {results['target']['params'] / 1e6:.1f}M params, {results['target']['steps']} steps, held-out "
         f"{results['target']['held_out_bits_per_byte']} bits/byte; data {results['data']['samples']} samples; "
         f"greedy {results['greedy']['tokens_per_s']} tok/s; total {results['timings']['total_s']} s; "
-        f"plot {'written' if plotted else 'skipped (no matplotlib)'}; lossless on every prompt: {ok}")
+        f"plot {'written' if plotted else 'skipped (no matplotlib)'}; lossless on every prompt: {ok}; "
+        f"failed: {', '.join(failed) or 'none'}")
     print(md, flush=True)
-    return 0 if ok else 1
+    return 0 if ok and not failed else 1
 
 
 if __name__ == "__main__":

@@ -29,11 +29,11 @@ def qwen3_config(hidden: int, layers: int, heads: int, kv_heads: int, intermedia
     return cfg
 
 
-def lr_at(step: int, peak: float, total: int, warmup: int) -> float:
+def lr_at(step: int, peak: float, warmup: int, progress: float) -> float:
+    """Linear warmup, then cosine to 10 % of peak as ``progress`` goes 0 → 1."""
     if step < warmup:
         return peak * (step + 1) / warmup
-    p = min(1.0, (step - warmup) / max(1, total - warmup))
-    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * p)))
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
 def train_target(out_dir: str, docs: list[np.ndarray], shape: dict, *, steps: int, seconds: float, batch: int,
@@ -53,14 +53,15 @@ def train_target(out_dir: str, docs: list[np.ndarray], shape: dict, *, steps: in
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else torch.autocast("cpu", enabled=False)
     warmup = max(1, steps // 20)
     t0 = time.time()
-    loss_ema = None
     step = 0
     model.train()
     while step < steps and time.time() - t0 < seconds:
         starts = rng.integers(0, len(stream) - seq_len - 1, size=batch)
         x = torch.from_numpy(np.stack([stream[s:s + seq_len + 1] for s in starts])).to(device, non_blocking=True)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, lr, steps, warmup)
+            # progress by steps or by the clock, whichever is further: the cosine completes
+            # even when the time budget, not the step cap, ends training (a slower GPU)
+            g["lr"] = lr_at(step, lr, warmup, max(step / steps, (time.time() - t0) / seconds))
         with autocast:
             logits = model(input_ids=x[:, :-1], use_cache=False).logits
         loss = torch.nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), x[:, 1:].reshape(-1))
@@ -70,10 +71,9 @@ def train_target(out_dir: str, docs: list[np.ndarray], shape: dict, *, steps: in
         opt.zero_grad(set_to_none=True)
         step += 1
         if step % 50 == 0 or step == 1:
-            v = float(loss)
-            loss_ema = v if loss_ema is None else 0.8 * loss_ema + 0.2 * v
+            v = float(loss.detach())
             log(f"target step {step}: loss {v:.3f} ({v / math.log(2):.2f} bits/byte), {time.time() - t0:.0f} s")
-    final = float(loss)
+    final = float(loss.detach())
     model.eval()
     _save(model, out_dir)
     return {"params": params, "steps": step, "step_cap": steps, "seconds": round(time.time() - t0, 1),

@@ -1,0 +1,122 @@
+"""Drafter quality pipeline (bench/quality, trainer/ddtree.py): the tree is the best-first
+top-budget set of prefixes, one tree pass gives every node exactly the target's causal
+logits, and the CPU-scale pipeline — real byte-level target, self-distilled data through
+`python -m trainer prepare`, every drafter variant trained by the trainer — decodes
+losslessly (block and tree, every held-out prompt) with τ > 1 after training."""
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUALITY = os.path.join(ROOT, "bench", "quality")
+sys.path.insert(0, QUALITY)
+
+from trainer.ddtree import build_tree, target_tree_forward, tree_mask  # noqa: E402
+
+
+def test_build_tree_keeps_the_budget_best_prefixes():
+    torch.manual_seed(0)
+    K, V, budget = 3, 4, 9
+    logp = torch.randn(K, V).log_softmax(-1)
+    tokens, parents, depths = build_tree(logp, budget)
+    assert len(tokens) == budget
+    for i, (p, d) in enumerate(zip(parents, depths), start=1):
+        assert p < i and (p == 0 and d == 1 or depths[p - 1] == d - 1)  # parents first, depth = parent's + 1
+
+    def path(i):
+        out = []
+        while i:
+            out.append(tokens[i - 1])
+            i = parents[i - 1]
+        return tuple(reversed(out))
+
+    got = sorted(sum(float(logp[d, t]) for d, t in enumerate(path(i))) for i in range(1, budget + 1))
+    every = [sum(float(logp[d, t]) for d, t in enumerate(pre))
+             for n in range(1, K + 1) for pre in itertools.product(range(V), repeat=n)]
+    assert got == pytest.approx(sorted(every)[-budget:])
+    assert len({path(i) for i in range(1, budget + 1)}) == budget  # no prefix twice
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from trainer.target import Target
+
+    d = str(tmp_path_factory.mktemp("ddtree") / "target")
+    torch.manual_seed(0)
+    Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                 initializer_range=0.2, tie_word_embeddings=False)).save_pretrained(d)
+    return Target(d, [0, 2], "cpu", torch.float32)
+
+
+def test_tree_pass_gives_each_node_the_targets_causal_logits_and_taps(tiny_target):
+    torch.manual_seed(1)
+    prefix = torch.randint(0, 64, (11,)).tolist()
+    bonus = 5
+    tokens, parents, depths = build_tree(torch.randn(4, 64).log_softmax(-1), 12)
+    n = len(prefix)
+    mask = tree_mask(n, parents, torch.float32, "cpu")
+    taps, logits = target_tree_forward(tiny_target, prefix + [bonus] + tokens,
+                                       list(range(n + 1)) + [n + d for d in depths], mask, "cpu")
+    for i in range(len(tokens) + 1):  # node 0 is the root (the bonus)
+        path, j = [], i
+        while j:
+            path.append(tokens[j - 1])
+            j = parents[j - 1]
+        seq = prefix + [bonus] + path[::-1]
+        ref_taps, ref_logits = tiny_target.forward_logits(torch.tensor([seq]))
+        torch.testing.assert_close(logits[0, n + i], ref_logits[0, -1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(taps[0, n + i], ref_taps[0, -1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits[0, :n], tiny_target.forward_logits(torch.tensor([prefix]))[1][0])
+
+
+@pytest.mark.slow
+def test_cpu_pipeline_is_lossless_and_trained_drafters_accept_more_than_one_token(tmp_path):
+    out = tmp_path / "quality"
+    proc = subprocess.run([sys.executable, os.path.join(QUALITY, "run.py"), "--scale", "cpu", "--out", str(out),
+                           "--work", str(tmp_path / "work")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads((out / "results.json").read_text())
+
+    # the table is printed last, one row per variant
+    lines = proc.stdout.strip().splitlines()
+    import variants
+
+    assert lines[-len(variants.VARIANTS) - 2].startswith("| variant |")
+    assert [ln.split("|")[1].strip() for ln in lines[-len(variants.VARIANTS):]] == list(variants.VARIANTS)
+
+    # data made by the trainer's prepare, held-out prompts never in it
+    meta = json.loads((tmp_path / "work" / "data" / "meta.json").read_text())
+    assert meta["samples"] == r["data"]["samples"] and 0 < meta["loss_fraction"] < 1
+    budget = r["config"]["tree_budgets"]
+    assert budget == [16, 32, 64]
+    for name, v in r["variants"].items():
+        assert v["rc"] == 0, name
+        fin = v["final"]
+        checks = [fin["block"]] + [fin["tree"][str(b)] for b in budget]
+        for c in checks:  # lossless on every prompt, block and every tree budget
+            assert c["lossless"] and c["mismatches"] == [] and c["prompts"] == r["config"]["scale_config"]["eval"]["prompts"], name
+        untrained = v["curve"][0][1]
+        assert v["curve"][0][0] == 0 and [s for s, _ in v["curve"]][1:] == [20, 40]
+        assert fin["block"]["tau"] > 1.0 and fin["block"]["tau"] > untrained, name
+        assert all(fin["tree"][str(b)]["tau"] > 1.0 for b in budget), name
+    assert (out / "tau_vs_steps.png").stat().st_size > 0
+
+
+def test_held_out_files_are_never_training_files():
+    import corpus
+
+    split = corpus.load_split(max_bytes=300_000)
+    train, held = set(split["names"]["train"]), set(split["names"]["held_out"])
+    assert train and held and not train & held
+    assert all(corpus.is_held_out(n) for n in held) and not any(corpus.is_held_out(n) for n in train)
+    assert len(split["train"]) == len(train) and len(split["held_out"]) == len(held)
