@@ -228,8 +228,8 @@ class Supervisor:
             self.event("agent.reattached", agent_pid=os.getpid(), job_pid=self.job.pid,
                        job_alive=self.job.alive(), seq_before=self.stream.seq,
                        offsets=dict(self.stream.offsets))
-            if self.store.state == RunState.STARTING:
-                self.store.set(RunState.RUNNING)
+            if self.store.state in (RunState.STARTING, RunState.RESTARTING) and self.job.alive():
+                self.store.set(RunState.RUNNING)  # the previous agent died right after spawning
             return
         self.event("agent.started", agent_pid=os.getpid(), argv=self.spec["argv"], options=self.spec.get("options"))
         self.spawn(self.spec["argv"])
