@@ -351,8 +351,8 @@ def test_write_to_a_missing_directory_names_the_file_and_container(ct):
         ct.write_file("/no/such/dir/f", b"x")
 
 
-def test_bundle_is_uploaded_once_and_importable(ct, runner, scratch):
-    tmp_root = Path(f"/tmp/{TAG}-bundle-src")
+def test_bundle_is_uploaded_once_and_importable(ct, runner, scratch, tmp_path):
+    tmp_root = tmp_path / "bundle-src"
     for pkg in ("agent", "trainer"):
         (tmp_root / pkg).mkdir(parents=True, exist_ok=True)
         (tmp_root / pkg / "__init__.py").write_text(f"MARK = {TAG!r}\n")
@@ -387,8 +387,8 @@ print("trailing noise")
 """
 
 
-def test_agent_call_parses_the_sentinel_payload_through_noise(ct, runner, scratch):
-    root = Path(f"/tmp/{TAG}-agent-src")
+def test_agent_call_parses_the_sentinel_payload_through_noise(ct, runner, scratch, tmp_path):
+    root = tmp_path / "agent-src"
     (root / "agent").mkdir(parents=True, exist_ok=True)
     (root / "trainer").mkdir(parents=True, exist_ok=True)
     (root / "agent" / "__init__.py").write_text("")
