@@ -173,7 +173,7 @@ def descendants(roots: Iterable[int], marker: dict[str, str] | None = None,
             if pid in found or pid in skip:
                 continue
             env = environ(pid)
-            if env and all(env.get(k) == v for k, v in marker.items()):
+            if env and all(_same(k, env.get(k), v) for k, v in marker.items()):
                 found.add(pid)
     live = set()
     for pid in found - skip:
@@ -181,6 +181,15 @@ def descendants(roots: Iterable[int], marker: dict[str, str] | None = None,
         if st is not None and st["state"] not in ("Z", "X"):
             live.add(pid)
     return live
+
+
+def _same(key: str, got: str | None, want: str) -> bool:
+    # a directory may be spelled with a trailing slash or "//" by whoever rendered the env
+    if got is None:
+        return False
+    if key.endswith("_DIR"):
+        return os.path.normpath(got) == os.path.normpath(want)
+    return got == want
 
 
 def send(pids: Iterable[int], sig: int) -> list[int]:

@@ -135,7 +135,7 @@ EVENT_KINDS = ("phase", "step", "checkpoint", "eval", "error", "probe")
 # observations, next to the trainer's events. "agent.failure" carries "failure" (one of
 # FAILURE_KINDS), "rank", "gpu", "reason" (one line, printed first), "evidence" (log lines).
 AGENT_EVENT_KINDS = ("agent.started", "agent.reattached", "agent.failure", "agent.stop_requested",
-                     "agent.stop", "agent.restart", "agent.job_exit", "agent.fingerprint")
+                     "agent.stop", "agent.restart", "agent.job_exit")
 FAILURE_KINDS = ("cuda_oom", "host_oom", "rank_exit", "rank_stall", "nccl_timeout",
                  "throughput_regression", "job_exit")
 
