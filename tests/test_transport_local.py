@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -63,6 +64,11 @@ def test_interrupted_stdin_stops_the_process_and_leaves_none(tmp_path):
             if not self.sent:
                 self.sent = True
                 return b"partial"
+            deadline = time.monotonic() + 10  # interrupt once the command has really started
+            while not pidfile.exists() or not pidfile.read_text().strip():
+                if time.monotonic() > deadline:
+                    break
+                time.sleep(0.01)
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
@@ -140,7 +146,8 @@ def test_a_closed_raw_sink_is_dropped_and_the_command_still_completes(tmp_path):
 
 def test_timeout_raises_timeouterror_and_kills_the_command(tmp_path):
     pidfile = tmp_path / "pid"
-    with pytest.raises(TimeoutError, match="did not finish within 0.5 s"):
-        LocalRunner().run(["sh", "-c", f"echo $$ > {pidfile}; exec sleep 60"], timeout=0.5)
-    with pytest.raises(ProcessLookupError):
-        os.kill(int(pidfile.read_text()), 0)
+    with pytest.raises(TimeoutError, match="did not finish within 2 s"):
+        LocalRunner().run(["sh", "-c", f"echo $$ > {pidfile}; exec sleep 60"], timeout=2)
+    if pidfile.exists() and pidfile.read_text().strip():  # else it was killed before it got that far
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(pidfile.read_text()), 0)
