@@ -8,6 +8,9 @@ import os
 
 import torch
 
+# Tiny models on a shared 2-core machine: one thread, or matmuls spin-wait for each other.
+torch.set_num_threads(1)
+
 TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, max_position_embeddings=512, initializer_range=0.1,
             tie_word_embeddings=False)
