@@ -92,3 +92,39 @@ def _rc(argv):
         return main(argv)
     except SystemExit as exc:  # argparse errors exit directly (also one line, code 2)
         return exc.code
+
+
+def test_tiny_subcommand_feeds_the_trainer(tmp_path):
+    """`python -m trainer tiny` (the data side's tiny target + data) trains end to end, and
+    the target's reserved mask id (config.json mask_token_id) becomes the drafter's."""
+    import json
+
+    assert main(["tiny", "--out", str(tmp_path / "tiny"), "--samples", "24"]) == 0
+    target, data, out = str(tmp_path / "tiny" / "target"), str(tmp_path / "tiny" / "data"), str(tmp_path / "out")
+    assert main(base_args(target, data, out, "--from-scratch", "--max-steps", "2", "--max-seq-len", "256",
+                          "--token-budget", "1024")) == 0
+    cfg = json.load(open(os.path.join(out, "step_2", "drafter", "config.json")))
+    assert cfg["dflash_config"]["mask_token_id"] == json.load(open(os.path.join(target, "config.json")))["mask_token_id"]
+
+
+def test_a_failure_is_an_error_event_naming_rank_and_gpu(env, tmp_path):
+    """A damaged data shard passes launch validation (meta.json is there) and fails at load:
+    the run directory gets an error event with rank, GPU, message and traceback."""
+    import json
+    import shutil
+
+    from trainer.data import DataError
+
+    data = str(tmp_path / "data")
+    shutil.copytree(env["data"], data)
+    shard = next(f for f in os.listdir(data) if f.endswith(".ids.int32"))
+    with open(os.path.join(data, shard), "r+b") as fh:
+        fh.truncate(8)
+    run_dir = str(tmp_path / "run")
+    with pytest.raises(DataError):
+        main(base_args(env["target"], data, str(tmp_path / "out"), "--from-scratch", "--run-dir", run_dir))
+    events = [json.loads(line) for line in open(os.path.join(run_dir, "events.jsonl"))]
+    err = [e for e in events if e["kind"] == "error"]
+    assert len(err) == 1 and err[0]["rank"] == 0 and err[0]["gpu"] == 0 and err[0]["error"] == "exception"
+    assert err[0]["message"].startswith("DataError: ") and "Traceback" in err[0]["traceback"]
+    assert json.load(open(os.path.join(run_dir, "heartbeat", "rank-0")))["state"] == "failed"
