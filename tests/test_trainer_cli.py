@@ -108,23 +108,35 @@ def test_tiny_subcommand_feeds_the_trainer(tmp_path):
 
 
 def test_a_failure_is_an_error_event_naming_rank_and_gpu(env, tmp_path):
-    """A damaged data shard passes launch validation (meta.json is there) and fails at load:
-    the run directory gets an error event with rank, GPU, message and traceback."""
+    """Token ids beyond the target's vocabulary pass launch validation and fail in the
+    target forward: the run directory gets an error event with rank, GPU, message and
+    traceback, the heartbeat says failed, and the exception propagates (exit code 1)."""
     import json
     import shutil
 
-    from trainer.data import DataError
+    import numpy as np
 
     data = str(tmp_path / "data")
     shutil.copytree(env["data"], data)
     shard = next(f for f in os.listdir(data) if f.endswith(".ids.int32"))
-    with open(os.path.join(data, shard), "r+b") as fh:
-        fh.truncate(8)
+    ids = np.fromfile(os.path.join(data, shard), dtype="<i4")
+    ids[:] = 10**6  # same size, so the shards still open
+    ids.tofile(os.path.join(data, shard))
     run_dir = str(tmp_path / "run")
-    with pytest.raises(DataError):
+    with pytest.raises(IndexError):
         main(base_args(env["target"], data, str(tmp_path / "out"), "--from-scratch", "--run-dir", run_dir))
     events = [json.loads(line) for line in open(os.path.join(run_dir, "events.jsonl"))]
     err = [e for e in events if e["kind"] == "error"]
     assert len(err) == 1 and err[0]["rank"] == 0 and err[0]["gpu"] == 0 and err[0]["error"] == "exception"
-    assert err[0]["message"].startswith("DataError: ") and "Traceback" in err[0]["traceback"]
+    assert err[0]["message"].startswith("IndexError: ") and "Traceback" in err[0]["traceback"]
     assert json.load(open(os.path.join(run_dir, "heartbeat", "rank-0")))["state"] == "failed"
+
+
+def test_too_little_data_for_one_step_is_bad_input(env, tmp_path, capsys):
+    argv = base_args(env["target"], env["data"], str(tmp_path / "out"), "--from-scratch")
+    i = argv.index("--grad-accum")
+    argv[i + 1] = "1000"
+    assert main(argv) == flags.EXIT_USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "less than one optimizer step" in err[0]
+    assert not (tmp_path / "out").exists()

@@ -60,6 +60,20 @@ def validate(args) -> list[str]:
         problems.append(f"--target-layer-ids {','.join(map(str, dcfg.target_layer_ids))}: the target has layers 0..{L - 1}")
     if not 0 <= dcfg.mask_token_id < dcfg.vocab_size:
         problems.append(f"--mask-token-id {dcfg.mask_token_id} is outside the target's vocabulary 0..{dcfg.vocab_size - 1}")
+    # -- the data must open and give at least one optimizer step
+    from trainer.data import DataError, PreparedData, make_batches
+
+    try:
+        data = PreparedData(args.data_dir)
+    except DataError as exc:
+        problems.append(f"--data-dir {args.data_dir}: {exc}")
+    else:
+        per_step = args.grad_accum * len(args.drafter_gpus)
+        per_epoch = len(make_batches(data.lengths, args.token_budget, args.max_seq_len, args.max_batch_size, args.seed, 0))
+        if per_epoch * args.epochs < per_step:
+            problems.append(f"--data-dir {args.data_dir}: {per_epoch} micro-batches per epoch × --epochs {args.epochs} "
+                            f"is less than one optimizer step (--grad-accum {args.grad_accum} × {len(args.drafter_gpus)} "
+                            "drafter ranks); add data or epochs, or lower --grad-accum or --token-budget")
     for flag, path in (("--resume-from", args.resume_from), ("--init-from", args.init_from)):
         if not path:
             continue
