@@ -56,7 +56,8 @@ def plot(results: dict, path: str) -> bool:
     ax.set_title(f"acceptance length vs training — {c['scale']} scale, block {c['block_size']}, "
                  f"{c['curve_prompts']} held-out prompts", fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    if ax.lines:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
