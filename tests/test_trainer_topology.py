@@ -64,6 +64,28 @@ def test_split_ranks_follow_the_colocated_trajectory(tmp_path):
     assert roles == ["target", "drafter", "drafter"]
 
 
+def test_two_colocated_ranks_follow_the_single_process_trajectory(tmp_path):
+    """2 colocated ranks (each target + drafter, DDP with no_sync accumulation) with
+    --grad-accum 2 == 1 process with --grad-accum 4."""
+    target, data = tiny_setup(str(tmp_path))
+    extra = ("--from-scratch", "--max-steps", "3", "--epochs", "4", "--noise-start", "0.05")
+    one = str(tmp_path / "one")
+    assert main(replace(base_args(target, data, one, *extra), "--grad-accum", "4")) == 0
+    two = str(tmp_path / "two")
+    argv = replace(replace(replace(base_args(target, data, two, *extra), "--grad-accum", "2"),
+                           "--target-gpus", "0,1"), "--drafter-gpus", "0,1")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-m", "trainer", *argv], cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    a, b = step_events(one), step_events(two)
+    assert [e["tokens"] for e in a] == [e["tokens"] for e in b]
+    assert [e["loss"] for e in a] == pytest.approx([e["loss"] for e in b], abs=1e-5)
+    wa = ckpt_io.load(os.path.join(one, "step_3"))["model"]
+    wb = ckpt_io.load(os.path.join(two, "step_3"))["model"]
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], atol=1e-5, rtol=1e-4)
+
+
 def test_sigterm_to_a_relaunched_run_stops_every_rank_after_a_checkpoint(tmp_path):
     """The agent signals the process it started (the thin parent); every rank must stop after
     the same step, the checkpoint must be written, and the exit code must be EXIT_STOPPED."""
