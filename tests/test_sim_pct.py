@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import shlex
 import subprocess
+import sys
 import uuid
 from pathlib import Path
 
@@ -310,3 +311,27 @@ def test_down_leaves_nothing_running_mounted_or_attached_and_up_again_reuses_the
     assert info["cold"] is False
     assert own_node.is_up()
     assert pct(own_node, "list").rc == 0
+
+
+# --- ctl sim ---------------------------------------------------------------------------------
+CTL = [sys.executable, "-c", "from controller.cli import main; main()"]
+
+
+def test_ctl_sim_up_writes_the_node_into_the_controller_config_and_status_reports_it(sim_node, tmp_path):
+    import tomllib
+
+    conf_file = tmp_path / "config.toml"
+    up = subprocess.run([*CTL, "sim", "up", "--config", str(conf_file)], capture_output=True, text=True, timeout=600)
+    assert up.returncode == 0, up.stderr
+    conf = tomllib.loads(conf_file.read_text())
+    assert conf["default_node"] == "sim"
+    entry = conf["nodes"]["sim"]
+    expected = sim_node.node_config()
+    for key in ("host", "port", "user", "identity_file", "known_hosts"):
+        assert entry[key] == expected[key], key
+    assert {k: (v["venv"], v["workspace"]) for k, v in entry["containers"].items()} == {
+        "200": ("/root/venv", "/workspace"), "201": ("/root/venv", "/workspace")}
+    status = subprocess.run([*CTL, "sim", "status"], capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0, status.stderr
+    assert "sshd: running" in status.stdout
+    assert "CT 200: running (local-btrfs" in status.stdout and "CT 201: running (local)" in status.stdout

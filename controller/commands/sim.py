@@ -48,7 +48,8 @@ def _progress(line: str) -> None:
 
 def write_node_entry(name: str, entry: dict, config_file: Optional[str] = None) -> str:
     """Put the sim node into the controller config; default_node only if none is set."""
-    conf = cfg.load(config_file)
+    # A --config file that does not exist yet is created (load() refuses a missing explicit file).
+    conf = cfg.load(config_file) if cfg.config_path(config_file).exists() else cfg.Config()
     containers = {k: cfg.ContainerConfig(**v) for k, v in entry["containers"].items()}
     conf.nodes[name] = cfg.NodeConfig(host=entry["host"], port=entry["port"], user=entry["user"],
                                       identity_file=entry["identity_file"], known_hosts=entry["known_hosts"],
