@@ -239,7 +239,10 @@ def main() -> None:
         "",
         "Launch overhead is the operator's command start to the trainer's spawn, i.e. the time to the "
         "trainer's first event minus the trainer's own start-up (python + torch + transformers imports, "
-        "model load), which is the same code in both columns. `ctl launch` spends it on: starting "
+        "model load), which is the same trainer in both columns — except that under `ctl` the spawn time "
+        "is the agent's `agent.started` event, so the second row also holds the agent's job monitor (a "
+        "Python process that starts `bash start.sh`, ~1 s here); the third row is the whole difference "
+        "an operator sees. `ctl launch` spends it on: starting "
         "Python and importing the controller, one SSH connection, the preflight call (python, torch and "
         "CUDA build read without importing torch, GPUs, disk, data meta.json, checkpoint, the known-good "
         "record updated and compared), the drift report, rendering start.sh, and the commit call (run "
