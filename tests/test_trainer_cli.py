@@ -140,3 +140,24 @@ def test_too_little_data_for_one_step_is_bad_input(env, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "less than one optimizer step" in err[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_init_from_an_exported_drafter_equals_init_from_its_checkpoint(env, tmp_path):
+    """--init-from takes a checkpoint or an exported drafter/ (this trainer's or z-lab's
+    layout): same weights, same first steps."""
+    import json
+
+    runs = {}
+    for name, path in (("ckpt", env["ckpt"]), ("export", os.path.join(env["ckpt"], "drafter"))):
+        out = str(tmp_path / name)
+        assert main(base_args(env["target"], env["data"], out, "--init-from", path, "--max-steps", "2")) == 0
+        events = [json.loads(line) for line in open(os.path.join(out, "events.jsonl"))]
+        runs[name] = [e["loss"] for e in events if e["kind"] == "step"]
+    assert runs["ckpt"] == runs["export"] and len(runs["ckpt"]) == 2
+
+
+def test_init_from_an_export_for_another_target_is_refused(env, capsys):
+    argv = base_args(env["other"], env["data"], str(env["root"] / "x"), "--init-from", os.path.join(env["ckpt"], "drafter"))
+    assert main(argv) == flags.EXIT_USAGE
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "another target (num_hidden_layers 6 vs 8)" in err[0]

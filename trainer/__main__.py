@@ -78,7 +78,7 @@ def validate(args) -> list[str]:
         if not path:
             continue
         try:
-            meta = ckpt_io.read_meta(path)
+            meta = ckpt_io.read_meta(path) if flag == "--resume-from" else ckpt_io.read_init_meta(path)
         except ValueError as exc:
             problems.append(f"{flag} {path}: {exc}")
             continue

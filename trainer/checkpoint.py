@@ -60,8 +60,8 @@ def read_meta(path: str) -> dict:
 
 def rng_state() -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.cuda.is_available():  # this process's device only: a resume may use other GPU ids
+        state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
@@ -69,8 +69,8 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if isinstance(state.get("cuda"), torch.Tensor) and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def save(output_dir: str, step: int, drafter, meta: dict, state: dict) -> str:
@@ -108,6 +108,28 @@ def load(path: str, map_location="cpu") -> dict:
     return torch.load(os.path.join(d, CHECKPOINT), map_location=map_location, weights_only=False)
 
 
+def is_export(path: str) -> bool:
+    """An exported drafter directory (this trainer's step_N/drafter, or z-lab's release layout)."""
+    return os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(os.path.join(path, "model.safetensors"))
+
+
+def read_init_meta(path: str) -> dict:
+    """--init-from accepts a checkpoint or an exported drafter directory; the latter has no
+    target identity, so only its shapes can be checked against the target."""
+    if is_export(path):
+        with open(os.path.join(path, "config.json")) as fh:
+            return {"drafter_config": json.load(fh), "target": None}
+    return read_meta(path)
+
+
+def init_weights(path: str) -> dict:
+    if is_export(path):
+        from safetensors.torch import load_file
+
+        return load_file(os.path.join(path, "model.safetensors"))
+    return load(path)["model"]
+
+
 def compatibility_problems(meta: dict, *, block_size: int, num_draft_layers: int, target: dict,
                            target_layer_ids: list[int], flag: str, data_fingerprint: str | None = None) -> list[str]:
     """Why a checkpoint cannot start this run (one line each, naming the flag)."""
@@ -120,16 +142,23 @@ def compatibility_problems(meta: dict, *, block_size: int, num_draft_layers: int
     if cfg.get("num_hidden_layers") != num_draft_layers:
         problems.append(f"{flag} {where}: checkpoint has {cfg.get('num_hidden_layers')} draft layers, "
                         f"--num-draft-layers is {num_draft_layers}")
-    ids = (cfg.get("dflash_config") or {}).get("target_layer_ids")
-    same_target = (meta.get("target") or {}).get("config_sha256") == target.get("config_sha256")
-    if same_target and ids is not None and list(ids) != list(target_layer_ids):  # else the target line says it
-        problems.append(f"{flag} {where}: checkpoint taps target layers {ids}, this run taps {list(target_layer_ids)}")
-    theirs = meta.get("target") or {}
+    theirs = meta.get("target")
+    if theirs is None:  # an export: compare what its config.json says about the target
+        theirs = {"hidden_size": cfg.get("hidden_size"), "num_hidden_layers": cfg.get("num_target_layers"),
+                  "vocab_size": cfg.get("vocab_size"), "model_type": target.get("model_type"),
+                  "config_sha256": target.get("config_sha256")}
+        if any(theirs[k] != target.get(k) for k in ("hidden_size", "num_hidden_layers", "vocab_size")):
+            theirs["config_sha256"] = None
     if theirs.get("config_sha256") != target.get("config_sha256"):
         diff = [k for k in ("model_type", "num_hidden_layers", "hidden_size", "vocab_size") if theirs.get(k) != target.get(k)]
         what = ", ".join(f"{k} {theirs.get(k)} vs {target.get(k)}" for k in diff) or "its config.json differs"
         problems.append(f"{flag} {where}: trained against another target ({what}); "
                         "point --target-model at the checkpoint's target or start --from-scratch")
+    else:  # same target: the taps must match too (for another target, the line above says it all)
+        ids = (cfg.get("dflash_config") or {}).get("target_layer_ids")
+        if ids is not None and list(ids) != list(target_layer_ids):
+            problems.append(f"{flag} {where}: checkpoint taps target layers {ids}, this run taps {list(target_layer_ids)}; "
+                            f"use --target-layer-ids {','.join(map(str, ids))}")
     if data_fingerprint is not None and meta.get("data_fingerprint") != data_fingerprint:
         problems.append(f"{flag} {where}: checkpoint was trained on other data (fingerprint "
                         f"{str(meta.get('data_fingerprint'))[:12]} vs {data_fingerprint[:12]}); resuming needs the same "

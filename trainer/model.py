@@ -128,9 +128,9 @@ class DrafterConfig:
 
 def rope_theta_of(cfg: dict) -> float:
     # transformers 5 moved rope_theta into rope_parameters; 4.x kept it at the top level.
-    rp = cfg.get("rope_parameters") or {}
-    rope_type = rp.get("rope_type", "default")
-    if rope_type not in ("default", None):
+    rp = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    rope_type = rp.get("rope_type") or rp.get("type") or "default"
+    if rope_type != "default":
         raise ValueError(f"target rope_type {rope_type!r} is not supported by the drafter (default RoPE only)")
     return float(rp.get("rope_theta") or cfg.get("rope_theta") or 10000.0)
 

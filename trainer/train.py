@@ -185,7 +185,7 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
     if topo.is_drafter:
         drafter, head, opt = build_drafter(args, dcfg, target, dev, dtype)
         if args.init_from:
-            drafter.load_state_dict(ckpt_io.load(args.init_from)["model"])
+            drafter.load_state_dict(ckpt_io.init_weights(args.init_from))
         if resume is not None:
             drafter.load_state_dict(resume["model"])
             opt.load_state_dict(resume["optimizer"])
