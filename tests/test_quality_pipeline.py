@@ -4,6 +4,7 @@ logits, and the CPU-scale pipeline — real byte-level target, self-distilled da
 `python -m trainer prepare`, every drafter variant trained by the trainer — decodes
 losslessly (block and tree, every held-out prompt) with τ > 1 after training."""
 
+import importlib
 import itertools
 import json
 import os
@@ -13,11 +14,25 @@ import sys
 import pytest
 import torch
 
+from trainer.ddtree import build_tree, target_tree_forward, tree_mask
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUALITY = os.path.join(ROOT, "bench", "quality")
-sys.path.insert(0, QUALITY)
+QUALITY_MODULES = ("corpus", "target", "distill", "variants", "measure", "report")
 
-from trainer.ddtree import build_tree, target_tree_forward, tree_mask  # noqa: E402
+
+def quality(name: str):
+    """Import a bench/quality module without leaving its generic name (corpus, target, …)
+    importable by the rest of the test session."""
+    before = set(sys.modules)
+    sys.path.insert(0, QUALITY)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(QUALITY)
+        for mod in set(sys.modules) - before:
+            if mod in QUALITY_MODULES:
+                del sys.modules[mod]
 
 
 def test_build_tree_keeps_the_budget_best_prefixes():
@@ -89,8 +104,7 @@ def test_cpu_pipeline_is_lossless_and_trained_drafters_accept_more_than_one_toke
 
     # the table is printed last, one row per variant
     lines = proc.stdout.strip().splitlines()
-    import variants
-
+    variants = quality("variants")
     assert lines[-len(variants.VARIANTS) - 2].startswith("| variant |")
     assert [ln.split("|")[1].strip() for ln in lines[-len(variants.VARIANTS):]] == list(variants.VARIANTS)
 
@@ -113,8 +127,7 @@ def test_cpu_pipeline_is_lossless_and_trained_drafters_accept_more_than_one_toke
 
 
 def test_held_out_files_are_never_training_files():
-    import corpus
-
+    corpus = quality("corpus")
     split = corpus.load_split(max_bytes=300_000)
     train, held = set(split["names"]["train"]), set(split["names"]["held_out"])
     assert train and held and not train & held
