@@ -1,6 +1,7 @@
 """Drafter quality on a real (small) target, end to end, in one command:
 
     python3 bench/quality/run.py --scale gpu --out $OUT      # one H200, < 10 minutes
+    python3 bench/quality/run.py --scale gpu-short --out $OUT  # one H200, about 5 minutes
     python3 bench/quality/run.py --scale cpu --out DIR       # the same pipeline, tiny (tests)
 
 1. a byte-level Qwen3 target trained on the Python stdlib sources (held-out files kept apart);
@@ -12,9 +13,10 @@
    greedy decoding, and a token-for-token losslessness check on every held-out prompt.
 
 Writes OUT/results.json (after every phase, so a cut-off run still leaves data),
-OUT/table.md and OUT/tau_vs_steps.png, and prints the table last. Exit code 0 when every
-check passed, 1 when a speculative output differed from greedy. On the GPU scale a deadline
-(--deadline-s) skips the remaining evaluations rather than overrunning the device call.
+OUT/table.md, OUT/tau_vs_steps.png and OUT/events/VARIANT.jsonl (the trainer's events), and
+prints the table last. Exit code 0 when every check passed; 1 when a speculative output
+differed from greedy or a variant failed. On the GPU scales a deadline (--deadline-s) skips
+the remaining variants or tree budgets rather than overrunning the device call.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -64,6 +67,13 @@ SCALES = {
         "eval": {"prompts": 12, "max_new": 128, "curve_prompts": 6, "curve_max_new": 64, "tree_budgets": [16, 32, 64]},
     },
 }
+# The same on a tighter device budget (about 5 minutes): shorter target and drafter training,
+# fewer evaluation prompts.
+SCALES["gpu-short"] = json.loads(json.dumps(SCALES["gpu"]))
+SCALES["gpu-short"].update(deadline_s=300)
+SCALES["gpu-short"]["target"].update(seconds=60)
+SCALES["gpu-short"]["drafter"].update(steps=200, save_interval=50)
+SCALES["gpu-short"]["eval"].update(prompts=8, curve_prompts=4)
 
 
 class Clock:
@@ -134,6 +144,9 @@ def train_and_evaluate(name: str, argv: list[str], v_out: str, v: dict, c: dict)
     v["rc"] = variants.train(argv)
     v["final_loss"], v["final_ce"] = final_loss(v_out)
     v["train_s"] = round(time.time() - t0, 1)
+    if c.get("events_dir"):  # the trainer's step events travel back with $OUT (checkpoints do not)
+        os.makedirs(c["events_dir"], exist_ok=True)
+        shutil.copyfile(os.path.join(v_out, "events.jsonl"), os.path.join(c["events_dir"], f"{name}.jsonl"))
     if v["rc"] != 0:
         raise RuntimeError(f"the trainer exited {v['rc']}")
     v["curve"] = [[0, c["tau0"]]]
@@ -175,7 +188,7 @@ def main(argv=None) -> int:
     if s["threads"]:
         torch.set_num_threads(s["threads"])  # tiny matrices on a busy 2-core VM: 1 thread is far faster
     if s["device"] == "cuda" and not torch.cuda.is_available():
-        p.error("--scale gpu needs a CUDA device")
+        p.error(f"--scale {args.scale} needs a CUDA device")
     device = torch.device(s["device"])
     torch.backends.cuda.matmul.allow_tf32 = False  # fp32 evaluation: no near-ties flipped by TF32
     torch.backends.cudnn.allow_tf32 = False
@@ -244,7 +257,7 @@ def main(argv=None) -> int:
     save()
 
     ctx = {"target": target, "head": head, "prompts": prompts, "curve_prompts": curve_prompts, "refs": refs,
-           "ev": ev, "device": device, "tau0": tau0}
+           "ev": ev, "device": device, "tau0": tau0, "events_dir": os.path.join(out, "events")}
     drafters = {}
     longest = 60.0  # a variant (train + evaluate) is assumed to take this long until one has
     for name in names:
