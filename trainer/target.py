@@ -8,6 +8,7 @@ drafted positions (loss.py).
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 
@@ -43,7 +44,13 @@ class Target:
     def __init__(self, target_dir: str, layer_ids: list[int], device, dtype):
         from transformers import AutoModelForCausalLM
 
-        self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+        kw = {}
+        device = torch.device(device)
+        if device.type == "cuda" and importlib.util.find_spec("accelerate") is not None:
+            # load shards straight onto the GPU: without it, T target ranks each hold a full
+            # host copy of the target at once (5 × 54 GB for a 27B model)
+            kw["device_map"] = {"": device.index if device.index is not None else torch.cuda.current_device()}
+        self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, **kw).to(device).eval()
         self.model.requires_grad_(False)
         self.layer_ids = list(layer_ids)
         self._taps: dict[int, torch.Tensor] = {}
