@@ -19,10 +19,18 @@ BOS = 256  # document start: the target sees file boundaries
 MASK = 257  # the drafter's mask token: never in any text, so the target never emits it
 VOCAB = 264  # 258 used; padded to a multiple of 8
 HELD_OUT_PERCENT = 5
+DEFAULT_MAX_BYTES = 64_000_000  # binds only on the site-packages fallback
+
+
+MIN_STDLIB_BYTES = 5_000_000  # below this the install ships few sources (e.g. .pyc only)
 
 
 def stdlib_files(root: str | None = None) -> list[tuple[str, str]]:
-    """(relative path, absolute path) of every stdlib .py file, sorted; site-packages excluded."""
+    """(relative path, absolute path) of every stdlib .py file, sorted; site-packages excluded.
+
+    Where the stdlib holds under MIN_STDLIB_BYTES of sources (a slimmed image), the .py files
+    of the installed packages (purelib: transformers, torch, …) are added, named
+    ``site-packages/…``: still text already on the machine."""
     root = root or sysconfig.get_paths()["stdlib"]
     out = []
     for path in glob.glob(os.path.join(root, "**", "*.py"), recursive=True):
@@ -30,6 +38,10 @@ def stdlib_files(root: str | None = None) -> list[tuple[str, str]]:
         if rel.split(os.sep)[0] in ("site-packages", "dist-packages"):
             continue
         out.append((rel, path))
+    if sum(os.path.getsize(p) for _, p in out) < MIN_STDLIB_BYTES:
+        site = sysconfig.get_paths()["purelib"]
+        out += [(os.path.join("site-packages", os.path.relpath(p, site)), p)
+                for p in glob.glob(os.path.join(site, "**", "*.py"), recursive=True)]
     return sorted(out)
 
 
@@ -50,8 +62,10 @@ def load_split(max_bytes: int | None = None, root: str | None = None) -> dict:
     """{"train": [np.ndarray ids per file], "held_out": [...], "names": {split: [rel paths]}},
     each file prefixed with BOS.
 
-    ``max_bytes`` caps each split's total (files taken in a fixed pseudo-random order, so a
-    small cap still mixes many modules instead of taking one package alphabetically)."""
+    ``max_bytes`` (default DEFAULT_MAX_BYTES, above the stdlib's size) caps the training
+    split's total, and a tenth of it the held-out split's. Files are taken in a fixed
+    pseudo-random order, so a small cap still mixes many modules instead of taking one
+    package alphabetically."""
     files = stdlib_files(root)
     files.sort(key=lambda f: hashlib.sha256(f[0].encode()).digest())
     split: dict[str, list[np.ndarray]] = {"train": [], "held_out": []}
@@ -59,8 +73,9 @@ def load_split(max_bytes: int | None = None, root: str | None = None) -> dict:
     names: dict[str, list[str]] = {"train": [], "held_out": []}
     for rel, path in files:
         part = "held_out" if is_held_out(rel) else "train"
-        cap = max_bytes if part == "train" else (max_bytes // 10 if max_bytes else None)
-        if cap is not None and size[part] >= cap:
+        cap = max_bytes or DEFAULT_MAX_BYTES
+        cap = cap if part == "train" else cap // 10
+        if size[part] >= cap:
             continue
         try:
             with open(path, "rb") as fh:
