@@ -177,6 +177,9 @@ def resolve_target(ct: Container, to: str) -> Target:
         return Target("env", gid, f"the env of known-good run {env.get('run_id')}", expected_id=gid)
     if kind == "env":
         shown = eg.envgen(ct, "show", ref)  # refuses, naming the known ones, if it does not exist
+        if not shown.get("managed", True):
+            raise RollbackRefused(f"{ct.config.venv} in container {ct.ctid} is a plain venv, not generations: there "
+                                  f"is no other environment to roll back to (`ctl env install` keeps the old one)")
         return Target("env", shown["id"], "named on the command line", expected_id=shown["id"])
     try:
         snap = snaps.find_snapshot(ct, ref)

@@ -141,6 +141,16 @@ def reset_to_pristine(config: Path) -> None:
         h.close()
 
 
+def started_run(launch_output: str) -> str:
+    """The run id from `ctl launch`'s "run <id> started in …" line (other lines may name
+    other runs, e.g. the known-good one in the drift report)."""
+    import re
+
+    m = re.search(r"^run (\S+) started in ", launch_output, re.M)
+    assert m, launch_output
+    return m.group(1)
+
+
 def tiny_config(tmp: Path, max_steps: int = 8, save_interval: int = 4) -> Path:
     """examples/tiny.toml, shorter, with a baseline any 2 steps satisfy (|r - median| <= median
     always holds for two positive rates), so a completed run is known-good deterministically."""

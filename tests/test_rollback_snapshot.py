@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from _rollback_node import (DIR_CT, SNAP_CT, Handle, ctl, rb_config, rb_node,  # noqa: F401 (fixtures)
+from _rollback_node import (started_run, DIR_CT, SNAP_CT, Handle, ctl, rb_config, rb_node,  # noqa: F401 (fixtures)
                             reset_to_pristine, tiny_config)
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
@@ -43,7 +43,7 @@ def test_snapshot_launch_then_damage_then_rollback_restores_files_and_the_contai
     proc = ctl(rb_config, "launch", "--container", str(SNAP_CT), "--config", str(long_config), "--from-scratch",
                "--snapshot")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    run_id = next(w for w in proc.stdout.split() if w.startswith("tiny-"))
+    run_id = started_run(proc.stdout)
     snap = next(w for w in proc.stdout.split() if w.startswith("ctl-"))
     assert snap == "ctl-" + run_id and f"snapshot {snap} of container {SNAP_CT} taken" in proc.stdout
     assert snap in h.pct("listsnapshot", str(SNAP_CT)).stdout
