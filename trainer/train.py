@@ -309,7 +309,7 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
 def probe(args, topo, events: Events, hb: Heartbeat) -> int:
     """--probe-memory: run the worst-case micro-batch on each role's device — the full token
     budget at --max-seq-len, --max-anchors per sequence, soft labels if on — through the
-    target forward (target ranks) and forward + backward + optimizer step (drafter ranks;
+    target forward (target ranks) and two forward + backward + optimizer steps (drafter ranks;
     split ranks use random states of the right shape, nothing is sent). One probe event per
     rank with its peak; nothing is trained or saved."""
     dev = topo.device
@@ -339,12 +339,14 @@ def probe(args, topo, events: Events, hb: Heartbeat) -> int:
         lcfg = LossConfig(block_size=args.block_size, gamma=args.gamma, position_weights=args.position_weights,
                           dpace_alpha=args.dpace_alpha, use_soft_labels=args.use_soft_labels, kl_weight=args.kl_weight,
                           kl_temperature=args.kl_temperature, cap_lambda=args.cap_lambda)
-        with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext():
-            out = drafter(taps, head.embed_blocks(ids, anchors, args.block_size, dcfg.mask_token_id), anchors, keep,
-                          "flex" if cuda else "sdpa")
-            lo = dflash_loss(lcfg, out, head.lm_head, ids, loss_mask, lengths, anchors, keep, final)
-        lo.loss.backward()
-        opt.step()
+        for _ in range(2):  # AdamW creates its state in the first step, after that step's peak
+            with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext():
+                out = drafter(taps, head.embed_blocks(ids, anchors, args.block_size, dcfg.mask_token_id), anchors, keep,
+                              "flex" if cuda else "sdpa")
+                lo = dflash_loss(lcfg, out, head.lm_head, ids, loss_mask, lengths, anchors, keep, final)
+            lo.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
     peak = mem_peak_mib(dev)
     total = torch.cuda.get_device_properties(dev).total_memory / 2**20 if cuda else None
     fits = peak < 0.9 * total if total else True  # 10 % margin for fragmentation and the allocator
