@@ -407,3 +407,24 @@ def test_the_controller_side_runs_with_torch_not_importable(prepared, ctl_env):
     _refused_and_nothing_left(ctl_env, ["--from-scratch", "--data-dir", f"{WS}/absent"], "no such directory")
     status = ctl(ctl_env, "status", "--container", CT)
     assert status.returncode == 0 and "state    " in status.stdout, status.stderr
+
+
+def test_ctrl_c_detaches_the_tail_and_leaves_the_run_alone(good_run, ctl_env):
+    import signal
+
+    launch = ctl(ctl_env, "launch", "--container", CT, "--config", TINY, "--from-scratch", "--accept-drift",
+                 "--json", "--set", "max-steps=8")
+    assert launch.returncode == 0, launch.stderr
+    run_id = json.loads(launch.stdout.strip().splitlines()[-1])["run_id"]
+    tail = subprocess.Popen(CTL + ["tail", "--container", str(CT), "--run", run_id, "--follow"], env=ctl_env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in tail.stdout:  # wait for training to be under way
+        if line.startswith("step "):
+            break
+    tail.send_signal(signal.SIGINT)
+    rest, err = tail.communicate(timeout=60)
+    assert tail.returncode == 0 and "detached at seq" in err and "the run goes on" in err, err
+    doc = json.loads(ctl(ctl_env, "status", "--container", CT, "--run", run_id, "--json").stdout)
+    assert doc["status"]["state"] in ("running", "completed")  # not stopped by the detach
+    done = ctl(ctl_env, "tail", "--container", CT, "--run", run_id, "--follow")  # re-attach to the end
+    assert done.returncode == 0 and "run completed" in done.stdout

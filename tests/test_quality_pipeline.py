@@ -112,13 +112,14 @@ def test_cpu_pipeline_is_lossless_and_trained_drafters_accept_more_than_one_toke
     meta = json.loads((tmp_path / "work" / "data" / "meta.json").read_text())
     assert meta["samples"] == r["data"]["samples"] and 0 < meta["loss_fraction"] < 1
     budget = r["config"]["tree_budgets"]
+    n_prompts = r["config"]["scale_config"]["eval"]["prompts"]
     assert budget == [16, 32, 64]
     for name, v in r["variants"].items():
         assert v["rc"] == 0, name
         fin = v["final"]
         checks = [fin["block"]] + [fin["tree"][str(b)] for b in budget]
         for c in checks:  # lossless on every prompt, block and every tree budget
-            assert c["lossless"] and c["mismatches"] == [] and c["prompts"] == r["config"]["scale_config"]["eval"]["prompts"], name
+            assert c["lossless"] and c["mismatches"] == [] and c["prompts"] == n_prompts, name
         untrained = v["curve"][0][1]
         assert v["curve"][0][0] == 0 and [s for s, _ in v["curve"]][1:] == [20, 40]
         assert fin["block"]["tau"] > 1.0 and fin["block"]["tau"] > untrained, name

@@ -21,8 +21,10 @@ def table(results: dict) -> str:
         trees = fin.get("tree") or {}
         checked = [blk] + [trees.get(str(b)) for b in budgets]
         checked = [c for c in checked if c]
-        lossless = ("yes" if all(c["lossless"] for c in checked) else "NO") + f" ({len(checked)}×{blk.get('prompts', 0)})" \
-            if checked else "—"
+        lossless = "—"
+        if checked:  # "yes (4×12)": 4 decoders (block + 3 tree budgets) × 12 prompts, all equal to greedy
+            verdict = "yes" if all(c["lossless"] for c in checked) else "NO"
+            lossless = f"{verdict} ({len(checked)}×{blk.get('prompts', 0)})"
         if v.get("error") or fin.get("tree_errors"):
             lossless += " — FAILED (see results.json)"
         elif v.get("skipped"):

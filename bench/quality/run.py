@@ -198,9 +198,10 @@ def main(argv=None) -> int:
     os.makedirs(work, exist_ok=True)
     ev = s["eval"]
     d = drafter_budget(s)
+    gpu_name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
     results = {"config": {"scale": args.scale, "block_size": d["block_size"], "tree_budgets": ev["tree_budgets"],
                           "curve_prompts": ev["curve_prompts"], "scale_config": s, "drafter_budget": d,
-                          "torch": torch.__version__, "work": work, "device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"},
+                          "torch": torch.__version__, "work": work, "device": gpu_name},
                "timings": {}, "variants": {}}
 
     def save():
