@@ -26,6 +26,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -43,6 +44,7 @@ import measure  # noqa: E402
 import report  # noqa: E402
 import target as target_mod  # noqa: E402
 import variants  # noqa: E402
+from trainer.flags import EXIT_STOPPED  # noqa: E402
 
 SCALES = {
     # 2-core CPU, about a minute and a half: just enough that the drafter learns (τ > 1).
@@ -77,14 +79,29 @@ SCALES["gpu-short"]["eval"].update(prompts=8, curve_prompts=4)
 
 
 class Clock:
+    """The run's time budget. SIGTERM (e.g. from ``timeout``) spends it at once, so the
+    remaining variants and tree budgets are skipped and the table of what is done is printed."""
+
     def __init__(self, deadline_s):
         self.t0 = T0
         self.deadline_s = deadline_s
+        self.stopped = False
+        self.listen()
+
+    def listen(self) -> None:
+        # The trainer installs its own SIGTERM handler while it trains (finish the step, save,
+        # exit 75); call this again after each trainer run to take the signal back.
+        signal.signal(signal.SIGTERM, self._stop)
+
+    def _stop(self, signum, frame) -> None:
+        self.stopped = True
 
     def elapsed(self) -> float:
         return time.time() - self.t0
 
     def left(self) -> float:
+        if self.stopped:
+            return 0.0
         return math.inf if self.deadline_s is None else self.deadline_s - self.elapsed()
 
 
@@ -263,8 +280,9 @@ def main(argv=None) -> int:
     longest = 60.0  # a variant (train + evaluate) is assumed to take this long until one has
     for name in names:
         if clock.left() < 1.2 * longest:
-            log(f"{name}: skipped, {clock.left():.0f} s left of the time budget")
-            results["variants"][name] = {"skipped": "time budget"}
+            why = "SIGTERM" if clock.stopped else "time budget"
+            log(f"{name}: skipped ({why}), {clock.left():.0f} s left")
+            results["variants"][name] = {"skipped": why}
             continue
         started = clock.elapsed()
         v_out = os.path.join(work, "drafters", name)
@@ -276,6 +294,9 @@ def main(argv=None) -> int:
         except Exception as exc:  # noqa: BLE001 — recorded, printed, and fails the run's exit code
             v["error"] = f"{type(exc).__name__}: {exc}"
             log(f"{name}: FAILED {v['error']}")
+        clock.listen()
+        if v.get("rc") == EXIT_STOPPED:  # SIGTERM reached the trainer: stop here, report what is done
+            clock.stopped = True
         if device.type == "cuda":
             torch.cuda.empty_cache()
         results["timings"][f"{name}_s"] = round(clock.elapsed(), 1)
@@ -315,7 +336,7 @@ def main(argv=None) -> int:
         f"{results['target']['held_out_bits_per_byte']} bits/byte; data {results['data']['samples']} samples; "
         f"greedy {results['greedy']['tokens_per_s']} tok/s; total {results['timings']['total_s']} s; "
         f"plot {'written' if plotted else 'skipped (no matplotlib)'}; lossless on every prompt: {ok}; "
-        f"failed: {', '.join(failed) or 'none'}; skipped for time: {', '.join(skipped) or 'none'}")
+        f"failed: {', '.join(failed) or 'none'}; skipped: {', '.join(skipped) or 'none'}")
     print(md, flush=True)
     return 0 if ok and not failed else 1
 
