@@ -15,8 +15,9 @@ Grad accumulation and the data stream (documented contract)
 ``--grad-accum G`` counts micro-batches *per drafter rank*, as in plain DDP: one optimizer
 step consumes G × D micro-batches of the global, deterministic micro-batch stream (all
 epochs' ``make_batches`` lists concatenated). Within a step, local index j = 0..G·D-1 goes
-to drafter rank j mod D (its (j div D)-th accumulation micro-batch) and is produced by target
-rank j mod T. So one colocated process with G = 2 and 1 target + 2 drafter ranks with G = 1
+to drafter rank j mod D (its (j div D)-th accumulation micro-batch); in split mode it is
+produced by target rank m mod T, m the global stream index (so 5 target ranks feeding 12
+micro-batches per step share the work evenly over steps). So one colocated process with G = 2 and 1 target + 2 drafter ranks with G = 1
 consume exactly the same micro-batches per step, and the averaged gradient is the same (up
 to float summation order). Between any (target, drafter) pair, messages flow in increasing
 micro-batch order on both sides, so blocking send/recv cannot deadlock.
@@ -93,9 +94,10 @@ class Topology:
     def device(self) -> torch.device:
         return torch.device("cuda", self.gpu) if self.device_type == "cuda" else torch.device("cpu")
 
-    def producer(self, j: int) -> int:
-        """Rank producing local micro-batch j of a step."""
-        return self.target_ranks[j % self.n_target]
+    def producer(self, m: int) -> int:
+        """Target rank producing global micro-batch m (split mode; colocated ranks produce
+        their own)."""
+        return self.target_ranks[m % self.n_target]
 
     def consumer(self, j: int) -> int:
         """Rank training on local micro-batch j of a step."""

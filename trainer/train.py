@@ -215,7 +215,7 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
         # -- target role (split): produce this step's micro-batches and ship them
         if topo.is_target and not topo.colocated:
             for j in range(per_step):
-                if topo.producer(j) == topo.rank:
+                if topo.producer(base + j) == topo.rank:
                     send_microbatch(produce(target, data, stream, base + j, args, dev), topo.consumer(j))
         # -- drafter role: forward/backward each micro-batch, then one optimizer step
         if topo.is_drafter:
@@ -225,7 +225,7 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
             sums = torch.zeros(6 + 2 * K, device=dev)  # loss ce kl cap tokens wait | acc·count[K] count[K]
             for i, j in enumerate(mine):
                 tw = time.time()
-                mb = produce(target, data, stream, base + j, args, dev) if topo.colocated else recv_microbatch(topo.producer(j), dev)
+                mb = produce(target, data, stream, base + j, args, dev) if topo.colocated else recv_microbatch(topo.producer(base + j), dev)
                 wait = time.time() - tw
                 sync = nullcontext() if (i == len(mine) - 1 or model is drafter) else model.no_sync()
                 with sync:
