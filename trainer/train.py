@@ -223,10 +223,11 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
             amp = noise_amplitude(step, args.noise_start, args.noise_end, schedule["total_steps"])
             K = args.block_size - 1
             sums = torch.zeros(6 + 2 * K, device=dev)  # loss ce kl cap tokens wait | acc·count[K] count[K]
+            wait = 0.0  # host-side; metrics stay on the device until a log step (no host syncs in the step)
             for i, j in enumerate(mine):
                 tw = time.time()
                 mb = produce(target, data, stream, base + j, args, dev) if topo.colocated else recv_microbatch(topo.producer(base + j), dev)
-                wait = time.time() - tw
+                wait += time.time() - tw
                 sync = nullcontext() if (i == len(mine) - 1 or model is drafter) else model.no_sync()
                 with sync:
                     with autocast:
@@ -236,8 +237,8 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
                         lo = dflash_loss(lcfg, out, head.lm_head, mb.input_ids, mb.loss_mask, mb.lengths,
                                          mb.anchors, mb.keep, mb.final)
                     (lo.loss / len(mine)).backward()
-                sums[:6] += torch.stack([lo.loss.detach(), lo.ce, lo.kl, lo.cap, mb.lengths.sum().float(),
-                                         torch.tensor(wait, device=dev)]) / torch.tensor([len(mine)] * 4 + [1, 1], device=dev)
+                sums[:4] += torch.stack([lo.loss.detach(), lo.ce, lo.kl, lo.cap]) / len(mine)
+                sums[4] += mb.lengths.sum()
                 sums[6:6 + K] += lo.acc * lo.acc_count
                 sums[6 + K:] += lo.acc_count
             lr = lr_at(step, schedule["peak_lr"], schedule["total_steps"], schedule["warmup_steps"])
@@ -254,6 +255,7 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
 
         # -- log: one step event, one wandb row, one human line
         if topo.is_drafter and (step % args.log_interval == 0 or finishing):
+            sums[5] = wait
             topo_mod.drafter_sum(topo, sums)
             s = sums.tolist()
             D = topo.n_drafter
