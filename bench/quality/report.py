@@ -26,7 +26,7 @@ def table(results: dict) -> str:
             verdict = "yes" if all(c["lossless"] for c in checked) else "NO"
             lossless = f"{verdict} ({len(checked)}×{blk.get('prompts', 0)})"
         if v.get("error") or fin.get("tree_errors"):
-            lossless += " — FAILED (see results.json)"
+            lossless = ("" if lossless == "—" else lossless + "; ") + "FAILED (see results.json)"
         elif v.get("skipped"):
             lossless = f"skipped ({v['skipped']})"
         row = [name, str(v.get("steps", "—")), _f(blk.get("tau"))]

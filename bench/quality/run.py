@@ -140,12 +140,16 @@ def override(scale: dict, sets: list[str]) -> dict:
 
 
 def final_loss(out_dir: str) -> tuple[float | None, float | None]:
+    """(loss, ce) of the trainer's last step event; (None, None) if it wrote none (a trainer
+    that refused its flags writes nothing)."""
     last = None
-    with open(os.path.join(out_dir, "events.jsonl")) as fh:
-        for line in fh:
-            e = json.loads(line)
-            if e.get("kind") == "step":
-                last = e
+    path = os.path.join(out_dir, "events.jsonl")
+    if os.path.exists(path):
+        with open(path) as fh:
+            for line in fh:
+                e = json.loads(line)
+                if e.get("kind") == "step":
+                    last = e
     return (last["loss"], last["ce"]) if last else (None, None)
 
 
@@ -161,9 +165,10 @@ def train_and_evaluate(name: str, argv: list[str], v_out: str, v: dict, c: dict)
     v["rc"] = variants.train(argv)
     v["final_loss"], v["final_ce"] = final_loss(v_out)
     v["train_s"] = round(time.time() - t0, 1)
-    if c.get("events_dir"):  # the trainer's step events travel back with $OUT (checkpoints do not)
+    events = os.path.join(v_out, "events.jsonl")
+    if c.get("events_dir") and os.path.exists(events):  # step events travel back with $OUT; checkpoints do not
         os.makedirs(c["events_dir"], exist_ok=True)
-        shutil.copyfile(os.path.join(v_out, "events.jsonl"), os.path.join(c["events_dir"], f"{name}.jsonl"))
+        shutil.copyfile(events, os.path.join(c["events_dir"], f"{name}.jsonl"))
     if v["rc"] != 0:
         raise RuntimeError(f"the trainer exited {v['rc']}")
     v["curve"] = [[0, c["tau0"]]]
