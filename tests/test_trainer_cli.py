@@ -54,6 +54,8 @@ CASES = {
                                                              "--block-size", "4"), "checkpoint block size 8 != --block-size 4"),
     "checkpoint of another target": (lambda e: base_args(e["other"], e["data"], e["new"], "--init-from", e["ckpt"]),
                                      "trained against another target (num_hidden_layers 6 vs 8"),
+    "resume holding out other samples": (lambda e: base_args(e["target"], e["data"], e["new"], "--resume-from", e["ckpt"],
+                                                             "--eval-prompts", "2"), "held out 0 samples for evaluation"),
     "not a checkpoint": (lambda e: base_args(e["target"], e["data"], e["new"], "--resume-from", e["data"]),
                          "holds no checkpoint.pt"),
 }

@@ -1,5 +1,5 @@
-"""The drafter learns the tiny target's own greedy continuations (about a CPU-minute), and
-speculative decoding with it is lossless with τ ≥ 1."""
+"""The drafter learns the tiny target's own greedy continuations (300 steps, ~15 CPU-seconds),
+and speculative decoding with it is lossless with τ ≥ 1."""
 
 import json
 import os
@@ -17,7 +17,7 @@ from trainer.model import Drafter, FrozenHead
 from trainer.target import Target
 from trainer.topology import assemble
 
-STEPS = 100
+STEPS = 300
 B = 4
 
 
@@ -26,7 +26,7 @@ def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("learn")
     target, data = tiny_setup(str(root))
     out = str(root / "out")
-    rc = main(base_args(target, data, out, "--from-scratch", "--epochs", "12", "--max-steps", str(STEPS), "--lr", "1e-2",
+    rc = main(base_args(target, data, out, "--from-scratch", "--epochs", "30", "--max-steps", str(STEPS), "--lr", "1e-2",
                         "--block-size", str(B), "--max-anchors", "40", "--log-interval", "1", "--eval-prompts", "2"))
     assert rc == 0
     with open(os.path.join(out, "events.jsonl")) as fh:
@@ -68,8 +68,9 @@ def test_slot_accuracy_beats_trivial_baselines(trained):
     acc, copy = num / cnt, copy / cnt
     majority = np.bincount(tokens).max() / len(tokens)
     print(f"slot accuracy {acc.tolist()} copy-anchor {copy.tolist()} majority {majority:.3f}")
-    assert (acc > majority + 0.15).all()
-    assert acc[0] > copy[0] + 0.03 and acc.mean() > copy.mean()
+    # measured (torch 2.13 CPU, deterministic): acc ≈ [0.59, 0.57, 0.56], copy [0.25, 0.31, 0.26], majority 0.06
+    assert (acc > majority + 0.3).all()
+    assert (acc > copy + 0.15).all()
 
 
 def test_speculative_decoding_is_lossless_with_tau_at_least_1(trained):

@@ -68,8 +68,13 @@ def validate(args) -> list[str]:
     except DataError as exc:
         problems.append(f"--data-dir {args.data_dir}: {exc}")
     else:
+        if args.eval_prompts >= len(data):
+            problems.append(f"--eval-prompts {args.eval_prompts} holds out every sample of --data-dir ({len(data)}); "
+                            "hold out fewer")
+            return problems
         per_step = args.grad_accum * len(args.drafter_gpus)
-        per_epoch = len(make_batches(data.lengths, args.token_budget, args.max_seq_len, args.max_batch_size, args.seed, 0))
+        per_epoch = len(make_batches(data.lengths[:len(data) - args.eval_prompts], args.token_budget, args.max_seq_len,
+                                     args.max_batch_size, args.seed, 0))
         if per_epoch * args.epochs < per_step:
             problems.append(f"--data-dir {args.data_dir}: {per_epoch} micro-batches per epoch × --epochs {args.epochs} "
                             f"is less than one optimizer step (--grad-accum {args.grad_accum} × {len(args.drafter_gpus)} "
@@ -87,6 +92,10 @@ def validate(args) -> list[str]:
         if flag == "--resume-from":
             with open(os.path.join(args.data_dir, "meta.json")) as fh:
                 fingerprint = json.load(fh).get("fingerprint")
+            held = (meta.get("config") or {}).get("eval_prompts", 0)
+            if held != args.eval_prompts:
+                problems.append(f"--resume-from {path}: the run held out {held} samples for evaluation, this one "
+                                f"--eval-prompts {args.eval_prompts}; that changes the data order — use --eval-prompts {held}")
         problems += ckpt_io.compatibility_problems(
             meta, block_size=args.block_size, num_draft_layers=args.num_draft_layers,
             target=target_identity(args.target_model), target_layer_ids=dcfg.target_layer_ids, flag=flag,

@@ -60,7 +60,8 @@ def speculative(target, drafter, head, prompt: list[int], max_new: int, device="
 
 
 def prompts_from(data, n: int, max_prompt: int = 256) -> list[list[int]]:
-    """Prompts of the last ``n`` samples: the tokens before the first loss token."""
+    """Prompts of the last ``n`` samples (the trainer holds them out of training with
+    --eval-prompts n): the tokens before the first loss token."""
     prompts = []
     for i in range(max(0, len(data) - n), len(data)):
         ids, mask = data.sample(i)

@@ -80,10 +80,12 @@ def add_noise(taps: torch.Tensor, amp: float, kind: str, seed_key: int) -> torch
 
 
 def micro_batch_stream(data: PreparedData, args) -> list[tuple[int, list[int]]]:
-    """(epoch, sample ids) for every micro-batch of every epoch, in training order."""
+    """(epoch, sample ids) for every micro-batch of every epoch, in training order. The last
+    --eval-prompts samples are held out for the acceptance-length evaluation."""
+    lengths = data.lengths[:len(data) - args.eval_prompts]
     stream = []
     for epoch in range(args.epochs):
-        for ids in make_batches(data.lengths, args.token_budget, args.max_seq_len, args.max_batch_size, args.seed, epoch):
+        for ids in make_batches(lengths, args.token_budget, args.max_seq_len, args.max_batch_size, args.seed, epoch):
             stream.append((epoch, ids))
     return stream
 
