@@ -117,3 +117,31 @@ def test_sigterm_to_a_relaunched_run_stops_every_rank_after_a_checkpoint(tmp_pat
     beats = [json.load(open(os.path.join(out, "heartbeat", f"rank-{r}"))) for r in (0, 1)]
     assert [(b["state"], b["step"]) for b in beats] == [("stopped", k), ("stopped", k)]
     assert ckpt_io.load(os.path.join(out, f"step_{k}"))["step"] == k
+
+
+def test_chunked_drafter_step_matches_the_reference_and_averages_over_ranks(tmp_path):
+    """--drafter-step chunked (trainer/fast_drafter.py) follows the reference step's
+    trajectory (fp32 on CPU; 1e-4), and split over 2 drafter ranks, where it averages
+    gradients itself instead of DDP, follows its colocated run (1e-5)."""
+    target, data = tiny_setup(str(tmp_path))
+    extra = ("--from-scratch", "--max-steps", "3", "--epochs", "4", "--use-soft-labels", "--kl-weight", "0.3",
+             "--cap-lambda", "0.2", "--noise-start", "0.05")
+    runs = {}
+    for name, step_kind in (("reference", "reference"), ("chunked", "chunked")):
+        out = str(tmp_path / name)
+        assert main(replace(base_args(target, data, out, *extra, "--drafter-step", step_kind), "--grad-accum", "2")) == 0
+        runs[name] = step_events(out)
+    assert [e["loss"] for e in runs["chunked"]] == pytest.approx([e["loss"] for e in runs["reference"]], abs=1e-4)
+    assert runs["chunked"][0]["ce"] is None and len(runs["chunked"][0]["acc"]) == 1
+
+    split = str(tmp_path / "split")
+    argv = replace(replace(replace(base_args(target, data, split, *extra, "--drafter-step", "chunked"), "--target-gpus", "0"),
+                           "--drafter-gpus", "1,2"), "--grad-accum", "1")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-m", "trainer", *argv], cwd=ROOT, capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [e["loss"] for e in step_events(split)] == pytest.approx([e["loss"] for e in runs["chunked"]], abs=1e-5)
+    wa = ckpt_io.load(os.path.join(str(tmp_path / "chunked"), "step_3"))["model"]
+    wb = ckpt_io.load(os.path.join(split, "step_3"))["model"]
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], atol=1e-5, rtol=1e-4)

@@ -142,6 +142,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-anchors", "int", 1024, "anchors (blocks) sampled per sequence per step", "drafter"),
     Flag("--num-draft-layers", "int", 5, "decoder layers in the drafter", "drafter"),
     Flag("--target-layer-ids", "layers", None, "tapped target layers (default: evenly spaced, as in the reference drafter)", "drafter", metavar="IDS"),
+    Flag("--drafter-step", "choice", "reference", "drafter forward/backward: reference (whole micro-batch through autograd, per-slot metrics) or chunked (trainer/fast_drafter.py: anchor chunks, bounded activation memory; decay position weights only)", "drafter", choices=("reference", "chunked")),
     Flag("--mask-token-id", "int", None, "id used for the masked block slots (default: 151669 when the vocabulary has it, else the last id)", "drafter"),
     # -- objective
     Flag("--gamma", "float", 10.0, "position-decay constant: w_k = exp(-(k-1)/gamma)", "loss"),
@@ -216,6 +217,8 @@ def check(values: Mapping[str, Any]) -> list[str]:
             f"--target-gpus {format_gpus(t)} and --drafter-gpus {format_gpus(d)} overlap on {both}: "
             "make them disjoint, or equal to colocate both roles on the same GPUs"
         )
+    if values.get("drafter_step") == "chunked" and values.get("position_weights") == "dpace":
+        problems.append("--drafter-step chunked supports --position-weights decay only; use --drafter-step reference for dpace")
     budget, max_len = values.get("token_budget"), values.get("max_seq_len")
     if isinstance(budget, int) and isinstance(max_len, int) and budget < max_len:
         problems.append(

@@ -145,6 +145,34 @@ def drafter_sum(topo: Topology, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def average_gradients(topo: Topology, module) -> None:
+    """Mean of the drafter ranks' gradients, in one flat all-reduce: for the chunked drafter
+    step, which runs its own backward passes outside a module forward, so DDP's hooks
+    cannot do it."""
+    if topo.n_drafter == 1:
+        return
+    params = list(module.parameters())
+    for p in params:
+        if p.grad is None:  # every rank must contribute the same layout
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat, group=topo.drafter_group)
+    flat /= topo.n_drafter
+    offset = 0
+    for p in params:
+        n = p.grad.numel()
+        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+        offset += n
+
+
+def broadcast_parameters(topo: Topology, module) -> None:
+    """Start every drafter rank from the first one's weights (what DDP does at wrap time)."""
+    if topo.n_drafter == 1:
+        return
+    for p in module.parameters():
+        dist.broadcast(p.data, src=topo.drafter_ranks[0], group=topo.drafter_group)
+
+
 def barrier(topo: Topology) -> None:
     if topo.world > 1:
         dist.barrier()

@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from agent.protocol import ENV_RUN_DIR
 from trainer import checkpoint as ckpt_io
+from trainer import fast_drafter
 from trainer.data import PreparedData, make_batches
 from trainer.flags import EXIT_OK, EXIT_STOPPED
 from trainer.loss import LossConfig, dflash_loss, key, sample_anchors
@@ -192,12 +193,17 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
             drafter.load_state_dict(resume["model"])
             opt.load_state_dict(resume["optimizer"])
             ckpt_io.set_rng_state(resume["rng"])
-        model = DDP(drafter, process_group=topo.drafter_group, device_ids=[dev] if cuda else None,
-                    broadcast_buffers=False) if topo.n_drafter > 1 else drafter
+        if args.drafter_step == "chunked" or topo.n_drafter == 1:
+            model = drafter  # the chunked step averages gradients itself (topology.average_gradients)
+            topo_mod.broadcast_parameters(topo, drafter)
+        else:
+            model = DDP(drafter, process_group=topo.drafter_group, device_ids=[dev] if cuda else None,
+                        broadcast_buffers=False)
     lcfg = LossConfig(block_size=args.block_size, gamma=args.gamma, position_weights=args.position_weights,
                       dpace_alpha=args.dpace_alpha, use_soft_labels=args.use_soft_labels, kl_weight=args.kl_weight,
                       kl_temperature=args.kl_temperature, cap_lambda=args.cap_lambda)
     attn_impl = "flex" if cuda else "sdpa"
+    chunked = args.drafter_step == "chunked"
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
     wandb = make_logger(log, args.wandb_project, args.wandb_run_name, args.wandb_mode, run_dir, vars(args))
     meta = {"config": vars(args), "drafter_config": dcfg.to_hf(), "target": target_identity(args.target_model),
@@ -230,19 +236,34 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
                 tw = time.time()
                 mb = produce(target, data, stream, base + j, args, dev) if topo.colocated else recv_microbatch(topo.producer(base + j), dev)
                 wait += time.time() - tw
+                taps = add_noise(mb.taps, amp, args.noise_type, key(args.seed, "noise", mb.index))
+                sums[4] += mb.lengths.sum()
+                if chunked:
+                    # anchor chunks through the drafter and the head, backward per chunk: bounded
+                    # activation memory; casts per chunk itself (no autocast); decay weights only
+                    r = fast_drafter.step_backward(
+                        drafter, head.embed, head.lm_head, mb.input_ids, taps, mb.loss_mask, mb.lengths, mb.anchors,
+                        mb.keep, block_size=args.block_size, mask_token_id=dcfg.mask_token_id, gamma=args.gamma,
+                        kl_weight=args.kl_weight if args.use_soft_labels else 0.0, temperature=args.kl_temperature,
+                        cap_lambda=args.cap_lambda, teacher_final=mb.final, loss_scale=1.0 / len(mine), attn=attn_impl,
+                        dtype=torch.bfloat16 if cuda else torch.float32)
+                    sums[0] += r["loss"] / len(mine)
+                    sums[6] += r["correct"]  # all slots together: the chunked step has no per-slot split
+                    sums[6 + K] += r["valid"]
+                    continue
                 sync = nullcontext() if (i == len(mine) - 1 or model is drafter) else model.no_sync()
                 with sync:
                     with autocast:
-                        taps = add_noise(mb.taps, amp, args.noise_type, key(args.seed, "noise", mb.index))
                         blocks = head.embed_blocks(mb.input_ids, mb.anchors, args.block_size, dcfg.mask_token_id)
                         out = model(taps, blocks, mb.anchors, mb.keep, attn_impl)
                         lo = dflash_loss(lcfg, out, head.lm_head, mb.input_ids, mb.loss_mask, mb.lengths,
                                          mb.anchors, mb.keep, mb.final)
                     (lo.loss / len(mine)).backward()
                 sums[:4] += torch.stack([lo.loss.detach(), lo.ce, lo.kl, lo.cap]) / len(mine)
-                sums[4] += mb.lengths.sum()
                 sums[6:6 + K] += lo.acc * lo.acc_count
                 sums[6 + K:] += lo.acc_count
+            if chunked:
+                topo_mod.average_gradients(topo, drafter)
             lr = lr_at(step, schedule["peak_lr"], schedule["total_steps"], schedule["warmup_steps"])
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -264,15 +285,18 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
             dt = time.time() - t0
             counts = s[6 + K:]
             acc = [round(a / c, 4) if c else None for a, c in zip(s[6:6 + K], counts)]
+            split = (lambda v: None) if chunked else (lambda v: v / D)  # noqa: E731  (chunked: total loss only)
+            if chunked:
+                acc = acc[:1]  # one accuracy over all slots
             metrics = {"step": step, "total_steps": last_step, "epoch": stream[min(base, len(stream) - 1)][0],
-                       "loss": s[0] / D, "ce": s[1] / D, "kl": s[2] / D, "cap": s[3] / D, "lr": lr,
+                       "loss": s[0] / D, "ce": split(s[1]), "kl": split(s[2]), "cap": split(s[3]), "lr": lr,
                        "grad_norm": float(grad_norm), "tokens": int(s[4]), "tokens_per_s": s[4] / dt,
                        "drafted_per_s": sum(counts) / dt, "acc": acc, "mem_peak_mib": mem_peak_mib(dev), "wait_s": s[5] / D}
             if log:
                 events.emit("step", **metrics)
                 wandb.log({k: v for k, v in metrics.items() if k not in ("step", "total_steps")}, step=step)
-                print(f"step {step}/{last_step} | loss {metrics['loss']:.4f} ce {metrics['ce']:.4f} kl {metrics['kl']:.4f} "
-                      f"cap {metrics['cap']:.4f} | lr {lr:.2e} | gnorm {metrics['grad_norm']:.3f} | "
+                terms = "" if chunked else f" ce {metrics['ce']:.4f} kl {metrics['kl']:.4f} cap {metrics['cap']:.4f}"
+                print(f"step {step}/{last_step} | loss {metrics['loss']:.4f}{terms} | lr {lr:.2e} | gnorm {metrics['grad_norm']:.3f} | "
                       f"{metrics['tokens_per_s']:.0f} tok/s | acc@1 {acc[0]} | wait {metrics['wait_s']:.2f}s", flush=True)
         hb.beat(step)
 
