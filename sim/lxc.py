@@ -17,8 +17,9 @@ STOP_TIMEOUT_S = 10
 
 
 def write_config(lxcpath: Path, name: str, *, rootfs: Path, hostname: str,
-                 mounts: Sequence[tuple[Path, str, str]] = ()) -> Path:
-    """Write ``<lxcpath>/<name>/config``. ``mounts``: (host dir, path in rootfs, "ro"|"rw")."""
+                 mounts: Sequence[tuple[Path, str, str]] = (), extra: Sequence[str] = ()) -> Path:
+    """Write ``<lxcpath>/<name>/config``. ``mounts``: (host dir, path in rootfs, "ro"|"rw");
+    ``extra``: more raw config lines (sim/net.py's start-host hook)."""
     if rootfs.resolve() != rootfs:
         raise SimError(f"container {name}: rootfs path {rootfs} contains a symlink; LXC refuses it")
     lines = [
@@ -36,6 +37,7 @@ def write_config(lxcpath: Path, name: str, *, rootfs: Path, hostname: str,
     for host, target, mode in mounts:
         opts = "bind,create=dir" + (",ro" if mode == "ro" else "")
         lines.append(f"lxc.mount.entry = {host} {target} none {opts} 0 0")
+    lines += list(extra)
     conf_dir = lxcpath / name
     conf_dir.mkdir(parents=True, exist_ok=True)
     path = conf_dir / "config"

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from agent.protocol import atomic_write
-from sim import lxc, rootfs, storage
+from sim import lxc, net, rootfs, storage
 from sim.layout import BTRFS_STORAGE, DIR_STORAGE, NodePaths
 from sim.proc import Progress, SimError, is_root, quiet, require_tools, run
 from sim.sshd import Sshd, free_port, port_free
@@ -33,7 +33,7 @@ WORKSPACE = rootfs.RECIPE["workspace"]
 PCT_SOURCE = Path(__file__).with_name("pct.py")
 
 HOST_TOOLS = ["lxc-start", "lxc-attach", "lxc-stop", "lxc-wait", "lxc-info", "lxc-freeze", "debootstrap",
-              "mkfs.btrfs", "btrfs", "sshd", "ssh-keygen", "unshare", "losetup", "mount", "umount"]
+              "mkfs.btrfs", "btrfs", "sshd", "ssh-keygen", "unshare", "losetup", "mount", "umount", "ip", "nsenter"]
 
 PVE_CONF = """\
 arch: amd64
@@ -77,6 +77,7 @@ class SimNode:
                 d.mkdir(parents=True, exist_ok=True)
             was_mounted = storage.mount_source(self.paths.btrfs_mount) is not None
             storage.ensure_btrfs(self.paths.btrfs_image, self.paths.btrfs_mount, progress)
+            net.ensure_network()  # the containers' bridge (sim/net.py)
             containers = state.get("containers", {})
             for ctid in self.ctids:
                 containers[str(ctid)] = self._ensure_container(ctid, cache, containers.get(str(ctid), {}), progress)
@@ -91,6 +92,8 @@ class SimNode:
                 self.sshd.stop()
             self.sshd.prepare(port)
             self.sshd.start(port)
+            if self.sshd.pid():
+                net.expose_to(self.sshd.pid())
         info = self.node_config()
         info.update(name=self.name, cold=cold, seconds=round(time.monotonic() - started, 1))
         progress(f"sim node {self.name} is up: ssh -p {port} -i {info['identity_file']} root@127.0.0.1 "
@@ -133,6 +136,7 @@ class SimNode:
                 "state": lxc.state(self.paths.lxcpath, name).lower() if self.paths.lxcpath.exists() else "missing",
                 "storage": self.storage_of[ctid],
                 "snapshots": snaps,
+                "address": (state.get("containers", {}).get(name) or {}).get("address"),
             }
         return {
             "name": self.name,
@@ -204,14 +208,20 @@ class SimNode:
         if not root.is_dir() or record.get("rootfs") != key:
             self._create_rootfs(ctid, where, root, cache, progress)
             self.paths.pve_conf(ctid).unlink(missing_ok=True)  # its snapshots went with the old rootfs
-        lxc.write_config(self.paths.lxcpath, name, rootfs=root, hostname=f"{self.name}-ct{ctid}")
+        address = net.address_of(self.name, ctid)
+        lxc.write_config(self.paths.lxcpath, name, rootfs=root, hostname=f"{self.name}-ct{ctid}",
+                         extra=[net.hook_line(address)])
         conf = self.paths.pve_conf(ctid)
         if not conf.exists():
             atomic_write(str(conf), PVE_CONF.format(hostname=f"{self.name}-ct{ctid}", storage=where, ctid=ctid))
         if not lxc.running(self.paths.lxcpath, name):
             progress(f"starting container {ctid}")
             lxc.start(self.paths.lxcpath, name, logfile=self.paths.log / f"lxc-{ctid}.log")
-        return {"rootfs": key, "storage": where}
+        pid = lxc.init_pid(self.paths.lxcpath, name)
+        if pid and not net.has_link(pid):  # started before the sim had a network
+            progress(f"attaching container {ctid} to the sim network as {address}")
+            net.attach_running(pid, address)
+        return {"rootfs": key, "storage": where, "address": address}
 
     def _create_rootfs(self, ctid: int, where: str, root: Path, cache: Path, progress: Progress) -> None:
         progress(f"creating container {ctid} on {where} storage from the cached rootfs")

@@ -1,0 +1,43 @@
+"""Shared pieces of the multi-container tests (tests/test_multi_*.py): the second simulated
+node ``sim2`` (containers 300/301) and plain in-container commands for test set-up.
+
+``sim2_node`` is session-scoped like ``sim_node`` and, like it, left up for the next session
+(unless DFLASH_SIM_TEARDOWN=1). Both nodes' containers sit on the sim network (sim/net.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def sim2_node(sim_node):
+    from sim.node import SimNode
+    from sim.proc import SimError
+
+    node = SimNode("sim2")
+    try:
+        node.up()
+    except SimError as exc:
+        pytest.fail(f"could not bring the second simulated node up: {exc}", pytrace=False)
+    yield node
+    if os.environ.get("DFLASH_SIM_TEARDOWN") == "1":
+        node.down()
+
+
+def attach(node, ctid: int, *argv: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
+    """A command in a sim container, straight through lxc-attach (test set-up and probes; the
+    product's own path is `pct exec` over SSH)."""
+    proc = subprocess.run(["lxc-attach", "-P", str(node.paths.lxcpath), "-n", str(ctid), "--clear-env", "--",
+                           *argv], capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{argv} in {node.name}:{ctid} failed ({proc.returncode}): {proc.stderr[-2000:]}")
+    return proc
+
+
+def address(node, ctid: int) -> str:
+    from sim import net
+
+    return net.address_of(node.name, ctid)

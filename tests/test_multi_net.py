@@ -1,0 +1,91 @@
+"""The sim network (sim/net.py): containers of both sim nodes reach each other on a bridge in
+a namespace of its own, nothing routes off the machine, a cut link drops packets silently,
+and a container restarted by `pct start` over SSH gets its link back (the LXC start hook)."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from _multi_sim import address, attach, sim2_node  # noqa: F401 (fixture)
+from sim import net
+
+pytestmark = [pytest.mark.sim]
+
+# A one-connection TCP echo in the container: prints READY, answers one line, exits.
+SERVER = ("import socket,sys;s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);"
+          "s.bind(('0.0.0.0',int(sys.argv[1])));s.listen();print('READY',flush=True);"
+          "c,_=s.accept();c.sendall(c.recv(100).upper());c.close()")
+CLIENT = ("import socket,sys;c=socket.create_connection((sys.argv[1],int(sys.argv[2])),timeout=float(sys.argv[3]));"
+          "c.sendall(b'ping');print(c.recv(100).decode())")
+
+
+def serve(node, ctid: int, port: int) -> subprocess.Popen:
+    proc = subprocess.Popen(["lxc-attach", "-P", str(node.paths.lxcpath), "-n", str(ctid), "--clear-env", "--",
+                             "python3", "-c", SERVER, str(port)], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "READY"
+    return proc
+
+
+def test_containers_of_two_nodes_talk_over_the_sim_bridge(sim_node, sim2_node):
+    server = serve(sim2_node, 300, 29511)
+    try:
+        out = attach(sim_node, 200, "python3", "-c", CLIENT, address(sim2_node, 300), "29511", "10").stdout
+        assert out.strip() == "PING"
+    finally:
+        server.kill()
+        server.wait()
+    addrs = {address(n, c) for n in (sim_node, sim2_node) for c in n.ctids}
+    assert len(addrs) == 4 and all(a.startswith("10.77.0.") for a in addrs)
+
+
+def test_nothing_routes_off_the_machine(sim_node):
+    # The bridge's namespace has no address and no route; the container has only its /24.
+    routes = subprocess.run(["ip", "-n", net.NETNS, "-4", "route", "show"], capture_output=True, text=True).stdout
+    assert routes.strip() == ""
+    addrs = subprocess.run(["ip", "-n", net.NETNS, "-4", "-o", "addr", "show"], capture_output=True, text=True).stdout
+    assert "inet " not in addrs.replace("inet 127.0.0.1", "")
+    table = attach(sim_node, 200, "cat", "/proc/net/route").stdout.splitlines()[1:]
+    # /proc/net/route destinations are little-endian hex: 10.77.0.0 is 00004D0A; no default (00000000).
+    assert [line.split()[1] for line in table] == ["00004D0A"]
+
+
+def test_a_cut_link_drops_packets_silently_until_restored(sim_node):
+    a200, a201 = address(sim_node, 200), address(sim_node, 201)
+    server = serve(sim_node, 201, 29512)
+    try:
+        net.set_link(a201, up=False)
+        assert net.link_state(a201) == "down"
+        t0 = time.monotonic()
+        cut = attach(sim_node, 200, "python3", "-c", CLIENT, a201, "29512", "3", check=False)
+        assert cut.returncode != 0 and "timed out" in cut.stderr  # no RST: a timeout, not a refusal
+        assert time.monotonic() - t0 >= 2.5
+    finally:
+        net.set_link(a201, up=True)
+    try:
+        out = attach(sim_node, 200, "python3", "-c", CLIENT, a201, "29512", "10").stdout
+        assert out.strip() == "PING"
+    finally:
+        server.kill()
+        server.wait()
+    assert a200 != a201
+
+
+def test_pct_start_over_ssh_gives_a_restarted_container_its_link(sim2_node):
+    from controller import config as cfg
+    from controller.transport import open_runner
+
+    entry = sim2_node.node_config()
+    node = cfg.NodeConfig(host=entry["host"], port=entry["port"], user=entry["user"],
+                          identity_file=entry["identity_file"], known_hosts=entry["known_hosts"])
+    with open_runner("sim2", node) as runner:
+        for argv in (["pct", "stop", "301"], ["pct", "start", "301"]):
+            res = runner.run(argv)
+            assert res.ok, res.tail("stderr")
+    out = attach(sim2_node, 301, "cat", "/proc/net/dev").stdout
+    assert "eth0" in out
+    pid = int(subprocess.run(["lxc-info", "-P", str(sim2_node.paths.lxcpath), "-n", "301", "-p", "-H"],
+                             capture_output=True, text=True).stdout)
+    assert net.has_link(pid)
