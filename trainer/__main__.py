@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 
-from trainer import flags
+from trainer import flags, multinode
 
 PROG = "python -m trainer"
 
@@ -72,12 +72,15 @@ def validate(args) -> list[str]:
             problems.append(f"--eval-prompts {args.eval_prompts} holds out every sample of --data-dir ({len(data)}); "
                             "hold out fewer")
             return problems
-        per_step = args.grad_accum * len(args.drafter_gpus)
+        n_drafter = len(args.drafter_gpus)
+        if multinode.is_job(vars(args)):
+            n_drafter = multinode.totals(vars(args))[1]  # every container's drafter ranks
+        per_step = args.grad_accum * n_drafter
         per_epoch = len(make_batches(data.lengths[:len(data) - args.eval_prompts], args.token_budget, args.max_seq_len,
                                      args.max_batch_size, args.seed, 0))
         if per_epoch * args.epochs < per_step:
             problems.append(f"--data-dir {args.data_dir}: {per_epoch} micro-batches per epoch × --epochs {args.epochs} "
-                            f"is less than one optimizer step (--grad-accum {args.grad_accum} × {len(args.drafter_gpus)} "
+                            f"is less than one optimizer step (--grad-accum {args.grad_accum} × {n_drafter} "
                             "drafter ranks); add data or epochs, or lower --grad-accum or --token-budget")
     for flag, path in (("--resume-from", args.resume_from), ("--init-from", args.init_from)):
         if not path:
@@ -141,7 +144,11 @@ def main(argv: list[str] | None = None) -> int:
 
     from trainer.topology import world_size_for
 
-    world = world_size_for(args.target_gpus, args.drafter_gpus)
+    job = multinode.is_job(vars(args))
+    world = multinode.world_size(vars(args)) if job else world_size_for(args.target_gpus, args.drafter_gpus)
+    if job and "RANK" not in os.environ:
+        # A job's containers always meet through torchrun's rendezvous, even with one local rank.
+        return relaunch(argv, multinode.local_nproc(vars(args)), args, multinode.torchrun_args(vars(args)))
     if world > 1 and "RANK" not in os.environ:
         return relaunch(argv, world, args)
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) != world:
@@ -155,15 +162,17 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.train import run
 
     device_type = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
-    topo = topology.init(args.target_gpus, args.drafter_gpus, device_type)
+    topo = multinode.init(args, device_type) if job else topology.init(args.target_gpus, args.drafter_gpus, device_type)
     try:
         return run(args, topo)
     finally:
         topology.shutdown(topo)
 
 
-def relaunch(argv: list[str], world: int, args) -> int:
+def relaunch(argv: list[str], world: int, args, launcher: list[str] | None = None) -> int:
     """Run ``world`` workers under torchrun (c10d rendezvous on a free local port) and wait.
+    For a job across containers, ``launcher`` holds torchrun's multi-node arguments
+    (trainer/multinode.py) and ``world`` is this container's share of the ranks.
 
     torchrun runs in its own session, so a signal meant for this trainer does not make
     torchrun's agent tear the workers down mid-save; on SIGTERM we signal our workers
@@ -172,8 +181,8 @@ def relaunch(argv: list[str], world: int, args) -> int:
     from trainer.train import run_dir_of
     from agent.protocol import HEARTBEAT_DIR
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           "-m", "trainer", *argv]
+    cmd = [sys.executable, "-m", "torch.distributed.run",
+           *(launcher or ["--standalone", f"--nproc-per-node={world}"]), "-m", "trainer", *argv]
     started = time.time()
     stop = {"requested": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("requested", True))

@@ -119,6 +119,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--target-gpus", "gpus", None, "GPUs running the frozen target forward (comma list); on CPU the ids name rank slots", "topology", required=True, metavar="IDS"),
     Flag("--drafter-gpus", "gpus", None, "GPUs training the drafter with DDP; equal to --target-gpus means colocated", "topology", required=True, metavar="IDS"),
     Flag("--device", "choice", "auto", "auto uses CUDA when available, else CPU with gloo", "topology", choices=("auto", "cuda", "cpu")),
+    # -- one job across several containers/nodes (trainer/multinode.py; the controller sets these for a job)
+    Flag("--nnodes", "int", 1, "containers (torchrun nodes) in this job; more than 1 needs --node-rank, --rdzv-endpoint and --job-layout, and --target-gpus/--drafter-gpus name this container's own GPUs", "job"),
+    Flag("--node-rank", "int", 0, "this container's place in the job (torchrun node rank); containers with target ranks come first", "job"),
+    Flag("--rdzv-endpoint", "str", None, "HOST:PORT of the job's rendezvous store, in node rank 0's container (torchrun static rendezvous)", "job", metavar="HOST:PORT"),
+    Flag("--rdzv-id", "str", None, "rendezvous id of the job (the run id)", "job", metavar="ID"),
+    Flag("--job-layout", "str", None, "target+drafter rank counts per container in node-rank order, e.g. 1+0,0+1; N alone = N colocated ranks", "job", metavar="T+D,..."),
+    Flag("--dist-timeout", "int", 1800, "seconds a collective or point-to-point op waits for a peer before it fails (gloo/NCCL timeout): a dead peer or a cut link fails the run instead of hanging it", "job"),
     # -- the explicit start decision: exactly one is required
     Flag("--from-scratch", "bool", False, "start a new drafter from random weights", START_GROUP, exclusive=START_GROUP),
     Flag("--resume-from", "path", None, "continue from a checkpoint: weights, optimizer, schedule, data position, RNG", START_GROUP, metavar="CKPT", exclusive=START_GROUP),
@@ -199,6 +206,8 @@ def check(values: Mapping[str, Any]) -> list[str]:
     problems: list[str] = []
     for f in FLAGS:
         if f.required and values.get(f.dest) in (None, "", ()):
+            if values.get(f.dest) == () and int(values.get("nnodes") or 1) > 1:
+                continue  # a job's container may hold one role only (checked below)
             problems.append(f"{f.name} is required: {f.help}")
     chosen = start_decision(values)
     if not chosen:
@@ -206,8 +215,13 @@ def check(values: Mapping[str, Any]) -> list[str]:
     elif len(chosen) > 1:
         problems.append(f"{' and '.join(chosen)} conflict: choose exactly one start decision")
     t, d = values.get("target_gpus"), values.get("drafter_gpus")
+    from trainer import multinode  # standard library only, like this module
+
+    job = multinode.is_job(values)
+    problems += multinode.layout_problems(values)
     for name, ids in (("--target-gpus", t), ("--drafter-gpus", d)):
-        if ids is not None and len(ids) == 0:
+        # In a job a container may hold one role only: its other list is empty.
+        if ids is not None and len(ids) == 0 and not (job and (t or d)):
             problems.append(f"{name} is empty: give at least one GPU index, e.g. {name} 0")
         if ids and len(set(ids)) != len(ids):
             problems.append(f"{name} {format_gpus(ids)} names a GPU twice")
