@@ -27,8 +27,15 @@ def validate(args) -> list[str]:
     """Every reason this run cannot start, one line each; touches nothing on disk."""
     problems = flags.check(vars(args))
     if args.token_budget == "auto":
-        problems.append("--token-budget auto needs the memory probe, which this trainer does not run yet; "
-                        "give a number of tokens, e.g. --token-budget 49152")
+        # Resolved on the GPUs themselves (train.memory_check), from the memory model of the
+        # chunked drafter step. CPU: refused rather than guessed — host RAM is shared with
+        # whatever else runs there, and the model describes neither fp32 nor the dense CPU mask.
+        if args.drafter_step != "chunked":
+            problems.append("--token-budget auto needs --drafter-step chunked: the memory model (trainer/memory.py) "
+                            "describes the chunked drafter step only; give a number, e.g. --token-budget 49152")
+        elif args.device == "cpu" or (args.device == "auto" and not _cuda_available()):
+            problems.append("--token-budget auto fits the budget to free GPU memory, and this run is on CPU: "
+                            f"give a number, e.g. --token-budget {4 * args.max_seq_len}")
     if args.target_model and not os.path.isfile(os.path.join(args.target_model, "config.json")):
         problems.append(f"--target-model {args.target_model}: no config.json there; "
                         "point it at a local Hugging Face model directory")
@@ -76,7 +83,9 @@ def validate(args) -> list[str]:
         if multinode.is_job(vars(args)):
             n_drafter = multinode.totals(vars(args))[1]  # every container's drafter ranks
         per_step = args.grad_accum * n_drafter
-        per_epoch = len(make_batches(data.lengths[:len(data) - args.eval_prompts], args.token_budget, args.max_seq_len,
+        # auto is resolved later, on the GPUs; it is at least one --max-seq-len sequence
+        budget = args.max_seq_len if args.token_budget == "auto" else args.token_budget
+        per_epoch = len(make_batches(data.lengths[:len(data) - args.eval_prompts], budget, args.max_seq_len,
                                      args.max_batch_size, args.seed, 0))
         if per_epoch * args.epochs < per_step:
             problems.append(f"--data-dir {args.data_dir}: {per_epoch} micro-batches per epoch × --epochs {args.epochs} "

@@ -141,7 +141,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--grad-clip", "float", 1.0, "global gradient-norm clip (0 disables)", "optim"),
     Flag("--seed", "int", 0, "seed for data order, anchors, noise and init", "optim"),
     # -- batching
-    Flag("--token-budget", "budget", 49152, "tokens per micro-batch, counted as padded length × batch; 'auto' = largest that fits (memory probe)", "batching", metavar="N|auto"),
+    Flag("--token-budget", "budget", 49152, "tokens per micro-batch, counted as padded length × batch; 'auto' (CUDA, --drafter-step chunked) = the largest multiple of --max-seq-len whose predicted peak (trainer/memory.py) plus allocator reserve (6 % drafter, 12 % target), CUDA context and a 2 GiB margin fits every rank's free GPU memory, the same for all ranks", "batching", metavar="N|auto"),
     Flag("--max-seq-len", "int", 8192, "sequences are truncated to this length", "batching"),
     Flag("--max-batch-size", "int", 64, "at most this many sequences per micro-batch", "batching"),
     # -- drafter
@@ -166,7 +166,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--save-interval", "int", 2000, "optimizer steps between checkpoints (a final one is always written)", "output"),
     Flag("--log-interval", "int", 1, "optimizer steps between step events", "output"),
     Flag("--eval-prompts", "int", 0, "held-out prompts for acceptance-length evaluation at each save (0: off)", "output"),
-    Flag("--probe-memory", "bool", False, "run the worst-case step on each role's device, report the peak per GPU, and exit", "output"),
+    Flag("--probe-memory", "bool", False, "run the worst-case step (the selected --drafter-step) on each role's device, report the measured peak per GPU beside the memory model's prediction, and exit", "output"),
     # -- experiment tracking
     Flag("--wandb-project", "str", None, "wandb project (no wandb logging when unset)", "wandb", metavar="NAME"),
     Flag("--wandb-run-name", "str", None, "wandb run name", "wandb", metavar="NAME"),
@@ -329,7 +329,7 @@ def markdown() -> str:
         "| --- | --- | --- | --- | --- |",
     ]
     for f in FLAGS:
-        value = "switch" if f.kind == "bool" else (f.metavar or f.kind)
+        value = "switch" if f.kind == "bool" else (f.metavar or f.kind).replace("|", "\\|")  # N|auto: a table cell
         if f.choices:
             value = " \\| ".join(f.choices)
         default = "required" if f.required else ("—" if f.default is None else f"`{f.default}`")

@@ -14,6 +14,7 @@ import math
 import os
 import resource
 import signal
+import sys
 import time
 import traceback
 from contextlib import nullcontext
@@ -136,10 +137,19 @@ def run(args, topo) -> int:
         torch.set_num_threads(1)
     run_dir = run_dir_of(args)
     os.makedirs(run_dir, exist_ok=True)
-    os.makedirs(args.output_dir, exist_ok=True)
     events = Events(run_dir, topo.rank, topo.role, topo.gpu)
     hb = Heartbeat(run_dir, topo.rank, topo.role, topo.gpu)
     hb.beat(0, "loading")
+    try:
+        refused = memory_check(args, topo, events)  # before anything is loaded or written
+    except BaseException:
+        events.close()
+        raise
+    if refused is not None:
+        hb.beat(0, "failed")
+        events.close()
+        return refused
+    os.makedirs(args.output_dir, exist_ok=True)
     try:
         if args.probe_memory:
             return probe(args, topo, events, hb)
@@ -154,6 +164,70 @@ def run(args, topo) -> int:
         raise
     finally:
         events.close()
+
+
+def _gpu_free_mib(dev) -> float:
+    """Free memory of this rank's GPU (its own CUDA context already taken). Tests replace it."""
+    return torch.cuda.mem_get_info(dev)[0] / 2**20
+
+
+def _rank_values(args, topo) -> dict:
+    """The flag values with the GPU lists narrowed to this rank's GPU in its role, so
+    probe.plan_run checks exactly this rank."""
+    g = (topo.gpu,)
+    if topo.is_target and topo.is_drafter:
+        return {**vars(args), "target_gpus": g, "drafter_gpus": g}
+    return {**vars(args), "target_gpus": g if topo.is_target else (), "drafter_gpus": () if topo.is_target else g}
+
+
+def memory_check(args, topo, events: Events) -> int | None:
+    """CUDA only, before any model is loaded: resolve --token-budget auto and check this
+    rank's predicted peak against its GPU's free memory (trainer/probe.plan_run: the memory
+    model plus allocator reserve and a 2 GiB margin). All ranks agree — the budget is the
+    minimum over ranks, a refusal anywhere stops every rank — so nothing trains unless every
+    GPU fits. Returns EXIT_USAGE when refused (one line naming GPU, role and shortfall, an
+    error event "memory_refused"), else None."""
+    if topo.device.type != "cuda":
+        return None
+    from trainer import probe as plan_mod
+    from trainer.flags import EXIT_USAGE
+
+    values = _rank_values(args, topo)
+    free = _gpu_free_mib(topo.device)
+    # this process already holds its CUDA context: it is out of the free figure
+    p = plan_mod.plan_run(values, {topo.gpu: free}, read_config(args.target_model), context_mib=0)
+    if p["auto"]:
+        mine = int(p["token_budget"]) if not p["refusals"] else 0
+        budget = -int(topo_mod.all_reduce_max(topo, -float(mine)))  # the smallest over ranks
+        if budget and not p["refusals"]:
+            args.token_budget = budget
+            p = plan_mod.plan_run({**values, "token_budget": budget}, {topo.gpu: free},
+                                  read_config(args.target_model), context_mib=0)
+            p["auto"] = True
+    row = p["gpus"].get(topo.gpu, {})
+    refused = topo_mod.all_reduce_max(topo, 1.0 if p["refusals"] else 0.0) > 0
+    if p["auto"] and not refused:
+        events.emit("probe", phase="plan", budget=args.token_budget, auto=True, predicted_peak_mib=row.get("peak_mib"),
+                    need_mib=row.get("need_mib"), free_mib=round(free, 1), margin_mib=p["margin_mib"],
+                    per_rank_budget=p.get("auto_per_gpu", {}).get(topo.gpu))
+        if topo.is_log_rank:
+            print(f"token budget auto: {args.token_budget} (largest multiple of --max-seq-len whose predicted need "
+                  f"+ {p['margin_mib'] / 1024:.0f} GiB margin fits every rank's GPU; GPU {topo.gpu} "
+                  f"predicted peak {row.get('peak_mib', 0) / 1024:.1f} GiB)", flush=True)
+    for note in p["notes"]:
+        print(f"python -m trainer: note: {note}", flush=True)
+    if not refused:
+        return None
+    if args.probe_memory and args.token_budget != "auto":
+        # the probe is how a prediction gets checked: measure anyway (a real OOM is reported)
+        for line in p["refusals"]:
+            print(f"python -m trainer: warning: predicted not to fit, probing anyway: {line}", file=sys.stderr, flush=True)
+        return None
+    for line in p["refusals"]:
+        print(f"python -m trainer: error: {line}", file=sys.stderr, flush=True)
+        events.emit("error", error="memory_refused", message=line, gpu_free_mib=round(free, 1),
+                    need_mib=row.get("need_mib"), short_mib=row.get("short_mib"), budget=p["token_budget"])
+    return EXIT_USAGE
 
 
 def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
@@ -368,6 +442,16 @@ def probe(args, topo, events: Events, hb: Heartbeat) -> int:
                           dpace_alpha=args.dpace_alpha, use_soft_labels=args.use_soft_labels, kl_weight=args.kl_weight,
                           kl_temperature=args.kl_temperature, cap_lambda=args.cap_lambda)
         for _ in range(2):  # AdamW creates its state in the first step, after that step's peak
+            if args.drafter_step == "chunked":  # the step the run would take, so its peak is the one predicted
+                fast_drafter.step_backward(
+                    drafter, head.embed, head.lm_head, ids, taps, loss_mask, lengths, anchors, keep,
+                    block_size=args.block_size, mask_token_id=dcfg.mask_token_id, gamma=args.gamma,
+                    kl_weight=args.kl_weight if args.use_soft_labels else 0.0, temperature=args.kl_temperature,
+                    cap_lambda=args.cap_lambda, teacher_final=final, attn="flex" if cuda else "sdpa",
+                    dtype=torch.bfloat16 if cuda else torch.float32)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                continue
             with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext():
                 out = drafter(taps, head.embed_blocks(ids, anchors, args.block_size, dcfg.mask_token_id), anchors, keep,
                               "flex" if cuda else "sdpa")
@@ -378,10 +462,22 @@ def probe(args, topo, events: Events, hb: Heartbeat) -> int:
     peak = mem_peak_mib(dev)
     total = torch.cuda.get_device_properties(dev).total_memory / 2**20 if cuda else None
     fits = peak < 0.9 * total if total else True  # 10 % margin for fragmentation and the allocator
+    # The memory model's prediction for this rank (CUDA, bf16): exact for the chunked drafter
+    # step and the target, a lower bound for the reference drafter step. None on CPU (fp32,
+    # and the peak there is the process's RSS).
+    predicted = exact = None
+    if cuda:
+        from trainer import probe as plan_mod
+
+        row = plan_mod.plan_run(_rank_values(args, topo), None, read_config(args.target_model))["gpus"][topo.gpu]
+        predicted, exact = row["peak_mib"], row["exact"]
     events.emit("probe", peak_mib=round(peak, 1), total_mib=total, fits=fits, budget=args.token_budget,
-                batch=[b, S], anchors=n)
+                batch=[b, S], anchors=n, drafter_step=args.drafter_step, predicted_peak_mib=predicted,
+                predicted_exact=exact)
+    pred = "" if predicted is None else (f", predicted {'at least ' if not exact else ''}{predicted:.0f} MiB "
+                                         f"({100 * (predicted - peak) / peak:+.1f} %)")
     print(f"probe rank {topo.rank} ({topo.role}, gpu {topo.gpu}): peak {peak:.0f} MiB"
-          + (f" of {total:.0f} MiB" if total else "") + f" for {b}×{S} tokens, {n} anchors/seq: "
+          + (f" of {total:.0f} MiB" if total else "") + pred + f" for {b}×{S} tokens, {n} anchors/seq: "
           + ("fits" if fits else "does NOT fit"), flush=True)
     hb.beat(0, "done")
     topo_mod.barrier(topo)
