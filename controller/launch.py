@@ -166,9 +166,10 @@ class Launcher:
         known = pf.get("known_good") or {}
         base = ((known.get("configs") or {}).get(self.config.name) or {}).get("steady") or {}
         options = dict(self.agent_options)
-        if base.get("tokens_per_s") and "baseline_tokens_per_s" not in options:
-            options["baseline_tokens_per_s"] = base["tokens_per_s"]
         b = self.config.baseline
+        if base.get("tokens_per_s") and b.regression_fraction > 0 and "baseline_tokens_per_s" not in options:
+            options["baseline_tokens_per_s"] = base["tokens_per_s"]
+            options["regression_fraction"] = b.regression_fraction
         record = {"run_id": self.run_id, "ts": time.time(), "config": self.config.name,
                   "start": start_kind(self.start),
                   "data_dir": self.values["data_dir"], "data": (pf.get("data") or {}).get("stats"),

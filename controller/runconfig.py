@@ -164,6 +164,10 @@ class BaselineSection(BaseModel):
     length_tolerance: float = Field(0.10, alias="length-tolerance", ge=0)
     loss_fraction_tolerance: float = Field(0.02, alias="loss-fraction-tolerance", ge=0)
     samples_tolerance: float = Field(0.10, alias="samples-tolerance", ge=0)
+    # A run whose steady tokens/s falls more than this below the known-good run of its config
+    # is stopped by the agent with a named reason (the story: 20 → 5.4 Ktok/s, nobody told).
+    # 0 hands the agent no baseline (e.g. CPU runs on a shared machine, whose rate swings 3×).
+    regression_fraction: float = Field(0.3, alias="regression-fraction", ge=0, lt=1)
 
 
 class RunConfig(BaseModel):

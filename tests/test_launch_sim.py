@@ -30,8 +30,14 @@ pytestmark = [pytest.mark.sim, pytest.mark.slow]
 CT = 201
 WS = "/workspace"
 REPO = Path(__file__).resolve().parent.parent
-TINY = str(REPO / "examples" / "tiny.toml")
+# examples/tiny.toml under a name of our own, so runs of other tests sharing the container
+# (their run ids start with their config's name) never count as ours.
+NAME = "launchtest"
+TINY = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"dflash-{NAME}-{os.getpid()}.toml")
+Path(TINY).write_text((REPO / "examples" / "tiny.toml").read_text().replace('name = "tiny"', f'name = "{NAME}"'))
 PROBE = "dflash-driftprobe"
+LONG = ["--set", "epochs=3", "--set", "max-steps=120", "--set", "save-interval=60"]
+LAST = 120
 
 BLOCKER = '''
 import sys
@@ -76,13 +82,14 @@ def sh(env, *argv, check=True) -> str:
 
 
 def runs_now(env) -> list[str]:
-    return sorted(sh(env, "sh", "-c", f"ls -1 {WS}/runs 2>/dev/null || true").split())
+    return sorted(r for r in sh(env, "sh", "-c", f"ls -1 {WS}/runs 2>/dev/null || true").split()
+                  if r.startswith(f"{NAME}-"))
 
 
 def job_processes(env) -> list[str]:
-    """Agent and trainer processes in the container (none when nothing runs)."""
+    """Agent, start script and trainer processes of our runs in the container."""
     out = sh(env, "ps", "-eo", "pid=,args=")
-    return [l for l in out.splitlines() if f"{WS}/runs/" in l or "start.sh" in l or "-m trainer" in l]
+    return [l for l in out.splitlines() if f"{WS}/runs/{NAME}-" in l]
 
 
 def grep_secret(env, secret: str, *paths: str) -> list[str]:
@@ -109,10 +116,12 @@ def install_probe(env, version: str, wheel_dir: Path) -> None:
 
 
 class CuttingProxy:
-    """127.0.0.1:port → sshd; ``cut()`` drops every connection at once, as a network would."""
+    """127.0.0.1:port → sshd; ``cut()`` drops every connection at once, as a network would.
+    ``rate`` (bytes/s) throttles the node → client direction when set."""
 
-    def __init__(self, upstream_port: int):
+    def __init__(self, upstream_port: int, rate: int | None = None):
         self.upstream = upstream_port
+        self.rate = rate
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.pairs: list[tuple[socket.socket, socket.socket]] = []
@@ -130,14 +139,16 @@ class CuttingProxy:
             with self.lock:
                 self.pairs.append((client, upstream))
                 self.accepted += 1
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            threading.Thread(target=self._pump, args=(client, upstream, None), daemon=True).start()
+            threading.Thread(target=self._pump, args=(upstream, client, self.rate), daemon=True).start()
 
     @staticmethod
-    def _pump(a, b):
+    def _pump(a, b, rate):
         try:
-            while data := a.recv(65536):
+            while data := a.recv(2048):
                 b.sendall(data)
+                if rate:
+                    time.sleep(len(data) / rate)
         except OSError:
             pass
         for s in (a, b):
@@ -220,11 +231,16 @@ def good_run(prepared, ctl_env, ctl_config, sim_node, tmp_path_factory):
     key_file = tmp / "wandb.key"
     key_file.write_text(secret + "\n")
     key_file.chmod(0o600)
+    # 120 steps over 3 epochs: long enough to cut a live stream 10 times on a fast day.
     launch = ctl(ctl_env, "launch", "--container", CT, "--config", TINY, "--from-scratch", "--json",
-                 "--set", f"wandb.api-key-file={key_file}")
+                 "--set", f"wandb.api-key-file={key_file}", *LONG)
     assert launch.returncode == 0, launch.stderr + launch.stdout
     info = json.loads(launch.stdout.strip().splitlines()[-1])
     run_id = info["run_id"]
+    # While the run is live (agent, job monitor, start.sh, trainer): the key in no argv.
+    argv_leaks = grep_secret(ctl_env, secret, *[f"/proc/{p}/cmdline" for p in sh(
+        ctl_env, "sh", "-c", "ls -1d /proc/[0-9]* | cut -d/ -f3").split()])
+    live = sh(ctl_env, "ps", "-eo", "args=")
 
     proxy = CuttingProxy(sim_node.node_config()["port"])
     proxy_env = dict(ctl_env, DFLASH_CTL_CONFIG=str(proxied_config(ctl_config, proxy.port, tmp)))
@@ -234,26 +250,23 @@ def good_run(prepared, ctl_env, ctl_config, sim_node, tmp_path_factory):
     reader = threading.Thread(target=lambda: out_lines.extend(tail.stdout), daemon=True)
     reader.start()
     drops = 0
-    argv_leaks = None
     deadline = time.monotonic() + 300
+    seen = 0
     while drops < 10 and tail.poll() is None and time.monotonic() < deadline:
-        # Cut only once the tail has a live connection again (it reconnected after the last
-        # cut) and has printed something since, so every cut interrupts a live stream.
-        seen = len(out_lines)
-        time.sleep(1.5)
-        if len(out_lines) > seen or drops == 0:
+        # Cut once the tail is connected again (it reconnected after the last cut) and has
+        # received records since, so every cut interrupts a live, half-delivered stream.
+        time.sleep(0.05)
+        if len(out_lines) > seen:
+            seen = len(out_lines)
             if proxy.cut():
                 drops += 1
-        if drops == 3 and argv_leaks is None:  # mid-run: is the key in any process's argv?
-            argv_leaks = grep_secret(ctl_env, secret, *[f"/proc/{p}/cmdline" for p in sh(
-                ctl_env, "sh", "-c", "ls -1d /proc/[0-9]* | cut -d/ -f3").split()])
     try:
         tail.wait(timeout=600)
     finally:
         proxy.close()
     reader.join(10)
     return {"run_id": run_id, "launch": launch, "tail_rc": tail.returncode, "tail_err": tail.stderr.read(),
-            "tail_lines": out_lines, "drops": drops, "secret": secret, "argv_leaks": argv_leaks,
+            "tail_lines": out_lines, "drops": drops, "secret": secret, "argv_leaks": argv_leaks, "live": live,
             "proxy_connections": proxy.accepted}
 
 
@@ -264,14 +277,16 @@ def test_launch_then_tail_shows_steps_and_the_run_completes_with_its_checkpoint(
     assert good_run["tail_rc"] == 0, good_run["tail_err"]
     human = ctl(ctl_env, "tail", "--container", CT, "--run", run_id)
     assert human.returncode == 0, human.stderr
-    assert "step 24/24" in human.stdout and "== run completed" in human.stdout
-    assert "-- step 24/24 | loss" in human.stdout  # the one-line status
+    assert f"step {LAST}/{LAST}" in human.stdout and "== run completed" in human.stdout
+    assert f"-- step {LAST}/{LAST} | loss" in human.stdout  # the one-line status
     status = ctl(ctl_env, "status", "--container", CT, "--run", run_id)
     assert status.returncode == 0, status.stderr
     assert "state    completed" in status.stdout
-    doc = json.loads(ctl(ctl_env, "status", "--container", CT, "--json").stdout)
-    assert doc["run_id"] == run_id and doc["status"]["state"] == "completed"  # default: the latest run
-    ckpt = f"{WS}/runs/{run_id}/output/step_24/checkpoint.pt"
+    doc = json.loads(ctl(ctl_env, "status", "--container", CT, "--json").stdout)  # default: the latest run
+    ours = json.loads(ctl(ctl_env, "status", "--container", CT, "--run", run_id, "--json").stdout)
+    assert doc["latest"] and (doc["run_id"] == run_id or doc["spec"]["created"] >= ours["spec"]["created"])
+    assert ours["status"]["state"] == "completed"
+    ckpt = f"{WS}/runs/{run_id}/output/step_{LAST}/checkpoint.pt"
     assert sh(ctl_env, "sh", "-c", f"test -f {ckpt} && echo yes").strip() == "yes"
     listing = ctl(ctl_env, "runs", "--container", CT)
     assert any(line.startswith(run_id) and "completed" in line for line in listing.stdout.splitlines())
@@ -297,7 +312,8 @@ def test_the_secret_is_only_in_its_own_root_only_file(good_run, ctl_env):
     own = f"{WS}/.dflash-ctl/secrets/{run_id}.env"
     assert sh(ctl_env, "stat", "-c", "%a %u", own).split() == ["600", "0"]
     assert grep_secret(ctl_env, secret, "/workspace", "/tmp", "/root") == [own]
-    assert good_run["argv_leaks"] == []  # no process had it in its argv, mid-run
+    assert f"{WS}/runs/{run_id}" in good_run["live"]  # the check ran while the run's processes were up
+    assert good_run["argv_leaks"] == []  # and none had the key in its argv
     everything = good_run["launch"].stdout + good_run["launch"].stderr + "".join(good_run["tail_lines"]) + good_run["tail_err"]
     assert secret not in everything
     start_sh = sh(ctl_env, "cat", f"{WS}/runs/{run_id}/start.sh")
@@ -307,10 +323,10 @@ def test_the_secret_is_only_in_its_own_root_only_file(good_run, ctl_env):
 def test_the_good_run_becomes_the_known_good_baseline(good_run, ctl_env):
     assert ctl(ctl_env, "status", "--container", CT, "--run", good_run["run_id"]).returncode == 0  # folds it in
     doc = json.loads(sh(ctl_env, "cat", f"{WS}/.dflash-ctl/known-good.json"))
-    assert doc["env"]["run_id"] == good_run["run_id"]
+    assert doc["configs"][NAME]["run_id"] == good_run["run_id"]
     assert doc["env"]["fingerprint"]["packages"][PROBE] == "1.0"
-    assert doc["configs"]["tiny"]["data"]["samples"] == 320
-    assert doc["configs"]["tiny"]["steady"]["tokens_per_s"] > 0
+    assert doc["configs"][NAME]["data"]["samples"] == 320
+    assert doc["configs"][NAME]["steady"]["tokens_per_s"] > 0
 
 
 def _refused_and_nothing_left(env, args, expect: str, code: int = 3):
@@ -347,7 +363,7 @@ def test_resume_from_a_missing_checkpoint_fails_in_preflight(prepared, ctl_env):
 
 
 def test_resume_from_an_incompatible_checkpoint_fails_in_preflight(good_run, ctl_env):
-    ckpt = f"{WS}/runs/{good_run['run_id']}/output/step_24"
+    ckpt = f"{WS}/runs/{good_run['run_id']}/output/step_{LAST}"
     _refused_and_nothing_left(ctl_env, ["--resume-from", ckpt, "--set", "num-draft-layers=2", "--accept-drift"],
                               "the checkpoint was trained with --num-draft-layers 1, this launch says 2")
 
@@ -357,7 +373,7 @@ def test_env_drift_names_the_changed_package_and_needs_accept_drift(good_run, pr
     try:
         p = _refused_and_nothing_left(ctl_env, ["--from-scratch"], f"package {PROBE}: 1.0 → 1.1")
         assert "--accept-drift" in p.stderr
-        assert f"env drift (against known-good run {good_run['run_id']})" in p.stdout
+        assert "env drift (against known-good run " in p.stdout
         drift_lines = [l for l in p.stdout.splitlines() if l.startswith("  ! ")]
         assert drift_lines == [f"  ! package {PROBE}: 1.0 → 1.1"]  # exactly that change
         ok = ctl(ctl_env, "launch", "--container", CT, "--config", TINY, "--from-scratch", "--accept-drift",
