@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import math
 import re
+import signal
 import statistics
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from agent.protocol import TRAINER_EXIT_STOPPED
 
 # --- per-line rank --------------------------------------------------------------------------
 # torch ≥ 2.2 prefixes worker lines with "[rank3]:"; torchrun --tee/-t with "[default3]:"
@@ -109,10 +112,16 @@ def root_cause(failures: list[Failure]) -> Failure | None:
     Rank deaths are seen by polling, so several can be noticed in one pass: the rank that
     really died first and the ones its launcher then terminated. A death whose status is
     unknown is likely such collateral and counts as a second later; among the rest, the rank
-    whose last heartbeat is oldest went silent first."""
+    whose last heartbeat is oldest went silent first.
+
+    A rank that exited with the trainer's "stopped on request" code or by SIGTERM was told
+    to stop — by its launcher or its peers reacting to the real failure — so it is ranked
+    after every failure that was not such a reaction, however early it was noticed (seen
+    under load: the survivors' exit 75 was polled before the SIGKILLed rank's death)."""
     def key(f: Failure):
+        collateral = f.details.get("exit_code") == TRAINER_EXIT_STOPPED or f.details.get("signal") == signal.SIGTERM
         penalty = 1.0 if f.details.get("status_unknown") else 0.0
-        return (f.ts + penalty, f.details.get("last_heartbeat") or f.ts)
+        return (1 if collateral else 0, f.ts + penalty, f.details.get("last_heartbeat") or f.ts)
     return min(failures, key=key) if failures else None
 
 

@@ -67,6 +67,9 @@ ENV_RUN_DIR = "DFLASH_RUN_DIR"  # the agent passes the run directory to the job 
 JOB_STDOUT = "job.stdout"
 JOB_STDERR = "job.stderr"
 JOB_PID = "job.pid"  # {"pid","starttime","boot_id","marker"}: the job monitor (PID-reuse guard)
+# The trainer's "stopped on request after a checkpoint" exit code (trainer/flags.py
+# EXIT_STOPPED), repeated here because the agent never imports the trainer.
+TRAINER_EXIT_STOPPED = 75
 JOB_EXIT = "job.exit.json"  # written by the job monitor when the job's top process exits
 AGENT_PID = "agent.pid"  # same shape, for the supervising agent
 AGENT_LOCK = "agent.lock"  # flock held by the one process allowed to append to stream.jsonl

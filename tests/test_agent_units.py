@@ -74,6 +74,17 @@ def test_root_cause_is_the_earliest_and_collateral_deaths_count_later():
     assert root_cause([unknown, known]) is known
 
 
+def test_ranks_told_to_stop_are_never_the_root_cause_even_when_noticed_first():
+    # Seen under load: the survivors' "stopped on request" exit (75) and a SIGTERMed rank
+    # were polled seconds before the SIGKILLed rank whose death made them stop.
+    stopped = exit_failure(1, 11, 1, {"exit_code": 75}, False, [])
+    termed = exit_failure(3, 13, 3, {"signal": 15, "signal_name": "SIGTERM"}, False, [])
+    killed = exit_failure(2, 12, 2, {"signal": 9, "signal_name": "SIGKILL"}, False, [])
+    stopped.ts, termed.ts, killed.ts = 10.0, 10.5, 13.0
+    assert root_cause([stopped, termed, killed]) is killed
+    assert root_cause([stopped, termed]) is stopped  # alone, the earliest still names itself
+
+
 def test_trainer_error_event_is_classified():
     f = classify_event({"kind": "error", "error": "cuda_oom", "rank": 5, "gpu": 5, "message": NEW_OOM, "ts": 1.0})
     assert f.kind == "cuda_oom" and f.gpu == 6 and f.details["short_mib"] == 420
