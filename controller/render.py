@@ -101,11 +101,21 @@ def render_start_script(values: Mapping[str, Any], *, container: ContainerConfig
             raise RenderError(f"secret name {key!r} is not a valid shell name")
     if not run_dir.startswith("/"):
         raise RenderError(f"run directory {run_dir!r} must be an absolute path in the container")
+    lines = flag_lines(values)
+    start_at = start_len = 0
+    for tokens in lines:  # where the start decision sits in the flattened argv
+        if tokens[0] in {f.name for f in F.START_FLAGS}:
+            start_len = len(tokens)
+            break
+        start_at += len(tokens)
     return environment().get_template(START_TEMPLATE).render(
+        start_at=start_at,
+        start_len=start_len,
+        resume_flag=F.BY_DEST["resume_from"].name,
         run_dir=run_dir,
         secrets_file=secrets_file or posixpath.join(container.workspace, SECRETS_FILE),
         secret_keys=secret_keys,
-        flag_lines=flag_lines(values),
+        flag_lines=lines,
         env=start_env(container, bundle=bundle, run_id=run_id, run_dir=run_dir, extra=env),
         python=container.python,
     )

@@ -41,14 +41,15 @@ def base_values(**kw):
     return values
 
 
-def run_script(script: str, tmp_path: Path, run_dir: Path) -> tuple[subprocess.CompletedProcess, dict]:
+def run_script(script: str, tmp_path: Path, run_dir: Path,
+               extra_env: dict | None = None) -> tuple[subprocess.CompletedProcess, dict]:
     path = tmp_path / "start.sh"
     path.write_text(script)
     syntax = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
     assert syntax.returncode == 0, syntax.stderr
     # Started from a polluted environment: none of it may reach the trainer.
     polluted = dict(os.environ, PATH="/opt/homebrew/opt/openjdk/bin:/root/perl5/bin:" + os.environ["PATH"],
-                    PERL5LIB="/root/perl5/lib/perl5", SSH_CONNECTION="1.2.3.4 5 6.7.8.9 22")
+                    PERL5LIB="/root/perl5/lib/perl5", SSH_CONNECTION="1.2.3.4 5 6.7.8.9 22", **(extra_env or {}))
     proc = subprocess.run(["bash", str(path)], capture_output=True, text=True, env=polluted, cwd=str(tmp_path))
     dump = json.loads((run_dir / "dump.json").read_text()) if (run_dir / "dump.json").exists() else {}
     return proc, dump
@@ -87,6 +88,24 @@ def test_hostile_values_pass_bash_n_and_are_passed_literally(tmp_path):
     assert not pwned.exists()
     assert dump["argv"] == ["-m", "trainer", *F.to_argv(values)]
     assert dump["env"] == start_env(container, bundle=bundle, run_id=run_id, run_dir=str(run_dir), extra=extra)
+
+
+def test_an_agent_restart_resumes_from_the_checkpoint_it_names_in_place_of_the_start_decision(tmp_path):
+    # agent --max-restarts sets DFLASH_RESUME_FROM for a `bash start.sh` job; before this the
+    # script ignored it and a restart began from scratch again.
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    container = make_container(tmp_path)
+    values = base_values(wandb_run_name="--from-scratch")  # a value that only looks like a flag
+    script = render_start_script(values, container=container, bundle="/b", run_id="r", run_dir=str(run_dir),
+                                 secrets_file=str(tmp_path / "none.env"))
+    ckpt = str(tmp_path / "out dir" / "step_40" / "checkpoint.pt")
+    proc, dump = run_script(script, tmp_path, run_dir, extra_env={"DFLASH_RESUME_FROM": ckpt})
+    assert proc.returncode == 0, proc.stderr
+    expected = F.to_argv(dict(values, from_scratch=False, resume_from=ckpt))
+    assert dump["argv"] == ["-m", "trainer", *expected]
+    proc, dump = run_script(script, tmp_path, run_dir)  # a first start keeps its own decision
+    assert dump["argv"] == ["-m", "trainer", *F.to_argv(values)]
 
 
 def test_secrets_are_read_at_run_time_from_a_root_only_file_and_never_embedded(tmp_path):
