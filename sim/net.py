@@ -49,6 +49,9 @@ ip -n "$netns" link add "$veth" type veth peer name eth0 netns "$pid"
 ip -n "$netns" link set "$veth" master "$bridge" up
 nsenter -t "$pid" -n ip addr add "$addr" dev eth0
 nsenter -t "$pid" -n ip link set eth0 up
+# Loopback too: a real container's init brings lo up; the sim's (sleep) does not, and a
+# process connecting to its own eth0 address goes through lo (torchrun's store on node rank 0).
+nsenter -t "$pid" -n ip link set lo up
 """
 
 
@@ -132,9 +135,12 @@ def hook_line(address: str) -> str:
 
 
 def has_link(pid: int) -> bool:
+    """eth0 with its address, and lo up."""
     proc = run(["nsenter", "-t", str(pid), "-n", "ip", "-o", "-4", "addr", "show", "dev", "eth0"],
                what="ip addr in a container", check=False)
-    return proc.returncode == 0 and b"inet " in proc.stdout
+    lo = run(["nsenter", "-t", str(pid), "-n", "ip", "-o", "link", "show", "dev", "lo"],
+             what="ip link in a container", check=False)
+    return proc.returncode == 0 and b"inet " in proc.stdout and b"LOOPBACK,UP" in lo.stdout
 
 
 def attach_running(pid: int, address: str) -> None:

@@ -89,3 +89,16 @@ def test_pct_start_over_ssh_gives_a_restarted_container_its_link(sim2_node):
     pid = int(subprocess.run(["lxc-info", "-P", str(sim2_node.paths.lxcpath), "-n", "301", "-p", "-H"],
                              capture_output=True, text=True).stdout)
     assert net.has_link(pid)
+
+
+def test_a_container_reaches_itself_on_loopback_and_its_own_address(sim2_node):
+    # torchrun's store on node rank 0 connects to its own address (through lo): a container
+    # whose init never brought lo up would time out there (seen before the hook set lo up).
+    for host in ("127.0.0.1", address(sim2_node, 300)):
+        server = serve(sim2_node, 300, 29513)
+        try:
+            out = attach(sim2_node, 300, "python3", "-c", CLIENT, host, "29513", "5").stdout
+            assert out.strip() == "PING", host
+        finally:
+            server.kill()
+            server.wait()
