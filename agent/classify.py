@@ -202,6 +202,33 @@ def _exit_info(code: int) -> dict:
     return {"exit_code": code, "signal": None, "signal_name": None}
 
 
+# --- a job across containers: a broken connection to a peer rank vs a network that stopped
+# delivering (gloo's TCP transport; NCCL's socket errors read the same). A peer that died
+# closes its sockets, so its partners fail within seconds with a reset ("peer failure":
+# the root cause is that peer, in its own container); a cut link delivers nothing and no
+# RST, so the partners fail only at --dist-timeout ("network failure").
+_PEER_LOST = re.compile(r"Connection (?:reset|closed) by peer|Broken pipe|ECONNRESET|EPIPE"
+                        r"|remote process exited or there was a network error")
+_NET_DOWN = re.compile(r"Timed out waiting \d+ ?ms for (?:send|recv)|No route to host|Network is unreachable"
+                       r"|Connection timed out|Socket Timeout|Timeout waiting for key|connect\(\) timed out"
+                       r"|The client socket has timed out")
+_PEER_ADDR = re.compile(r"\[([0-9a-fA-F.:]+)\]:(\d+)")
+
+
+def classify_comm(message: str) -> tuple[str, dict] | None:
+    """("peer_failure" | "network_failure", details) for a communication error, else None."""
+    addr = _PEER_ADDR.search(message)
+    details = {"peer": addr.group(1)} if addr else {}
+    if _PEER_LOST.search(message):
+        return "peer_failure", details
+    if _NET_DOWN.search(message):
+        m = re.search(r"Timed out waiting (\d+) ?ms for (send|recv)", message)
+        if m:
+            details.update(timeout_ms=int(m.group(1)), op=m.group(2))
+        return "network_failure", details
+    return None
+
+
 def classify_event(event: dict, ts: float | None = None) -> Failure | None:
     """A trainer ``error`` event (events.jsonl) as a failure."""
     if event.get("kind") != "error":
@@ -217,6 +244,18 @@ def classify_event(event: dict, ts: float | None = None) -> Failure | None:
         return Failure("cuda_oom", _with_rank(oom_reason(info, gpu), rank), rank, g, event.get("pid"), ts, evidence, info)
     if error == "nccl_timeout":
         return Failure("nccl_timeout", _with_rank("NCCL collective timeout", rank), rank, gpu, event.get("pid"), ts, evidence)
+    comm = classify_comm(message)
+    if comm is not None:
+        kind, details = comm
+        peer = f" (peer {details['peer']})" if details.get("peer") else ""
+        if kind == "peer_failure":
+            reason = (f"peer failure: lost the connection to another rank{peer}; the root cause is in the "
+                      "container of that rank")
+        else:
+            op = f" in {details['op']}" if details.get("op") else ""
+            wait = f" after {details['timeout_ms'] / 1000:.0f} s" if details.get("timeout_ms") else ""
+            reason = f"network failure: no answer from another rank{peer}{op}{wait} (link down or peer unreachable)"
+        return Failure(kind, _with_rank(reason, rank), rank, gpu, event.get("pid"), ts, evidence, details)
     return Failure("rank_exit", _with_rank(f"exception: {message[:200]}", rank), rank, gpu, event.get("pid"), ts, evidence)
 
 

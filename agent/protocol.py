@@ -140,7 +140,9 @@ EVENT_KINDS = ("phase", "step", "checkpoint", "eval", "error", "probe")
 AGENT_EVENT_KINDS = ("agent.started", "agent.reattached", "agent.failure", "agent.stop_requested",
                      "agent.stop", "agent.restart", "agent.job_exit")
 FAILURE_KINDS = ("cuda_oom", "host_oom", "rank_exit", "rank_stall", "nccl_timeout",
-                 "throughput_regression", "job_exit")
+                 "throughput_regression", "job_exit",
+                 # a job across containers (agent/classify.py classify_comm)
+                 "peer_failure", "network_failure")
 
 
 def atomic_write(path: str, data: str | bytes, mode: int = 0o644) -> None:

@@ -132,7 +132,37 @@ def torchrun_args(values: Mapping[str, Any]) -> list[str]:
     return ["--nnodes", str(values["nnodes"]), "--node-rank", str(values["node_rank"]),
             "--rdzv-backend", "static", "--rdzv-endpoint", str(values["rdzv_endpoint"]),
             "--rdzv-id", str(values.get("rdzv_id") or "dflash"), "--max-restarts", "0",
+            # every worker line prefixed "[local<N>]:" so the controller can name its global
+            # rank (controller/jobview.py)
+            "--role", "local", "--tee", "3",
             f"--nproc-per-node={local_nproc(values)}"]
+
+
+def interface_towards(host: str) -> str | None:
+    """The local interface whose address routes to ``host`` (the rendezvous container).
+
+    gloo (and NCCL's bootstrap) otherwise bind to the address of this container's hostname,
+    which on a node without DNS for its containers does not resolve to the job network
+    (seen on the sim: workers waited on an unroutable address until the timeout)."""
+    import fcntl
+    import socket
+    import struct
+
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))  # UDP: picks the route, sends nothing
+            local = s.getsockname()[0]
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for _, name in socket.if_nameindex():
+                try:
+                    raw = fcntl.ioctl(s.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+                except OSError:
+                    continue
+                if socket.inet_ntoa(raw[20:24]) == local:
+                    return name
+    except OSError:
+        return None
+    return None
 
 
 def init(args, device_type: str):
@@ -160,6 +190,10 @@ def init(args, device_type: str):
     topo = JobTopology(rank, world_size(values), slots_t, slots_d, device_type, local_gpu=gpu)
     if device_type == "cuda":
         torch.cuda.set_device(topo.device)
+    ifname = interface_towards(str(args.rdzv_endpoint).rsplit(":", 1)[0].strip("[]"))
+    if ifname:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", ifname)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", ifname)
     timeout = timedelta(seconds=args.dist_timeout)
     backend = "nccl" if device_type == "cuda" else "gloo"
     kw = {"device_id": topo.device} if device_type == "cuda" else {}

@@ -148,7 +148,9 @@ def _follow(ct: Container, caller, run_id: str, since: int, follow: bool, raw: b
 # --- commands ----------------------------------------------------------------------------------
 
 def launch_command(
-    container: int = typer.Option(..., "--container", "-c", help="container id (Proxmox VMID), e.g. 200"),
+    container: List[str] = typer.Option(..., "--container", "-c",
+                                        help="container id (Proxmox VMID), e.g. 200; repeat as NODE:CTID "
+                                             "(e.g. -c sim:200 -c sim2:300) for one job across containers"),
     config: Path = typer.Option(..., "--config", help="run config (TOML): trainer flags, GPU roles, paths, wandb"),
     from_scratch: bool = typer.Option(False, "--from-scratch", help="start a new drafter from random weights"),
     resume_from: Optional[str] = typer.Option(None, "--resume-from", metavar="CKPT",
@@ -178,16 +180,29 @@ def launch_command(
     from controller.launch import Launcher, LaunchRefused
     from controller.render import RenderError
 
+    from controller.commands import job as job_cmd
+
+    job = job_cmd.is_job(container)  # several containers: one job (controller/job.py)
     # Everything that can be checked here is, before any connection is opened.
     try:
         start = R.start_decision(from_scratch, resume_from, init_from)
         run_config = R.load(config, overrides={"target_model": target_model, "data_dir": data_dir,
-                                               "output_dir": output_dir, "target_gpus": target_gpus,
-                                               "drafter_gpus": drafter_gpus, "wandb_run_name": wandb_run_name},
+                                               "output_dir": output_dir,
+                                               "target_gpus": None if job else target_gpus,
+                                               "drafter_gpus": None if job else drafter_gpus,
+                                               "wandb_run_name": wandb_run_name},
                             sets=sets)
         wandb_key = run_config.wandb.read_key()
     except R.RunConfigError as exc:
         raise fail(str(exc), EXIT_CONFIG) from None
+    if job:
+        raise typer.Exit(job_cmd.launch(container, run_config, start, node=node, target_gpus=target_gpus,
+                                        drafter_gpus=drafter_gpus, accept_drift=accept_drift, follow=follow,
+                                        json_out=json_out, wandb_key=wandb_key, ctl_config=ctl_config,
+                                        trust_new_host_key=trust_new_host_key))
+    if not container[0].isdigit():
+        raise fail(f"--container {container[0]!r}: give a container id, e.g. 200", EXIT_CONFIG)
+    container = int(container[0])
     say = (lambda line: typer.echo(line, err=True)) if json_out else typer.echo
     with container_session(container, node, ctl_config, trust_new_host_key) as ct:
         try:
@@ -241,8 +256,15 @@ def tail_command(
     ctl_config: Optional[str] = CtlConfigOpt,
     trust_new_host_key: bool = TrustOpt,
 ) -> None:
-    """A run's log lines and events, with a periodic one-line status; survives SSH drops."""
+    """A run's log lines and events, with a periodic one-line status; survives SSH drops.
+    A job's containers are merged in time order, each line labelled with node, container, rank."""
     from controller.agentcall import AgentCaller
+    from controller.commands import job as job_cmd
+
+    found = job_cmd.find(run, None if container is None else [str(container)], node, ctl_config)
+    if found:
+        raise typer.Exit(job_cmd.tail(found[0], found[1], ctl_config=ctl_config, follow=follow, raw=raw, since=since,
+                                      trust_new_host_key=trust_new_host_key))
 
     container, node = _where(container, node, ctl_config)
     with container_session(container, node, ctl_config, trust_new_host_key) as ct:
@@ -260,9 +282,16 @@ def status_command(
     ctl_config: Optional[str] = CtlConfigOpt,
     trust_new_host_key: bool = TrustOpt,
 ) -> None:
-    """State, phase, step/total, ETA, loss, tokens/s against the baseline, ranks and GPUs."""
+    """State, phase, step/total, ETA, loss, tokens/s against the baseline, ranks and GPUs.
+    For a job: every container's, and the job's root cause (rank, container, reason)."""
     from controller.agentcall import AgentCaller
+    from controller.commands import job as job_cmd
     from controller.status import render_status
+
+    found = job_cmd.find(run, None if container is None else [str(container)], node, ctl_config)
+    if found:
+        raise typer.Exit(job_cmd.status(found[0], found[1], ctl_config=ctl_config, json_out=json_out,
+                                        trust_new_host_key=trust_new_host_key))
 
     container, node = _where(container, node, ctl_config)
     with container_session(container, node, ctl_config, trust_new_host_key) as ct:

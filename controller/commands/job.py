@@ -1,0 +1,140 @@
+"""The job forms of `ctl launch`, `ctl tail` and `ctl status` (controller/job.py): several
+``--container NODE:CTID`` make one job. Called from controller/commands/run.py."""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+import typer
+
+from controller import config as cfg
+from controller import job as J
+from controller.commands.remote import EXIT_CONFIG, EXIT_CONTAINER, EXIT_TRANSPORT, fail
+
+EXIT_FAILED = 1
+EXIT_REFUSED = 3
+EXIT_NOT_DONE = 4
+
+
+def is_job(containers: list[str]) -> bool:
+    return len(containers) > 1 or any(":" in c for c in containers)
+
+
+def _default_node(ctl_config: Optional[str], node: Optional[str]) -> Optional[str]:
+    if node:
+        return node
+    try:
+        return cfg.load(ctl_config).default_node
+    except cfg.ConfigError:
+        return None
+
+
+def launch(containers: list[str], run_config, start: dict, *, node: Optional[str], target_gpus: Optional[str],
+           drafter_gpus: Optional[str], accept_drift: bool, follow: bool, json_out: bool, wandb_key: Optional[str],
+           ctl_config: Optional[str], trust_new_host_key: bool, dist_timeout: Optional[int] = None) -> int:
+    from controller.launch import LaunchRefused
+    from controller.render import RenderError
+    from controller.runconfig import RunConfigError
+    from controller.transport import TransportError
+
+    try:
+        members = J.plan(containers, target_gpus, drafter_gpus, _default_node(ctl_config, node))
+    except J.JobError as exc:
+        raise fail(str(exc), EXIT_CONFIG) from None
+    say = (lambda line: typer.echo(line, err=True)) if json_out else typer.echo
+    try:
+        with J.open_containers(members, ctl_config, trust_new_host_key) as cts:
+            result = J.launch(cts, members, run_config, start, say=say, accept_drift=accept_drift,
+                              wandb_key=wandb_key, dist_timeout=dist_timeout)
+    except (J.JobError, RunConfigError, RenderError, cfg.ConfigError) as exc:
+        raise fail(str(exc), EXIT_CONFIG) from None
+    except LaunchRefused as exc:
+        raise fail(f"job refused — nothing was started:\n  {exc}", EXIT_REFUSED) from None
+    except TransportError as exc:
+        raise fail(str(exc), EXIT_TRANSPORT) from None
+    J.save_record(ctl_config, result)
+    from controller.commands.run import remember
+
+    remember(ctl_config, members[0].node, members[0].ctid, result.run_id)
+    labels = [m.label for m in members]
+    if json_out:
+        typer.echo(json.dumps({"run_id": result.run_id, "job": True, "containers": labels, "endpoint": result.endpoint,
+                               "layout": J.layout(members), "starts": result.starts, "timings": result.timings},
+                              sort_keys=True))
+    else:
+        typer.echo(f"job {result.run_id} started in {', '.join(labels)} (rendezvous {result.endpoint}, "
+                   f"{result.timings['total_s']:.1f} s)")
+        typer.echo(f"  follow: ctl tail --run {result.run_id} --follow")
+    if follow:
+        return tail(members, result.run_id, ctl_config=ctl_config, follow=True, raw=False, since=0,
+                    trust_new_host_key=trust_new_host_key)
+    return 0
+
+
+def tail(members: list[J.Member], run_id: str, *, ctl_config: Optional[str], follow: bool, raw: bool, since: int,
+         trust_new_host_key: bool = False) -> int:
+    from controller.agentcall import AgentCaller
+    from controller.commands.run import ContainerStream
+    from controller import jobview
+
+    def stop(m: J.Member) -> None:
+        with J.open_containers([m], ctl_config) as (ct,):
+            J.stop_member(ct, run_id)
+
+    with J.open_containers(members, ctl_config, trust_new_host_key, per_member=True) as cts:
+        callers = [AgentCaller(ct) for ct in cts]
+        sources = [ContainerStream(ct, c) for ct, c in zip(cts, callers)]
+        jobview.merged(members, sources, run_id, typer.echo, follow=follow, raw=raw, stop=stop, since=since)
+        replies = jobview.statuses(members, callers, run_id)
+    verdict = J.job_verdict(replies)
+    if not follow:
+        return 0
+    root = verdict["root_cause"]
+    if verdict["state"] == "failed":
+        where = f"rank {root.get('rank')} in " if root and root.get("rank") is not None else ""
+        typer.echo(f"ctl: job {run_id} FAILED: {where}container {root['container'] if root else '?'}: "
+                   f"{root.get('reason') if root else 'unknown'}", err=True)
+        return EXIT_FAILED
+    if verdict["state"] == "completed":
+        typer.echo(f"ctl: job {run_id} completed in every container", err=raw)
+        return 0
+    typer.echo(f"ctl: job {run_id} is {verdict['state']}: {verdict['states']}", err=True)
+    return EXIT_NOT_DONE
+
+
+def status(members: list[J.Member], run_id: str, *, ctl_config: Optional[str], json_out: bool,
+           trust_new_host_key: bool = False) -> int:
+    from controller.agentcall import AgentCaller
+    from controller import jobview
+
+    with J.open_containers(members, ctl_config, trust_new_host_key) as cts:
+        replies = jobview.statuses(members, [AgentCaller(ct) for ct in cts], run_id)
+    if json_out:
+        typer.echo(json.dumps({"run_id": run_id, "job": J.job_verdict(replies),
+                               "containers": {m.label: r for m, r in replies}}, sort_keys=True, indent=1))
+    else:
+        for line in J.render_job_status(run_id, replies):
+            typer.echo(line)
+    return 0
+
+
+def find(run: Optional[str], containers: Optional[list[str]], node: Optional[str],
+         ctl_config: Optional[str]) -> Optional[tuple[list[J.Member], str]]:
+    """The job a tail/status names: by --run (its local record), or the last launch's."""
+    run_id = run
+    if run_id is None and not containers:
+        from controller.commands.run import _last_path
+
+        try:
+            run_id = json.loads(_last_path(ctl_config).read_text()).get("run_id")
+        except (OSError, ValueError):
+            return None
+    if not run_id:
+        return None
+    members = J.load_record(ctl_config, run_id)
+    if members is None:
+        return None
+    if containers and not is_job(containers):
+        return None  # one container of the job asked for by plain id: the single view
+    return members, run_id

@@ -1,0 +1,347 @@
+"""One training job across several containers, on one node or several (DESIGN.md: "Scale
+beyond one node").
+
+    ctl launch --config run.toml --from-scratch \\
+        --container sim:200 --container sim2:300 \\
+        --target-gpus sim:200=0 --drafter-gpus sim2:300=0
+
+Each container gets an ordinary launch (controller/launch.py: preflight, drift, start script,
+its own agent) with one run id for all, its local GPU lists and the job flags of
+trainer/multinode.py: ``--nnodes``, ``--node-rank``, ``--rdzv-endpoint``, ``--rdzv-id``,
+``--job-layout``. Node ranks are given in target-first order (containers with only target
+ranks, then mixed, then drafter-only), so torchrun's rank numbering is the trainer's
+(target ranks, then drafter ranks). The rendezvous endpoint is node rank 0's container:
+its address on the job network and a port free there (``python3 -m agent.netinfo``).
+
+Every preflight runs before any container starts; a refusal anywhere starts nothing. If a
+later container's start fails, the ones already started are stopped.
+
+Failure across containers: a dead rank closes its sockets, so its peers elsewhere fail
+within seconds (agent: "peer failure"); a cut link fails them at ``--dist-timeout``
+(agent: "network failure"). ``ctl status``/``ctl tail`` of a job pick the root cause:
+the earliest failure that is neither, in the container where it happened; while following a
+job, a container that failed makes the controller stop the others that are still running
+(they would otherwise wait for their timeout).
+
+The job's shape is kept beside the controller config (``jobs/<run-id>.json``) so `ctl tail`
+and `ctl status` find every container of it from the run id.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+from controller import config as cfg
+from controller.container import Container
+from trainer import flags as F
+from trainer import multinode
+
+JOBS_DIR = "jobs"
+PEER_KINDS = ("peer_failure", "network_failure")
+
+
+class JobError(Exception):
+    """The job cannot be formed or started; the message names the container and the fix."""
+
+
+@dataclass(frozen=True)
+class Member:
+    node: str
+    ctid: str
+    target_gpus: tuple[int, ...] = ()
+    drafter_gpus: tuple[int, ...] = ()
+
+    @property
+    def label(self) -> str:
+        return f"{self.node}:{self.ctid}"
+
+    @property
+    def colocated(self) -> bool:
+        return bool(self.target_gpus) and self.target_gpus == self.drafter_gpus
+
+    def layout_entry(self) -> str:
+        if self.colocated:
+            return str(len(self.target_gpus))
+        return f"{len(self.target_gpus)}+{len(self.drafter_gpus)}"
+
+
+# --- forming a job ------------------------------------------------------------------------------
+
+def parse_container(text: str, default_node: Optional[str]) -> tuple[str, str]:
+    node, _, ctid = text.rpartition(":")
+    node = node or default_node or ""
+    if not ctid.isdigit() or not node:
+        raise JobError(f"--container {text!r}: a job names each container as NODE:CTID, e.g. sim:200")
+    return node, ctid
+
+
+def parse_roles(text: Optional[str], option: str, default_node: Optional[str]) -> dict[str, tuple[int, ...]]:
+    """'sim:200=0,1;sim2:300=0' → {'sim:200': (0, 1), 'sim2:300': (0,)}."""
+    out: dict[str, tuple[int, ...]] = {}
+    for item in [t.strip() for t in (text or "").replace(" ", ";").split(";") if t.strip()]:
+        where, eq, ids = item.partition("=")
+        if not eq:
+            raise JobError(f"{option} {item!r}: in a job give NODE:CTID=IDS per container, e.g. "
+                           f"{option} sim:200=0,1;sim2:300=0")
+        node, ctid = parse_container(where, default_node)
+        try:
+            out[f"{node}:{ctid}"] = F.parse_gpus(ids)
+        except ValueError as exc:
+            raise JobError(f"{option} {item!r}: {exc}") from None
+    return out
+
+
+def plan(containers: list[str], target_gpus: Optional[str], drafter_gpus: Optional[str],
+         default_node: Optional[str]) -> list[Member]:
+    """Members in node-rank order (target-first), or JobError."""
+    targets = parse_roles(target_gpus, "--target-gpus", default_node)
+    drafters = parse_roles(drafter_gpus, "--drafter-gpus", default_node)
+    members, seen = [], set()
+    for text in containers:
+        node, ctid = parse_container(text, default_node)
+        label = f"{node}:{ctid}"
+        if label in seen:
+            raise JobError(f"--container {label} is named twice")
+        seen.add(label)
+        m = Member(node, ctid, targets.pop(label, ()), drafters.pop(label, ()))
+        if not m.target_gpus and not m.drafter_gpus:
+            raise JobError(f"container {label} has no GPU role: give --target-gpus {label}=IDS and/or "
+                           f"--drafter-gpus {label}=IDS")
+        members.append(m)
+    stray = sorted(set(targets) | set(drafters))
+    if stray:
+        raise JobError(f"--target-gpus/--drafter-gpus name {', '.join(stray)}, which is not a --container of the job")
+    return order(members)
+
+
+def order(members: list[Member]) -> list[Member]:
+    """Target-only containers, then mixed, then drafter-only (stable): torchrun numbers ranks
+    container by container, and the trainer needs target ranks first (trainer/topology.py)."""
+    if len({m.colocated for m in members}) > 1:
+        raise JobError("a job is either colocated (equal --target-gpus and --drafter-gpus in every container) or "
+                       "split (disjoint roles); these containers mix both: "
+                       + ", ".join(f"{m.label} ({'colocated' if m.colocated else 'split'})" for m in members))
+    if members[0].colocated:
+        return list(members)
+
+    def rank(m: Member) -> int:
+        return 0 if not m.drafter_gpus else (2 if not m.target_gpus else 1)
+
+    ordered = sorted(members, key=rank)
+    if sum(1 for m in ordered if rank(m) == 1) > 1:
+        raise JobError("at most one container may hold both target and drafter ranks (split mode): "
+                       "global rank order is all target ranks, then all drafter ranks; move roles so that "
+                       "only one container is mixed")
+    return ordered
+
+
+def layout(members: list[Member]) -> str:
+    return ",".join(m.layout_entry() for m in members)
+
+
+def job_values(member: Member, node_rank: int, members: list[Member], endpoint: str, run_id: str,
+               dist_timeout: Optional[int]) -> dict:
+    values = {"target_gpus": member.target_gpus, "drafter_gpus": member.drafter_gpus, "nnodes": len(members),
+              "node_rank": node_rank, "rdzv_endpoint": endpoint, "rdzv_id": run_id, "job_layout": layout(members)}
+    if dist_timeout:
+        values["dist_timeout"] = int(dist_timeout)
+    return values
+
+
+# --- sessions: one runner per node --------------------------------------------------------------
+
+@contextlib.contextmanager
+def open_containers(members: list[Member], ctl_config: Optional[str], trust_new_host_key: bool = False,
+                    per_member: bool = False) -> Iterator[list[Container]]:
+    """One SSH connection per node (``per_member``: one per container, for concurrent use
+    from threads), and a Container handle per member."""
+    from controller.transport import open_runner
+
+    conf = cfg.load(ctl_config)
+    runners: dict[str, object] = {}
+    opened = []
+    try:
+        cts = []
+        for m in members:
+            name, node = conf.node(m.node)
+            key = m.label if per_member else name
+            if key not in runners:
+                runners[key] = open_runner(name, node, trust_new_host_key=trust_new_host_key)
+                opened.append(runners[key])
+            cts.append(Container(runners[key], name, node, m.ctid))
+        yield cts
+    finally:
+        for r in opened:
+            with contextlib.suppress(Exception):
+                r.close()
+
+
+# --- launch ---------------------------------------------------------------------------------------
+
+@dataclass
+class JobResult:
+    run_id: str
+    endpoint: str
+    members: list[Member]
+    starts: list[dict] = field(default_factory=list)
+    round_trips: int = 0
+    timings: dict = field(default_factory=dict)
+
+
+def rendezvous_endpoint(ct: Container, say: Callable[[str], None]) -> str:
+    from controller.agentcall import AgentCaller
+
+    reply = AgentCaller(ct, say).call("agent.netinfo", [], what="the network of the job's first container")
+    addrs = [a["address"] for a in reply.get("addresses") or []]
+    if not addrs:
+        raise JobError(f"{ct} has no network address besides loopback: the job's containers must reach each "
+                       "other (on the sim: `ctl sim up` attaches them to its bridge)")
+    return f"{addrs[0]}:{reply['free_port']}"
+
+
+def launch(cts: list[Container], members: list[Member], run_config, start: dict, *, say: Callable[[str], None] = print,
+           accept_drift: bool = False, wandb_key: Optional[str] = None, dist_timeout: Optional[int] = None,
+           endpoint: Optional[str] = None, agent_options: Optional[dict] = None) -> JobResult:
+    """Preflight every container, then start each; nothing starts unless all pass."""
+    from controller import drift as D
+    from controller.launch import Launcher, LaunchRefused, new_run_id
+
+    t0 = time.monotonic()
+    run_id = new_run_id(run_config.name)
+    endpoint = endpoint or rendezvous_endpoint(cts[0], say)
+    say(f"job {run_id}: {len(members)} containers, layout {layout(members)} (target+drafter ranks per container), "
+        f"rendezvous {endpoint} in {members[0].label}")
+    launchers = []
+    for i, (ct, m) in enumerate(zip(cts, members)):
+        prefix = f"[{m.label}] "
+        launcher = Launcher(ct, run_config, start, accept_drift=accept_drift, say=lambda line, p=prefix: say(p + line),
+                            wandb_key=wandb_key, run_id=run_id, agent_options=dict(agent_options or {}))
+        # The container's own roles and its place in the job (trainer/multinode.py).
+        launcher.values.update(job_values(m, i, members, endpoint, run_id, dist_timeout))
+        problems = F.check(launcher.values)
+        if problems:
+            raise JobError(f"container {m.label}: " + "; ".join(problems))
+        launchers.append(launcher)
+    preflights = []
+    for launcher, m in zip(launchers, members):
+        pf = launcher.preflight()
+        lines, findings = launcher.report(pf)
+        for line in lines:
+            launcher.say(line)
+        if pf.get("errors"):
+            raise LaunchRefused(f"preflight refused the job in {m.label}:\n  " + "\n  ".join(pf["errors"]), lines)
+        blocking = D.blocking(findings, accept_drift)
+        if blocking:
+            raise LaunchRefused(f"drift against the known-good baseline in {m.label}: "
+                                + "; ".join(f.line() for f in blocking)
+                                + ". Check that this is intended, then rerun with --accept-drift", lines)
+        preflights.append(pf)
+    result = JobResult(run_id, endpoint, members)
+    started: list[tuple[Container, Member]] = []
+    try:
+        for launcher, pf, ct, m in zip(launchers, preflights, cts, members):
+            reply = launcher.commit(pf)
+            result.starts.append(reply.get("start") or {})
+            started.append((ct, m))
+    except BaseException:
+        for ct, m in started:
+            say(f"[{m.label}] stopping: another container of the job did not start")
+            with contextlib.suppress(Exception):
+                stop_member(ct, run_id, grace=5)
+        raise
+    result.round_trips = sum(l.round_trips for l in launchers)
+    result.timings = {"total_s": time.monotonic() - t0}
+    return result
+
+
+def stop_member(ct: Container, run_id: str, grace: float = 10.0) -> dict:
+    from controller.agentcall import AgentCaller
+
+    return AgentCaller(ct).call("agent", ["stop", "--workspace", ct.config.workspace, "--run", run_id,
+                                          "--grace", grace], what="agent stop")
+
+
+# --- the local job record -------------------------------------------------------------------------
+
+def record_path(ctl_config: Optional[str], run_id: str) -> Path:
+    return cfg.config_path(ctl_config).parent / JOBS_DIR / f"{run_id}.json"
+
+
+def save_record(ctl_config: Optional[str], result: JobResult) -> Path:
+    from agent.protocol import atomic_write_json
+
+    path = record_path(ctl_config, result.run_id)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(str(path), {"run_id": result.run_id, "endpoint": result.endpoint, "ts": time.time(),
+                                  "layout": layout(result.members),
+                                  "members": [dict(asdict(m), node_rank=i) for i, m in enumerate(result.members)]})
+    return path
+
+
+def load_record(ctl_config: Optional[str], run_id: str) -> Optional[list[Member]]:
+    try:
+        doc = json.loads(record_path(ctl_config, run_id).read_text())
+    except (OSError, ValueError):
+        return None
+    return [Member(m["node"], str(m["ctid"]), tuple(m.get("target_gpus") or ()), tuple(m.get("drafter_gpus") or ()))
+            for m in doc.get("members") or []]
+
+
+# --- status across containers ---------------------------------------------------------------------
+
+def member_failure(reply: dict) -> Optional[dict]:
+    res = reply.get("result") or {}
+    cause = res.get("root_cause")
+    if isinstance(cause, dict):
+        return cause
+    st = reply.get("status") or {}
+    if st.get("state") == "failed":
+        return {"kind": "job_exit", "reason": st.get("reason") or st.get("last_error"), "ts": st.get("updated")}
+    return None
+
+
+def job_verdict(replies: list[tuple[Member, dict]]) -> dict:
+    """The job's state and root cause from its containers' status replies.
+
+    State: failed if any container failed; running while any runs; completed when all did.
+    Root cause: the earliest failure that is not a peer/network consequence; else the
+    earliest network failure, else the earliest peer failure."""
+    states = [((r.get("status") or {}).get("state") or "unknown") for _, r in replies]
+    failures = [(m, f) for m, r in replies if (f := member_failure(r))]
+    if any(s == "failed" for s in states):
+        state = "failed"
+    elif states and all(s == "completed" for s in states):
+        state = "completed"
+    elif any(s in ("running", "starting", "restarting", "stopping", "pending") for s in states):
+        state = "running"
+    else:
+        state = states[0] if len(set(states)) == 1 else "mixed"
+    root = None
+    if failures:
+        def key(item):
+            kind = item[1].get("kind")
+            tier = 2 if kind == "peer_failure" else (1 if kind == "network_failure" else 0)
+            return (tier, item[1].get("ts") or 0)
+        m, f = min(failures, key=key)
+        root = dict(f, container=m.label, node=m.node, ctid=m.ctid)
+    return {"state": state, "root_cause": root, "states": {m.label: s for (m, _), s in zip(replies, states)}}
+
+
+def render_job_status(run_id: str, replies: list[tuple[Member, dict]]) -> list[str]:
+    from controller.status import render_status
+
+    verdict = job_verdict(replies)
+    lines = [f"job {run_id}: {verdict['state']} — " + ", ".join(f"{k} {v}" for k, v in verdict["states"].items())]
+    root = verdict["root_cause"]
+    if root:
+        rank = f"rank {root.get('rank')} " if root.get("rank") is not None else ""
+        lines.append(f"root cause: {rank}in container {root['container']}: {root.get('reason')}")
+    for m, reply in replies:
+        lines.append(f"--- {m.label} (target GPUs {list(m.target_gpus)}, drafter GPUs {list(m.drafter_gpus)})")
+        lines += ["  " + line for line in render_status(reply, m.ctid, m.node)]
+    return lines

@@ -1,0 +1,170 @@
+"""`ctl tail` and `ctl status` of a job across containers: every container's stream merged in
+time order, each line labelled ``node:ctid rank N``.
+
+One follower thread per container (each on its own SSH connection, each the same
+reconnecting ``controller.tail.tail`` a single-container tail uses) feeds a queue; the main
+thread holds records for ``HOLD_S`` and prints them ordered by their ``ts``, so lines from
+two containers interleave as they happened (the containers share one clock on the sim; on
+real nodes, NTP keeps them within milliseconds, well inside the hold).
+
+Ranks: in a job torchrun prefixes worker lines with ``[local<N>]:`` (``--role local --tee 3``,
+trainer/multinode.py); the container's first global rank is the sum of the rank counts of
+the containers before it (``--job-layout``), so the global rank is that base plus N.
+
+Fail fast across containers, from the controller's side: while following, when one
+container's run has failed and another's is still running ``STOP_PEERS_AFTER_S`` later, the
+controller stops it (agent stop: SIGTERM, checkpoint, exit). torch.distributed usually gets
+there first (a dead peer's sockets close); this covers a peer that blocks on something else.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import queue
+import re
+import threading
+import time
+from typing import Callable, Optional
+
+from controller.job import Member, job_verdict
+
+HOLD_S = 1.0
+STOP_PEERS_AFTER_S = 5.0
+_LOCAL = re.compile(r"^\[local(\d+)\]:\s?")
+
+
+def rank_bases(members: list[Member]) -> dict[str, int]:
+    bases, n = {}, 0
+    for m in members:
+        bases[m.label] = n
+        n += len(m.target_gpus) if m.colocated else len(m.target_gpus) + len(m.drafter_gpus)
+    return bases
+
+
+def label_record(rec: dict, m: Member, base: int) -> dict:
+    """The record with node/container and, for a log line, the global rank."""
+    rec = dict(rec, node=m.node, container=m.ctid)
+    payload = rec.get("payload") or {}
+    if rec.get("kind") == "log":
+        line = payload.get("line", "")
+        mm = _LOCAL.match(line)
+        if mm:
+            payload = dict(payload, rank=base + int(mm.group(1)), line=line[mm.end():])
+        elif payload.get("rank") is None and (len(m.target_gpus) + len(m.drafter_gpus) == 1 or
+                                              (m.colocated and len(m.target_gpus) == 1)):
+            payload = dict(payload, rank=base)  # one rank in this container: it said it
+        rec["payload"] = payload
+    return rec
+
+
+def format_record(rec: dict, printer) -> None:
+    printer(rec)
+
+
+def merged(members: list[Member], sources: list, run_id: str, write: Callable[[str], None], *, follow: bool,
+           raw: bool = False, stop: Optional[Callable[[Member], None]] = None, since: int = 0) -> dict:
+    """Follow (or print once) every member's stream, merged; returns job_verdict-like
+    {"state", "root_cause", "states", "results"}."""
+    from controller.tail import Printer, tail
+
+    bases = rank_bases(members)
+    q: queue.Queue = queue.Queue()
+    results: dict[str, object] = {}
+    printers = {}
+    for m in members:
+        prefix = f"{m.label} "
+
+        def w(line: str, prefix=prefix) -> None:
+            write(prefix + line)
+
+        printers[m.label] = Printer(w, raw=raw)
+
+    def run(m: Member, source) -> None:
+        try:
+            results[m.label] = tail(source, run_id, lambda rec: q.put((rec.get("ts") or time.time(), m.label, rec)),
+                                    since=since, follow=follow)
+        except BaseException as exc:  # noqa: BLE001 — reported by the main thread
+            results[m.label] = exc
+        finally:
+            q.put(m.label)  # this stream has ended
+
+    threads = [threading.Thread(target=run, args=(m, s), daemon=True) for m, s in zip(members, sources)]
+    for t in threads:
+        t.start()
+    by_label = {m.label: m for m in members}
+    heap: list = []
+    seq = 0
+    done = 0
+    failed_at: Optional[float] = None
+    stopped: set[str] = set()
+
+    def flush(until: float) -> None:
+        while heap and heap[0][0] <= until:
+            ts, _, label, rec = heapq.heappop(heap)
+            m = by_label[label]
+            rec = label_record(rec, m, bases[label])
+            if raw:
+                write(json.dumps(rec, sort_keys=True))
+                continue
+            payload = rec.get("payload") or {}
+            if rec.get("kind") == "log" and payload.get("rank") is not None:
+                write(f"{label} rank {payload['rank']} | {payload.get('line', '')}")
+            else:
+                printers[label](rec)
+
+    # Merge by watermark: a record is printed once every stream still open has delivered
+    # something at least as late (so a backlog replays in true order), or — following a live
+    # run — once a quiet stream has been silent for HOLD_S (it cannot block the others).
+    last_ts: dict[str, float] = {m.label: float("-inf") for m in members}
+    last_seen: dict[str, float] = {m.label: time.monotonic() for m in members}
+    open_streams = set(last_ts)
+    while done < len(threads):
+        try:
+            item = q.get(timeout=0.2)
+        except queue.Empty:
+            item = ()
+        if isinstance(item, str):
+            done += 1
+            open_streams.discard(item)
+        elif item:
+            ts, label, rec = item
+            seq += 1
+            heapq.heappush(heap, (float(ts), seq, label, rec))
+            last_ts[label] = max(last_ts[label], float(ts))
+            last_seen[label] = time.monotonic()
+            payload = rec.get("payload") or {}
+            if rec.get("kind") == "status" and payload.get("state") == "failed" and failed_at is None:
+                failed_at = time.monotonic()
+        now = time.monotonic()
+        marks = [last_ts[l] if not follow or now - last_seen[l] < HOLD_S else max(last_ts[l], time.time() - HOLD_S)
+                 for l in open_streams]
+        flush(min(marks) if marks else float("inf"))
+        if follow and stop and failed_at is not None and time.monotonic() - failed_at >= STOP_PEERS_AFTER_S:
+            for m in members:
+                r = results.get(m.label)
+                if r is None and m.label not in stopped:  # still following: its run goes on
+                    stopped.add(m.label)
+                    write(f"{m.label} ctl: another container of the job failed; stopping this one")
+                    stop(m)
+    flush(float("inf"))
+    for t in threads:
+        t.join(5)
+    errors = {k: v for k, v in results.items() if isinstance(v, BaseException)}
+    if errors:
+        label, exc = next(iter(errors.items()))
+        raise exc
+    return {"results": results, "stopped": sorted(stopped)}
+
+
+def statuses(members: list[Member], callers: list, run_id: str) -> list[tuple[Member, dict]]:
+    out = []
+    for m, caller in zip(members, callers):
+        ct = caller.ct
+        reply = caller.call("agent.runview", ["status", "--workspace", ct.config.workspace, "--run", run_id],
+                            what=f"run status in {m.label}")
+        out.append((m, reply))
+    return out
+
+
+__all__ = ["merged", "statuses", "rank_bases", "label_record", "job_verdict"]
