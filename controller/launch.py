@@ -171,6 +171,7 @@ class Launcher:
             options["baseline_tokens_per_s"] = base["tokens_per_s"]
             options["regression_fraction"] = b.regression_fraction
         record = {"run_id": self.run_id, "ts": time.time(), "config": self.config.name,
+                  "config_file": self.config._source_file,
                   "start": start_kind(self.start),
                   "data_dir": self.values["data_dir"], "data": (pf.get("data") or {}).get("stats"),
                   "fingerprint": pf.get("fingerprint"),

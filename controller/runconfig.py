@@ -25,7 +25,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal, Mapping, Optional, Union
 
-from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError,
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError,
                       create_model, field_validator, model_validator)
 from typing_extensions import Annotated
 
@@ -177,6 +177,8 @@ class RunConfig(BaseModel):
 
     name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
     trainer: TrainerSection  # type: ignore[valid-type]
+    # The file it was read from (absolute), so a printed resume line names it exactly.
+    _source_file: Optional[str] = PrivateAttr(default=None)
     wandb: WandbSection = Field(default_factory=WandbSection)
     baseline: BaselineSection = Field(default_factory=BaselineSection)
 
@@ -271,7 +273,9 @@ def load(path: str | Path, overrides: Mapping[str, Any] | None = None,
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise RunConfigError(f"run config {path} is not valid TOML: {exc}") from None
-    return from_dict(data, source=str(path), default_name=path.stem, overrides=overrides, sets=sets)
+    config = from_dict(data, source=str(path), default_name=path.stem, overrides=overrides, sets=sets)
+    config._source_file = str(path.resolve())
+    return config
 
 
 def from_dict(data: dict[str, Any], *, source: str = "run config", default_name: str = "run",
