@@ -35,7 +35,7 @@ import time
 from typing import Any, Optional
 
 from agent import knowngood
-from agent.protocol import wrap_payload
+from agent.protocol import atomic_write, wrap_payload
 
 GIB = 1 << 30
 # Below this much free disk at the output dir a checkpoint save would fail hours in.
@@ -394,11 +394,11 @@ def commit(req: dict) -> dict:
         os.makedirs(os.path.dirname(run_dir), exist_ok=True)
         os.mkdir(run_dir, 0o755)
         created_dir = True
-        _write_private(os.path.join(run_dir, "start.sh"), req["script"], 0o644)
+        atomic_write(os.path.join(run_dir, "start.sh"), req["script"], 0o644)
         if req.get("secret"):
             os.makedirs(os.path.dirname(secrets_file), mode=0o700, exist_ok=True)
             os.chmod(os.path.dirname(secrets_file), 0o700)
-            _write_private(secrets_file, req["secret"], 0o600)
+            atomic_write(secrets_file, req["secret"], 0o600)  # mkstemp: 0600 from the start
             written.append(secrets_file)
         proc = subprocess.run(req["start_argv"], capture_output=True, text=True, stdin=subprocess.DEVNULL,
                               timeout=req.get("timeout", 120))
@@ -423,26 +423,6 @@ def commit(req: dict) -> dict:
         if created_dir:
             _shutil.rmtree(run_dir, ignore_errors=True)
         return {"ok": False, "run_id": req["run_id"], "error": str(exc) or type(exc).__name__}
-
-
-def _write_private(path: str, content: str, mode: int) -> None:
-    """Create with the final mode from the start (O_EXCL on a temp name, then rename), so a
-    secret is never readable by anyone else, not even for an instant."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(content)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -7,6 +7,7 @@ import os
 import sys
 
 from agent import knowngood, preflight
+from agent.protocol import atomic_write
 
 
 def test_a_commit_whose_agent_start_fails_leaves_no_run_dir_and_no_secret(tmp_path):
@@ -35,8 +36,10 @@ def test_a_commit_refuses_an_existing_run_dir_and_leaves_it_alone(tmp_path):
 
 def test_the_secret_file_is_created_root_only(tmp_path):
     path = tmp_path / "s.env"
-    preflight._write_private(str(path), "K=V\n", 0o600)
+    atomic_write(str(path), "K=V\n", 0o600)  # what preflight.commit writes the secret with
     assert oct(path.stat().st_mode & 0o777) == "0o600"
+    # the temp name is made by mkstemp, 0600 before a byte is written: never readable by others
+    assert [p.name for p in tmp_path.iterdir()] == ["s.env"]
 
 
 def _checkpoint(tmp_path, **meta):
