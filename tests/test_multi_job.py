@@ -246,3 +246,40 @@ def test_a_cut_link_between_nodes_is_a_network_failure_not_a_hang(env, sim_node,
     assert "network_failure" in kinds.values(), kinds
     root = st["job"]["root_cause"]
     assert root["kind"] == "network_failure" and "network failure" in root["reason"], root
+
+
+def test_kill_and_rollback_of_a_job_plans_for_every_container_first(env, sim2_node):
+    """`ctl kill-and-rollback --run JOB` acts on every container of the job; a plan refused in
+    any one of them changes nothing anywhere (the job goes on), and a dry run shows each
+    container's plan, labelled."""
+    run_id = launch_job(env, "-c", "sim2:300", "-c", "sim2:301", "--target-gpus", "sim2:300=0",
+                        "--drafter-gpus", "sim2:301=0", "--set", "max-steps=2000", "--set", "epochs=40")
+    try:
+        deadline = time.monotonic() + 300
+        while (heartbeat(sim2_node, 301, run_id, 1).get("step") or 0) < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.5)
+        p = ctl(env["env"], "kill-and-rollback", "--run", run_id, "--dry-run")
+        out = p.stdout + p.stderr
+        if p.returncode == 0:
+            assert "sim2:300" in out and "sim2:301" in out, out
+        else:
+            assert "nothing changed anywhere" in out and ("sim2:300" in out or "sim2:301" in out), out
+        st = job_status(env, run_id)
+        assert set(st["job"]["states"].values()) == {"running"}, st["job"]  # nothing was stopped
+        print(out)
+    finally:
+        subprocess.run([sys.executable, "-c", STOP_JOB, run_id, env["env"]["DFLASH_CTL_CONFIG"]], timeout=120)
+    st = wait_job(env, run_id, terminal, timeout=120)
+    assert terminal(st)
+
+
+# Stops every container of a job through the agents (clean-up).
+STOP_JOB = """
+import sys
+from controller import job as J
+members = J.load_record(sys.argv[2], sys.argv[1])
+with J.open_containers(members, sys.argv[2]) as cts:
+    for ct in cts:
+        J.stop_member(ct, sys.argv[1], grace=5)
+"""

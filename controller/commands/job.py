@@ -138,3 +138,43 @@ def find(run: Optional[str], containers: Optional[list[str]], node: Optional[str
     if containers and not is_job(containers):
         return None  # one container of the job asked for by plain id: the single view
     return members, run_id
+
+
+def kill_and_rollback(members: list[J.Member], run_id: str, *, to: str, grace: float, dry_run: bool, yes: bool,
+                      ctl_config: Optional[str], trust_new_host_key: bool = False) -> int:
+    """`ctl kill-and-rollback` of a job: every container's plan first (all or nothing is
+    refused), one confirmation, then each container in turn. The first graceful stop stops
+    the whole job (the trainer's stop decision is all-reduced over every rank, so all ranks
+    checkpoint after the same step); the later ones find their run already stopped."""
+    import sys
+
+    from controller import envgen_client as eg
+    from controller import rollback as rb
+
+    with J.open_containers(members, ctl_config, trust_new_host_key) as cts:
+        plans = []
+        for m, ct in zip(members, cts):
+            try:
+                plans.append(rb.make_plan(ct, run_id, to, grace))
+            except (rb.RollbackRefused, eg.EnvGenRefused) as exc:
+                raise fail(f"refused in {m.label}, nothing changed anywhere: {exc}", EXIT_REFUSED) from None
+        for m, plan in zip(members, plans):
+            for line in plan.lines():
+                typer.echo(f"{m.label} {line}")
+        if dry_run:
+            typer.echo("dry run: nothing was changed")
+            return 0
+        if not yes:
+            if not sys.stdin.isatty():
+                raise fail("this stops the job and changes every container's environment: confirm with --yes "
+                           "(no terminal to ask on)", EXIT_NOT_DONE)
+            if not typer.confirm(f"proceed in {len(members)} containers?", default=False):
+                raise fail("aborted; nothing was changed", EXIT_NOT_DONE)
+        for m, ct, plan in zip(members, cts, plans):
+            try:
+                report = rb.execute(ct, plan, say=lambda line, p=m.label: typer.echo(f"{p} {line}"))
+            except (rb.RollbackRefused, eg.EnvGenRefused) as exc:
+                raise fail(f"refused in {m.label}: {exc}", EXIT_REFUSED) from None
+            for line in report.lines():
+                typer.echo(f"{m.label} {line}")
+    return 0

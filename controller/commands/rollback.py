@@ -20,7 +20,9 @@ EXIT_ABORTED = 4
 
 
 def kill_and_rollback_command(
-    container: int = ContainerOpt,
+    container: Optional[int] = typer.Option(None, "--container", "-c",
+                                            help="container id (Proxmox VMID), e.g. 200; not needed for a job's "
+                                                 "--run (every container of the job is acted on)"),
     run: Optional[str] = typer.Option(None, "--run", help="run id (default: the live run, else the newest)"),
     to: str = typer.Option("last-good", "--to", help="last-good | env:GENERATION | snapshot:NAME"),
     grace: float = typer.Option(60.0, "--grace", help="seconds between SIGTERM and SIGKILL (the trainer "
@@ -34,6 +36,14 @@ def kill_and_rollback_command(
     """Stop a run gracefully, check nothing of it is left, restore the venv generation of the
     last known-good run (or a named generation, or a Proxmox snapshot), verify, and print
     what changed and the exact command to resume."""
+    from controller.commands import job as job_cmd
+
+    found = job_cmd.find(run, None if container is None else [str(container)], node, config) if run else None
+    if found:  # a job across containers (controller/job.py): every container of it
+        raise typer.Exit(job_cmd.kill_and_rollback(found[0], found[1], to=to, grace=grace, dry_run=dry_run, yes=yes,
+                                                   ctl_config=config, trust_new_host_key=trust_new_host_key))
+    if container is None:
+        raise remote.fail("--container is required (or --run of a job launched across containers)", remote.EXIT_CONFIG)
     with container_session(container, node, config, trust_new_host_key) as ct:
         try:
             plan = rb.make_plan(ct, run, to, grace)
