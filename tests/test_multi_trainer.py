@@ -85,3 +85,30 @@ def test_target_and_drafter_on_two_torchrun_nodes_follow_the_colocated_trajector
     hb0 = json.load(open(tmp_path / "run-0" / "heartbeat" / "rank-0"))
     hb1 = json.load(open(tmp_path / "run-1" / "heartbeat" / "rank-1"))
     assert (hb0["role"], hb1["role"]) == ("target", "drafter")
+
+
+def test_colocated_ranks_on_two_torchrun_nodes_follow_the_single_process_trajectory(tmp_path):
+    """--job-layout 1,1: one colocated rank (target + drafter, DDP across the nodes) per node
+    == one process with twice the accumulation."""
+    target, data = tiny_setup(str(tmp_path))
+    extra = ("--from-scratch", "--max-steps", str(STEPS), "--epochs", "4")
+    single = str(tmp_path / "single")
+    assert main(replace(base_args(target, data, single, *extra), "--grad-accum", "2")) == 0
+
+    out = str(tmp_path / "job-out")
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    procs = []
+    for node_rank in (0, 1):
+        argv = base_args(target, data, out, *extra)  # --target-gpus 0 --drafter-gpus 0: colocated
+        argv += ["--run-dir", str(tmp_path / f"run-{node_rank}"), "--nnodes", "2", "--node-rank", str(node_rank),
+                 "--rdzv-endpoint", endpoint, "--rdzv-id", "colo", "--job-layout", "1,1", "--dist-timeout", "60"]
+        procs.append(subprocess.Popen([sys.executable, "-m", "trainer", *argv], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
+    a, b = step_events(single), step_events(str(tmp_path / "run-0"))
+    assert [e["step"] for e in b] == list(range(1, STEPS + 1)) and b[0]["role"] == "both"
+    assert [e["tokens"] for e in a] == [e["tokens"] for e in b]
+    for key in ("loss", "ce", "grad_norm"):
+        assert [e[key] for e in a] == pytest.approx([e[key] for e in b], abs=1e-5), key
