@@ -43,6 +43,10 @@ NOT_IN_CONFIG: dict[str, str] = {
     **{f.dest: "the start decision is never stored in a config (it would make a later launch an "
                "implicit resume): pass --from-scratch, --resume-from CKPT or --init-from CKPT to "
                "`ctl launch`" for f in F.START_FLAGS},
+    # A job's place of each container is decided at launch (controller/job.py).
+    **{dest: "the controller sets it for each container of a job: name the containers in [[job.containers]] "
+             "or with repeated `ctl launch --container NODE:CTID`"
+       for dest in ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "job_layout")},
 }
 WANDB_FLAGS = {"wandb_project": "project", "wandb_run_name": "run_name", "wandb_mode": "mode"}
 
@@ -170,8 +174,29 @@ class BaselineSection(BaseModel):
     regression_fraction: float = Field(0.3, alias="regression-fraction", ge=0, lt=1)
 
 
+class JobContainer(BaseModel):
+    """One container of a job across containers (controller/job.py) and its own GPU roles."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+    container: str = Field(..., pattern=r"^([a-z][a-z0-9-]*:)?\d+$", description="NODE:CTID, e.g. sim2:300")
+    target_gpus: Annotated[tuple[int, ...], BeforeValidator(_parser(F.BY_DEST["target_gpus"]))] = Field(
+        (), alias="target-gpus", description="this container's GPUs running the target")
+    drafter_gpus: Annotated[tuple[int, ...], BeforeValidator(_parser(F.BY_DEST["drafter_gpus"]))] = Field(
+        (), alias="drafter-gpus", description="this container's GPUs training the drafter")
+
+
+class JobSection(BaseModel):
+    """``[[job.containers]]``: the containers of one job, any order (targets go first)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+    containers: tuple[JobContainer, ...] = Field(..., min_length=2)
+
+
 class RunConfig(BaseModel):
-    """A validated run config: trainer flags (less the start decision), wandb, baseline."""
+    """A validated run config: trainer flags (less the start decision), wandb, baseline, and
+    optionally the containers of a job across containers."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
 
@@ -181,6 +206,7 @@ class RunConfig(BaseModel):
     _source_file: Optional[str] = PrivateAttr(default=None)
     wandb: WandbSection = Field(default_factory=WandbSection)
     baseline: BaselineSection = Field(default_factory=BaselineSection)
+    job: Optional[JobSection] = None
 
     @field_validator("trainer", mode="before")
     @classmethod
@@ -339,7 +365,7 @@ def format_errors(exc: ValidationError, source: str) -> str:
 def _known_keys(table: str) -> list[str]:
     model = {"trainer": TrainerSection, "wandb": WandbSection, "baseline": BaselineSection}.get(table)
     if model is None:
-        return ["name", "trainer", "wandb", "baseline"]
+        return ["name", "trainer", "wandb", "baseline", "job"]
     return [(f.alias or n) for n, f in model.model_fields.items()]
 
 

@@ -65,6 +65,16 @@ regression-fraction = 0
 """
 
 
+JOB_TABLE = """
+[[job.containers]]
+container = "sim2:301"
+drafter-gpus = [0]
+[[job.containers]]
+container = "sim:200"
+target-gpus = [0]
+"""
+
+
 def MEMBERS(sim_node, sim2_node):
     return ((sim_node, 200), (sim2_node, 300), (sim2_node, 301))
 
@@ -84,6 +94,8 @@ def env(sim_node, sim2_node, tmp_path_factory):
     cfg.save(cfg.Config(default_node="sim", nodes=nodes), path)
     run_config = tmp / "multi.toml"
     run_config.write_text(CONFIG)
+    # the same, with the job's containers in the file ([[job.containers]], any order)
+    (tmp / "multi-job.toml").write_text(CONFIG + JOB_TABLE)
     e = dict(os.environ, DFLASH_CTL_CONFIG=str(path), DFLASH_CTL_SSH_CONFIG="none", COLUMNS="200")
     # The same tiny target and data in every container, made by this checkout's trainer.
     for n, ctid in MEMBERS(sim_node, sim2_node):
@@ -118,8 +130,8 @@ def ctl(env, *args, timeout=600) -> subprocess.CompletedProcess:
     return subprocess.run(CTL + [str(a) for a in args], env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def launch_job(env, *args) -> str:
-    p = ctl(env["env"], "launch", "--config", env["config"], "--from-scratch", "--json", *args)
+def launch_job(env, *args, config=None) -> str:
+    p = ctl(env["env"], "launch", "--config", config or env["config"], "--from-scratch", "--json", *args)
     assert p.returncode == 0, p.stderr + p.stdout
     return json.loads(p.stdout.strip().splitlines()[-1])["run_id"]
 
@@ -167,8 +179,11 @@ def colocated(env, sim_node):
                          ids=["one-node", "two-nodes"])
 def test_target_and_drafter_in_two_containers_follow_the_colocated_trajectory(env, colocated, sim_node, sim2_node,
                                                                               target, drafter):
-    run_id = launch_job(env, "-c", drafter, "-c", target,  # given drafter-first: ctl puts targets first
-                        "--target-gpus", f"{target}=0", "--drafter-gpus", f"{drafter}=0")
+    if target == "sim:200":  # across nodes: the containers come from the run config's [[job.containers]]
+        run_id = launch_job(env, config=str(env["tmp"] / "multi-job.toml"))
+    else:  # given drafter-first on the command line: ctl puts targets first
+        run_id = launch_job(env, "-c", drafter, "-c", target, "--target-gpus", f"{target}=0",
+                            "--drafter-gpus", f"{drafter}=0")
     st = wait_job(env, run_id, terminal)
     assert st["job"]["state"] == "completed", json.dumps(st["job"], indent=1)
     nodes = {"sim": sim_node, "sim2": sim2_node}

@@ -21,6 +21,17 @@ def is_job(containers: list[str]) -> bool:
     return len(containers) > 1 or any(":" in c for c in containers)
 
 
+def from_config(section) -> tuple[list[str], str, str]:
+    """The run config's [[job.containers]] as `ctl launch` arguments (containers, roles)."""
+    containers = [c.container for c in section.containers]
+
+    def roles(attr: str) -> str:
+        return ";".join(f"{c.container}={','.join(map(str, getattr(c, attr)))}"
+                        for c in section.containers if getattr(c, attr))
+
+    return containers, roles("target_gpus"), roles("drafter_gpus")
+
+
 def _default_node(ctl_config: Optional[str], node: Optional[str]) -> Optional[str]:
     if node:
         return node

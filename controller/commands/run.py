@@ -148,9 +148,10 @@ def _follow(ct: Container, caller, run_id: str, since: int, follow: bool, raw: b
 # --- commands ----------------------------------------------------------------------------------
 
 def launch_command(
-    container: List[str] = typer.Option(..., "--container", "-c",
+    container: List[str] = typer.Option([], "--container", "-c",
                                         help="container id (Proxmox VMID), e.g. 200; repeat as NODE:CTID "
-                                             "(e.g. -c sim:200 -c sim2:300) for one job across containers"),
+                                             "(e.g. -c sim:200 -c sim2:300) for one job across containers "
+                                             "(default: the run config's [[job.containers]])"),
     config: Path = typer.Option(..., "--config", help="run config (TOML): trainer flags, GPU roles, paths, wandb"),
     from_scratch: bool = typer.Option(False, "--from-scratch", help="start a new drafter from random weights"),
     resume_from: Optional[str] = typer.Option(None, "--resume-from", metavar="CKPT",
@@ -182,7 +183,8 @@ def launch_command(
 
     from controller.commands import job as job_cmd
 
-    job = job_cmd.is_job(container)  # several containers: one job (controller/job.py)
+    # Several containers (or none, and the config's [[job.containers]]): one job (controller/job.py).
+    job = job_cmd.is_job(container) or not container
     # Everything that can be checked here is, before any connection is opened.
     try:
         start = R.start_decision(from_scratch, resume_from, init_from)
@@ -195,6 +197,10 @@ def launch_command(
         wandb_key = run_config.wandb.read_key()
     except R.RunConfigError as exc:
         raise fail(str(exc), EXIT_CONFIG) from None
+    if not container:
+        if run_config.job is None:
+            raise fail("--container is required (or a [[job.containers]] table in the run config)", EXIT_CONFIG)
+        container, target_gpus, drafter_gpus = job_cmd.from_config(run_config.job)
     if job:
         raise typer.Exit(job_cmd.launch(container, run_config, start, node=node, target_gpus=target_gpus,
                                         drafter_gpus=drafter_gpus, accept_drift=accept_drift, follow=follow,
