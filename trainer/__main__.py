@@ -171,7 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.train import run
 
     device_type = "cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()) else "cpu"
-    topo = multinode.init(args, device_type) if job else topology.init(args.target_gpus, args.drafter_gpus, device_type)
+    if job:
+        topo = multinode.init(args, device_type)
+    else:
+        topo = topology.init(args.target_gpus, args.drafter_gpus, device_type, args.dist_timeout)
     try:
         return run(args, topo)
     finally:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -108,8 +109,9 @@ def world_size_for(target_gpus, drafter_gpus) -> int:
     return len(target_gpus) if tuple(target_gpus) == tuple(drafter_gpus) else len(target_gpus) + len(drafter_gpus)
 
 
-def init(target_gpus, drafter_gpus, device_type: str) -> Topology:
-    """Join the process group torchrun set up (env://), or run alone when world size is 1."""
+def init(target_gpus, drafter_gpus, device_type: str, timeout_s: float | None = None) -> Topology:
+    """Join the process group torchrun set up (env://), or run alone when world size is 1.
+    ``timeout_s`` (--dist-timeout): how long any op waits for a peer (torch's default if None)."""
     world = world_size_for(target_gpus, drafter_gpus)
     rank = int(os.environ.get("RANK", "0"))
     topo = Topology(rank, world, tuple(target_gpus), tuple(drafter_gpus), device_type)
@@ -118,9 +120,10 @@ def init(target_gpus, drafter_gpus, device_type: str) -> Topology:
     if world > 1:
         backend = "nccl" if device_type == "cuda" else "gloo"
         kw = {"device_id": topo.device} if device_type == "cuda" else {}
-        dist.init_process_group(backend, rank=rank, world_size=world, **kw)
+        timeout = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}
+        dist.init_process_group(backend, rank=rank, world_size=world, **kw, **timeout)
         # every rank must create every group, in the same order
-        topo.drafter_group = dist.new_group(topo.drafter_ranks)
+        topo.drafter_group = dist.new_group(topo.drafter_ranks, **timeout)
     return topo
 
 
