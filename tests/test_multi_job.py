@@ -298,3 +298,30 @@ with J.open_containers(members, sys.argv[2]) as cts:
     for ct in cts:
         J.stop_member(ct, sys.argv[1], grace=5)
 """
+
+
+def test_following_a_job_the_controller_stops_what_torch_would_leave_waiting(env, sim2_node):
+    """A frozen drafter rank (SIGSTOP: alive, sockets open) fails its target peer in 300 only
+    at --dist-timeout, and nothing in 301 notices (no exit, no stall for 300 s). `ctl tail
+    --follow` of the job sees 300 fail and stops 301 itself, so the job ends now."""
+    run_id = launch_job(env, "-c", "sim2:300", "-c", "sim2:301", "--target-gpus", "sim2:300=0",
+                        "--drafter-gpus", "sim2:301=0", "--set", "max-steps=2000", "--set", "epochs=40")
+    deadline = time.monotonic() + 300
+    while (heartbeat(sim2_node, 301, run_id, 1).get("step") or 0) < 2:
+        assert time.monotonic() < deadline, "the job never reached step 2"
+        time.sleep(0.5)
+    tail = subprocess.Popen(CTL + ["tail", "--run", run_id, "--follow"], env=env["env"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    attach(sim2_node, 301, "kill", "-STOP", str(heartbeat(sim2_node, 301, run_id, 1)["pid"]))
+    try:
+        out, err = tail.communicate(timeout=150)
+    finally:
+        if tail.poll() is None:
+            tail.kill()
+    assert tail.returncode == 1, err[-2000:]  # the job failed
+    assert "sim2:301 ctl: another container of the job failed; stopping this one" in out, out[-3000:]
+    st = job_status(env, run_id)
+    assert terminal(st), st["job"]
+    assert st["containers"]["sim2:300"]["result"]["root_cause"]["kind"] == "network_failure"
+    assert st["containers"]["sim2:301"]["status"]["state"] in ("stopped", "failed")
+    assert "FAILED" in err and "sim2:300" in err
