@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from controller.job import Member, job_verdict
+from controller.job import Member
 
 HOLD_S = 1.0
 STOP_PEERS_AFTER_S = 5.0
@@ -58,14 +58,10 @@ def label_record(rec: dict, m: Member, base: int) -> dict:
     return rec
 
 
-def format_record(rec: dict, printer) -> None:
-    printer(rec)
-
-
 def merged(members: list[Member], sources: list, run_id: str, write: Callable[[str], None], *, follow: bool,
            raw: bool = False, stop: Optional[Callable[[Member], None]] = None, since: int = 0) -> dict:
-    """Follow (or print once) every member's stream, merged; returns job_verdict-like
-    {"state", "root_cause", "states", "results"}."""
+    """Follow (or print once) every member's stream, merged in time order. Returns each
+    stream's TailResult by label and the containers this controller stopped."""
     from controller.tail import Printer, tail
 
     bases = rank_bases(members)
@@ -166,5 +162,3 @@ def statuses(members: list[Member], callers: list, run_id: str) -> list[tuple[Me
         out.append((m, reply))
     return out
 
-
-__all__ = ["merged", "statuses", "rank_bases", "label_record", "job_verdict"]

@@ -102,7 +102,6 @@ def env(sim_node, sim2_node, tmp_path_factory):
         p = ctl(e, "exec", "-n", n.name, "-c", ctid, "--", "rm", "-rf", TINY)
         assert p.returncode == 0, p.stderr
     from controller.container import Container
-    from controller.provision import provision_tiny
     from controller.transport import open_runner
 
     conf = cfg.load(path)

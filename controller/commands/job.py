@@ -10,7 +10,7 @@ import typer
 
 from controller import config as cfg
 from controller import job as J
-from controller.commands.remote import EXIT_CONFIG, EXIT_CONTAINER, EXIT_TRANSPORT, fail
+from controller.commands.remote import EXIT_CONFIG, EXIT_TRANSPORT, fail
 
 EXIT_FAILED = 1
 EXIT_REFUSED = 3
