@@ -88,6 +88,18 @@ def take_snapshot(ct: Container, run_id: str, venv_id: Optional[str] = None) -> 
     return Snapshot(name, time.strftime("%Y-%m-%d %H:%M:%S"), description)
 
 
+def undo_launch_snapshot(ct: Container, snap: Snapshot, say=print) -> None:
+    """Remove the snapshot a launch took when that launch did not start (best effort: the
+    launch's own error is what the operator must see, so a failure here is only reported)."""
+    result = _pct(ct, "delsnapshot", ct.ctid, snap.name)
+    if result.failed:
+        say(f"note: could not remove snapshot {snap.name} of the launch that did not start "
+            f"({result.tail('stderr', 1) or f'exit code {result.returncode}'}); remove it with "
+            f"`{ct.node.pct} delsnapshot {ct.ctid} {snap.name}` on node {ct.node_name}")
+    else:
+        say(f"snapshot {snap.name} removed: the launch did not start")
+
+
 def list_snapshots(ct: Container) -> list[Snapshot]:
     result = _pct(ct, "listsnapshot", ct.ctid)
     if result.failed:

@@ -93,3 +93,16 @@ def test_dir_storage_refuses_a_snapshot_launch_and_starts_nothing(node, rb_confi
         assert proc.returncode == 3 and "does not exist" in proc.stderr, proc.stderr
     finally:
         d.close()
+
+
+def test_a_snapshot_launch_refused_in_preflight_leaves_no_snapshot_behind(node, rb_config, run_config):
+    # --snapshot is taken before the preflight; a refused launch used to leave its ctl-<run>
+    # snapshot on the container, which a failed launch must not change.
+    h = node
+    before = h.pct("listsnapshot", str(SNAP_CT)).stdout
+    proc = ctl(rb_config, "launch", "--container", str(SNAP_CT), "--config", str(run_config), "--from-scratch",
+               "--snapshot", "--set", "data-dir=/workspace/no-such-data")
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "/workspace/no-such-data" in proc.stderr and "nothing was started" in proc.stderr
+    assert "removed: the launch did not start" in proc.stdout
+    assert h.pct("listsnapshot", str(SNAP_CT)).stdout == before

@@ -214,10 +214,18 @@ def launch_command(
         try:
             launcher = Launcher(ct, run_config, start, accept_drift=accept_drift, say=say, wandb_key=wandb_key)
             if snapshot:  # kill-and-rollback's snapshot path (controller/snapshots.py)
-                from controller.snapshots import launch_snapshot
+                from controller.snapshots import launch_snapshot, undo_launch_snapshot
 
-                launch_snapshot(ct, launcher.run_id, say)
-            result = launcher.run()
+                snap = launch_snapshot(ct, launcher.run_id, say)
+                try:
+                    result = launcher.run()
+                except BaseException:
+                    # A refused or failed launch leaves the container as it found it: no
+                    # stray ctl-<run> snapshot of a run that never started.
+                    undo_launch_snapshot(ct, snap, say)
+                    raise
+            else:
+                result = launcher.run()
         except (R.RunConfigError, RenderError) as exc:
             raise fail(str(exc), EXIT_CONFIG) from None
         except LaunchRefused as exc:
