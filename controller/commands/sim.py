@@ -116,7 +116,7 @@ def status(
     for ctid, c in st["containers"].items():
         snaps = f", snapshots: {', '.join(c['snapshots'])}" if c["snapshots"] else ""
         addr = f", {c['address']} on the sim network" if c.get("address") else ""
-        typer.echo(f"  CT {ctid}: {c['state']} ({c['storage']}{snaps}{addr})")
+        typer.echo(f"  CT {ctid}: {c['state']} ({c['storage']}{snaps}){addr}")
     if not (sshd["running"] and all(c["state"] == "running" for c in st["containers"].values())):
         raise typer.Exit(3)
 
