@@ -189,7 +189,7 @@ def model_info(target_model: Optional[str]) -> tuple[dict, list[str]]:
         return {"dir": target_model}, [f"--target-model {target_model}: no readable config.json; it must be a "
                                        "Hugging Face model directory"]
     keep = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-            "vocab_size", "head_dim", "intermediate_size")
+            "vocab_size", "head_dim", "intermediate_size", "tie_word_embeddings")
     return {"dir": target_model, "config": {k: cfg.get(k) for k in keep if k in cfg}}, []
 
 

@@ -196,6 +196,11 @@ class Launcher:
         for line in lines:
             self.say(line)
         errors = pf.get("errors") or []
+        mem_lines, mem_refusals = memory_report(self.values, pf)
+        for line in mem_lines:
+            self.say(line)
+        lines += mem_lines
+        errors = errors + mem_refusals
         if errors:
             raise LaunchRefused(f"preflight refused the launch in {self.ct}:\n  " + "\n  ".join(errors), lines)
         blocking = D.blocking(findings, self.accept_drift)
@@ -207,6 +212,36 @@ class Launcher:
         start = reply.get("start") or {}
         return LaunchResult(self.run_id, self.run_dir, lines, start, pf, self.round_trips,
                             {"preflight_s": t_pf - t0, "total_s": time.monotonic() - t0})
+
+
+def memory_report(values: dict, pf: dict) -> tuple[list[str], list[str]]:
+    """The memory model's verdict per GPU before anything starts (the story: a ~200 MB
+    shortfall surfaced as an OOM on GPU 6 during ramp-up, not at launch).
+
+    Uses the container's free memory per GPU from the preflight and the target's config.json
+    figures; stdlib only (trainer.probe), so the controller still needs no torch. Nothing to
+    say on CPU. The trainer repeats the check on each rank before it loads anything."""
+    if pf.get("device") != "cuda":
+        return [], []
+    from trainer.probe import plan_run
+
+    free = {g["index"]: g["memory_free_mib"] for g in (pf.get("gpu") or {}).get("gpus") or []
+            if g.get("memory_free_mib") is not None}
+    model_cfg = (pf.get("model") or {}).get("config")
+    if not free or not model_cfg:
+        return ["memory   not checked here: no free-memory figure or no target config.json from the preflight"], []
+    plan = plan_run(values, free, target_config=model_cfg)
+    lines = []
+    for g, row in sorted(plan["gpus"].items()):
+        verdict = f"short by {row['short_mib']} MiB" if row.get("short_mib") else "fits"
+        bound = "" if row.get("exact") else " (at least)"
+        lines.append(f"memory   GPU {g} ({row['role']}): needs{bound} {row['need_mib'] / 1024:.1f} GiB "
+                     f"(predicted peak {row['peak_mib'] / 1024:.1f} + margin), free "
+                     f"{(row.get('free_mib') or 0) / 1024:.1f} GiB: {verdict}")
+    lines += [f"memory   note: {n}" for n in plan["notes"]]
+    if plan.get("auto"):
+        lines.append(f"memory   --token-budget auto → {plan['token_budget']}")
+    return lines, list(plan["refusals"])
 
 
 def start_argv(ct: Container, run_dir: str, run_id: str, options: dict) -> list[str]:
