@@ -19,7 +19,6 @@ import argparse
 import datetime as dt
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -31,6 +30,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from trainer.data import batch_stats, make_batches, random_batches  # noqa: E402
+
+from _docs import write_section  # bench/_docs.py (scripts run from bench/)
 
 HEADING = "## Batcher padding efficiency"
 BUDGET, MAX_LEN, MAX_BS = 49152, 8192, 64
@@ -133,21 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     section = "\n".join(lines)
     print(section)
     if args.write:
-        write_section(Path(args.write), section)
+        write_section(Path(args.write), HEADING, section)
         print(f"written to {args.write}", file=sys.stderr)
-
-
-def write_section(path: Path, section: str) -> None:
-    """Replace our section if present (re-runs), else append; other sections are untouched."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.M | re.S)
-    if pattern.search(text):
-        text = pattern.sub(lambda _m: section + "\n", text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    tmp = path.with_suffix(".md.tmp-batcher")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":

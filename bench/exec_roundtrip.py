@@ -31,6 +31,8 @@ from controller import config as cfg  # noqa: E402
 from controller.container import Container  # noqa: E402
 from controller.ssh import ENV_SSH_CONFIG, SSHRunner, resolve_target  # noqa: E402
 
+from _docs import write_section  # bench/_docs.py (scripts run from bench/)
+
 HEADING = "## ctl exec round trip"
 
 
@@ -141,22 +143,8 @@ def main() -> None:
     ])
     print(section)
     if args.write:
-        write_section(Path(args.write), section)
+        write_section(Path(args.write), HEADING, section)
         print(f"written to {args.write}")
-
-
-def write_section(path: Path, section: str) -> None:
-    """Replace our section if present (re-runs), else append; other sections are untouched."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    pattern = re.compile(rf"^{re.escape(HEADING)}\n.*?(?=^## |\Z)", re.M | re.S)
-    if pattern.search(text):
-        text = pattern.sub(lambda _m: section + "\n", text, count=1)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".md.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 if __name__ == "__main__":
