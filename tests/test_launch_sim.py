@@ -36,8 +36,8 @@ NAME = "launchtest"
 TINY = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"dflash-{NAME}-{os.getpid()}.toml")
 Path(TINY).write_text((REPO / "examples" / "tiny.toml").read_text().replace('name = "tiny"', f'name = "{NAME}"'))
 PROBE = "dflash-driftprobe"
-LONG = ["--set", "epochs=3", "--set", "max-steps=120", "--set", "save-interval=60"]
-LAST = 120
+LONG = ["--set", "epochs=10", "--set", "max-steps=360", "--set", "save-interval=180"]
+LAST = 360
 
 BLOCKER = '''
 import sys
@@ -231,7 +231,8 @@ def good_run(prepared, ctl_env, ctl_config, sim_node, tmp_path_factory):
     key_file = tmp / "wandb.key"
     key_file.write_text(secret + "\n")
     key_file.chmod(0o600)
-    # 120 steps over 3 epochs: long enough to cut a live stream 10 times on a fast day.
+    # 360 steps over 10 epochs: long enough to cut a live stream 10 times on a fast day (at 120
+    # steps a quiet CI machine finished before the 10th cut had a live stream to interrupt).
     launch = ctl(ctl_env, "launch", "--container", CT, "--config", TINY, "--from-scratch", "--json",
                  "--set", f"wandb.api-key-file={key_file}", *LONG)
     assert launch.returncode == 0, launch.stderr + launch.stdout
