@@ -35,7 +35,7 @@ import time
 from typing import Any, Optional
 
 from agent import knowngood
-from agent.protocol import atomic_write, wrap_payload
+from agent.protocol import read_json_doc, atomic_write, wrap_payload
 
 GIB = 1 << 30
 # Below this much free disk at the output dir a checkpoint save would fail hours in.
@@ -150,13 +150,7 @@ def fingerprint(pkgs: Optional[dict] = None, gpu: Optional[dict] = None) -> dict
 
 # --- paths -------------------------------------------------------------------------------------
 
-def _read_json(path: str) -> Optional[dict]:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            doc = json.load(fh)
-        return doc if isinstance(doc, dict) else None
-    except (OSError, ValueError):
-        return None
+_read_json = read_json_doc  # agent/protocol.py
 
 
 def data_info(data_dir: Optional[str]) -> tuple[dict, list[str]]:

@@ -168,6 +168,16 @@ def atomic_write_json(path: str, obj: Any, mode: int = 0o644) -> None:
     atomic_write(path, json.dumps(obj, sort_keys=True, indent=1) + "\n", mode)
 
 
+def read_json_doc(path: str) -> dict | None:
+    """A JSON object from a file; None when it is missing, unreadable or not an object."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
+        return doc if isinstance(doc, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
 def read_json_lines(path: str, offset: int = 0) -> Iterator[tuple[int, dict]]:
     """(next offset, record) for each complete line from ``offset``; a torn last line is left."""
     try:

@@ -29,7 +29,7 @@ import time
 from typing import Optional
 
 from agent import protocol as P
-from agent.protocol import wrap_payload
+from agent.protocol import read_json_doc, wrap_payload
 
 HISTORY = ".dflash-ctl/history.jsonl"
 
@@ -82,13 +82,7 @@ def survivors(workspace: str, run: str) -> list[dict]:
     return [{"pid": pid, "cmdline": " ".join(procs.cmdline(pid))[:300]} for pid in sorted(pids)]
 
 
-def _read(path: str) -> Optional[dict]:
-    try:
-        with open(path, encoding="utf-8") as fh:
-            doc = json.load(fh)
-        return doc if isinstance(doc, dict) else None
-    except (OSError, ValueError):
-        return None
+_read = read_json_doc  # agent/protocol.py
 
 
 def latest_run(workspace: str) -> Optional[str]:
