@@ -1,4 +1,4 @@
-"""``python -m trainer``: train a DFlash drafter; ``prepare``, ``tiny`` and ``flags`` subcommands.
+"""``python -m trainer``: train a DFlash drafter; ``prepare``, ``tiny``, ``synthetic`` and ``flags`` subcommands.
 
 Bad input (flags, paths, an incompatible checkpoint, a missing start decision) is refused
 before anything is created: one line per problem on stderr, exit code 2 (EXIT_USAGE).
@@ -26,16 +26,20 @@ PROG = "python -m trainer"
 def validate(args) -> list[str]:
     """Every reason this run cannot start, one line each; touches nothing on disk."""
     problems = flags.check(vars(args))
+    cuda = args.device == "cuda" or (args.device == "auto" and _cuda_available())
+    # auto paths are fixed here, once, so every later reader (memory check, probe, events) sees one value
+    args.drafter_step = flags.drafter_step_for(vars(args), cuda)
+    args.target_forward = flags.target_forward_for(vars(args), cuda)
     if args.token_budget == "auto":
         # Resolved on the GPUs themselves (train.memory_check), from the memory model of the
         # chunked drafter step. CPU: refused rather than guessed — host RAM is shared with
         # whatever else runs there, and the model describes neither fp32 nor the dense CPU mask.
-        if args.drafter_step != "chunked":
-            problems.append("--token-budget auto needs --drafter-step chunked: the memory model (trainer/memory.py) "
-                            "describes the chunked drafter step only; give a number, e.g. --token-budget 49152")
-        elif args.device == "cpu" or (args.device == "auto" and not _cuda_available()):
+        if not cuda:
             problems.append("--token-budget auto fits the budget to free GPU memory, and this run is on CPU: "
                             f"give a number, e.g. --token-budget {4 * args.max_seq_len}")
+        elif args.drafter_step != "chunked":
+            problems.append("--token-budget auto needs --drafter-step chunked: the memory model (trainer/memory.py) "
+                            "describes the chunked drafter step only; give a number, e.g. --token-budget 49152")
     if args.target_model and not os.path.isfile(os.path.join(args.target_model, "config.json")):
         problems.append(f"--target-model {args.target_model}: no config.json there; "
                         "point it at a local Hugging Face model directory")
@@ -137,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.tiny import main as tiny_main
 
         return tiny_main(argv[1:])
+    if argv and argv[0] == "synthetic":
+        from trainer.synthetic import main as synthetic_main
+
+        return synthetic_main(argv[1:])
     if argv and argv[0] == "flags":
         if argv[1:] != ["--markdown"]:
             print(f"{PROG} flags: usage: {PROG} flags --markdown", file=sys.stderr)

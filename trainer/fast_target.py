@@ -87,7 +87,7 @@ class FastTarget:
         x = F.embedding(input_ids, self.embed)
         cos, sin = self._tables(L, input_ids.device)
         last = len(self.layers) - 1 if want_final else max(self.layer_ids)
-        taps = []
+        taps = {}
         h = fo.norm(x, self.layers[0].ln1, self.eps)
         for i in range(last + 1):
             w = self.layers[i]
@@ -101,15 +101,19 @@ class FastTarget:
             else:
                 x = x + m
             if i in self.layer_ids:
-                taps.append(x)
-        out = torch.cat(taps, dim=-1)
+                taps[i] = x
+        # in --target-layer-ids order, a layer named twice given twice (as the hooks of the HF forward do)
+        out = torch.cat([taps[i] for i in self.layer_ids], dim=-1)
         return out, (h if want_final else None)
 
     # ------------------------------------------------------------------ builders
     @classmethod
-    def from_hf(cls, hf_model, layer_ids, attn_backend: str = "cudnn", keep_all_layers: bool = False):
-        """From a transformers Qwen3Model (``model.model``). Fused weights are new tensors;
-        layers after the last tapped one are skipped unless ``keep_all_layers``."""
+    def from_hf(cls, hf_model, layer_ids, attn_backend: str = "cudnn", keep_all_layers: bool = False,
+                share_weights: bool = False):
+        """From a transformers Qwen3Model (``model.model``). Layers after the last tapped one
+        are skipped unless ``keep_all_layers``. The fused q|k|v and gate|up weights are new
+        tensors; with ``share_weights`` the transformers layers' own parameters are re-pointed
+        at views of them, so the model's memory is not doubled and both forwards stay usable."""
         cfg = hf_model.config
         shape = ModelShape.from_hf_config(cfg)
         n = shape.n_layers if keep_all_layers else max(layer_ids) + 1
@@ -117,10 +121,20 @@ class FastTarget:
         with torch.no_grad():
             for lyr in hf_model.layers[:n]:
                 a, m = lyr.self_attn, lyr.mlp
+                qkv = (a.q_proj, a.k_proj, a.v_proj)
+                gu = (m.gate_proj, m.up_proj)
+                wqkv = torch.cat([p.weight for p in qkv])
+                wgu = torch.cat([p.weight for p in gu])
+                if share_weights:
+                    for fused, parts in ((wqkv, qkv), (wgu, gu)):
+                        row = 0
+                        for p in parts:
+                            rows = p.weight.shape[0]
+                            p.weight = torch.nn.Parameter(fused[row:row + rows], requires_grad=False)
+                            row += rows
                 layers.append(TargetLayer(
-                    lyr.input_layernorm.weight, torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]),
-                    a.q_norm.weight, a.k_norm.weight, a.o_proj.weight, lyr.post_attention_layernorm.weight,
-                    torch.cat([m.gate_proj.weight, m.up_proj.weight]), m.down_proj.weight))
+                    lyr.input_layernorm.weight, wqkv, a.q_norm.weight, a.k_norm.weight, a.o_proj.weight,
+                    lyr.post_attention_layernorm.weight, wgu, m.down_proj.weight))
         theta = getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 1e6)
         return cls(shape, hf_model.embed_tokens.weight, layers, layer_ids, hf_model.norm.weight,
                    rope_theta=float(theta), eps=float(getattr(cfg, "rms_norm_eps", 1e-6)), attn_backend=attn_backend)

@@ -149,7 +149,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-anchors", "int", 1024, "anchors (blocks) sampled per sequence per step", "drafter"),
     Flag("--num-draft-layers", "int", 5, "decoder layers in the drafter", "drafter"),
     Flag("--target-layer-ids", "layers", None, "tapped target layers (default: evenly spaced, as in the reference drafter)", "drafter", metavar="IDS"),
-    Flag("--drafter-step", "choice", "reference", "drafter forward/backward: reference (whole micro-batch through autograd, per-slot metrics) or chunked (trainer/fast_drafter.py: anchor chunks, bounded activation memory; decay position weights only)", "drafter", choices=("reference", "chunked")),
+    Flag("--drafter-step", "choice", "auto", "drafter forward/backward: reference (whole micro-batch through autograd, per-slot metrics) or chunked (trainer/fast_drafter.py: anchor chunks, bounded activation memory, ~10× less memory per drafted position; decay position weights only); auto = chunked on CUDA unless --position-weights dpace, else reference", "drafter", choices=("auto", "reference", "chunked")),
+    Flag("--target-forward", "choice", "auto", "target forward: hf (transformers, hooks on the tapped layers) or fast (trainer/fast_target.py over the same weights: fused GEMMs, cuDNN attention, stops after the last tapped layer); auto = fast on CUDA, hf on CPU", "drafter", choices=("auto", "hf", "fast")),
     Flag("--mask-token-id", "int", None, "id used for the masked block slots (default: 151669 when the vocabulary has it, else the last id)", "drafter"),
     # -- objective
     Flag("--gamma", "float", 10.0, "position-decay constant: w_k = exp(-(k-1)/gamma)", "loss"),
@@ -186,6 +187,22 @@ START_DECISION_HELP = (
 
 def defaults() -> dict[str, Any]:
     return {f.dest: f.default for f in FLAGS}
+
+
+def drafter_step_for(values: Mapping[str, Any], cuda: bool) -> str:
+    """--drafter-step with auto resolved for a run on CUDA (``cuda``) or on CPU."""
+    step = values.get("drafter_step") or "auto"
+    if step != "auto":
+        return step
+    return "chunked" if cuda and values.get("position_weights", "decay") != "dpace" else "reference"
+
+
+def target_forward_for(values: Mapping[str, Any], cuda: bool) -> str:
+    """--target-forward with auto resolved: the fast forward on CUDA, transformers' on CPU."""
+    forward = values.get("target_forward") or "auto"
+    if forward != "auto":
+        return forward
+    return "fast" if cuda else "hf"
 
 
 def start_decision(values: Mapping[str, Any]) -> list[str]:

@@ -365,8 +365,13 @@ class FrozenHead:
         never loads the target's layers."""
         from safetensors import safe_open
 
+        from trainer import synthetic
+
         with open(os.path.join(target_dir, "config.json")) as fh:
             cfg = json.load(fh)
+        marker = synthetic.random_marker(target_dir)
+        if marker is not None:  # a synthetic target: the same two seeded tensors as its target ranks make
+            return cls(*synthetic.random_head(cfg, int(marker.get("seed", 0)), device, dtype))
         index = os.path.join(target_dir, "model.safetensors.index.json")
         if os.path.exists(index):
             with open(index) as fh:

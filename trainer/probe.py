@@ -24,6 +24,7 @@ import math
 import sys
 import time
 
+from trainer import flags
 from trainer import memory as mm
 from trainer.flops import QWEN3_8B, QWEN3_27B_LIKE, ModelShape
 
@@ -161,7 +162,7 @@ def run_peaks(values, target_config=None, token_budget: int | None = None) -> di
     soft = bool(values.get("use_soft_labels"))
     noise = float(values.get("noise_start") or 0) > 0 or float(values.get("noise_end") or 0) > 0
     colocated = set(roles_by_gpu(values).values()) == {"colocated"}
-    chunked = values.get("drafter_step", "reference") == "chunked"
+    chunked = flags.drafter_step_for(values, cuda=True) == "chunked"  # a memory plan is for GPUs
     tied = bool(cfg.get("tie_word_embeddings", False))
     d = mm.drafter_peak_bytes(shape, n_layers=n_draft, n_tapped=n_tapped, block_size=block,
                               max_anchors=int(values["max_anchors"]), max_seq_len=L, token_budget=budget,
@@ -225,9 +226,10 @@ def plan_run(values, gpu_free_mib: dict | None, target_config=None, *, margin_mi
     cfg = _cfg_of(values, target_config)
     free = {int(g): float(v) for g, v in (gpu_free_mib or {}).items()}
     by_gpu = roles_by_gpu(values)
-    chunked = values.get("drafter_step", "reference") == "chunked"
+    step = flags.drafter_step_for(values, cuda=True)  # a memory plan is for GPUs
+    chunked = step == "chunked"
     L = int(values["max_seq_len"])
-    out = {"token_budget": values.get("token_budget"), "auto": False, "drafter_step": values.get("drafter_step"),
+    out = {"token_budget": values.get("token_budget"), "auto": False, "drafter_step": step,
            "margin_mib": margin_mib, "gpus": {}, "refusals": [], "notes": []}
     if values.get("token_budget") == "auto":
         out["auto"] = True

@@ -39,23 +39,43 @@ def target_identity(target_dir: str) -> dict:
 
 
 class Target:
-    """The frozen target on one device, with forward hooks on the tapped layers."""
+    """The frozen target on one device.
 
-    def __init__(self, target_dir: str, layer_ids: list[int], device, dtype):
+    ``forward="hf"`` runs the transformers model with forward hooks on the tapped layers;
+    ``forward="fast"`` runs trainer/fast_target.py's forward over the same weights (fused
+    q|k|v and gate|up GEMMs whose tensors the transformers layers then view, so memory is not
+    doubled; stops after the last tapped layer unless the final state is wanted). The
+    transformers model stays for ``forward_logits`` (evaluation).
+
+    A synthetic target (trainer/synthetic.py: config.json + random-weights.json) gets its
+    weights made on the device instead of read from safetensors."""
+
+    def __init__(self, target_dir: str, layer_ids: list[int], device, dtype, forward: str = "hf"):
         from transformers import AutoModelForCausalLM
+
+        from trainer import synthetic
 
         kw = {}
         device = torch.device(device)
-        if device.type == "cuda" and importlib.util.find_spec("accelerate") is not None:
-            # load shards straight onto the GPU: without it, T target ranks each hold a full
-            # host copy of the target at once (5 × 54 GB for a 27B model)
-            kw["device_map"] = {"": device.index if device.index is not None else torch.cuda.current_device()}
-        self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, **kw).to(device).eval()
+        if synthetic.random_marker(target_dir) is not None:
+            self.model = synthetic.build_random_model(target_dir, device, dtype).eval()
+        else:
+            if device.type == "cuda" and importlib.util.find_spec("accelerate") is not None:
+                # load shards straight onto the GPU: without it, T target ranks each hold a full
+                # host copy of the target at once (5 × 54 GB for a 27B model)
+                kw["device_map"] = {"": device.index if device.index is not None else torch.cuda.current_device()}
+            self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, **kw).to(device).eval()
         self.model.requires_grad_(False)
         self.layer_ids = list(layer_ids)
         self._taps: dict[int, torch.Tensor] = {}
-        for i in self.layer_ids:
+        for i in self.layer_ids:  # the transformers forward (evaluation, tree verification) taps through these
             self.model.model.layers[i].register_forward_hook(self._hook(i))
+        self.fast = None
+        if forward == "fast":
+            from trainer.fast_target import FastTarget
+
+            self.fast = FastTarget.from_hf(self.model.model, self.layer_ids, keep_all_layers=True, share_weights=True,
+                                           attn_backend="cudnn" if device.type == "cuda" else "math")
 
     def _hook(self, i):
         def fn(module, inputs, output):
@@ -76,6 +96,8 @@ class Target:
         """input_ids [b, S], right-padded: causal attention means padding never reaches a
         real position, so no attention mask is needed. Returns (taps [b, S, n·H], final
         [b, S, H] or None)."""
+        if self.fast is not None:
+            return self.fast.forward(input_ids, want_final=want_final)
         self._taps.clear()
         out = self.model.model(input_ids=input_ids, use_cache=False)
         taps = torch.cat([self._taps[i] for i in self.layer_ids], dim=-1)
@@ -84,7 +106,9 @@ class Target:
 
     @torch.no_grad()
     def forward_logits(self, input_ids: torch.Tensor):
-        """(taps [b, S, n·H], full logits [b, S, V]) — evaluation on short sequences only."""
+        """(taps [b, S, n·H], full logits [b, S, V]) — evaluation on short sequences only.
+        Always the transformers forward: evaluation compares it with trainer/ddtree.py's tree
+        verification, which runs that forward too, so both see the same numerics."""
         self._taps.clear()
         logits = self.model(input_ids=input_ids, use_cache=False).logits
         taps = torch.cat([self._taps[i] for i in self.layer_ids], dim=-1)

@@ -257,7 +257,7 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
     last_step = min(total_steps, args.max_steps) if args.max_steps else total_steps
 
     # -- models: the frozen target on target ranks, the drafter + optimizer on drafter ranks
-    target = Target(args.target_model, dcfg.target_layer_ids, dev, dtype) if topo.is_target else None
+    target = Target(args.target_model, dcfg.target_layer_ids, dev, dtype, args.target_forward) if topo.is_target else None
     drafter = model = opt = head = None
     if topo.is_drafter:
         drafter, head, opt = build_drafter(args, dcfg, target, dev, dtype)
@@ -429,7 +429,7 @@ def probe(args, topo, events: Events, hb: Heartbeat) -> int:
     keep = torch.ones(b, n, dtype=torch.bool, device=dev)
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
-    target = Target(args.target_model, dcfg.target_layer_ids, dev, dtype) if topo.is_target else None
+    target = Target(args.target_model, dcfg.target_layer_ids, dev, dtype, args.target_forward) if topo.is_target else None
     taps = final = None
     if target is not None:
         taps, final = target.forward(ids, want_final=args.use_soft_labels)
