@@ -291,6 +291,7 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
     hb.beat(step0)
     stopped = False
     step = step0
+    ahead: dict[int, MicroBatch] = {}  # target ranks: micro-batches made before their step
     while step < last_step:
         t0 = time.time()
         base = mb0 + (step - step0) * per_step
@@ -298,7 +299,17 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
         if topo.is_target and not topo.colocated:
             for j in range(per_step):
                 if topo.producer(base + j) == topo.rank:
-                    send_microbatch(produce(target, data, stream, base + j, args, dev), topo.consumer(j))
+                    mb = ahead.pop(base + j, None) or produce(target, data, stream, base + j, args, dev)
+                    send_microbatch(mb, topo.consumer(j))
+            # This rank's first micro-batch of the next step, made now, while the drafters train
+            # on this step's last ones: the step-end agreement below holds every rank until the
+            # drafters finish, and without this each step began with the drafters idle for a
+            # whole target forward (1.9 s of an 18 s step measured for Qwen3-8B on H200s).
+            # Anchors and noise are keyed by sample and micro-batch, so results do not change.
+            if step + 1 < last_step:
+                nxt = [base + per_step + j for j in range(per_step) if topo.producer(base + per_step + j) == topo.rank]
+                if nxt:
+                    ahead[nxt[0]] = produce(target, data, stream, nxt[0], args, dev)
         # -- drafter role: forward/backward each micro-batch, then one optimizer step
         if topo.is_drafter:
             mine = [j for j in range(per_step) if topo.consumer(j) == topo.rank]

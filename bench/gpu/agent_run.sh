@@ -12,6 +12,10 @@ run_agent() {  # name, max polls, argv...
     echo "{\"run\": \"$name\", \"poll\": $i, \"status\": $s}" >> "$OUT/agent_status.jsonl"
     [ -f $D/result.json ] && break
   done
+  if [ ! -f $D/result.json ]; then  # out of polls: stop it (SIGTERM, checkpoint) so the GPUs are free for the next run
+    echo "[$name] still running after $polls polls: stopping"
+    python3 -m agent stop --run-dir $D --grace 60 | tail -1
+  fi
   python3 - "$D" "$name" <<'PY'
 import json, sys, os
 d, name = sys.argv[1], sys.argv[2]

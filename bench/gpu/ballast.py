@@ -35,6 +35,9 @@ def main() -> int:
     ap.add_argument("--short-mib", type=float, default=200)
     ap.add_argument("--trainer-context-mib", type=float, default=None,
                     help="default: measured, the context this process took on the GPU")
+    ap.add_argument("--without-margin", action="store_true",
+                    help="short relative to the predicted need alone (peak + allocator reserve + context), the "
+                         "trainer's safety margin left out: the config really is ~--short-mib over by the model")
     ap.add_argument("--ready", default=None, help="file written once the memory is held")
     ap.add_argument("trainer_argv", nargs=argparse.REMAINDER)
     a = ap.parse_args()
@@ -46,7 +49,8 @@ def main() -> int:
     colocated = set(v["target_gpus"]) == set(v["drafter_gpus"])
     role = "colocated" if colocated else ("target" if a.gpu in v["target_gpus"] else "drafter")
     v.update(target_gpus=g if role != "drafter" else (), drafter_gpus=g if role != "target" else ())
-    need = probe.plan_run(v, {a.gpu: 1e9}, read_config(v["target_model"]), context_mib=0)["gpus"][a.gpu]["need_mib"]
+    plan = probe.plan_run(v, {a.gpu: 1e9}, read_config(v["target_model"]), context_mib=0)
+    need = plan["gpus"][a.gpu]["need_mib"] - (plan["margin_mib"] if a.without_margin else 0)
 
     import pynvml
 
@@ -63,6 +67,7 @@ def main() -> int:
     held = torch.empty(max(take, 0) * MIB, dtype=torch.uint8, device="cuda") if take > 0 else None
     torch.cuda.synchronize()
     out = {"gpu": a.gpu, "role": role, "need_mib": round(need, 1), "short_mib": a.short_mib,
+           "margin_included": not a.without_margin, "margin_mib": plan["margin_mib"],
            "context_mib": round(ctx, 1), "held_mib": take, "free_after_mib": round(torch.cuda.mem_get_info(a.gpu)[0] / MIB, 1),
            "expected_trainer_free_mib": round(need - a.short_mib, 1)}
     print(json.dumps(out), flush=True)
