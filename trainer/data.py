@@ -25,6 +25,8 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from trainer.flags import EXIT_OK, EXIT_USAGE, UsageParser
+
 FORMAT = "dflash-prepared-data"
 FORMAT_VERSION = 1
 META = "meta.json"
@@ -35,9 +37,6 @@ SUFFIX = {"ids": ".ids.int32", "mask": ".mask.uint8", "offsets": ".offsets.int64
 DEFAULT_SHARD_TOKENS = 1 << 27  # 134M tokens: a 512 MiB ids file per shard
 DEFAULT_PROGRESS_EVERY = 100_000
 MAX_TOKEN_ID = (1 << 31) - 1  # ids are stored as int32
-
-EXIT_OK = 0
-EXIT_USAGE = 2  # same code as trainer.flags.EXIT_USAGE: bad input, nothing written
 
 
 class DataError(ValueError):
@@ -522,13 +521,8 @@ def _fsync_dir(path: str) -> None:
 # --------------------------------------------------------------------------- CLI
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line and exit 2, as trainer.flags does
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m trainer prepare",
+    p = UsageParser(prog="python -m trainer prepare",
                 description="Convert tokenized JSONL ({\"input_ids\": [...], \"loss_mask\": [...]} per line) "
                             "into memory-mapped shards + meta.json for the trainer's --data-dir.")
     p.add_argument("--input", nargs="+", required=True, metavar="FILE.jsonl", action="extend",

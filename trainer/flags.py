@@ -288,13 +288,16 @@ def to_argv(values: Mapping[str, Any]) -> list[str]:
     return argv
 
 
-class _ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str):  # one clear line and EXIT_USAGE, never a usage dump
+class UsageParser(argparse.ArgumentParser):
+    """The parser of every ``python -m trainer`` command: a bad argument is one line on
+    stderr and EXIT_USAGE, never a usage dump."""
+
+    def error(self, message: str):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
 def build_parser(prog: str = "python -m trainer") -> argparse.ArgumentParser:
-    parser = _ArgumentParser(prog=prog, description="Train a DFlash drafter against a frozen target.")
+    parser = UsageParser(prog=prog, description="Train a DFlash drafter against a frozen target.")
     groups: dict[str, Any] = {}
     exclusive = parser.add_mutually_exclusive_group()
     for f in FLAGS:

@@ -19,7 +19,6 @@ Throughput and memory of the trainer depend on shapes only, so these stand in fo
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -30,10 +29,9 @@ from typing import Sequence
 import numpy as np
 
 from trainer import data as data_mod
+from trainer.flags import EXIT_OK, EXIT_USAGE, UsageParser
 from trainer.flops import QWEN3_8B, QWEN3_27B_LIKE, ModelShape
 
-EXIT_OK = 0
-EXIT_USAGE = 2
 MARKER = "random-weights.json"
 SHAPES = {
     "qwen3-8b": QWEN3_8B,
@@ -153,13 +151,8 @@ def write_synthetic(out_dir: str, shape_name: str, samples: int, max_len: int, m
             "shape": shape_name}
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    p = _Parser(prog="python -m trainer synthetic",
+    p = UsageParser(prog="python -m trainer synthetic",
                 description="Write a random-weight target of a real shape (weights made on load) and a "
                             "prepared dataset of random tokens, for throughput and memory benchmarks.")
     p.add_argument("--shape", required=True, choices=sorted(SHAPES))

@@ -17,7 +17,6 @@ No download; CPU only; deterministic for a seed on a given torch/transformers bu
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import json
 import os
@@ -29,9 +28,8 @@ from typing import Sequence
 import numpy as np
 
 from trainer import data as data_mod
+from trainer.flags import EXIT_OK, EXIT_USAGE, UsageParser
 
-EXIT_OK = 0
-EXIT_USAGE = 2
 
 VOCAB = 512
 MASK_TOKEN_ID = VOCAB - 1
@@ -191,13 +189,8 @@ def _save_quietly(model, path: str) -> None:
         os.chmod(os.path.join(path, name), 0o644)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    p = _Parser(prog="python -m trainer tiny",
+    p = UsageParser(prog="python -m trainer tiny",
                 description="Write a tiny random Qwen3 target (DIR/target) and a prepared dataset of its "
                             "greedy continuations (DIR/data), for tests and demos.")
     p.add_argument("--out", required=True, metavar="DIR")

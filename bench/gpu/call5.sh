@@ -14,8 +14,9 @@ exec > >(tee "$FINAL_OUT/log.txt") 2>&1
 T0=$(date +%s)
 el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
 source bench/gpu/agent_run.sh
-finish() { el "packing"; tar czf "$FINAL_OUT/results.tgz" -C $W out; }
-trap finish EXIT
+# packed after every phase: a call cut by its time limit never runs an EXIT trap (call 5 lost
+# its archive that way)
+pack() { tar czf "$FINAL_OUT/results.tgz.part" -C $W out && mv "$FINAL_OUT/results.tgz.part" "$FINAL_OUT/results.tgz"; }
 nvidia-smi --query-gpu=index,name,memory.total,power.limit,driver_version --format=csv > $OUT/gpus.csv
 OPS=(--epochs 6 --lr 6e-4 --warmup-ratio 0.04 --weight-decay 0.01 --grad-accum 4 --grad-clip 1.0
      --token-budget 49152 --max-seq-len 8192 --max-batch-size 64 --block-size 32 --max-anchors 1024
@@ -31,10 +32,12 @@ T8=(--target-model $W/s8/target --data-dir $W/s8/data --device cuda)
 el "layout 3+1"
 run_agent l3p1 70 python3 -m trainer "${T27[@]}" "${OPS[@]}" --target-gpus 0,1,2 --drafter-gpus 3 --from-scratch \
   --max-steps 3 --log-interval 1 --output-dir $W/l3p1/output
+pack
 el "layout 2+2"
 run_agent l2p2 70 python3 -m trainer "${T27[@]}" "${OPS[@]}" --target-gpus 0,1 --drafter-gpus 2,3 --from-scratch \
   --max-steps 3 --log-interval 1 --output-dir $W/l2p2/output
 
+pack
 el "issue 7: split 1+1 with prefetch; ~200 MB over, refused"
 run_agent split8b 45 python3 -m trainer "${T8[@]}" "${OPS[@]}" --target-gpus 1 --drafter-gpus 2 --from-scratch \
   --max-steps 4 --log-interval 1 --output-dir $W/split8b/output &
@@ -49,4 +52,5 @@ el "short8b rc $?"; grep -v '^\s*$' $OUT/short8b.log | tail -3
 cp $W/short8b/events.jsonl $OUT/short8b-events.jsonl 2>/dev/null
 kill $BP; wait $BP 2>/dev/null
 wait $P
+pack
 el "done"
