@@ -62,6 +62,18 @@ def test_synthetic_target_ranks_and_drafter_ranks_make_the_same_head(small):
     assert not torch.equal(FrozenHead.from_target_dir(other["target"]).embed, head.embed)
 
 
+def test_synthetic_data_never_holds_the_drafters_mask_token(small):
+    from trainer.data import PreparedData
+    from trainer.model import DrafterConfig
+    from trainer.target import read_config
+
+    cfg = read_config(str(small / "target"))
+    mask = DrafterConfig.from_target(cfg, 2, 8).mask_token_id
+    data = PreparedData(str(small / "data"))
+    ids = [int(t) for i in range(len(data)) for t in data.sample(i)[0]]
+    assert mask == cfg["vocab_size"] - 1 and mask not in ids and max(ids) < mask
+
+
 def test_auto_picks_the_fast_paths_on_cuda_only():
     v = flags.defaults()
     assert (v["drafter_step"], v["target_forward"]) == ("auto", "auto")

@@ -53,6 +53,8 @@ def hf_config(shape: ModelShape) -> dict:
         "max_position_embeddings": 40960, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
         "tie_word_embeddings": False, "use_sliding_window": False, "initializer_range": INIT_STD,
         "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
+        # the drafter's mask token: the last id, which the random data never contains
+        "mask_token_id": shape.vocab - 1,
     }
 
 
