@@ -72,6 +72,9 @@ def test_synthetic_data_never_holds_the_drafters_mask_token(small):
     data = PreparedData(str(small / "data"))
     ids = [int(t) for i in range(len(data)) for t in data.sample(i)[0]]
     assert mask == cfg["vocab_size"] - 1 and mask not in ids and max(ids) < mask
+    # at the real shapes too, where the Qwen3 default (151669) would sit inside the data's range
+    big = synthetic.hf_config(synthetic.SHAPES["qwen3-8b"])
+    assert DrafterConfig.from_target(big, 5, 32).mask_token_id == big["vocab_size"] - 1 == 151935
 
 
 def test_auto_picks_the_fast_paths_on_cuda_only():
