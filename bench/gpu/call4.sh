@@ -11,13 +11,17 @@
 #   phase 3  a config short by ~200 MB (a ballast process holds the rest) refused before training
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; W=/tmp/ws; rm -rf $W; mkdir -p $W
+# Outputs go to $W/out and come back packed in results.tgz after each phase: the device tool
+# returns at most 8 files (the first run of this script lost its quality results that way).
+FINAL_OUT=${OUT:-/tmp/out}; W=/tmp/ws; rm -rf $W; mkdir -p $W/out "$FINAL_OUT"
+export OUT=$W/out
+pack() { tar czf "$FINAL_OUT/results.tgz.part" -C $W out && mv "$FINAL_OUT/results.tgz.part" "$FINAL_OUT/results.tgz"; }
 T0=$(date +%s)
 nvidia-smi --query-gpu=index,name,memory.total,power.limit,driver_version --format=csv > "$OUT/gpus.csv"
 (CUDA_VISIBLE_DEVICES=3 timeout -s TERM 560 python3 bench/quality/run.py --scale gpu --deadline-s 525 \
    --out "$OUT/quality" > "$OUT/quality.log" 2>&1; echo "quality rc $?" >> "$OUT/quality.log") &
 QPID=$!
-exec > >(tee "$OUT/log.txt") 2>&1
+exec > >(tee "$FINAL_OUT/log.txt") 2>&1
 source bench/gpu/agent_run.sh
 el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
 
@@ -47,6 +51,7 @@ P2=$!
 wait $P1 $P2
 run_trainer probe8b 200 "${T8[@]}" "${OPS[@]}" --target-gpus 0 --drafter-gpus 1 --from-scratch --probe-memory
 
+pack
 el "phase 2"
 run_agent split8b 90 python3 -m trainer "${T8[@]}" "${OPS[@]}" --target-gpus 0 --drafter-gpus 1 --from-scratch \
   --max-steps 4 --log-interval 1 --output-dir $W/split8b/output &
@@ -56,6 +61,7 @@ run_trainer auto8b 240 "${T8[@]}" "${OPS[@]}" --token-budget auto --grad-accum 1
 P4=$!
 wait $P3 $P4
 
+pack
 el "phase 3: ~200 MB short, refused before training"
 SHORT=("${T8[@]}" "${OPS[@]}" --target-gpus 2 --drafter-gpus 2 --from-scratch --max-steps 2)
 python3 bench/gpu/ballast.py --gpu 2 --short-mib 200 --ready $W/ballast.json -- "${SHORT[@]}" > "$OUT/ballast.json" &
@@ -66,7 +72,9 @@ run_trainer short8b 120 "${SHORT[@]}"
 ls $W/short8b 2>&1 | head
 kill $BP; wait $BP 2>/dev/null
 
+pack
 el "waiting for the quality run"
 wait $QPID
 tail -40 "$OUT/quality.log"
+pack
 el "done"
