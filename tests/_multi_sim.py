@@ -6,25 +6,17 @@ node ``sim2`` (containers 300/301) and plain in-container commands for test set-
 
 from __future__ import annotations
 
-import os
 import subprocess
 
 import pytest
 
+from _simnode import session_node
+
 
 @pytest.fixture(scope="session")
 def sim2_node(sim_node):
-    from sim.node import SimNode
-    from sim.proc import SimError
-
-    node = SimNode("sim2")
-    try:
-        node.up()
-    except SimError as exc:
-        pytest.fail(f"could not bring the second simulated node up: {exc}", pytrace=False)
-    yield node
-    if os.environ.get("DFLASH_SIM_TEARDOWN") == "1":
-        node.down()
+    with session_node("sim2") as node:
+        yield node
 
 
 def attach(node, ctid: int, *argv: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:

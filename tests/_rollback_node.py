@@ -14,13 +14,14 @@ data provisioned) at the start of each test module, through pct itself.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+
+from _simnode import session_node
 
 REPO = Path(__file__).resolve().parent.parent
 NODE_NAME = "rb"
@@ -31,23 +32,9 @@ CTL = [sys.executable, "-c", "from controller.cli import main; main()"]
 
 @pytest.fixture(scope="session")
 def rb_node(tmp_path_factory):
-    from sim.node import SimNode
-    from sim.proc import SimError
-
-    if os.geteuid() != 0:
-        pytest.skip("the simulated node needs root (LXC, loop mounts, sshd)")
-    if not shutil.which("lxc-start"):
-        pytest.skip("LXC is not installed")
-    node = SimNode(NODE_NAME, ctids=(SNAP_CT, DIR_CT))
-    try:
-        if not node.is_up():
-            node.up()
-        _ensure_pristine(node, tmp_path_factory.mktemp("rb-setup"))
-    except SimError as exc:
-        pytest.fail(f"could not bring the simulated node {NODE_NAME} up: {exc}", pytrace=False)
-    yield node
-    if os.environ.get("DFLASH_SIM_TEARDOWN") == "1":
-        node.down()
+    with session_node(NODE_NAME, (SNAP_CT, DIR_CT),
+                      prepare=lambda node: _ensure_pristine(node, tmp_path_factory.mktemp("rb-setup"))) as node:
+        yield node
 
 
 def write_config(node, path: Path) -> Path:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import time
 
 import torch
 
@@ -64,3 +66,28 @@ def base_args(target: str, data: str, out: str, *extra: str) -> list[str]:
             "--num-draft-layers", "2", "--token-budget", "192", "--max-seq-len", "48", "--max-batch-size", "4",
             "--grad-accum", "1", "--lr", "3e-3", "--warmup-ratio", "0.1", "--gamma", "4", "--save-interval", "1000",
             "--epochs", "2", *extra]
+
+
+def replace(argv: list[str], name: str, value: str) -> list[str]:
+    """argv with the value after flag ``name`` replaced."""
+    i = argv.index(name)
+    return argv[:i + 1] + [value] + argv[i + 2:]
+
+
+def events(run_dir: str, kind: str | None = None) -> list[dict]:
+    """The run directory's events.jsonl, all of them or those of one ``kind``."""
+    with open(os.path.join(run_dir, "events.jsonl")) as fh:
+        return [e for e in map(json.loads, fh) if kind is None or e["kind"] == kind]
+
+
+def step_events(run_dir: str) -> list[dict]:
+    return events(run_dir, "step")
+
+
+def sigterm_once_training(proc, run_dir: str, steps: int = 2, poll_s: float = 0.05) -> None:
+    """SIGTERM ``proc`` once ``run_dir`` holds ``steps`` step events (or return if it ended)."""
+    while proc.poll() is None:
+        if os.path.exists(os.path.join(run_dir, "events.jsonl")) and len(step_events(run_dir)) >= steps:
+            proc.send_signal(signal.SIGTERM)
+            return
+        time.sleep(poll_s)

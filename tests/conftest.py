@@ -25,32 +25,17 @@ Simulated Proxmox node (sim/, docs/sim.md) — session scope, for tests marked `
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 
-TEARDOWN_ENV = "DFLASH_SIM_TEARDOWN"
+from _simnode import session_node
+
 
 
 @pytest.fixture(scope="session")
 def sim_node():
-    from sim.node import SimNode
-    from sim.proc import SimError
-
-    if os.geteuid() != 0:
-        pytest.skip("the simulated node needs root (LXC, loop mounts, sshd)")
-    if not shutil.which("lxc-start"):
-        pytest.skip("LXC is not installed: apt-get install -y --no-install-recommends lxc debootstrap btrfs-progs")
-    node = SimNode("sim")
-    try:
-        # Always: up() is idempotent (well under a second when the node is up) and also
-        # refreshes bin/pct from the working tree.
-        node.up()
-    except SimError as exc:
-        pytest.fail(f"could not bring the simulated node up: {exc}", pytrace=False)
-    yield node
-    if os.environ.get(TEARDOWN_ENV) == "1":
-        node.down()
+    with session_node("sim") as node:
+        yield node
 
 
 @pytest.fixture(scope="session")

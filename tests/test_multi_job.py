@@ -165,6 +165,14 @@ def heartbeat(node, ctid, run_id, rank) -> dict:
     return json.loads(p.stdout) if p.returncode == 0 and p.stdout.strip() else {}
 
 
+def wait_for_step(node, ctid, run_id, rank, step, timeout=300) -> None:
+    """Until rank ``rank``'s heartbeat in ``ctid`` reports ``step`` (the job is training)."""
+    deadline = time.monotonic() + timeout
+    while (heartbeat(node, ctid, run_id, rank).get("step") or 0) < step:
+        assert time.monotonic() < deadline, f"the job never reached step {step}"
+        time.sleep(0.5)
+
+
 @pytest.fixture(scope="module")
 def colocated(env, sim_node):
     """The reference: one colocated rank in container 200, same config and seed."""
@@ -210,10 +218,7 @@ def test_target_and_drafter_in_two_containers_follow_the_colocated_trajectory(en
 def test_kill_9_of_the_drafter_rank_in_301_stops_the_target_in_300(env, sim2_node):
     run_id = launch_job(env, "-c", "sim2:300", "-c", "sim2:301", "--target-gpus", "sim2:300=0",
                         "--drafter-gpus", "sim2:301=0", "--set", "max-steps=2000", "--set", "epochs=40")
-    deadline = time.monotonic() + 300
-    while (heartbeat(sim2_node, 301, run_id, 1).get("step") or 0) < 2:
-        assert time.monotonic() < deadline, "the job never reached step 2"
-        time.sleep(0.5)
+    wait_for_step(sim2_node, 301, run_id, 1, 2)
     pid = heartbeat(sim2_node, 301, run_id, 1)["pid"]
     attach(sim2_node, 301, "kill", "-9", str(pid))
     killed = time.monotonic()
@@ -242,10 +247,7 @@ def test_a_cut_link_between_nodes_is_a_network_failure_not_a_hang(env, sim_node,
 
     run_id = launch_job(env, "-c", "sim:200", "-c", "sim2:300", "--target-gpus", "sim:200=0",
                         "--drafter-gpus", "sim2:300=0", "--set", "max-steps=2000", "--set", "epochs=40")
-    deadline = time.monotonic() + 300
-    while (heartbeat(sim2_node, 300, run_id, 1).get("step") or 0) < 2:
-        assert time.monotonic() < deadline, "the job never reached step 2"
-        time.sleep(0.5)
+    wait_for_step(sim2_node, 300, run_id, 1, 2)
     addr = net.address_of("sim2", 300)
     net.set_link(addr, up=False)
     try:
@@ -269,10 +271,7 @@ def test_kill_and_rollback_of_a_job_plans_for_every_container_first(env, sim2_no
     run_id = launch_job(env, "-c", "sim2:300", "-c", "sim2:301", "--target-gpus", "sim2:300=0",
                         "--drafter-gpus", "sim2:301=0", "--set", "max-steps=2000", "--set", "epochs=40")
     try:
-        deadline = time.monotonic() + 300
-        while (heartbeat(sim2_node, 301, run_id, 1).get("step") or 0) < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.5)
+        wait_for_step(sim2_node, 301, run_id, 1, 1)
         p = ctl(env["env"], "kill-and-rollback", "--run", run_id, "--dry-run")
         out = p.stdout + p.stderr
         if p.returncode == 0:
@@ -305,10 +304,7 @@ def test_following_a_job_the_controller_stops_what_torch_would_leave_waiting(env
     --follow` of the job sees 300 fail and stops 301 itself, so the job ends now."""
     run_id = launch_job(env, "-c", "sim2:300", "-c", "sim2:301", "--target-gpus", "sim2:300=0",
                         "--drafter-gpus", "sim2:301=0", "--set", "max-steps=2000", "--set", "epochs=40")
-    deadline = time.monotonic() + 300
-    while (heartbeat(sim2_node, 301, run_id, 1).get("step") or 0) < 2:
-        assert time.monotonic() < deadline, "the job never reached step 2"
-        time.sleep(0.5)
+    wait_for_step(sim2_node, 301, run_id, 1, 2)
     tail = subprocess.Popen(CTL + ["tail", "--run", run_id, "--follow"], env=env["env"], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     attach(sim2_node, 301, "kill", "-STOP", str(heartbeat(sim2_node, 301, run_id, 1)["pid"]))

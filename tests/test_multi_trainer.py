@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from _trainer_tiny import base_args, tiny_setup
+from _trainer_tiny import base_args, replace, step_events, tiny_setup
 from trainer import flags
 from trainer.__main__ import main
 
@@ -20,20 +20,26 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4
 
 
-def replace(argv, name, value):
-    i = argv.index(name)
-    return argv[:i + 1] + [value] + argv[i + 2:]
-
-
-def step_events(run_dir):
-    with open(os.path.join(run_dir, "events.jsonl")) as fh:
-        return [e for e in map(json.loads, fh) if e["kind"] == "step"]
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def run_two_node_job(tmp_path, node_argvs: list[list[str]], layout: str) -> None:
+    """Node i runs ``python -m trainer node_argvs[i]`` as node rank i of one torchrun job
+    (run directory tmp_path/run-i), both on this machine; both must exit 0."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    procs = []
+    for node_rank, argv in enumerate(node_argvs):
+        argv = argv + ["--run-dir", str(tmp_path / f"run-{node_rank}"), "--nnodes", str(len(node_argvs)),
+                       "--node-rank", str(node_rank), "--rdzv-endpoint", endpoint, "--rdzv-id", "test",
+                       "--job-layout", layout, "--dist-timeout", "60"]
+        procs.append(subprocess.Popen([sys.executable, "-m", "trainer", *argv], cwd=ROOT, env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0] * len(procs), "\n".join(o[-2000:] for o in outs)
 
 
 def job_problems(tgpus, dgpus, **job):
@@ -64,17 +70,8 @@ def test_target_and_drafter_on_two_torchrun_nodes_follow_the_colocated_trajector
     assert main(base_args(target, data, colo, *extra)) == 0
 
     out = str(tmp_path / "job-out")
-    endpoint = f"127.0.0.1:{free_port()}"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    procs = []
-    for node_rank, (t, d) in enumerate([("0", ""), ("", "0")]):
-        argv = replace(replace(base_args(target, data, out, *extra), "--target-gpus", t), "--drafter-gpus", d)
-        argv += ["--run-dir", str(tmp_path / f"run-{node_rank}"), "--nnodes", "2", "--node-rank", str(node_rank),
-                 "--rdzv-endpoint", endpoint, "--rdzv-id", "test", "--job-layout", "1+0,0+1", "--dist-timeout", "60"]
-        procs.append(subprocess.Popen([sys.executable, "-m", "trainer", *argv], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
+    run_two_node_job(tmp_path, [replace(replace(base_args(target, data, out, *extra), "--target-gpus", t),
+                                        "--drafter-gpus", d) for t, d in (("0", ""), ("", "0"))], "1+0,0+1")
 
     a, b = step_events(colo), step_events(str(tmp_path / "run-1"))
     assert [e["step"] for e in b] == list(range(1, STEPS + 1))
@@ -96,17 +93,8 @@ def test_colocated_ranks_on_two_torchrun_nodes_follow_the_single_process_traject
     assert main(replace(base_args(target, data, single, *extra), "--grad-accum", "2")) == 0
 
     out = str(tmp_path / "job-out")
-    endpoint = f"127.0.0.1:{free_port()}"
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
-    procs = []
-    for node_rank in (0, 1):
-        argv = base_args(target, data, out, *extra)  # --target-gpus 0 --drafter-gpus 0: colocated
-        argv += ["--run-dir", str(tmp_path / f"run-{node_rank}"), "--nnodes", "2", "--node-rank", str(node_rank),
-                 "--rdzv-endpoint", endpoint, "--rdzv-id", "colo", "--job-layout", "1,1", "--dist-timeout", "60"]
-        procs.append(subprocess.Popen([sys.executable, "-m", "trainer", *argv], cwd=ROOT, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = [p.communicate(timeout=600)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(o[-2000:] for o in outs)
+    # --target-gpus 0 --drafter-gpus 0 on each node: colocated
+    run_two_node_job(tmp_path, [base_args(target, data, out, *extra)] * 2, "1,1")
     a, b = step_events(single), step_events(str(tmp_path / "run-0"))
     assert [e["step"] for e in b] == list(range(1, STEPS + 1)) and b[0]["role"] == "both"
     assert [e["tokens"] for e in a] == [e["tokens"] for e in b]

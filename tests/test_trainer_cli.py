@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from _trainer_tiny import base_args, make_target, tiny_setup
+from _trainer_tiny import base_args, make_target, replace, tiny_setup
 from trainer import flags
 from trainer.__main__ import main
 
@@ -31,11 +31,6 @@ def snapshot(root):
 def without(argv, name, n=1):
     i = argv.index(name)
     return argv[:i] + argv[i + 1 + n:]
-
-
-def replace(argv, name, value):
-    i = argv.index(name)
-    return argv[:i + 1] + [value] + argv[i + 2:]
 
 
 CASES = {

@@ -1,7 +1,6 @@
 """The drafter learns the tiny target's own greedy continuations (300 steps, ~15 CPU-seconds),
 and speculative decoding with it is lossless with τ ≥ 1."""
 
-import json
 import os
 
 import numpy as np
@@ -9,6 +8,7 @@ import pytest
 import torch
 
 from _trainer_tiny import base_args, tiny_setup
+from _trainer_tiny import events as run_events
 from trainer.__main__ import main
 from trainer.data import PreparedData
 from trainer.evaluate import greedy, prompts_from, speculative
@@ -29,8 +29,7 @@ def trained(tmp_path_factory):
     rc = main(base_args(target, data, out, "--from-scratch", "--epochs", "30", "--max-steps", str(STEPS), "--lr", "1e-2",
                         "--block-size", str(B), "--max-anchors", "40", "--log-interval", "1", "--eval-prompts", "2"))
     assert rc == 0
-    with open(os.path.join(out, "events.jsonl")) as fh:
-        events = [json.loads(line) for line in fh]
+    events = run_events(out)
     drafter = Drafter.from_pretrained(os.path.join(out, f"step_{STEPS}", "drafter")).eval()
     tgt = Target(target, drafter.config.target_layer_ids, "cpu", torch.float32)
     return {"events": events, "drafter": drafter, "target": tgt, "head": FrozenHead(tgt.embed, tgt.lm_head),

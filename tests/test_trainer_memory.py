@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from _trainer_tiny import events as read_events
 from trainer import flags, probe
 
 # Qwen3-8B's config.json numbers: the shapes the memory model was checked against on H200s.
@@ -181,11 +182,6 @@ def _cuda_rank(monkeypatch, free_mib):
     return topology.Topology(0, 1, (0,), (0,), "cuda")
 
 
-def _events(run_dir):
-    with open(os.path.join(run_dir, "events.jsonl")) as fh:
-        return [json.loads(line) for line in fh]
-
-
 def _args(target, tmp_path, *extra):
     return flags.parse_args(["--target-model", target, "--data-dir", str(tmp_path / "data"), "--output-dir",
                              str(tmp_path / "out"), "--run-dir", str(tmp_path / "run"), "--target-gpus", "0",
@@ -202,7 +198,7 @@ def test_trainer_refuses_before_any_step_with_one_line(tiny_target, tmp_path, mo
     lines = [ln for ln in capsys.readouterr().err.splitlines() if ln]
     assert len(lines) == 1 and lines[0].startswith("python -m trainer: error: GPU 0 (target+drafter) needs ")
     assert "has 1.0 GiB free: short by" in lines[0] and "MiB" in lines[0]
-    errors = [e for e in _events(str(tmp_path / "run")) if e["kind"] == "error"]
+    errors = read_events(str(tmp_path / "run"), "error")
     assert len(errors) == 1 and errors[0]["error"] == "memory_refused" and errors[0]["gpu"] == 0
     assert errors[0]["short_mib"] > 1000
     assert not (tmp_path / "out").exists()  # nothing written where checkpoints go
@@ -218,7 +214,7 @@ def test_trainer_auto_budget_is_chosen_and_reported(tiny_target, tmp_path, monke
     assert train.memory_check(args, _cuda_rank(monkeypatch, 80_000.0), events) is None
     events.close()
     assert args.token_budget == 4 * 48  # tiny model: the --max-batch-size cap binds
-    (plan,) = [e for e in _events(str(tmp_path / "run")) if e["kind"] == "probe"]
+    (plan,) = read_events(str(tmp_path / "run"), "probe")
     assert plan["budget"] == 192 and plan["auto"] is True and 0 < plan["predicted_peak_mib"] < plan["need_mib"]
 
 
@@ -246,7 +242,7 @@ def test_probe_memory_runs_the_selected_drafter_step(tiny_target, tmp_path):
                  "--device", "cpu")
     argv = [a for f in flags.FLAGS for a in f.render(getattr(args, f.dest))]
     assert main(argv) == 0
-    (p,) = [e for e in _events(str(tmp_path / "run")) if e["kind"] == "probe"]
+    (p,) = read_events(str(tmp_path / "run"), "probe")
     assert p["drafter_step"] == "chunked" and p["peak_mib"] > 0 and p["predicted_peak_mib"] is None
 
 
@@ -260,4 +256,4 @@ def test_probe_memory_measures_even_when_predicted_short(tiny_target, tmp_path, 
     assert train.memory_check(args, _cuda_rank(monkeypatch, 1000.0), events) is None
     events.close()
     assert "warning: predicted not to fit, probing anyway: GPU 0 (target+drafter)" in capsys.readouterr().err
-    assert not [e for e in _events(str(tmp_path / "run")) if e["kind"] == "error"]
+    assert not read_events(str(tmp_path / "run"), "error")

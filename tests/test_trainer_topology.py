@@ -17,22 +17,12 @@ import sys
 import pytest
 import torch
 
-from _trainer_tiny import base_args, tiny_setup
+from _trainer_tiny import base_args, replace, sigterm_once_training, step_events, tiny_setup
 from trainer import checkpoint as ckpt_io
 from trainer.__main__ import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 4
-
-
-def replace(argv, name, value):
-    i = argv.index(name)
-    return argv[:i + 1] + [value] + argv[i + 2:]
-
-
-def step_events(run_dir):
-    with open(os.path.join(run_dir, "events.jsonl")) as fh:
-        return [e for e in map(json.loads, fh) if e["kind"] == "step"]
 
 
 @pytest.mark.parametrize("tgpus,dgpus,split_accum,colo_accum", [("0", "1,2", "1", "2"), ("0,1", "2", "3", "3")],
@@ -94,9 +84,6 @@ def test_two_colocated_ranks_follow_the_single_process_trajectory(tmp_path):
 def test_sigterm_to_a_relaunched_run_stops_every_rank_after_a_checkpoint(tmp_path):
     """The agent signals the process it started (the thin parent); every rank must stop after
     the same step, the checkpoint must be written, and the exit code must be EXIT_STOPPED."""
-    import signal
-    import time
-
     from trainer import flags
 
     target, data = tiny_setup(str(tmp_path))
@@ -106,11 +93,7 @@ def test_sigterm_to_a_relaunched_run_stops_every_rank_after_a_checkpoint(tmp_pat
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     proc = subprocess.Popen([sys.executable, "-m", "trainer", *argv], cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    while proc.poll() is None:
-        if os.path.exists(os.path.join(out, "events.jsonl")) and len(step_events(out)) >= 2:
-            proc.send_signal(signal.SIGTERM)
-            break
-        time.sleep(0.05)
+    sigterm_once_training(proc, out)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == flags.EXIT_STOPPED, err[-3000:]
     k = step_events(out)[-1]["step"]

@@ -9,12 +9,11 @@ import signal
 import struct
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
-from _trainer_tiny import base_args, tiny_setup
+from _trainer_tiny import base_args, sigterm_once_training, step_events, tiny_setup
 from trainer import checkpoint as ckpt_io
 from trainer import flags
 from trainer.__main__ import main, validate
@@ -27,11 +26,6 @@ def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("train")
     target, data = tiny_setup(str(root))
     return {"root": root, "target": target, "data": data}
-
-
-def steps(run_dir):
-    with open(os.path.join(run_dir, "events.jsonl")) as fh:
-        return [e for e in map(json.loads, fh) if e["kind"] == "step"]
 
 
 def weights(step_dir):
@@ -49,7 +43,7 @@ def test_golden_loss_trajectory(tiny, tmp_path):
     rc = main(base_args(tiny["target"], tiny["data"], out, "--from-scratch", "--max-steps", "6",
                         "--use-soft-labels", "--cap-lambda", "0.1", "--noise-start", "0.05", "--noise-end", "0.01"))
     assert rc == 0
-    losses = [round(e["loss"], 5) for e in steps(out)]
+    losses = [round(e["loss"], 5) for e in step_events(out)]
     assert losses == pytest.approx(GOLDEN, abs=1e-4)
 
 
@@ -62,20 +56,16 @@ def test_sigterm_then_resume_equals_straight_run(tiny, tmp_path):
     split = str(tmp_path / "split")
     proc = subprocess.Popen([sys.executable, "-m", "trainer", *base_args(tiny["target"], tiny["data"], split, "--from-scratch", *common)],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    while proc.poll() is None:  # stop it once it is training (any step before N will do)
-        if os.path.exists(os.path.join(split, "events.jsonl")) and len(steps(split)) >= 2:
-            proc.send_signal(signal.SIGTERM)
-            break
-        time.sleep(0.02)
+    sigterm_once_training(proc, split, poll_s=0.02)  # once it is training (any step before N will do)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == flags.EXIT_STOPPED, err[-2000:]
-    k = steps(split)[-1]["step"]
+    k = step_events(split)[-1]["step"]
     assert 2 <= k < N
     hb = json.load(open(os.path.join(split, "heartbeat", "rank-0")))
     assert hb["state"] == "stopped" and hb["step"] == k
     assert main(base_args(tiny["target"], tiny["data"], split, "--resume-from", os.path.join(split, f"step_{k}"), *common)) == 0
 
-    a, b = steps(straight), steps(split)
+    a, b = step_events(straight), step_events(split)
     assert [e["step"] for e in b] == list(range(1, N + 1))
     # same data order (tokens per step) and the same trajectory after the resume
     assert [e["tokens"] for e in a] == [e["tokens"] for e in b]
@@ -158,7 +148,7 @@ def test_wandb_offline_files_hold_the_metrics(tiny, tmp_path, monkeypatch):
     assert len(files) == 1, files
     rows = [r for r in read_wandb_history(files[0]) if "loss" in r]
     assert [r["_step"] for r in rows] == [1, 2, 3]
-    logged = steps(run_dir)
+    logged = step_events(run_dir)
     assert [r["loss"] for r in rows] == pytest.approx([e["loss"] for e in logged])
     for name in ("ce", "kl", "cap", "lr", "grad_norm", "tokens_per_s", "acc/1", "mem_peak_mib"):
         assert name in rows[-1], name

@@ -190,8 +190,7 @@ def run_peaks(values, target_config=None, token_budget: int | None = None) -> di
     # 8,192 tokens, -0.5 % at 221,184 (docs/benchmarks.md), inside the reserve and margin.
     target_phase = t_total + d["params"] + d["grads"] + d["optimizer"]
     drafter_phase = d_total - d["frozen"] + t["params"]
-    out["colocated"] = {"peak": max(target_phase, drafter_phase), "exact": chunked,
-                        "phases": {"target": target_phase, "drafter": drafter_phase}}
+    out["colocated"] = {"peak": max(target_phase, drafter_phase), "exact": chunked}
     return out
 
 

@@ -94,16 +94,11 @@ def build_random_model(target_dir: str, device, dtype):
         torch.manual_seed(seed)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    embed, lm_head = random_head(read_json(os.path.join(target_dir, "config.json")), seed, device, dtype)
+    embed, lm_head = random_head(config.to_dict(), seed, device, dtype)
     with torch.no_grad():
         model.get_input_embeddings().weight.copy_(embed)
         model.get_output_embeddings().weight.copy_(lm_head)
     return model
-
-
-def read_json(path: str) -> dict:
-    with open(path, encoding="utf-8") as fh:
-        return json.load(fh)
 
 
 def write_synthetic(out_dir: str, shape_name: str, samples: int, max_len: int, min_len: int | None = None,

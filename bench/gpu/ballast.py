@@ -75,7 +75,7 @@ def main() -> int:
         with open(a.ready, "w") as fh:
             json.dump(out, fh)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    while held is not None or True:
+    while True:  # `held` stays referenced by this frame until the process is killed
         time.sleep(1)
 
 

@@ -99,8 +99,9 @@ def main() -> int:
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         tm = f"{100 * r['target_mfu']:.1f} %" if "target_mfu" in r else "—"
+        peak = "—" if r["peak_mib"] != r["peak_mib"] else f"{r['peak_mib']:,.0f} MiB"  # NaN: not recorded
         print(f"| {r['run']} | {r['steps']} | {r['tok_s']:,.0f} | {r['drafted_s']:,.0f} | {r['wait_s']:.2f} s | "
-              f"{r['step_s']:.2f} s | {r['peak_mib']:,.0f} MiB | {tm} | {100 * r['drafter_mfu']:.1f} % | "
+              f"{r['step_s']:.2f} s | {peak} | {tm} | {100 * r['drafter_mfu']:.1f} % | "
               f"{100 * r['overall_mfu']:.1f} % |")
 
     # 8 GPUs for the 27B-like shape: drafter rate measured (2 + 2), target rate from the
