@@ -4,6 +4,7 @@ refused)."""
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -22,6 +23,28 @@ def mount_source(mountpoint: Path) -> Optional[str]:
         if len(fields) > 2 and fields[1].replace("\\040", " ") == target:
             return fields[0]
     return None
+
+
+def holders_in_other_namespaces(mountpoint: Path) -> list[int]:
+    """One process per mount namespace, other than ours, in which ``mountpoint`` is mounted."""
+    target = str(mountpoint)
+    own = os.readlink("/proc/self/ns/mnt")
+    seen, pids = {own}, []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            ns = os.readlink(f"/proc/{entry}/ns/mnt")
+            if ns in seen:
+                continue
+            mounts = Path(f"/proc/{entry}/mounts").read_text()
+        except OSError:  # gone meanwhile, or a kernel thread
+            continue
+        seen.add(ns)
+        if any(len(f) > 1 and f[1].replace("\\040", " ") == target
+               for f in (line.split() for line in mounts.splitlines())):
+            pids.append(int(entry))
+    return pids
 
 
 def loop_devices(image: Path) -> list[str]:
@@ -52,6 +75,12 @@ def release_btrfs(image: Path, mountpoint: Path) -> None:
     """Unmount and detach the loop device; nothing of the storage stays in the kernel."""
     if mount_source(mountpoint):
         run(["umount", mountpoint], what=f"umount of {mountpoint} (is a shell or process using it?)")
+    # Every private mount namespace copied while the storage was mounted holds its own copy
+    # of the mount, and so the loop device: another node's sshd started later (CI, e8f54f7).
+    # Umount there too; the processes themselves are not ours to kill.
+    for pid in holders_in_other_namespaces(mountpoint):
+        run(["nsenter", f"--mount=/proc/{pid}/ns/mnt", "--", "umount", "-l", mountpoint],
+            what=f"umount of {mountpoint} in the mount namespace of process {pid}", check=False)
     for dev in loop_devices(image):
         run(["losetup", "-d", dev], what=f"losetup -d {dev}", check=False)
     # A device still referenced (processes of a stopped container or of the sshd's mount
