@@ -2,6 +2,7 @@
 
     python3 bench/quality/run.py --scale gpu --out $OUT      # one H200, < 10 minutes
     python3 bench/quality/run.py --scale gpu-short --out $OUT  # one H200, about 5 minutes
+    python3 bench/quality/run.py --scale cpu-mid --out DIR   # no GPU: 2 cores, about an hour
     python3 bench/quality/run.py --scale cpu --out DIR       # the same pipeline, tiny (tests)
 
 1. a byte-level Qwen3 target trained on the Python stdlib sources (held-out files kept apart);
@@ -72,6 +73,17 @@ SCALES = {
                  "tree_prompts": 6},
     },
 }
+# Between the two, for a machine without a GPU (2 cores, about an hour): a target that learns
+# the stdlib well enough not to fall into the loops the tiny one does, so the variants can
+# differ; every variant gets the curve and all three tree budgets.
+SCALES["cpu-mid"] = json.loads(json.dumps(SCALES["cpu"]))
+SCALES["cpu-mid"].update(threads=2, corpus_bytes=6_000_000)
+SCALES["cpu-mid"]["target"].update(shape={"hidden": 128, "layers": 4, "heads": 4, "kv_heads": 2, "intermediate": 384},
+                                   steps=100_000, seconds=600, seq_len=256, lr=2e-3)
+SCALES["cpu-mid"]["distill"].update(samples=512, prompt_len=64, completion_len=96, chunk=128)
+SCALES["cpu-mid"]["drafter"].update(steps=240, save_interval=40, lr=2e-3, token_budget=4800, max_batch_size=32,
+                                    max_anchors=24)
+SCALES["cpu-mid"]["eval"].update(prompts=8, max_new=64, curve_prompts=4, curve_max_new=48)
 # The same on a tighter device budget (about 5 minutes): shorter target and drafter training,
 # fewer evaluation prompts.
 SCALES["gpu-short"] = json.loads(json.dumps(SCALES["gpu"]))
