@@ -2,7 +2,7 @@
 
     python3 bench/quality/run.py --scale gpu --out $OUT      # one H200, < 10 minutes
     python3 bench/quality/run.py --scale gpu-short --out $OUT  # one H200, about 5 minutes
-    python3 bench/quality/run.py --scale cpu-mid --out DIR   # no GPU: 2 cores, about an hour
+    python3 bench/quality/run.py --scale cpu-mid --out DIR   # no GPU: 2 cores, about 25 minutes
     python3 bench/quality/run.py --scale cpu --out DIR       # the same pipeline, tiny (tests)
 
 1. a byte-level Qwen3 target trained on the Python stdlib sources (held-out files kept apart);
@@ -73,7 +73,7 @@ SCALES = {
                  "tree_prompts": 6},
     },
 }
-# Between the two, for a machine without a GPU (2 cores, about an hour): a target that learns
+# Between the two, for a machine without a GPU (2 cores, about 25 minutes): a target that learns
 # the stdlib well enough not to fall into the loops the tiny one does, so the variants can
 # differ; every variant gets the curve and all three tree budgets.
 SCALES["cpu-mid"] = json.loads(json.dumps(SCALES["cpu"]))
