@@ -126,6 +126,80 @@ def test_cpu_pipeline_is_lossless_and_trained_drafters_accept_more_than_one_toke
         assert all(fin["tree"][str(b)]["tau"] > 1.0 for b in budget), name
     assert (out / "tau_vs_steps.png").stat().st_size > 0
 
+    # The drafters evaluated again from the work directory: the same prompts give exactly the
+    # same decodes (the first prompts of a larger draw are run.py's own), and the Δτ table
+    # against the reference variant is printed last.
+    again = tmp_path / "again"
+    proc = subprocess.run([sys.executable, os.path.join(QUALITY, "reevaluate.py"), "--results",
+                           str(out / "results.json"), "--prompts", str(n_prompts), "--tree-budgets", "16",
+                           "--out", str(again)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r2 = json.loads((again / "results.json").read_text())
+    for name, v in r["variants"].items():
+        fin2 = r2["variants"][name]["final"]
+        for kind, before, after in (("block", v["final"]["block"], fin2["block"]),
+                                    ("tree 16", v["final"]["tree"]["16"], fin2["tree"]["16"])):
+            assert after["per_prompt"] == before["per_prompt"] and after["tau"] == before["tau"], (name, kind)
+            assert after["lossless"] and after["prompts"] == n_prompts, (name, kind)
+    others = [n for n in variants.VARIANTS if n != "decay"]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-len(others) - 2].startswith("| variant | Δτ block | Δτ tree 16 |")
+    assert [ln.split("|")[1].strip() for ln in lines[-len(others):]] == others
+
+    # Another drafter seed on the same target and data: nothing of the first run retrained or
+    # overwritten; other settings are refused before anything is written.
+    target_cfg = tmp_path / "work" / "target" / "config.json"
+    stamp = target_cfg.stat().st_mtime_ns
+    seed1 = tmp_path / "seed1"
+    proc = subprocess.run([sys.executable, os.path.join(QUALITY, "run.py"), "--scale", "cpu", "--out", str(seed1),
+                           "--work", str(tmp_path / "work"), "--reuse-target", "--seed", "1", "--variants", "decay"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r1 = json.loads((seed1 / "results.json").read_text())
+    assert r1["config"]["reused_target"] and r1["target"] == r["target"] and r1["data"] == r["data"]
+    assert target_cfg.stat().st_mtime_ns == stamp and "target step" not in proc.stdout
+    assert "--seed 1" in r1["variants"]["decay"]["command"] and r1["variants"]["decay"]["final"]["block"]["lossless"]
+    assert variants.checkpoints(str(tmp_path / "work" / "drafters-seed1" / "decay"))
+    def first_step_loss(events):  # another init and data order: another loss at the first logged step
+        steps = [json.loads(ln) for ln in events.read_text().splitlines() if '"kind": "step"' in ln]
+        return steps[0]["step"], steps[0]["loss"]
+
+    step0, loss0 = first_step_loss(out / "events" / "decay.jsonl")
+    step1, loss1 = first_step_loss(seed1 / "events" / "decay.jsonl")
+    assert step0 == step1 and loss0 != loss1
+    refused = subprocess.run([sys.executable, os.path.join(QUALITY, "run.py"), "--scale", "cpu", "--out",
+                              str(tmp_path / "refused"), "--work", str(tmp_path / "work"), "--reuse-target",
+                              "--set", "target.seconds=5"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "other corpus/target/distill settings" in refused.stderr
+    assert not (tmp_path / "refused").exists()
+
+
+def _decoded(per_prompt):
+    return {"final": {"block": {"per_prompt": per_prompt}, "tree": {}}}
+
+
+def test_paired_deltas_bound_the_difference_over_prompts():
+    report = quality("report")
+    base = [[10, 5], [6, 6], [30, 10], [8, 4]]
+    r = {"config": {"tree_budgets": []}, "variants": {
+        "decay": _decoded(base),
+        "same": _decoded([list(c) for c in base]),
+        "better": _decoded([[c + 2, f] for c, f in base]),  # 2 more tokens per prompt, same forwards
+        "worse": _decoded([[c - 1, f] for c, f in base]),
+        "fewer": _decoded(base[:3]),  # decoded other prompts: not comparable, left out
+    }}
+    d = report.paired_deltas(r, "block", "decay")
+    assert set(d) == {"decay", "same", "better", "worse"}
+    assert d["same"] == (0.0, 0.0, 0.0) and d["decay"] == (0.0, 0.0, 0.0)
+    delta, lo, hi = d["better"]
+    assert delta == pytest.approx(8 / 25) and 0 < lo <= delta <= hi  # pooled: 62/25 vs 54/25
+    delta, lo, hi = d["worse"]
+    assert delta == pytest.approx(-4 / 25) and lo <= delta <= hi < 0
+    table = report.delta_table(r, "decay").splitlines()
+    assert table[0] == "| variant | Δτ block |" and [ln.split("|")[1].strip() for ln in table[2:]] == \
+        ["same", "better", "worse"]
+    assert report.paired_deltas(r, "16", "decay") == {}  # no tree decodes recorded
+
 
 def test_held_out_files_are_never_training_files():
     corpus = quality("corpus")

@@ -51,19 +51,34 @@ def decode_all(kind: str, target, drafter, head, prompts, refs: dict, max_new: i
         run = lambda p, n: speculative_tree(target, drafter, head, p, n, budget, device)  # noqa: E731
     run(prompts[0], 4)  # warm-up
     counts: list[int] = []
+    per_prompt: list[list[int]] = []  # [committed tokens, target forwards]: for intervals over prompts
     mismatches: list[dict] = []
     total = 0.0
     for i, p in enumerate(prompts):
         (out, per_forward), dt = _timed(lambda: run(p, max_new), device)
         total += dt
         counts += per_forward
+        per_prompt.append([sum(per_forward), len(per_forward)])
         ref = refs["outputs"][i]
         if out != ref:
             first = next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
             mismatches.append({"prompt": i, "first_diff": first})
     return {"tau": sum(counts) / max(1, len(counts)), "forwards": len(counts), "seconds": total,
             "speedup": sum(refs["per_prompt_seconds"][:len(prompts)]) / total if total > 0 else None,
-            "lossless": not mismatches, "prompts": len(prompts), "mismatches": mismatches}
+            "lossless": not mismatches, "prompts": len(prompts), "mismatches": mismatches,
+            "per_prompt": per_prompt}
+
+
+def load_target(target_dir: str, d: dict, device):
+    """The evaluation target (fp32, taps for a drafter of budget ``d``) and the frozen head
+    the drafters share: (drafter config, target, head)."""
+    from trainer.model import DrafterConfig, FrozenHead
+    from trainer.target import Target, read_config
+
+    ids = [int(x) for x in d["target_layer_ids"].split(",")] if d.get("target_layer_ids") else None
+    dcfg = DrafterConfig.from_target(read_config(target_dir), d["layers"], d["block_size"], None, ids)
+    target = Target(target_dir, dcfg.target_layer_ids, device, torch.float32)
+    return dcfg, target, FrozenHead(target.embed, target.lm_head)
 
 
 def block_tau(target, drafter, head, prompts, max_new: int, device) -> float:

@@ -38,6 +38,59 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _decoder(v: dict, kind: str):
+    fin = v.get("final") or {}
+    return fin.get("block") if kind == "block" else (fin.get("tree") or {}).get(kind)
+
+
+def paired_deltas(results: dict, kind: str = "block", base: str = "decay", n_boot: int = 2000,
+                  seed: int = 0) -> dict:
+    """τ of each variant minus the ``base`` variant's, with a 95 % paired bootstrap interval
+    over prompts (every variant decoded the same prompts, so resampling them together removes
+    what prompt choice moves in all variants alike). τ is pooled as in measure.decode_all:
+    committed tokens over target forwards. ``kind``: "block" or a tree budget ("16").
+    {variant: (Δτ, low, high)}; variants without per-prompt counts are left out."""
+    import numpy as np
+
+    ref = _decoder(results["variants"].get(base) or {}, kind)
+    if not ref or "per_prompt" not in ref:
+        return {}
+    b = np.array(ref["per_prompt"], dtype=np.float64)
+    idx = np.random.default_rng(seed).integers(0, len(b), size=(n_boot, len(b)))
+
+    def tau(counts, rows=None):
+        c = counts if rows is None else counts[rows]
+        return c[..., 0].sum(-1) / c[..., 1].sum(-1)
+
+    out = {}
+    for name, v in results["variants"].items():
+        dec = _decoder(v, kind)
+        if not dec or "per_prompt" not in dec or len(dec["per_prompt"]) != len(b):
+            continue
+        a = np.array(dec["per_prompt"], dtype=np.float64)
+        boots = tau(a, idx) - tau(b, idx)
+        lo, hi = np.percentile(boots, [2.5, 97.5])
+        out[name] = (float(tau(a) - tau(b)), float(lo), float(hi))
+    return out
+
+
+def delta_table(results: dict, base: str = "decay") -> str:
+    """Markdown: Δτ against ``base`` [95 % interval] for block and every tree budget."""
+    kinds = ["block"] + [str(b) for b in results["config"]["tree_budgets"]]
+    cols = {k: paired_deltas(results, k, base) for k in kinds}
+    head = ["variant"] + [("Δτ block" if k == "block" else f"Δτ tree {k}") for k in kinds]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for name in results["variants"]:
+        if name == base or not any(name in c for c in cols.values()):
+            continue
+        cells = [name]
+        for k in kinds:
+            d = cols[k].get(name)
+            cells.append("—" if d is None else f"{d[0]:+.2f} [{d[1]:+.2f}, {d[2]:+.2f}]")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(results: dict, path: str) -> bool:
     """τ (block verification) against training steps, one line per variant."""
     try:

@@ -201,6 +201,42 @@ def train_and_evaluate(name: str, argv: list[str], v_out: str, v: dict, c: dict)
     return dr
 
 
+def make_target_and_data(s: dict, split: dict, tgt_dir: str, work: str, device, results: dict, clock, save) -> None:
+    """Steps 1 and 2: train the target, then write its self-distillation data."""
+    t = s["target"]
+    results["target"] = target_mod.train_target(tgt_dir, split["train"], t["shape"], steps=t["steps"],
+                                                seconds=t["seconds"], batch=t["batch"], seq_len=t["seq_len"],
+                                                lr=t["lr"], device=device, log=log)
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tgt_dir, dtype=torch.float32).to(device).eval()
+    ho = target_mod.held_out_loss(hf, split["held_out"], t["seq_len"], 32, device)
+    results["target"]["held_out_bits_per_byte"] = round(ho / math.log(2), 3)
+    results["timings"]["target_s"] = round(clock.elapsed(), 1)
+    log(f"target: {results['target']}")
+    save()
+
+    ds = s["distill"]  # step 2: the target's own completions, prepared by the trainer
+    results["data"] = distill.make_distill_data(hf, split["train"], work, samples=ds["samples"],
+                                                prompt_len=ds["prompt_len"], completion_len=ds["completion_len"],
+                                                chunk=ds["chunk"], device=device, log=log)
+    del hf
+    results["timings"]["distill_s"] = round(clock.elapsed(), 1)
+    save()
+
+
+def stage_key(s: dict) -> dict:
+    """What the target and its data depend on: reuse them only when these are equal."""
+    return {"corpus_bytes": s["corpus_bytes"], "target": s["target"], "distill": s["distill"], "device": s["device"]}
+
+
+def atomic_json(path: str, doc) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as fh:
+        json.dump(doc, fh, indent=1)
+    os.replace(tmp, path)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scale", choices=sorted(SCALES), required=True)
@@ -209,6 +245,11 @@ def main(argv=None) -> int:
                    help="target, data and checkpoints (default: a fresh directory under /tmp, so $OUT stays small)")
     p.add_argument("--variants", default=",".join(variants.VARIANTS), help="comma list (default: all)")
     p.add_argument("--deadline-s", type=float, default=None, help="override the scale's time budget")
+    p.add_argument("--seed", type=int, default=0,
+                   help="the drafters' seed (init, data order), passed to the trainer (default 0)")
+    p.add_argument("--reuse-target", action="store_true",
+                   help="take the target and the distilled data from a previous run in --work (same "
+                        "scale settings) and train only the drafters: another --seed costs no target training")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override one scale setting, e.g. --set target.seconds=60 --set drafter.steps=200 "
                         "(VALUE is JSON; a bare word is a string)")
@@ -221,6 +262,20 @@ def main(argv=None) -> int:
     unknown = [v for v in names if v not in variants.VARIANTS]
     if unknown:
         p.error(f"unknown variant(s) {unknown}; known: {', '.join(variants.VARIANTS)}")
+    if args.reuse_target and not args.work:
+        p.error("--reuse-target needs --work: the directory of the run whose target to reuse")
+    stages_file = os.path.join(os.path.abspath(args.work), "stages.json") if args.work else None
+    reused = None
+    if args.reuse_target:
+        try:
+            with open(stages_file) as fh:
+                reused = json.load(fh)
+        except (OSError, ValueError) as exc:
+            p.error(f"--reuse-target: no finished target and data in {args.work} ({exc}); run once without it")
+        if reused.get("key") != stage_key(s):
+            p.error(f"--reuse-target: the target in {args.work} was made with other corpus/target/distill "
+                    f"settings; run without --reuse-target, or with the same --scale and --set values")
+    drafters_dir = "drafters" if args.seed == 0 else f"drafters-seed{args.seed}"
     clock = Clock(args.deadline_s if args.deadline_s is not None else s["deadline_s"])
     if s["threads"]:
         torch.set_num_threads(s["threads"])  # tiny matrices on a busy 2-core VM: 1 thread is far faster
@@ -238,57 +293,40 @@ def main(argv=None) -> int:
     gpu_name = torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu"
     results = {"config": {"scale": args.scale, "block_size": d["block_size"], "tree_budgets": ev["tree_budgets"],
                           "curve_prompts": ev["curve_prompts"], "scale_config": s, "drafter_budget": d,
-                          "torch": torch.__version__, "work": work, "device": gpu_name},
+                          "torch": torch.__version__, "work": work, "device": gpu_name, "seed": args.seed,
+                          "drafters_dir": drafters_dir, "reused_target": bool(reused)},
                "timings": {}, "variants": {}}
 
     def save():
         with open(os.path.join(out, "results.json"), "w") as fh:
             json.dump(results, fh, indent=1)
 
-    # -- 1. the target
+    # -- 1 + 2. the target and its self-distillation data
     split = corpus.load_split(s["corpus_bytes"])
     results["corpus"] = {k: {"files": len(split[k]), "bytes": int(sum(len(x) for x in split[k]))}
                          for k in ("train", "held_out")}
     log(f"corpus: {results['corpus']}")
     tgt_dir = os.path.join(work, "target")
-    t = s["target"]
-    results["target"] = target_mod.train_target(tgt_dir, split["train"], t["shape"], steps=t["steps"],
-                                                seconds=t["seconds"], batch=t["batch"], seq_len=t["seq_len"],
-                                                lr=t["lr"], device=device, log=log)
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(tgt_dir, dtype=torch.float32).to(device).eval()
-    ho = target_mod.held_out_loss(hf, split["held_out"], t["seq_len"], 32, device)
-    results["target"]["held_out_bits_per_byte"] = round(ho / math.log(2), 3)
-    results["timings"]["target_s"] = round(clock.elapsed(), 1)
-    log(f"target: {results['target']}")
-    save()
-
-    # -- 2. self-distillation data
-    ds = s["distill"]
-    results["data"] = distill.make_distill_data(hf, split["train"], work, samples=ds["samples"],
-                                                prompt_len=ds["prompt_len"], completion_len=ds["completion_len"],
-                                                chunk=ds["chunk"], device=device, log=log)
-    del hf
-    results["timings"]["distill_s"] = round(clock.elapsed(), 1)
-    save()
+    if reused:
+        results["target"], results["data"] = reused["target"], reused["data"]
+        log(f"target and data reused from {work}: {results['target']}")
+    else:
+        make_target_and_data(s, split, tgt_dir, work, device, results, clock, save)
+        atomic_json(os.path.join(work, "stages.json"),
+                    {"key": stage_key(s), "target": results["target"], "data": results["data"]})
 
     # -- 3 + 4. evaluation setup: the target (fp32), held-out prompts, greedy references
-    from trainer.model import Drafter, DrafterConfig, FrozenHead
-    from trainer.target import Target, read_config
+    from trainer.model import Drafter
 
-    dcfg = DrafterConfig.from_target(read_config(tgt_dir), d["layers"], d["block_size"], None,
-                                     [int(x) for x in d["target_layer_ids"].split(",")] if d.get("target_layer_ids") else None)
-    target = Target(tgt_dir, dcfg.target_layer_ids, device, torch.float32)
-    head = FrozenHead(target.embed, target.lm_head)
-    prompts = distill.eval_prompts(split["held_out"], ev["prompts"], ds["prompt_len"])
+    dcfg, target, head = measure.load_target(tgt_dir, d, device)
+    prompts = distill.eval_prompts(split["held_out"], ev["prompts"], s["distill"]["prompt_len"])
     curve_prompts = prompts[:ev["curve_prompts"]]
     refs = measure.reference(target, prompts, ev["max_new"], device)
     results["greedy"] = {"seconds": round(refs["seconds"], 3), "tokens": refs["tokens"],
                          "tokens_per_s": round(refs["tokens"] / refs["seconds"], 1)}
     results["tree_pass_max_logit_error"] = measure.tree_pass_error(target, prompts[0], dcfg.vocab_size, device)
     log(f"tree pass vs causal passes: max |Δlogit| {results['tree_pass_max_logit_error']:.2e}")
-    torch.manual_seed(0)  # the trainer's --seed 0 init: the step-0 point of every curve
+    torch.manual_seed(args.seed)  # the trainer's --seed init: the step-0 point of every curve
     untrained = Drafter(dcfg).to(device).eval()
     tau0 = measure.block_tau(target, untrained, head, curve_prompts, ev["curve_max_new"], device)
     del untrained
@@ -305,8 +343,8 @@ def main(argv=None) -> int:
             results["variants"][name] = {"skipped": why}
             continue
         started = clock.elapsed()
-        v_out = os.path.join(work, "drafters", name)
-        argv = variants.trainer_argv(name, tgt_dir, results["data"]["data_dir"], v_out, d)
+        v_out = os.path.join(work, drafters_dir, name)
+        argv = variants.trainer_argv(name, tgt_dir, results["data"]["data_dir"], v_out, d, seed=args.seed)
         v = results["variants"][name] = {"flags": variants.VARIANTS[name], "steps": d["steps"],
                                          "command": variants.command_line(argv)}
         try:  # one variant failing (or its evaluation) must not cost the others their results

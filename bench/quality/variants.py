@@ -22,12 +22,12 @@ VARIANTS: dict[str, list[str]] = {
 }
 
 
-def trainer_argv(variant: str, target_dir: str, data_dir: str, out_dir: str, d: dict) -> list[str]:
+def trainer_argv(variant: str, target_dir: str, data_dir: str, out_dir: str, d: dict, seed: int = 0) -> list[str]:
     """Full ``python -m trainer`` argv for one variant; ``d`` is the scale's drafter budget."""
     argv = ["--target-model", target_dir, "--data-dir", data_dir, "--output-dir", out_dir,
             "--target-gpus", "0", "--drafter-gpus", "0", "--from-scratch",
             "--epochs", str(d["epochs"]), "--max-steps", str(d["steps"]), "--schedule-steps", str(d["steps"]),
-            "--lr", str(d["lr"]), "--warmup-ratio", "0.04", "--grad-accum", "1", "--seed", "0",
+            "--lr", str(d["lr"]), "--warmup-ratio", "0.04", "--grad-accum", "1", "--seed", str(seed),
             "--token-budget", str(d["token_budget"]), "--max-seq-len", str(d["max_seq_len"]),
             "--max-batch-size", str(d["max_batch_size"]), "--block-size", str(d["block_size"]),
             "--max-anchors", str(d["max_anchors"]), "--num-draft-layers", str(d["layers"]),
