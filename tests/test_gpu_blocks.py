@@ -159,8 +159,9 @@ def test_memory_model_monotone_and_fits_logic():
 
 # ---------------------------------------------------------------- chunked drafter step
 
-@pytest.mark.parametrize("attn,soft,cap", [("sdpa", False, 0.0), ("sdpa", True, 0.2)])  # flex has no CPU backward
-def test_fast_drafter_step_matches_dense_reference(attn, soft, cap):
+@pytest.mark.parametrize("attn,soft,cap,weights", [("sdpa", False, 0.0, "decay"), ("sdpa", True, 0.2, "decay"),
+                                                    ("sdpa", False, 0.0, "dpace"), ("sdpa", True, 0.2, "dpace")])
+def test_fast_drafter_step_matches_dense_reference(attn, soft, cap, weights):  # flex has no CPU backward
     from trainer import fast_drafter as fd
 
     torch.manual_seed(4)
@@ -180,7 +181,7 @@ def test_fast_drafter_step_matches_dense_reference(attn, soft, cap):
     keep[1, -2:] = False
     teacher = torch.randn(b, S, H, dtype=torch.float64) if soft else None
     kw = dict(block_size=B, mask_token_id=V - 1, gamma=3.0, cap_lambda=cap, kl_weight=0.3 if soft else 0.0,
-              temperature=2.0, teacher_final=teacher)
+              temperature=2.0, teacher_final=teacher, position_weights=weights, dpace_alpha=0.3)
     ref = fd.reference_loss(d, embed, head, ids, taps, lm, lengths, anchors, keep, **kw)
     ref.backward()
     g_ref = {n: p.grad.clone() for n, p in d.named_parameters()}

@@ -35,7 +35,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["chunked_head_loss", "dflash_loss_fn", "naive_head_loss", "position_weights"]
+__all__ = ["chunked_head_loss", "dflash_loss_fn", "head_ce", "naive_head_loss", "position_weights"]
 
 LossFn = Callable[[torch.Tensor, Optional[torch.Tensor], slice], torch.Tensor]
 
@@ -181,6 +181,24 @@ def chunked_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
     chunk_blocks = max(1, int(chunk_rows) // K)
     return _ChunkedHeadLoss.apply(hidden, weight, targets.long(), teacher, loss_fn, chunk_blocks,
                                   float(temperature), bool(teacher_is_logits))
+
+
+@torch.no_grad()
+def head_ce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_rows: int = 4096) -> torch.Tensor:
+    """Per-position cross-entropy [n_blocks, K] through the frozen head, chunked like
+    ``chunked_head_loss`` and with the same statistics pass, no gradient: what D-PACE's
+    detached weights need before the loss pass (fast_drafter.step_backward)."""
+    nb, K, H = hidden.shape
+    chunk_blocks = max(1, int(chunk_rows) // K)
+    stat_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    out = hidden.new_empty((nb, K), dtype=stat_dtype)
+    w = weight.detach()
+    stats = _fns(hidden.device)[0]
+    for start in range(0, nb, chunk_blocks):
+        sl = slice(start, min(nb, start + chunk_blocks))
+        _, ce, _ = stats(hidden[sl].reshape(-1, H) @ w.t(), targets[sl].reshape(-1).long())
+        out[sl] = ce.view(sl.stop - sl.start, K)
+    return out
 
 
 def position_weights(block_size: int, gamma: float, valid: torch.Tensor) -> torch.Tensor:

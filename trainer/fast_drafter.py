@@ -41,8 +41,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from trainer import fused_ops as fo
-from trainer.chunked_head import chunked_head_loss, dflash_loss_fn
+from trainer.chunked_head import chunked_head_loss, dflash_loss_fn, head_ce
 from trainer.flex_mask import dense_dflash_mask
+from trainer.loss import dpace_weights
 
 _FLEX = {}
 
@@ -162,6 +163,7 @@ def block_forward(drafter, x, ctx_kv_leaves, cos_b, sin_b, attend, dtype):
 def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, anchors, keep, *,
                   block_size: int, mask_token_id: int, gamma: float = 10.0, kl_weight: float = 0.0,
                   temperature: float = 1.0, cap_lambda: float = 0.0, teacher_final=None,
+                  position_weights: str = "decay", dpace_alpha: float = 0.5,
                   chunk_anchors: int = 512, head_chunk_rows: int = 4096, dtype=torch.bfloat16,
                   attn: str = "flex", ctx_multiple: int = 1, loss_scale: float = 1.0,
                   n_anchors_host=None) -> dict:
@@ -175,6 +177,11 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
     ctx_multiple: pad the context length to a multiple of this (fewer distinct shapes for
     the compiled kernels). n_anchors_host: optional host list of real anchors per sequence,
     so chunks that hold only padding are skipped without reading the GPU.
+    position_weights: "decay" (exp(−(k−1)/γ)) or "dpace" (trainer.loss.dpace_weights of the
+    drafter's own detached CE). D-PACE's normaliser Σw spans the whole micro-batch, and each
+    chunk's backward needs it, so dpace first runs every chunk forward without gradient
+    (drafter + head statistics, no logits kept) to get the CE: a gradient-free forward is
+    roughly a third of forward + backward (estimate; not measured on GPU).
     """
     c = drafter.config
     B = int(block_size)
@@ -197,9 +204,7 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
     posc = pos.clamp(max=S - 1)
     valid = (pos < lengths.view(b, 1, 1)) & loss_mask.gather(1, posc.reshape(b, -1)).view(posc.shape).bool() & keep[:, :, None]
     wdt = torch.float64 if dtype == torch.float64 else torch.float32
-    weights = torch.exp(-(k_idx - 1).to(wdt) / float(gamma)) * valid.to(wdt)
     labels = input_ids.gather(1, posc.reshape(b, -1)).view(posc.shape)
-    denom = weights.sum().clamp_min(1e-12)
     n_valid_blocks = keep.sum().clamp_min(1)
     soft = teacher_final is not None and kl_weight > 0
 
@@ -209,61 +214,78 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
     gacc = [(torch.zeros_like(k, dtype=wdt), torch.zeros_like(v, dtype=wdt)) for k, v in leaves_src]
 
     flex = flex_fn(compiled=dev.type == "cuda") if attn == "flex" else None
-    total = torch.zeros((), device=dev, dtype=torch.float32)
-    n_correct = torch.zeros((), device=dev, dtype=torch.float32)
     block_ids = torch.full((n_c, B), int(mask_token_id), device=dev, dtype=torch.long)
     kB = torch.arange(B, device=dev)
-    for s in range(b):
-        for j in range(n_chunks):
-            if n_anchors_host is not None and j * n_c >= int(n_anchors_host[s]):
-                continue
-            sl = slice(j * n_c, (j + 1) * n_c)
-            a = anchors[s, sl]
-            kp = keep[s, sl]
-            ids = block_ids.clone()
-            ids[:, 0] = input_ids[s].gather(0, a)
-            x = F.embedding(ids.view(1, -1), embed).to(dtype)
-            bpos = (a[:, None] + kB).view(-1)
-            cos_b, sin_b = cos[bpos], sin[bpos]
-            leaves = []
-            for kd, vd in leaves_src:
-                kl = kd[s:s + 1].detach().requires_grad_(True)
-                vl = vd[s:s + 1].detach().requires_grad_(True)
-                leaves.append((kl, vl))
-            if S_pad != S:
-                padded = [(F.pad(kl, (0, 0, 0, S_pad - S)), F.pad(vl, (0, 0, 0, S_pad - S))) for kl, vl in leaves]
-            else:
-                padded = leaves
-            if attn == "flex":
-                bm = _chunk_block_mask(a, kp, S_pad, B)
 
-                def attend(q, k, v, bm=bm):
-                    return flex(q, k, v, block_mask=bm, enable_gqa=k.shape[1] != q.shape[1])
-            else:
-                m = dense_dflash_mask(a[None].cpu(), S_pad, B, kp[None].cpu()).to(dev)[:, None]
+    def chunks():
+        for s in range(b):
+            for j in range(n_chunks):
+                if n_anchors_host is None or j * n_c < int(n_anchors_host[s]):
+                    yield s, slice(j * n_c, (j + 1) * n_c)
 
-                def attend(q, k, v, m=m):
-                    rep = q.shape[1] // k.shape[1]
-                    return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=m)
-            out = block_forward(drafter, x, padded, cos_b, sin_b, attend, dtype)
-            h = out.view(n_c, B, -1)[:, 1:]
-            teacher = None
-            if soft:
-                tpos = (posc[s, sl] - 1).clamp(min=0)
-                teacher = teacher_final[s].index_select(0, tpos.reshape(-1)).view(n_c, B - 1, -1).to(dtype)
-            fn = dflash_loss_fn(weights[s, sl], kl_weight=kl_weight if soft else 0.0, temperature=temperature,
-                                cap_lambda=cap_lambda, block_valid=kp, denom=denom, n_valid_blocks=n_valid_blocks)
-            loss, ce, kl, correct = chunked_head_loss(h, lm_head, labels[s, sl], fn, teacher=teacher,
-                                                      temperature=temperature, chunk_rows=head_chunk_rows)
-            (loss * loss_scale).backward()
-            for (kl_, vl_), (gk, gv) in zip(leaves, gacc):
-                if kl_.grad is not None:
-                    gk[s:s + 1].add_(kl_.grad)
-                if vl_.grad is not None:
-                    gv[s:s + 1].add_(vl_.grad)
-            total = total + loss.detach()
-            n_correct = n_correct + (correct & valid[s, sl]).sum()
-    # 3. context path backward with the accumulated k/v gradients
+    def chunk_hidden(s: int, sl: slice, kv) -> torch.Tensor:
+        """Drafter outputs [n_c, B-1, H] at the predicting slots of one anchor chunk of
+        sequence ``s``, attending to the context k/v ``kv`` ([(k, v)] per layer, batch 1)."""
+        a, kp = anchors[s, sl], keep[s, sl]
+        ids = block_ids.clone()
+        ids[:, 0] = input_ids[s].gather(0, a)
+        x = F.embedding(ids.view(1, -1), embed).to(dtype)
+        bpos = (a[:, None] + kB).view(-1)
+        if S_pad != S:
+            kv = [(F.pad(k, (0, 0, 0, S_pad - S)), F.pad(v, (0, 0, 0, S_pad - S))) for k, v in kv]
+        if attn == "flex":
+            bm = _chunk_block_mask(a, kp, S_pad, B)
+
+            def attend(q, k, v):
+                return flex(q, k, v, block_mask=bm, enable_gqa=k.shape[1] != q.shape[1])
+        else:
+            m = dense_dflash_mask(a[None].cpu(), S_pad, B, kp[None].cpu()).to(dev)[:, None]
+
+            def attend(q, k, v):
+                rep = q.shape[1] // k.shape[1]
+                return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=m)
+        return block_forward(drafter, x, kv, cos[bpos], sin[bpos], attend, dtype).view(n_c, B, -1)[:, 1:]
+
+    # 2. weights for every block (global normaliser, fixed before any chunk's backward)
+    if position_weights == "dpace":
+        ce = torch.zeros(valid.shape, device=dev, dtype=wdt)  # chunks of padding only: weight 0 anyway
+        with torch.no_grad():
+            for s, sl in chunks():
+                h = chunk_hidden(s, sl, [(k[s:s + 1], v[s:s + 1]) for k, v in leaves_src])
+                ce[s, sl] = head_ce(h, lm_head, labels[s, sl], head_chunk_rows).to(wdt)
+        weights = dpace_weights(ce, valid.to(wdt), float(dpace_alpha))
+        del ce
+    elif position_weights == "decay":
+        weights = torch.exp(-(k_idx - 1).to(wdt) / float(gamma)) * valid.to(wdt)
+    else:
+        raise ValueError(f"position_weights must be decay or dpace, not {position_weights!r}")
+    denom = weights.sum().clamp_min(1e-12)
+
+    # 3. per chunk: forward, head + loss, backward into the drafter and the context k/v leaves
+    total = torch.zeros((), device=dev, dtype=torch.float32)
+    n_correct = torch.zeros((), device=dev, dtype=torch.float32)
+    for s, sl in chunks():
+        kp = keep[s, sl]
+        leaves = [(k[s:s + 1].detach().requires_grad_(True), v[s:s + 1].detach().requires_grad_(True))
+                  for k, v in leaves_src]
+        h = chunk_hidden(s, sl, leaves)
+        teacher = None
+        if soft:
+            tpos = (posc[s, sl] - 1).clamp(min=0)
+            teacher = teacher_final[s].index_select(0, tpos.reshape(-1)).view(n_c, B - 1, -1).to(dtype)
+        fn = dflash_loss_fn(weights[s, sl], kl_weight=kl_weight if soft else 0.0, temperature=temperature,
+                            cap_lambda=cap_lambda, block_valid=kp, denom=denom, n_valid_blocks=n_valid_blocks)
+        loss, ce, kl, correct = chunked_head_loss(h, lm_head, labels[s, sl], fn, teacher=teacher,
+                                                  temperature=temperature, chunk_rows=head_chunk_rows)
+        (loss * loss_scale).backward()
+        for (kl_, vl_), (gk, gv) in zip(leaves, gacc):
+            if kl_.grad is not None:
+                gk[s:s + 1].add_(kl_.grad)
+            if vl_.grad is not None:
+                gv[s:s + 1].add_(vl_.grad)
+        total = total + loss.detach()
+        n_correct = n_correct + (correct & valid[s, sl]).sum()
+    # 4. context path backward with the accumulated k/v gradients
     outs, grads = [], []
     for (k, v), (gk, gv) in zip(ctx, gacc):
         outs += [k, v]
@@ -275,7 +297,8 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
 
 def reference_loss(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, anchors, keep, *,
                    block_size, mask_token_id, gamma=10.0, dtype=torch.float64, cap_lambda=0.0,
-                   kl_weight=0.0, temperature=1.0, teacher_final=None):
+                   kl_weight=0.0, temperature=1.0, teacher_final=None, position_weights="decay",
+                   dpace_alpha=0.5):
     """Unchunked dense-mask forward of the same objective, plain autograd (tests only)."""
     c = drafter.config
     B = block_size
@@ -309,6 +332,10 @@ def reference_loss(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths,
         if soft:
             ts.append(teacher_final[s].index_select(0, (posc[s] - 1).clamp(min=0).reshape(-1)).view(N, B - 1, -1).to(dtype))
     h = torch.cat(hs)
+    if position_weights == "dpace":  # all logits at once, plain cross-entropy: independent of head_ce
+        z = h.detach().reshape(-1, h.shape[-1]) @ lm_head.to(dtype).t()
+        ce = F.cross_entropy(z, labels.reshape(-1), reduction="none").view(b, N, B - 1)
+        weights = dpace_weights(ce, valid.to(dtype), float(dpace_alpha))
     fn = dflash_loss_fn(weights.view(b * N, B - 1), kl_weight=kl_weight if soft else 0.0, temperature=temperature,
                         cap_lambda=cap_lambda, block_valid=keep.reshape(-1))
     return naive_head_loss(h, lm_head.to(dtype), labels.view(b * N, B - 1), fn,

@@ -149,7 +149,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-anchors", "int", 1024, "anchors (blocks) sampled per sequence per step", "drafter"),
     Flag("--num-draft-layers", "int", 5, "decoder layers in the drafter", "drafter"),
     Flag("--target-layer-ids", "layers", None, "tapped target layers (default: evenly spaced, as in the reference drafter)", "drafter", metavar="IDS"),
-    Flag("--drafter-step", "choice", "auto", "drafter forward/backward: reference (whole micro-batch through autograd, per-slot metrics) or chunked (trainer/fast_drafter.py: anchor chunks, bounded activation memory, ~10× less memory per drafted position; decay position weights only); auto = chunked on CUDA unless --position-weights dpace, else reference", "drafter", choices=("auto", "reference", "chunked")),
+    Flag("--drafter-step", "choice", "auto", "drafter forward/backward: reference (whole micro-batch through autograd, per-slot metrics) or chunked (trainer/fast_drafter.py: anchor chunks, bounded activation memory, ~10× less memory per drafted position; with --position-weights dpace it first runs every chunk forward without gradient for the detached weights: extra compute, not yet measured on GPU); auto = chunked on CUDA, reference on CPU", "drafter", choices=("auto", "reference", "chunked")),
     Flag("--target-forward", "choice", "auto", "target forward: hf (transformers, hooks on the tapped layers) or fast (trainer/fast_target.py over the same weights: fused GEMMs, cuDNN attention, stops after the last tapped layer); auto = fast on CUDA, hf on CPU", "drafter", choices=("auto", "hf", "fast")),
     Flag("--mask-token-id", "int", None, "id used for the masked block slots (default: 151669 when the vocabulary has it, else the last id)", "drafter"),
     # -- objective
@@ -194,7 +194,7 @@ def drafter_step_for(values: Mapping[str, Any], cuda: bool) -> str:
     step = values.get("drafter_step") or "auto"
     if step != "auto":
         return step
-    return "chunked" if cuda and values.get("position_weights", "decay") != "dpace" else "reference"
+    return "chunked" if cuda else "reference"
 
 
 def target_forward_for(values: Mapping[str, Any], cuda: bool) -> str:
@@ -248,8 +248,6 @@ def check(values: Mapping[str, Any]) -> list[str]:
             f"--target-gpus {format_gpus(t)} and --drafter-gpus {format_gpus(d)} overlap on {both}: "
             "make them disjoint, or equal to colocate both roles on the same GPUs"
         )
-    if values.get("drafter_step") == "chunked" and values.get("position_weights") == "dpace":
-        problems.append("--drafter-step chunked supports --position-weights decay only; use --drafter-step reference for dpace")
     budget, max_len = values.get("token_budget"), values.get("max_seq_len")
     if isinstance(budget, int) and isinstance(max_len, int) and budget < max_len:
         problems.append(

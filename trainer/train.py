@@ -325,10 +325,11 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
                 sums[4] += mb.lengths.sum()
                 if chunked:
                     # anchor chunks through the drafter and the head, backward per chunk: bounded
-                    # activation memory; casts per chunk itself (no autocast); decay weights only
+                    # activation memory; casts per chunk itself (no autocast)
                     r = fast_drafter.step_backward(
                         drafter, head.embed, head.lm_head, mb.input_ids, taps, mb.loss_mask, mb.lengths, mb.anchors,
                         mb.keep, block_size=args.block_size, mask_token_id=dcfg.mask_token_id, gamma=args.gamma,
+                        position_weights=args.position_weights, dpace_alpha=args.dpace_alpha,
                         kl_weight=args.kl_weight if args.use_soft_labels else 0.0, temperature=args.kl_temperature,
                         cap_lambda=args.cap_lambda, teacher_final=mb.final, loss_scale=1.0 / len(mine), attn=attn_impl,
                         dtype=torch.bfloat16 if cuda else torch.float32)
@@ -457,6 +458,7 @@ def probe(args, topo, events: Events, hb: Heartbeat) -> int:
                 fast_drafter.step_backward(
                     drafter, head.embed, head.lm_head, ids, taps, loss_mask, lengths, anchors, keep,
                     block_size=args.block_size, mask_token_id=dcfg.mask_token_id, gamma=args.gamma,
+                    position_weights=args.position_weights, dpace_alpha=args.dpace_alpha,
                     kl_weight=args.kl_weight if args.use_soft_labels else 0.0, temperature=args.kl_temperature,
                     cap_lambda=args.cap_lambda, teacher_final=final, attn="flex" if cuda else "sdpa",
                     dtype=torch.bfloat16 if cuda else torch.float32)
