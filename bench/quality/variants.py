@@ -32,7 +32,7 @@ def trainer_argv(variant: str, target_dir: str, data_dir: str, out_dir: str, d: 
             "--max-batch-size", str(d["max_batch_size"]), "--block-size", str(d["block_size"]),
             "--max-anchors", str(d["max_anchors"]), "--num-draft-layers", str(d["layers"]),
             "--save-interval", str(d["save_interval"]), "--log-interval", str(d["log_interval"]),
-            # one implementation for every variant: D-PACE has the reference step only
+            # one implementation for every variant, the reference step: per-slot metrics, the CPU path
             "--drafter-step", "reference", "--target-forward", "hf"]
     if d.get("target_layer_ids"):
         argv += ["--target-layer-ids", d["target_layer_ids"]]
