@@ -15,19 +15,23 @@ IMAGE_SIZE = "16G"  # sparse; holds two rootfs copies plus snapshots (CoW, so ch
 LOOP_RELEASE_S = 30.0  # how long down() waits for a busy loop device to auto-clear
 
 
-def mount_source(mountpoint: Path) -> Optional[str]:
-    """The device mounted on ``mountpoint`` in this mount namespace, else None."""
+def _source_in(mounts: str, mountpoint: Path) -> Optional[str]:
+    """The device mounted on ``mountpoint`` in a /proc/PID/mounts text, else None."""
     target = str(mountpoint)
-    for line in Path("/proc/self/mounts").read_text().splitlines():
+    for line in mounts.splitlines():
         fields = line.split()
         if len(fields) > 2 and fields[1].replace("\\040", " ") == target:
             return fields[0]
     return None
 
 
+def mount_source(mountpoint: Path) -> Optional[str]:
+    """The device mounted on ``mountpoint`` in this mount namespace, else None."""
+    return _source_in(Path("/proc/self/mounts").read_text(), mountpoint)
+
+
 def holders_in_other_namespaces(mountpoint: Path) -> list[int]:
     """One process per mount namespace, other than ours, in which ``mountpoint`` is mounted."""
-    target = str(mountpoint)
     own = os.readlink("/proc/self/ns/mnt")
     seen, pids = {own}, []
     for entry in os.listdir("/proc"):
@@ -41,8 +45,7 @@ def holders_in_other_namespaces(mountpoint: Path) -> list[int]:
         except OSError:  # gone meanwhile, or a kernel thread
             continue
         seen.add(ns)
-        if any(len(f) > 1 and f[1].replace("\\040", " ") == target
-               for f in (line.split() for line in mounts.splitlines())):
+        if _source_in(mounts, mountpoint):
             pids.append(int(entry))
     return pids
 

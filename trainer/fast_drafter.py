@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from trainer import fused_ops as fo
 from trainer.chunked_head import chunked_head_loss, dflash_loss_fn, head_ce
 from trainer.flex_mask import dense_dflash_mask
-from trainer.loss import dpace_weights
+from trainer.loss import decay_weights, dpace_weights
 
 _FLEX = {}
 
@@ -256,7 +256,7 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
         weights = dpace_weights(ce, valid.to(wdt), float(dpace_alpha))
         del ce
     elif position_weights == "decay":
-        weights = torch.exp(-(k_idx - 1).to(wdt) / float(gamma)) * valid.to(wdt)
+        weights = decay_weights(valid.to(wdt), float(gamma))
     else:
         raise ValueError(f"position_weights must be decay or dpace, not {position_weights!r}")
     denom = weights.sum().clamp_min(1e-12)
@@ -313,7 +313,7 @@ def reference_loss(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths,
     pos = anchors[:, :, None] + k_idx
     posc = pos.clamp(max=S - 1)
     valid = (pos < lengths.view(b, 1, 1)) & loss_mask.gather(1, posc.reshape(b, -1)).view(posc.shape).bool() & keep[:, :, None]
-    weights = torch.exp(-(k_idx - 1).to(dtype) / float(gamma)) * valid.to(dtype)
+    weights = decay_weights(valid.to(dtype), float(gamma))
     labels = input_ids.gather(1, posc.reshape(b, -1)).view(posc.shape)
     soft = teacher_final is not None and kl_weight > 0
     from trainer.chunked_head import naive_head_loss

@@ -45,6 +45,7 @@ import measure  # noqa: E402
 import report  # noqa: E402
 import target as target_mod  # noqa: E402
 import variants  # noqa: E402
+from agent.protocol import atomic_write_json  # noqa: E402
 from trainer.flags import EXIT_STOPPED  # noqa: E402
 
 SCALES = {
@@ -230,13 +231,6 @@ def stage_key(s: dict) -> dict:
     return {"corpus_bytes": s["corpus_bytes"], "target": s["target"], "distill": s["distill"], "device": s["device"]}
 
 
-def atomic_json(path: str, doc) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as fh:
-        json.dump(doc, fh, indent=1)
-    os.replace(tmp, path)
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--scale", choices=sorted(SCALES), required=True)
@@ -264,11 +258,10 @@ def main(argv=None) -> int:
         p.error(f"unknown variant(s) {unknown}; known: {', '.join(variants.VARIANTS)}")
     if args.reuse_target and not args.work:
         p.error("--reuse-target needs --work: the directory of the run whose target to reuse")
-    stages_file = os.path.join(os.path.abspath(args.work), "stages.json") if args.work else None
     reused = None
     if args.reuse_target:
         try:
-            with open(stages_file) as fh:
+            with open(os.path.join(args.work, "stages.json")) as fh:
                 reused = json.load(fh)
         except (OSError, ValueError) as exc:
             p.error(f"--reuse-target: no finished target and data in {args.work} ({exc}); run once without it")
@@ -312,8 +305,8 @@ def main(argv=None) -> int:
         log(f"target and data reused from {work}: {results['target']}")
     else:
         make_target_and_data(s, split, tgt_dir, work, device, results, clock, save)
-        atomic_json(os.path.join(work, "stages.json"),
-                    {"key": stage_key(s), "target": results["target"], "data": results["data"]})
+        atomic_write_json(os.path.join(work, "stages.json"),
+                          {"key": stage_key(s), "target": results["target"], "data": results["data"]})
 
     # -- 3 + 4. evaluation setup: the target (fp32), held-out prompts, greedy references
     from trainer.model import Drafter
