@@ -63,7 +63,12 @@ class NodeConfig(BaseModel):
     identity_file: Optional[str] = Field(None, description="private key file")
     known_hosts: Optional[str] = Field(None, description="known_hosts file holding this node's host key")
     transport: str = Field("ssh", pattern="^(ssh|local)$", description="ssh, or local when ctl runs on the node")
-    pct: str = Field("pct", description="pct command on the node")
+    pct: str = Field("pct", description="pct command on the node (its full path, e.g. /usr/sbin/pct, with sudo)")
+    sudo: bool = Field(False, description="run pct through `sudo -n` (an SSH user other than root with a "
+                                          "NOPASSWD sudoers rule for pct)")
+    proxy_jump: Optional[str] = Field(None, description="reach the node through this bastion: [user@]host[:port] "
+                                                        "or a ~/.ssh/config alias; a comma list hops in order "
+                                                        "(like OpenSSH's ProxyJump, which ~/.ssh/config may also set)")
     containers: dict[str, ContainerConfig] = Field(default_factory=dict, description="per-container settings by CT id")
 
     @field_validator("containers")

@@ -200,7 +200,7 @@ def prepared(sim_node, ctl_env, tmp_path_factory):
     from controller import config as cfg
     from controller.container import Container
     from controller.provision import provision_tiny
-    from controller.transport import open_runner
+    from controller.session import open_runner
 
     conf = cfg.load(ctl_env["DFLASH_CTL_CONFIG"])
     name, node = conf.node()

@@ -143,10 +143,10 @@ def test_a_secrets_file_others_can_read_is_refused(tmp_path):
 def test_values_the_trainer_would_refuse_are_not_rendered(tmp_path):
     with pytest.raises(RenderError, match="start decision"):
         render_start_script(base_values(from_scratch=False), container=make_container(tmp_path), bundle="/b",
-                            run_id="r", run_dir="/r")
+                            run_id="r", run_dir="/r", secrets_file="/r/s.env")
     with pytest.raises(RenderError, match="not a valid shell name"):
         render_start_script(base_values(), container=make_container(tmp_path), bundle="/b", run_id="r",
-                            run_dir="/r", env={"BAD NAME": "x"})
+                            run_dir="/r", env={"BAD NAME": "x"}, secrets_file="/r/s.env")
 
 
 def test_operators_example_renders_their_exact_flag_set(tmp_path):

@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from controller import config as cfg
-from controller.bundle import build as build_bundle, ensure_bundle, remote_path, upload_argv
+from controller.agentcall import AgentCaller
+from controller.bundle import build as build_bundle, remote_path, upload_argv
 from controller.container import AgentError, Container, ContainerError
 from controller.pct import container_env, raw_exec_argv
 from controller.ssh import SSHRunner
@@ -361,14 +362,14 @@ def test_bundle_is_uploaded_once_and_importable(ct, runner, scratch, tmp_path):
     bundle = build_bundle(root=tmp_root)
     fresh = Container(runner, ct.node_name, ct.node, ct.ctid)
     fresh.config = ct.config.model_copy(update={"workspace": scratch})
-    path = ensure_bundle(fresh, bundle)
-    assert path == remote_path(fresh, bundle.version) == f"{scratch}/.dflash-ctl/bundles/{bundle.version}"
+    path = AgentCaller(fresh, bundle=bundle).ensure_bundle()
+    assert path == remote_path(scratch, bundle.version) == f"{scratch}/.dflash-ctl/bundles/{bundle.version}"
     assert fresh.read_file(f"{path}/VERSION") == bundle.version.encode() + b"\n"
     out = fresh.exec(["python3", "-c", "import agent, trainer; print(agent.MARK, trainer.MARK)"],
                      env={"PYTHONPATH": path}, check=True).stdout
     assert out == f"{TAG} {TAG}\n"
     stamp = fresh.exec(["stat", "-c", "%Y.%i", path], check=True).stdout
-    assert ensure_bundle(fresh, bundle) == path
+    assert AgentCaller(fresh, bundle=bundle).ensure_bundle() == path
     assert fresh.exec(["stat", "-c", "%Y.%i", path], check=True).stdout == stamp
     assert listing(fresh, f"{scratch}/.dflash-ctl/bundles") == [bundle.version]
 
@@ -399,14 +400,14 @@ def test_agent_call_parses_the_sentinel_payload_through_noise(ct, runner, scratc
     (root / "trainer" / "__init__.py").write_text("")
     fresh = Container(runner, ct.node_name, ct.node, ct.ctid)
     fresh.config = ct.config.model_copy(update={"workspace": scratch})
-    fresh._bundle = ensure_bundle(fresh, build_bundle(root=root))
+    caller = AgentCaller(fresh, bundle=build_bundle(root=root))
     weird = ["it's", "$(id)", "a\nb", ""]
-    reply = fresh.agent_call("status", weird)
+    reply = caller.call("agent", ["status", *weird], check=True)
     assert reply["verb"] == "status" and reply["args"] == weird
     with pytest.raises(AgentError, match="agent fail in container 200 on node sim failed .*run r1 does not exist"):
-        fresh.agent_call("fail")
+        caller.call("agent", ["fail"], check=True)
     with pytest.raises(AgentError, match="(?s)gave no readable reply.*agent exploded"):
-        fresh.agent_call("crash")
+        caller.call("agent", ["crash"], check=True)
 
 
 def test_killed_bundle_upload_never_looks_complete(ct, scratch):
@@ -419,9 +420,10 @@ def test_killed_bundle_upload_never_looks_complete(ct, scratch):
 
 
 def test_this_checkouts_bundle_runs_the_agent_package(ct):
-    path = ct.ensure_bundle()
+    caller = AgentCaller(ct)
+    caller.ensure_bundle()
     out = ct.exec([ct.config.python, "-c", "import agent.protocol as p; print(p.PROTOCOL_VERSION)"],
-                  env=ct.agent_env(path), check=True).stdout
+                  env=caller.env(), check=True).stdout
     from agent.protocol import PROTOCOL_VERSION
 
     assert out.strip() == str(PROTOCOL_VERSION)

@@ -21,10 +21,9 @@ import typer
 
 from controller import envgen_client as eg
 from controller.commands import remote
-from controller.commands.remote import ConfigOpt, NodeOpt, TrustOpt, container_session
+from controller.commands.remote import EXIT_REFUSED, ConfigOpt, NodeOpt, TrustOpt, container_session
 from controller.rollback import pin_known_good, render_diff
 
-EXIT_REFUSED = 3
 
 group = typer.Typer(help="The environment of a container: its variables (no subcommand) and its venv generations.",
                     invoke_without_command=True)
