@@ -160,9 +160,11 @@ def test_memory_model_monotone_and_fits_logic():
 
 # ---------------------------------------------------------------- chunked drafter step
 
-@pytest.mark.parametrize("attn,soft,cap,weights", [("sdpa", False, 0.0, "decay"), ("sdpa", True, 0.2, "decay"),
-                                                    ("sdpa", False, 0.0, "dpace"), ("sdpa", True, 0.2, "dpace")])
-def test_fast_drafter_step_matches_dense_reference(attn, soft, cap, weights):  # flex has no CPU backward
+@pytest.mark.parametrize("attn,soft,cap,weights,window", [
+    ("sdpa", False, 0.0, "decay", None), ("sdpa", True, 0.2, "decay", None), ("sdpa", False, 0.0, "dpace", None),
+    ("sdpa", True, 0.2, "dpace", None),
+    ("sdpa", False, 0.0, "decay", 7), ("sdpa", True, 0.2, "dpace", 7)])  # a sliding layer before a full one
+def test_fast_drafter_step_matches_dense_reference(attn, soft, cap, weights, window):  # flex has no CPU backward
     """The chunked step against the reference step's math, unchunked, in fp64: trainer/
     model.py's Drafter.forward under the dense mask + trainer/loss.py's dflash_loss."""
     from trainer import fast_drafter as fd
@@ -174,7 +176,8 @@ def test_fast_drafter_step_matches_dense_reference(attn, soft, cap, weights):  #
     b, S, N = 2, 22, 5
     cfg = DrafterConfig(hidden_size=H, intermediate_size=I, num_attention_heads=nh, num_key_value_heads=nkv,
                         head_dim=hd, rms_norm_eps=1e-6, rope_theta=1e6, vocab_size=V, num_hidden_layers=nl,
-                        num_target_layers=6, target_layer_ids=list(range(nt)), block_size=B, mask_token_id=V - 1)
+                        num_target_layers=6, target_layer_ids=list(range(nt)), block_size=B, mask_token_id=V - 1,
+                        layer_types=["sliding_attention", "full_attention"] if window else None, sliding_window=window)
     d = Drafter(cfg).double()
     for p in d.parameters():  # non-trivial norm weights too
         p.data.add_(0.1 * torch.randn_like(p))

@@ -41,18 +41,18 @@ from trainer.loss import decay_weights, dflash_loss_fn, dpace_weights
 _MASKS: dict = {}
 
 
-def _chunk_block_mask(a, kp, S_pad: int, B: int):
-    """BlockMask for one chunk. The mask_mod closes over persistent buffers (one set per
-    shape) that are refilled per chunk, so the compiled flex kernel sees the same mask
-    function every time and never recompiles for new anchors."""
+def _chunk_block_mask(a, kp, S_pad: int, B: int, window: int | None = None):
+    """BlockMask for one chunk (full or sliding-window layers). The mask_mod closes over
+    persistent buffers (one set per shape) that are refilled per chunk, so the compiled flex
+    kernel sees the same mask function every time and never recompiles for new anchors."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     n = a.shape[0]
-    key = (n, S_pad, B, a.device)
+    key = (n, S_pad, B, a.device, window)
     if key not in _MASKS:
         a_buf = torch.zeros(1, n, dtype=torch.long, device=a.device)
         k_buf = torch.zeros(1, n, dtype=torch.bool, device=a.device)
-        _MASKS[key] = (a_buf, k_buf, dflash_mask_mod(a_buf, S_pad, B, k_buf))
+        _MASKS[key] = (a_buf, k_buf, dflash_mask_mod(a_buf, S_pad, B, k_buf, window))
     a_buf, k_buf, mod = _MASKS[key]
     a_buf.copy_(a[None])
     k_buf.copy_(kp[None])
@@ -135,18 +135,20 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
         bpos = (a[:, None] + kB).view(-1)
         if S_pad != S:
             kv = [(F.pad(k, (0, 0, 0, S_pad - S)), F.pad(v, (0, 0, 0, S_pad - S))) for k, v in kv]
+        attends = {t: attend_fn(a, kp, c.window_of(t)) for t in set(c.layer_types)}
+        return drafter.block_forward(x, kv, cos[bpos], sin[bpos], attends, dtype).view(n_c, B, -1)[:, 1:]
+
+    def attend_fn(a, kp, window):
+        """attend(q, k, v) under the DFlash mask of one chunk for layers of this window."""
         if attn == "flex":
-            bm = _chunk_block_mask(a, kp, S_pad, B)
+            bm = _chunk_block_mask(a, kp, S_pad, B, window)
+            return lambda q, k, v: flex(q, k, v, block_mask=bm, enable_gqa=k.shape[1] != q.shape[1])
+        m = dense_dflash_mask(a[None], S_pad, B, kp[None], window)[:, None]
 
-            def attend(q, k, v):
-                return flex(q, k, v, block_mask=bm, enable_gqa=k.shape[1] != q.shape[1])
-        else:
-            m = dense_dflash_mask(a[None], S_pad, B, kp[None])[:, None]
-
-            def attend(q, k, v):
-                rep = q.shape[1] // k.shape[1]
-                return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=m)
-        return drafter.block_forward(x, kv, cos[bpos], sin[bpos], attend, dtype).view(n_c, B, -1)[:, 1:]
+        def attend(q, k, v):
+            rep = q.shape[1] // k.shape[1]
+            return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=m)
+        return attend
 
     # 2. weights for every block (global normaliser, fixed before any chunk's backward)
     if position_weights == "dpace":

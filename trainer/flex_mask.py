@@ -12,6 +12,12 @@ Rule (TRAINER_SPEC.md, "Drafter architecture"): a query in block i (anchor a_i) 
 * every position of its own block, both directions;
 * nothing else: no other block, no context at or after its anchor.
 
+A sliding-window layer (``window`` W, the drafter's ``sliding_attention`` layers) narrows
+both parts as SpecForge's DFlash trainer does (specforge/algorithms/common/
+dflash_family_model.py): the query at slot o of a block (position a_i + o) sees context
+kv with a_i + o − (W − 1) ≤ kv < a_i (its own slot counts in the window), and the slots
+0..o of its own block — causal inside the block.
+
 A block whose ``keep`` flag is False (padding: the sequence had fewer valid anchors) sees
 only its own block, so its rows are never fully masked (no NaN path); its loss weight is 0.
 Context padding is handled by the rule itself: padded context positions lie at or after
@@ -44,12 +50,13 @@ __all__ = [
 
 
 def dflash_mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int,
-                    keep: Optional[torch.Tensor] = None):
+                    keep: Optional[torch.Tensor] = None, window: Optional[int] = None):
     """The mask_mod ``(b, h, q, kv) -> bool`` for flex_attention / create_block_mask.
 
     anchors: [batch, n_blocks] long, absolute positions of each block's slot 0.
     ctx_len: length of the (possibly padded) context part of KV.
     keep:    [batch, n_blocks] bool, False for padded blocks (optional).
+    window:  sliding-window size W of the layer (None: full attention).
     """
     anchors = anchors.long()
     if keep is not None:
@@ -64,29 +71,40 @@ def dflash_mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int,
         if keep is not None:
             ctx_ok = ctx_ok & keep[b, blk]
         own = (kv_idx >= S) & ((kv_idx - S) // B == blk)
+        if window is not None:
+            off = q_idx % B
+            ctx_ok = ctx_ok & (kv_idx >= a + off - (window - 1))
+            own = own & ((kv_idx - S) % B <= off)
         return ctx_ok | own
 
     return mask_mod
 
 
 def dense_dflash_mask(anchors: torch.Tensor, ctx_len: int, block_size: int,
-                      keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      keep: Optional[torch.Tensor] = None, window: Optional[int] = None) -> torch.Tensor:
     """The same rule as an explicit boolean tensor [batch, Q, KV] on the anchors' device:
-    query row r belongs to block i = r // B (anchor a_i); context column j is visible iff
-    j < a_i and the block is kept; block column S + c iff c // B == i."""
+    query row r belongs to block i = r // B (anchor a_i) at slot o = r % B; context column
+    j is visible iff j < a_i and the block is kept (and, sliding, j ≥ a_i + o − (W − 1));
+    block column S + c iff c // B == i (and, sliding, c % B ≤ o)."""
     b, n = anchors.shape
     dev = anchors.device
-    q_blk = torch.arange(n * block_size, device=dev) // block_size  # [Q]
+    rows = torch.arange(n * block_size, device=dev)
+    q_blk, q_off = rows // block_size, rows % block_size  # [Q]
     a_q = anchors[:, q_blk]  # [b, Q]
-    ctx_ok = torch.arange(ctx_len, device=dev)[None, None, :] < a_q[:, :, None]
+    col = torch.arange(ctx_len, device=dev)[None, None, :]
+    ctx_ok = col < a_q[:, :, None]
+    if window is not None:
+        ctx_ok = ctx_ok & (col >= (a_q + q_off - (window - 1))[:, :, None])
     if keep is not None:
         ctx_ok = ctx_ok & keep.bool()[:, q_blk][:, :, None]
-    own = (q_blk[:, None] == q_blk[None, :]).expand(b, -1, -1)
-    return torch.cat([ctx_ok, own], dim=2)
+    own = q_blk[:, None] == q_blk[None, :]
+    if window is not None:
+        own = own & (q_off[None, :] <= q_off[:, None])
+    return torch.cat([ctx_ok, own.expand(b, -1, -1)], dim=2)
 
 
 def make_dflash_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int,
-                           keep: Optional[torch.Tensor] = None, *,
+                           keep: Optional[torch.Tensor] = None, *, window: Optional[int] = None,
                            q_block: int = 128, kv_block: int = 128,
                            compile: Optional[bool] = None):
     """A flex_attention ``BlockMask`` for the DFlash layout (heads broadcast).
@@ -102,19 +120,25 @@ def make_dflash_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int,
     device = anchors.device
     if compile is None:
         compile = device.type == "cuda"
-    mod = dflash_mask_mod(anchors, ctx_len, block_size, keep)
+    mod = dflash_mask_mod(anchors, ctx_len, block_size, keep, window)
     return create_block_mask(mod, bsz, None, q_len, kv_len, device=device,
                              BLOCK_SIZE=(q_block, kv_block), _compile=compile)
 
 
 def visible_pairs(anchors: torch.Tensor, ctx_len: int, block_size: int,
-                  keep: Optional[torch.Tensor] = None) -> int:
+                  keep: Optional[torch.Tensor] = None, window: Optional[int] = None) -> int:
     """Number of (query, key) pairs the mask lets through, summed over the batch: the
     attention work a fused kernel must do (FLOP counts use it; per head
     4·head_dim FLOP per pair forward)."""
     a = anchors.long().clamp(max=ctx_len)
-    ctx = a if keep is None else a * keep.long()
-    return int(ctx.sum()) * block_size + anchors.numel() * block_size * block_size
+    if window is None:
+        ctx = a if keep is None else a * keep.long()
+        return int(ctx.sum()) * block_size + anchors.numel() * block_size * block_size
+    off = torch.arange(block_size, device=anchors.device)
+    seen = torch.minimum(a[..., None], (window - 1 - off).clamp(min=0))  # [b, n, B] context keys per query
+    if keep is not None:
+        seen = seen * keep.long()[..., None]
+    return int(seen.sum()) + anchors.numel() * block_size * (block_size + 1) // 2
 
 
 _FLEX: dict = {}

@@ -39,10 +39,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from trainer import family
 from trainer import fused_ops as fo
 from trainer.flex_mask import dense_dflash_mask, flex_attention_fn, make_dflash_block_mask
 
-DEFAULT_MASK_TOKEN_ID = 151669  # Qwen3: a row the embedding has and the tokenizer never emits
+DEFAULT_MASK_TOKEN_ID = family.QWEN3_MASK_TOKEN_ID  # a drafter export that names none (z-lab's Qwen3 ones)
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -69,34 +70,55 @@ class DrafterConfig:
     block_size: int
     mask_token_id: int
     attention_bias: bool = False
+    # per drafter layer "full_attention" or "sliding_attention" (window ``sliding_window``,
+    # flex_mask.py's sliding rule); None = every layer full
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.layer_types is None:
+            self.layer_types = [family.FULL] * self.num_hidden_layers
+        self.layer_types = list(self.layer_types)
+        if family.SLIDING not in self.layer_types:
+            self.sliding_window = None
+
+    def window_of(self, layer_type: str) -> int | None:
+        return self.sliding_window if layer_type == family.SLIDING else None
 
     @classmethod
     def from_target(cls, target: dict, num_draft_layers: int, block_size: int,
-                    mask_token_id: int | None = None, target_layer_ids=None) -> "DrafterConfig":
-        """Width, heads and RoPE θ copied from the target's config.json (dict)."""
-        L = int(target["num_hidden_layers"])
-        vocab = int(target["vocab_size"])
+                    mask_token_id: int | None = None, target_layer_ids=None, *, target_dir: str | None = None,
+                    layer_types: str | None = None, attention: str | None = None,
+                    sliding_window: int = family.SLIDING_WINDOW) -> "DrafterConfig":
+        """The drafter for the target's config.json (dict; either layout of its family,
+        trainer/family.py): hidden and MLP widths, RoPE θ and vocabulary from the language
+        model; attention widths and per-layer types as the family's public drafters build
+        them unless ``attention`` ("Q/KV/D") or ``layer_types`` (full/sliding list) say
+        otherwise; the mask token from the flag, the config or the tokenizer."""
+        text = family.text_config(target)
+        L = int(text["num_hidden_layers"])
         ids = list(target_layer_ids) if target_layer_ids else build_target_layer_ids(L, num_draft_layers)
-        if mask_token_id is None:  # a target may name its reserved id (trainer/tiny.py does)
-            mask_token_id = target.get("mask_token_id")
-        if mask_token_id is None:
-            mask_token_id = DEFAULT_MASK_TOKEN_ID if vocab > DEFAULT_MASK_TOKEN_ID else vocab - 1
+        mask, _ = family.mask_token_id(target, target_dir, mask_token_id)
+        heads, kv_heads, head_dim = family.drafter_attention(target, attention)
+        types = family.drafter_layer_types(target, num_draft_layers, layer_types)
         return cls(
-            hidden_size=int(target["hidden_size"]),
-            intermediate_size=int(target["intermediate_size"]),
-            num_attention_heads=int(target["num_attention_heads"]),
-            num_key_value_heads=int(target.get("num_key_value_heads") or target["num_attention_heads"]),
-            head_dim=int(target.get("head_dim") or target["hidden_size"] // target["num_attention_heads"]),
-            rms_norm_eps=float(target.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta_of(target)),
-            vocab_size=vocab,
+            hidden_size=int(text["hidden_size"]),
+            intermediate_size=int(text["intermediate_size"]),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta_of(text)),
+            vocab_size=int(text["vocab_size"]),
             num_hidden_layers=int(num_draft_layers),
             num_target_layers=L,
             target_layer_ids=ids,
             block_size=int(block_size),
-            mask_token_id=int(mask_token_id),
-            attention_bias=bool(target.get("attention_bias", False)),
+            mask_token_id=int(mask),
+            attention_bias=bool(text.get("attention_bias", False)),
+            layer_types=types,
+            sliding_window=int(sliding_window),
         )
 
     @classmethod
@@ -130,6 +152,11 @@ class DrafterConfig:
             "attention_bias": self.attention_bias,
             "hidden_act": "silu",
             "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            # the per-layer attention of SpecForge's and z-lab's drafter configs (Qwen3Config keys)
+            "layer_types": list(self.layer_types),
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": self.sliding_window is not None,
+            "max_window_layers": self.num_hidden_layers,
             **self.extra,
         }
 
@@ -145,6 +172,8 @@ class DrafterConfig:
             target_layer_ids=list(fl.get("target_layer_ids") or build_target_layer_ids(d["num_target_layers"], d["num_hidden_layers"])),
             block_size=d["block_size"], mask_token_id=fl.get("mask_token_id", DEFAULT_MASK_TOKEN_ID),
             attention_bias=d.get("attention_bias", False),
+            layer_types=d.get("layer_types"),
+            sliding_window=d.get("sliding_window") if d.get("use_sliding_window", d.get("sliding_window") is not None) else None,
         )
 
 
@@ -254,20 +283,22 @@ class MLP(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, c: DrafterConfig):
+    def __init__(self, c: DrafterConfig, layer_type: str = family.FULL):
         super().__init__()
+        self.layer_type = layer_type  # picks the mask: full or sliding-window (flex_mask.py)
         self.self_attn = Attention(c)
         self.mlp = MLP(c)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_q, rope_k, mask, impl):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask, impl)
+    def forward(self, x, ctx, rope_q, rope_k, masks, impl):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, masks[self.layer_type], impl)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def block_forward(self, x, ctx_kv, cos, sin, attend, dtype):
+    def block_forward(self, x, ctx_kv, cos, sin, attends, dtype):
         """The chunked step's layer: x [1, Q, H] → [1, Q, H], the residual add fused with the
-        post-attention norm."""
+        post-attention norm; ``attends[layer type](q, k, v)`` applies the layer's mask."""
+        attend = attends[self.layer_type]
         eps = self.input_layernorm.eps
         h = fo.norm(x, _cast(self.input_layernorm.weight, dtype), eps)
         o = self.self_attn.block_attention(h, ctx_kv, cos, sin, attend, dtype)
@@ -305,7 +336,7 @@ class Drafter(nn.Module):
         n = len(c.target_layer_ids)
         self.fc = nn.Linear(n * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.layers = nn.ModuleList([Layer(c) for _ in range(c.num_hidden_layers)])
+        self.layers = nn.ModuleList([Layer(c, t) for t in c.layer_types])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.apply(self._init)
 
@@ -331,15 +362,16 @@ class Drafter(nn.Module):
         blk_pos = (anchors[:, :, None] + torch.arange(B, device=taps.device)).reshape(b, n * B)
         rope_q = rope_cos_sin(blk_pos, c.head_dim, c.rope_theta)
         rope_k = rope_cos_sin(torch.cat([ctx_pos, blk_pos], dim=1), c.head_dim, c.rope_theta)
-        if attn_impl == "flex":
-            mask = make_dflash_block_mask(anchors, S, B, keep)
-        elif attn_impl == "sdpa":
-            mask = dense_dflash_mask(anchors, S, B, keep).unsqueeze(1)
-        else:
+        if attn_impl not in ("sdpa", "flex"):
             raise ValueError(f"attention implementation {attn_impl!r}: expected 'sdpa' or 'flex'")
+        masks = {}  # one mask per layer type present (full, sliding-window)
+        for t in set(c.layer_types):
+            w = c.window_of(t)
+            masks[t] = (make_dflash_block_mask(anchors, S, B, keep, window=w) if attn_impl == "flex"
+                        else dense_dflash_mask(anchors, S, B, keep, window=w).unsqueeze(1))
         x = block_embeds
         for layer in self.layers:
-            x = layer(x, ctx, rope_q, rope_k, mask, attn_impl)
+            x = layer(x, ctx, rope_q, rope_k, masks, attn_impl)
         return self.norm(x)
 
     # -- the chunked step (trainer/fast_drafter.py): context once, blocks chunk by chunk
@@ -350,11 +382,12 @@ class Drafter(nn.Module):
                       self.hidden_norm.eps)
         return [layer.self_attn.context_kv(ctx, cos, sin, dtype) for layer in self.layers]
 
-    def block_forward(self, x: torch.Tensor, ctx_kv, cos, sin, attend, dtype) -> torch.Tensor:
+    def block_forward(self, x: torch.Tensor, ctx_kv, cos, sin, attends, dtype) -> torch.Tensor:
         """Embedded blocks x [1, Q, H] → final-normed states [1, Q, H]; ctx_kv: per layer the
-        context (k, v) [1, nkv, S, hd]; ``attend(q, k, v)`` applies the DFlash mask."""
+        context (k, v) [1, nkv, S, hd]; ``attends[layer type](q, k, v)`` applies the DFlash
+        mask of that layer type."""
         for layer, kv in zip(self.layers, ctx_kv):
-            x = layer.block_forward(x, kv, cos, sin, attend, dtype)
+            x = layer.block_forward(x, kv, cos, sin, attends, dtype)
         return fo.norm(x, _cast(self.norm.weight, dtype), self.norm.eps)
 
     # -- inference export (z-lab layout)
@@ -405,18 +438,17 @@ class FrozenHead:
 
         from trainer import synthetic
 
-        with open(os.path.join(target_dir, "config.json")) as fh:
-            cfg = json.load(fh)
+        cfg = family.read_config(target_dir)
         marker = synthetic.random_marker(target_dir)
         if marker is not None:  # a synthetic target: the same two seeded tensors as its target ranks make
-            return cls(*synthetic.random_head(cfg, int(marker.get("seed", 0)), device, dtype))
+            return cls(*synthetic.random_head(family.text_config(cfg), int(marker.get("seed", 0)), device, dtype))
         index = os.path.join(target_dir, "model.safetensors.index.json")
         if os.path.exists(index):
             with open(index) as fh:
                 weight_map = json.load(fh)["weight_map"]
         else:
             weight_map = None
-        names = {"embed": "model.embed_tokens.weight", "lm_head": "lm_head.weight"}
+        names = {"embed": family.weight_prefix(cfg) + "embed_tokens.weight", "lm_head": "lm_head.weight"}
         if cfg.get("tie_word_embeddings") or (weight_map is not None and names["lm_head"] not in weight_map):
             names["lm_head"] = names["embed"]
         out = {}

@@ -113,7 +113,9 @@ def mem_peak_mib(device) -> float:
 def drafter_config(args) -> DrafterConfig:
     """The drafter these flags build for the target of --target-model."""
     return DrafterConfig.from_target(read_config(args.target_model), args.num_draft_layers, args.block_size,
-                                     args.mask_token_id, args.target_layer_ids)
+                                     args.mask_token_id, args.target_layer_ids, target_dir=args.target_model,
+                                     layer_types=args.drafter_layer_types, attention=args.drafter_attention,
+                                     sliding_window=args.sliding_window)
 
 
 def build_drafter(args, dcfg: DrafterConfig, target, dev, dtype):
@@ -121,7 +123,8 @@ def build_drafter(args, dcfg: DrafterConfig, target, dev, dtype):
     target's own tensors when colocated, else read from its safetensors) and AdamW with
     weight decay on matrices only."""
     torch.manual_seed(args.seed)
-    drafter = Drafter(dcfg).to(dev)
+    with torch.device(dev):  # made where it trains: a 27B target's drafter is 1.7 B parameters
+        drafter = Drafter(dcfg)
     head = FrozenHead(target.embed, target.lm_head) if target else FrozenHead.from_target_dir(args.target_model, dev, dtype)
     matrices = [p for p in drafter.parameters() if p.dim() >= 2]
     vectors = [p for p in drafter.parameters() if p.dim() < 2]
@@ -219,7 +222,9 @@ def memory_check(args, topo, events: Events) -> int | None:
             print(f"token budget auto: {args.token_budget} (largest multiple of --max-seq-len whose predicted need "
                   f"+ {p['margin_mib'] / 1024:.0f} GiB margin fits every rank's GPU; GPU {topo.gpu} "
                   f"predicted peak {row.get('peak_mib', 0) / 1024:.1f} GiB)", flush=True)
-    for note in p["notes"]:
+    from trainer import family
+
+    for note in p["notes"] + (family.kernel_notes(read_config(args.target_model)) if topo.is_target else []):
         print(f"python -m trainer: note: {note}", flush=True)
     if not refused:
         return None
