@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from trainer import family
 from trainer import fused_ops as fo
+from trainer.fast_target import TargetLayer  # a gated full-attention layer: wqkv holds query | gate per head, k, v
 
 _COMPILE = fo._COMPILE
 
@@ -161,18 +162,6 @@ class DeltaNetLayer:
     wd: torch.Tensor
 
 
-@dataclass
-class GatedAttentionLayer:
-    ln1: torch.Tensor
-    wqkv: torch.Tensor  # [2·q_dim (query | gate per head) + 2·kv_dim, H]
-    qn: torch.Tensor
-    kn: torch.Tensor
-    wo: torch.Tensor
-    ln2: torch.Tensor
-    wgu: torch.Tensor
-    wd: torch.Tensor
-
-
 @dataclass(frozen=True)
 class HybridDims:
     heads: int
@@ -217,7 +206,7 @@ class FastHybridTarget:
         """The token mixer's output [b, L, H] of one layer on normed states h."""
         d = self.dims
         b, L, _ = h.shape
-        if isinstance(w, GatedAttentionLayer):
+        if isinstance(w, TargetLayer):
             q_dim, kv_dim = d.heads * d.head_dim, d.kv_heads * d.head_dim
             qg, k, v = (h @ w.wqkv.t()).split([2 * q_dim, kv_dim, kv_dim], dim=-1)
             q, gate = qg.view(b, L, d.heads, 2 * d.head_dim).chunk(2, dim=-1)
@@ -283,7 +272,7 @@ class FastHybridTarget:
                 else:
                     a = lyr.self_attn
                     wqkv = _fuse((a.q_proj, a.k_proj, a.v_proj), share_weights)
-                    layers.append(GatedAttentionLayer(lyr.input_layernorm.weight, wqkv, a.q_norm.weight, a.k_norm.weight,
+                    layers.append(TargetLayer(lyr.input_layernorm.weight, wqkv, a.q_norm.weight, a.k_norm.weight,
                                                       a.o_proj.weight, lyr.post_attention_layernorm.weight, wgu,
                                                       m.down_proj.weight))
         return cls(dims, hf_model.embed_tokens.weight, layers, layer_ids, hf_model.norm.weight)

@@ -15,6 +15,8 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
+from trainer import family  # standard library only, like this module
+
 # Exit codes are part of the trainer → agent contract (DESIGN.md).
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -153,7 +155,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--target-forward", "choice", "auto", "target forward: hf (transformers, hooks on the tapped layers) or fast (over the same weights: fused GEMMs, cuDNN attention, stops after the last tapped layer; trainer/fast_target.py for Qwen3, trainer/fast_hybrid.py for Qwen3.5/3.6 with flash-linear-attention's Gated DeltaNet kernels); auto = fast on CUDA (for Qwen3.5/3.6 only when flash-linear-attention is importable), hf on CPU", "drafter", choices=("auto", "hf", "fast")),
     Flag("--mask-token-id", "int", None, "id used for the masked block slots (default: the target config's mask_token_id, else the first id past its tokenizer — 151669 for Qwen3, 248070 for Qwen3.5/3.6 — else the family's default when the vocabulary has it, else the last id); checked against the vocabulary", "drafter"),
     Flag("--drafter-layer-types", "str", "auto", "attention of each drafter layer, comma list of full/sliding (e.g. sliding,sliding,sliding,sliding,full); auto = the public drafters of the target's family: all full for Qwen3, sliding-window with the last layer full for Qwen3.5/3.6 (SpecForge's qwen3.6-27b-dflash.json)", "drafter", metavar="auto|LIST"),
-    Flag("--sliding-window", "int", 2048, "window of the drafter's sliding layers: a block slot at position p sees context from p - window + 1 on and the slots before it in its block (SpecForge's sliding DFlash mask)", "drafter"),
+    Flag("--sliding-window", "int", family.SLIDING_WINDOW, "window of the drafter's sliding layers: a block slot at position p sees context from p - window + 1 on and the slots before it in its block (SpecForge's sliding DFlash mask)", "drafter"),
     Flag("--drafter-attention", "str", "auto", "drafter query heads/KV heads/head dim, e.g. 32/8/128; auto = the target's own for Qwen3, 32/8/128 for Qwen3.5/3.6 (the public drafters)", "drafter", metavar="auto|Q/KV/D"),
     # -- objective
     Flag("--gamma", "float", 10.0, "position-decay constant: w_k = exp(-(k-1)/gamma)", "loss"),
@@ -206,8 +208,6 @@ def target_forward_for(values: Mapping[str, Any], cuda: bool, target_config: Map
     For a Qwen3.5/3.6 (hybrid) target the fast forward is proven equal to transformers' with
     flash-linear-attention's kernels only (trainer/fast_hybrid.py), so auto picks it only when
     they are importable (``kernels``, default: here)."""
-    from trainer import family  # standard library only, like this module
-
     forward = values.get("target_forward") or "auto"
     if forward != "auto":
         return forward

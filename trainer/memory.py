@@ -250,14 +250,13 @@ def hybrid_target_peak_bytes(target_config: dict, *, token_budget: int, max_seq_
         gdn = (H + (2 * kd + 2 * vd + 2 * hv) + (2 * kd + vd) + 2 * hv * dk + 2 * 2 * hv
                + hv * (dk + dv) + 2 * hv * 64 + hv * dk * dv // 64 + vd)
         transient = max(transient, gdn)
-    out = {
-        "params": params,
-        "activations": int(COEF.target_act * tokens * 2 * (2 * H + transient)),
-        "tapped": tokens * n_tapped * H * 2 * (1 + send_buffers),
-        "fixed": int(COEF.fixed_bytes),
-    }
-    out["total"] = sum(out.values())
-    out.update({"batch": b, "seq_len": L, "tokens": tokens})
+    # the dense terms for the batch geometry, the taps and the fixed share; weights and
+    # activations are this family's
+    out = target_peak_bytes(ModelShape(n, H, 1, 1, 1, I, V), token_budget=token_budget, max_seq_len=max_seq_len,
+                            n_tapped=n_tapped, max_batch_size=max_batch_size, send_buffers=send_buffers)
+    out["params"] = params
+    out["activations"] = int(COEF.target_act * tokens * 2 * (2 * H + transient))
+    out["total"] = out["params"] + out["activations"] + out["tapped"] + out["fixed"]
     return out
 
 

@@ -53,26 +53,20 @@ def record(out: str, **row) -> None:
 
 
 def timed(fn, warmup: int, iters: int) -> list[float]:
-    import torch
+    """Seconds per call after ``warmup`` calls: CUDA events (bench/gpu/run_all.py's timer),
+    a host clock in a dry run."""
+    if not DRY:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from run_all import timed as cuda_timed
 
+        return cuda_timed(fn, warmup, iters)[1]
     for _ in range(warmup):
         fn()
-    if DRY:
-        times = []
-        for _ in range(iters):
-            t = time.time()
-            fn()
-            times.append(time.time() - t)
-        return times
-    torch.cuda.synchronize()
     times = []
     for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
+        t = time.time()
         fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) / 1000)
+        times.append(time.time() - t)
     return times
 
 

@@ -2,11 +2,13 @@
 # Issue 19 on one H200 (nvidia-h200), one device call: the Qwen3.6-27B hybrid target forward
 # (fast vs transformers), its drafter's step at the operators' flags, and a colocated
 # `python -m trainer` run on the 64-layer synthetic target; outputs packed into one archive.
-#   run from the repository root (a carried copy): bash bench/gpu/hybrid.sh "$OUT"
+#   run from the repository root (a carried copy): bash bench/gpu/hybrid.sh "$OUT" [PHASES]
+#   (PHASES: a subset of "model forward drafter colocated", default all)
 # Needs the wheels of fla-core and flash-linear-attention 0.6.0 in .whl/ (not on the image;
 # /work/.library/device/README.md, Notes, says how to fetch them).
 set -u
 OUT=${1:?output dir}
+PHASES=${2:-"model forward drafter colocated"}
 R=$OUT/hybrid
 mkdir -p "$R"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -17,10 +19,10 @@ export PYTHONPATH=/tmp/site:$PWD
 print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)
 import fla; print('fla', fla.__version__)"; } > "$R/env.txt" 2>&1
 cat "$R/env.txt"
-python3 bench/gpu/hybrid.py model "$R" > "$R/model.log" 2>&1
-timeout 170 python3 bench/gpu/hybrid.py forward "$R" > "$R/forward.log" 2>&1; echo "forward rc $?"
-timeout 140 python3 bench/gpu/hybrid.py drafter "$R" > "$R/drafter.log" 2>&1; echo "drafter rc $?"
-timeout 230 python3 bench/gpu/hybrid.py colocated "$R" > "$R/colocated_phase.log" 2>&1; echo "colocated rc $?"
+declare -A LIMIT=([model]=30 [forward]=200 [drafter]=140 [colocated]=230)
+for phase in $PHASES; do
+  timeout "${LIMIT[$phase]}" python3 bench/gpu/hybrid.py "$phase" "$R" > "$R/$phase.log" 2>&1; echo "$phase rc $?"
+done
 rm -rf "$R/syn" "$R/run/step_"* "$R/fwd-target"
 tar -czf "$OUT/hybrid.tgz" -C "$OUT" hybrid
 rm -rf "$R"
