@@ -29,7 +29,14 @@ def validate(args) -> list[str]:
     cuda = args.device == "cuda" or (args.device == "auto" and _cuda_available())
     # auto paths are fixed here, once, so every later reader (memory check, probe, events) sees one value
     args.drafter_step = flags.drafter_step_for(vars(args), cuda)
-    args.target_forward = flags.target_forward_for(vars(args), cuda)
+    target_cfg = None
+    if args.target_model and os.path.isfile(os.path.join(args.target_model, "config.json")):
+        try:
+            with open(os.path.join(args.target_model, "config.json")) as fh:
+                target_cfg = json.load(fh)
+        except (OSError, ValueError):
+            target_cfg = None  # refused below with the reason
+    args.target_forward = flags.target_forward_for(vars(args), cuda, target_cfg)
     if args.token_budget == "auto":
         # Resolved on the GPUs themselves (train.memory_check), from the memory model of the
         # chunked drafter step. CPU: refused rather than guessed — host RAM is shared with
@@ -58,14 +65,20 @@ def validate(args) -> list[str]:
         return problems
     # -- the start decision's checkpoint must fit this target, block size and (resume) data
     from trainer import checkpoint as ckpt_io
-    from trainer.model import DrafterConfig
-    from trainer.target import read_config, target_identity
+    from trainer import family
+    from trainer.target import target_identity
+    from trainer.train import drafter_config
 
     try:
-        dcfg = DrafterConfig.from_target(read_config(args.target_model), args.num_draft_layers, args.block_size,
-                                         args.mask_token_id, args.target_layer_ids)
-    except (KeyError, ValueError) as exc:
-        return [f"--target-model {args.target_model}: not a Qwen3-family config ({exc})"]
+        why = family.unsupported(family.read_config(args.target_model))
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        why = f"config.json is unreadable ({exc})"
+    if why:
+        return [f"--target-model {args.target_model}: {why}"]
+    try:
+        dcfg = drafter_config(args)
+    except ValueError as exc:  # a drafter flag that does not fit (it names itself), or the target's RoPE
+        return [str(exc) if str(exc).startswith("--") else f"--target-model {args.target_model}: {exc}"]
     L = dcfg.num_target_layers
     if any(not 0 <= i < L for i in dcfg.target_layer_ids):
         problems.append(f"--target-layer-ids {','.join(map(str, dcfg.target_layer_ids))}: the target has layers 0..{L - 1}")
@@ -115,7 +128,7 @@ def validate(args) -> list[str]:
         problems += ckpt_io.compatibility_problems(
             meta, block_size=args.block_size, num_draft_layers=args.num_draft_layers,
             target=target_identity(args.target_model), target_layer_ids=dcfg.target_layer_ids, flag=flag,
-            data_fingerprint=fingerprint)
+            data_fingerprint=fingerprint, drafter=dcfg.to_hf())
     return problems
 
 

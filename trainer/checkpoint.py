@@ -131,11 +131,15 @@ def init_weights(path: str) -> dict:
 
 
 def compatibility_problems(meta: dict, *, block_size: int, num_draft_layers: int, target: dict,
-                           target_layer_ids: list[int], flag: str, data_fingerprint: str | None = None) -> list[str]:
-    """Why a checkpoint cannot start this run (one line each, naming the flag)."""
+                           target_layer_ids: list[int], flag: str, data_fingerprint: str | None = None,
+                           drafter: dict | None = None) -> list[str]:
+    """Why a checkpoint cannot start this run (one line each, naming the flag). ``drafter``:
+    this run's drafter config (DrafterConfig.to_hf), whose attention layout must match."""
     problems = []
     where = meta.get("path", "the checkpoint")
     cfg = meta.get("drafter_config", {})
+    if drafter is not None and cfg.get("num_hidden_layers") == num_draft_layers:
+        problems += _layout_problems(cfg, drafter, flag, where)
     if cfg.get("block_size") != block_size:
         problems.append(f"{flag} {where}: checkpoint block size {cfg.get('block_size')} != --block-size {block_size}; "
                         f"use --block-size {cfg.get('block_size')} or another checkpoint")
@@ -164,3 +168,25 @@ def compatibility_problems(meta: dict, *, block_size: int, num_draft_layers: int
                         f"{str(meta.get('data_fingerprint'))[:12]} vs {data_fingerprint[:12]}); resuming needs the same "
                         "--data-dir to continue its data order — use --init-from to start on new data")
     return problems
+
+
+def _layout_problems(theirs: dict, ours: dict, flag: str, where: str) -> list[str]:
+    """The drafter's per-layer attention and widths: the same parameter shapes could hide
+    another layer layout (a sliding layer trained as full), other widths fail to load."""
+    out = []
+    n = int(theirs.get("num_hidden_layers") or 0)
+    t_types = theirs.get("layer_types") or ["full_attention"] * n  # exports from before layer_types: all full
+    t_window = theirs.get("sliding_window") if "sliding_attention" in t_types else None
+    o_window = ours.get("sliding_window") if "sliding_attention" in ours.get("layer_types", []) else None
+    if list(t_types) != list(ours.get("layer_types", [])) or t_window != o_window:
+        short = ",".join("sliding" if t == "sliding_attention" else "full" for t in t_types)
+        out.append(f"{flag} {where}: checkpoint's drafter layers are {short} (sliding window {t_window}), this run's "
+                   f"{','.join('sliding' if t == 'sliding_attention' else 'full' for t in ours.get('layer_types', []))} "
+                   f"(window {o_window}); use --drafter-layer-types {short}"
+                   + (f" --sliding-window {t_window}" if t_window else ""))
+    widths = ("num_attention_heads", "num_key_value_heads", "head_dim")
+    if any(theirs.get(k) != ours.get(k) for k in widths) and all(theirs.get(k) for k in widths):
+        q, kv, d = (theirs[k] for k in widths)
+        out.append(f"{flag} {where}: checkpoint's drafter attention is {q}/{kv}/{d}, this run's "
+                   f"{'/'.join(str(ours.get(k)) for k in widths)}; use --drafter-attention {q}/{kv}/{d}")
+    return out

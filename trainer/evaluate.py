@@ -7,12 +7,20 @@ is accepted, and the target's token after it becomes the next bonus. τ = mean t
 committed per target forward (the bonus included), so τ ≥ 1 always, and the output equals
 plain greedy decoding token for token.
 
-Simple on purpose: the target recomputes the whole prefix every round (no KV cache). That
-is fine for CPU tests and small held-out sets; it is not a serving benchmark.
+The target keeps a cache of the committed prefix (attention K/V, and for a Qwen3.5/3.6
+target the Gated DeltaNet layers' convolution and recurrent states), so a round costs the
+block, not the prefix. Verification runs on a copy of that cache; when only j < B-1 drafts
+are accepted, the kept cache is advanced by the committed tokens alone. Attention K/V could
+simply be cut back to the accepted length, but a recurrent state has folded every verified
+token in and cannot be: it is rolled back by restarting from the state before the round.
+So every committed token is the target's greedy choice after exactly the committed prefix,
+and the output equals plain greedy decoding token for token (tests: Qwen3 and both Qwen3.5
+layouts). Not a serving benchmark: batch 1, transformers' forward.
 """
 
 from __future__ import annotations
 
+import copy
 from contextlib import nullcontext
 
 import torch
@@ -35,7 +43,7 @@ def speculative(target, drafter, head, prompt: list[int], max_new: int, device="
     mask_id = drafter.config.mask_token_id
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if torch.device(device).type == "cuda" else nullcontext()
     seq = list(prompt)
-    taps, logits = target.forward_logits(torch.tensor([seq], device=device))
+    taps, logits, cache = target.forward_cached(torch.tensor([seq], device=device), None)
     bonus = int(logits[0, -1].argmax())
     out: list[int] = []
     per_forward: list[int] = []
@@ -45,15 +53,20 @@ def speculative(target, drafter, head, prompt: list[int], max_new: int, device="
         anchors = torch.tensor([[n]], device=device)
         keep = torch.ones(1, 1, dtype=torch.bool, device=device)
         with autocast:
-            h = drafter(taps[:, :n], head.embed_blocks(ids, anchors, B, mask_id), anchors, keep)
+            h = drafter(taps, head.embed_blocks(ids, anchors, B, mask_id), anchors, keep)
             draft = F.linear(h[0, 1:], head.lm_head).argmax(-1).tolist()
-        taps, logits = target.forward_logits(torch.tensor([seq + [bonus] + draft], device=device))
-        pred = logits[0, n:n + B].argmax(-1).tolist()  # target's choice for positions n+1 .. n+B
+        before = copy.deepcopy(cache)  # the committed prefix's state, for the roll-back
+        block_taps, logits, cache = target.forward_cached(torch.tensor([[bonus] + draft], device=device), cache)
+        pred = logits[0].argmax(-1).tolist()  # target's choice for positions n+1 .. n+B
         j = 0
         while j < B - 1 and draft[j] == pred[j]:
             j += 1
-        seq += [bonus] + draft[:j]
-        out += [bonus] + draft[:j]
+        committed = [bonus] + draft[:j]
+        if j < B - 1:  # roll back to the accepted prefix: replay the committed tokens on the old state
+            block_taps, _, cache = target.forward_cached(torch.tensor([committed], device=device), before)
+        taps = torch.cat([taps, block_taps[:, :len(committed)]], dim=1)
+        seq += committed
+        out += committed
         bonus = pred[j]
         per_forward.append(j + 1)
     return out[:max_new], per_forward

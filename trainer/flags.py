@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
+from trainer import family  # standard library only, like this module
+
 # Exit codes are part of the trainer → agent contract (DESIGN.md).
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -119,13 +121,13 @@ START_GROUP = "start"
 
 FLAGS: tuple[Flag, ...] = (
     # -- where things are
-    Flag("--target-model", "path", None, "local Hugging Face directory of the frozen Qwen3-family target", "paths", required=True, metavar="DIR"),
+    Flag("--target-model", "path", None, "local Hugging Face directory of the frozen target: Qwen3 (qwen3) or Qwen3.5/3.6 (qwen3_5 vision-language layout, or qwen3_5_text); only the language model is loaded", "paths", required=True, metavar="DIR"),
     Flag("--data-dir", "path", None, "prepared data (shards + meta.json from `python -m trainer prepare`)", "paths", required=True, metavar="DIR"),
     Flag("--output-dir", "path", None, "checkpoints go to OUTPUT/step_N/", "paths", required=True, metavar="DIR"),
     Flag("--run-dir", "path", None, "run directory for events.jsonl and heartbeats (default: $DFLASH_RUN_DIR, else the output dir)", "paths", metavar="DIR"),
     # -- GPU roles
     Flag("--target-gpus", "gpus", None, "GPUs running the frozen target forward (comma list); on CPU the ids name rank slots", "topology", required=True, metavar="IDS"),
-    Flag("--drafter-gpus", "gpus", None, "GPUs training the drafter with DDP; equal to --target-gpus means colocated", "topology", required=True, metavar="IDS"),
+    Flag("--drafter-gpus", "gpus", None, "GPUs training the drafter data-parallel (gradients averaged over them each step); equal to --target-gpus means colocated", "topology", required=True, metavar="IDS"),
     Flag("--device", "choice", "auto", "auto uses CUDA when available, else CPU with gloo", "topology", choices=("auto", "cuda", "cpu")),
     # -- one job across several containers/nodes (trainer/multinode.py; the controller sets these for a job)
     Flag("--nnodes", "int", 1, "containers (torchrun nodes) in this job; more than 1 needs --node-rank, --rdzv-endpoint and --job-layout, and --target-gpus/--drafter-gpus name this container's own GPUs", "job"),
@@ -157,9 +159,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-anchors", "int", 1024, "anchors (blocks) sampled per sequence per step", "drafter"),
     Flag("--num-draft-layers", "int", 5, "decoder layers in the drafter", "drafter"),
     Flag("--target-layer-ids", "layers", None, "tapped target layers (default: evenly spaced, as in the reference drafter)", "drafter", metavar="IDS"),
-    Flag("--drafter-step", "choice", "auto", "drafter forward/backward: reference (whole micro-batch through autograd, per-slot metrics) or chunked (trainer/fast_drafter.py: anchor chunks, bounded activation memory, ~10× less memory per drafted position; with --position-weights dpace it first runs every chunk forward without gradient for the detached weights: extra compute, not yet measured on GPU); auto = chunked on CUDA, reference on CPU", "drafter", choices=("auto", "reference", "chunked")),
-    Flag("--target-forward", "choice", "auto", "target forward: hf (transformers, hooks on the tapped layers) or fast (trainer/fast_target.py over the same weights: fused GEMMs, cuDNN attention, stops after the last tapped layer); auto = fast on CUDA, hf on CPU", "drafter", choices=("auto", "hf", "fast")),
-    Flag("--mask-token-id", "int", None, "id used for the masked block slots (default: 151669 when the vocabulary has it, else the last id)", "drafter"),
+    Flag("--drafter-step", "choice", "auto", "drafter forward/backward (trainer/step.py): reference (model.py + loss.py, the whole micro-batch through autograd) or chunked (trainer/fast_drafter.py: anchor chunks, bounded activation memory, ~10× less memory per drafted position; with --position-weights dpace it first runs every chunk forward without gradient for the detached weights: extra compute, not yet measured on GPU); auto = chunked on CUDA, reference on CPU", "drafter", choices=("auto", "reference", "chunked")),
+    Flag("--target-forward", "choice", "auto", "target forward: hf (transformers, hooks on the tapped layers) or fast (over the same weights: fused GEMMs, cuDNN attention, stops after the last tapped layer; trainer/fast_target.py for Qwen3, trainer/fast_hybrid.py for Qwen3.5/3.6 with flash-linear-attention's Gated DeltaNet kernels); auto = fast on CUDA (for Qwen3.5/3.6 only when flash-linear-attention is importable), hf on CPU", "drafter", choices=("auto", "hf", "fast")),
+    Flag("--mask-token-id", "int", None, "id used for the masked block slots (default: the target config's mask_token_id, else the first id past its tokenizer — 151669 for Qwen3, 248070 for Qwen3.5/3.6 — else the family's default when the vocabulary has it, else the last id); checked against the vocabulary", "drafter"),
+    Flag("--drafter-layer-types", "str", "auto", "attention of each drafter layer, comma list of full/sliding (e.g. sliding,sliding,sliding,sliding,full); auto = the public drafters of the target's family: all full for Qwen3, sliding-window with the last layer full for Qwen3.5/3.6 (SpecForge's qwen3.6-27b-dflash.json)", "drafter", metavar="auto|LIST"),
+    Flag("--sliding-window", "int", family.SLIDING_WINDOW, "window of the drafter's sliding layers: a block slot at position p sees context from p - window + 1 on and the slots before it in its block (SpecForge's sliding DFlash mask)", "drafter"),
+    Flag("--drafter-attention", "str", "auto", "drafter query heads/KV heads/head dim, e.g. 32/8/128; auto = the target's own for Qwen3, 32/8/128 for Qwen3.5/3.6 (the public drafters)", "drafter", metavar="auto|Q/KV/D"),
     # -- objective
     Flag("--gamma", "float", 10.0, "position-decay constant: w_k = exp(-(k-1)/gamma)", "loss"),
     Flag("--position-weights", "choice", "decay", "per-slot loss weights: exponential decay (DFlash) or D-PACE (detached, confidence-based)", "loss", choices=("decay", "dpace")),
@@ -214,6 +219,7 @@ BOUNDS: dict[str, tuple[Any, Any]] = {
     "save_interval": (1, INT_MAX),
     "log_interval": (1, INT_MAX),
     "eval_prompts": (0, 1_000_000),
+    "sliding_window": (1, 1 << 20),
 }
 
 
@@ -268,12 +274,20 @@ def drafter_step_for(values: Mapping[str, Any], cuda: bool) -> str:
     return "chunked" if cuda else "reference"
 
 
-def target_forward_for(values: Mapping[str, Any], cuda: bool) -> str:
-    """--target-forward with auto resolved: the fast forward on CUDA, transformers' on CPU."""
+def target_forward_for(values: Mapping[str, Any], cuda: bool, target_config: Mapping[str, Any] | None = None,
+                       kernels: bool | None = None) -> str:
+    """--target-forward with auto resolved: the fast forward on CUDA, transformers' on CPU.
+    For a Qwen3.5/3.6 (hybrid) target the fast forward is proven equal to transformers' with
+    flash-linear-attention's kernels only (trainer/fast_hybrid.py), so auto picks it only when
+    they are importable (``kernels``, default: here)."""
     forward = values.get("target_forward") or "auto"
     if forward != "auto":
         return forward
-    return "fast" if cuda else "hf"
+    if not cuda:
+        return "hf"
+    if target_config is not None and family.unsupported(dict(target_config)) is None and family.is_hybrid(dict(target_config)):
+        return "fast" if (family.fast_forward_kernels() if kernels is None else kernels) else "hf"
+    return "fast"
 
 
 def start_decision(values: Mapping[str, Any]) -> list[str]:

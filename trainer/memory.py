@@ -187,6 +187,88 @@ def describe(d: dict) -> str:
     return ", ".join(f"{k} {d[k] / GIB:.2f}" for k in keys) + " GiB"
 
 
+# ------------------------------------------------------------------ Qwen3.5/3.6 (hybrid) targets
+# A target of trainer/family.py's qwen3_5 family differs from the dense shape above in its
+# layers (Gated DeltaNet and gated full attention: other parameters and transients) and in
+# its drafter, whose attention widths are not the target's (family.drafter_attention). The
+# terms below are structural counts like the dense ones, not yet fitted to a measurement
+# (docs/benchmarks.md compares them with the H200 run).
+
+
+def drafter_shape(target_config: dict, attention: str | None = None) -> ModelShape:
+    """The drafter's widths as trainer/model.py's DrafterConfig.from_target builds them:
+    the language model's hidden/MLP/vocabulary, the family's drafter attention."""
+    from trainer import family
+
+    text = family.text_config(target_config)
+    heads, kv_heads, head_dim = family.drafter_attention(target_config, attention)
+    return ModelShape(int(text["num_hidden_layers"]), int(text["hidden_size"]), heads, kv_heads, head_dim,
+                      int(text["intermediate_size"]), int(text["vocab_size"]), str(text.get("_name_or_path", "")))
+
+
+def hybrid_layer_params(text: dict, layer_type: str) -> int:
+    """Parameters of one Qwen3.5 decoder layer (norms, conv and gates included)."""
+    H, I = int(text["hidden_size"]), int(text["intermediate_size"])
+    mlp = 3 * H * I + 2 * H
+    if layer_type == "full_attention":
+        hd = int(text.get("head_dim") or H // int(text["num_attention_heads"]))
+        q, kv = int(text["num_attention_heads"]) * hd, int(text["num_key_value_heads"]) * hd
+        return mlp + H * (2 * q + 2 * kv) + q * H + 2 * hd
+    kd = int(text["linear_num_key_heads"]) * int(text["linear_key_head_dim"])
+    hv = int(text["linear_num_value_heads"])
+    vd = hv * int(text["linear_value_head_dim"])
+    conv = (2 * kd + vd) * int(text.get("linear_conv_kernel_dim", 4))
+    return mlp + H * (2 * kd + 2 * vd + 2 * hv) + conv + vd * H + 2 * hv + int(text["linear_value_head_dim"])
+
+
+def hybrid_target_peak_bytes(target_config: dict, *, token_budget: int, max_seq_len: int, n_tapped: int = 5,
+                             max_batch_size: int = 64, soft_labels: bool = False, send_buffers: int = 1,
+                             last_layer: int | None = None) -> dict:
+    """The trainer's target role for a Qwen3.5/3.6 target: bf16 weights of the language
+    model (never the vision tower), and per token the residual stream plus the largest
+    transient of a layer — the MLP's (norm out, gate|up, product) or the Gated DeltaNet's
+    inside the chunk kernel (fused projection, conv output, q/k repeated to the value heads,
+    fp32 gates, the WY factors w/u, the per-chunk states at chunk 64, the output) — and the
+    tapped outputs with their send buffer."""
+    from trainer import family
+
+    text = family.text_config(target_config)
+    types = family.target_layer_types(text)
+    n = len(types) if last_layer is None else last_layer + 1
+    b, L = worst_case_batch(token_budget, max_seq_len, max_batch_size)
+    tokens = b * L
+    H, I, V = int(text["hidden_size"]), int(text["intermediate_size"]), int(text["vocab_size"])
+    params = 2 * (sum(hybrid_layer_params(text, t) for t in types[:n]) + V * H + H)
+    if soft_labels:
+        params += 2 * V * H
+    transient = H + 3 * I
+    if "linear_attention" in types[:n]:
+        kd = int(text["linear_num_key_heads"]) * int(text["linear_key_head_dim"])
+        hv, dk, dv = (int(text["linear_num_value_heads"]), int(text["linear_key_head_dim"]),
+                      int(text["linear_value_head_dim"]))
+        vd = hv * dv
+        gdn = (H + (2 * kd + 2 * vd + 2 * hv) + (2 * kd + vd) + 2 * hv * dk + 2 * 2 * hv
+               + hv * (dk + dv) + 2 * hv * 64 + hv * dk * dv // 64 + vd)
+        transient = max(transient, gdn)
+    # the dense terms for the batch geometry, the taps and the fixed share; weights and
+    # activations are this family's
+    out = target_peak_bytes(ModelShape(n, H, 1, 1, 1, I, V), token_budget=token_budget, max_seq_len=max_seq_len,
+                            n_tapped=n_tapped, max_batch_size=max_batch_size, send_buffers=send_buffers)
+    out["params"] = params
+    out["activations"] = int(COEF.target_act * tokens * 2 * (2 * H + transient))
+    out["total"] = out["params"] + out["activations"] + out["tapped"] + out["fixed"]
+    return out
+
+
+def target_peak_for(target_config: dict, shape: ModelShape, **kw) -> dict:
+    """The target role's terms for this config.json: the dense model or the hybrid one."""
+    from trainer import family
+
+    if family.unsupported(target_config) is None and family.is_hybrid(target_config):
+        return hybrid_target_peak_bytes(target_config, **kw)
+    return target_peak_bytes(shape, **kw)
+
+
 if __name__ == "__main__":  # pragma: no cover
     for shape in (QWEN3_8B, QWEN3_27B_LIKE):
         d = drafter_peak_bytes(shape, n_layers=5, block_size=32, max_anchors=1024, max_seq_len=8192,

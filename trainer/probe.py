@@ -24,7 +24,7 @@ import math
 import sys
 import time
 
-from trainer import flags
+from trainer import family, flags
 from trainer import memory as mm
 from trainer.flops import QWEN3_8B, QWEN3_27B_LIKE, ModelShape
 
@@ -153,7 +153,8 @@ def run_peaks(values, target_config=None, token_budget: int | None = None) -> di
     model describes the chunked step, so for the reference step (≈ 2 MB per drafted
     position measured, ~10× the chunked step) the number is a lower bound only."""
     cfg = _cfg_of(values, target_config)
-    shape = ModelShape.from_hf_config(cfg)
+    shape = ModelShape.from_hf_config(family.text_config(cfg))
+    dshape = mm.drafter_shape(cfg, values.get("drafter_attention"))  # Qwen3.5/3.6: not the target's widths
     budget = int(values["token_budget"] if token_budget is None else token_budget)
     L, block = int(values["max_seq_len"]), int(values["block_size"])
     n_draft = int(values["num_draft_layers"])
@@ -164,7 +165,7 @@ def run_peaks(values, target_config=None, token_budget: int | None = None) -> di
     colocated = set(roles_by_gpu(values).values()) == {"colocated"}
     chunked = flags.drafter_step_for(values, cuda=True) == "chunked"  # a memory plan is for GPUs
     tied = bool(cfg.get("tie_word_embeddings", False))
-    d = mm.drafter_peak_bytes(shape, n_layers=n_draft, n_tapped=n_tapped, block_size=block,
+    d = mm.drafter_peak_bytes(dshape, n_layers=n_draft, n_tapped=n_tapped, block_size=block,
                               max_anchors=int(values["max_anchors"]), max_seq_len=L, token_budget=budget,
                               max_batch_size=int(values["max_batch_size"]),
                               chunk_positions=TRAINER_CHUNK_ANCHORS * block, soft_labels=soft,
@@ -174,7 +175,7 @@ def run_peaks(values, target_config=None, token_budget: int | None = None) -> di
     teacher = tokens * shape.hidden * 2 if soft else 0  # the target's final hidden state, bf16
     d_total = d["total"] + teacher
     # the HF CausalLM loads its LM head whatever the loss (soft_labels=True counts it)
-    t = mm.target_peak_bytes(shape, token_budget=budget, max_seq_len=L, last_layer=shape.n_layers - 1,
+    t = mm.target_peak_for(cfg, shape, token_budget=budget, max_seq_len=L, last_layer=shape.n_layers - 1,
                              n_tapped=n_tapped, max_batch_size=int(values["max_batch_size"]),
                              soft_labels=not tied, send_buffers=1)  # hook outputs + their concatenation
     t_total = t["total"] + teacher
@@ -296,6 +297,7 @@ def run_worst_case(role: str, shape: ModelShape, *, gpu: int, block_size: int, m
 
     from trainer import fast_drafter as fd
     from trainer.fast_target import FastTarget
+    from trainer.model import Drafter, DrafterConfig
 
     dev = torch.device("cuda", gpu)
     torch.cuda.set_device(dev)
@@ -313,8 +315,7 @@ def run_worst_case(role: str, shape: ModelShape, *, gpu: int, block_size: int, m
                 out, _ = ft.forward(ids)
                 del out
         else:
-            d = fd.MiniDrafter(shape.hidden, shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.intermediate,
-                               num_draft_layers, num_draft_layers, block_size=block_size, device=dev)
+            d = Drafter(DrafterConfig.for_shape(shape, num_draft_layers, block_size)).to(dev)
             embed = torch.randn(shape.vocab, shape.hidden, device=dev, dtype=torch.bfloat16) * 0.02
             head = torch.randn(shape.vocab, shape.hidden, device=dev, dtype=torch.bfloat16) * 0.02
             opt = torch.optim.AdamW(d.parameters(), lr=1e-4, fused=True)
