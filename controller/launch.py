@@ -194,6 +194,17 @@ class Launcher:
         and of every container of a job."""
         lines, findings = self.report(pf)
         refusals = list(pf.get("errors") or [])
+        target_cfg = (pf.get("model") or {}).get("config")
+        if target_cfg:
+            from trainer import family
+
+            why = family.unsupported(target_cfg)
+            if why:
+                refusals.append(f"--target-model {self.values['target_model']}: {why}")
+            elif pf.get("device") == "cuda":
+                packages = {n.lower().replace("_", "-") for n in ((pf.get("fingerprint") or {}).get("packages") or {})}
+                lines += [f"kernels  {note}" for note in
+                          family.kernel_notes(target_cfg, kernels_present="flash-linear-attention" in packages)]
         if pf.get("gpu_shortfall"):
             from controller.gpucheck import shortfall_line
 

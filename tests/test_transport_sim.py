@@ -6,6 +6,7 @@ operator's view matters (exit codes, one-line errors)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -243,7 +244,7 @@ def test_bad_config_is_one_line_not_a_traceback(tmp_path):
 # --- host keys, through the CLI --------------------------------------------------------------
 
 def config_with_known_hosts(tmp_path: Path, node, known: Path) -> Path:
-    conf = cfg.Config(nodes={"sim": node[1].model_copy(update={"known_hosts": str(known)})})
+    conf = cfg.Config(nodes={"sim": dataclasses.replace(node[1], known_hosts=str(known))})
     return cfg.save(conf, tmp_path / "config.toml")
 
 
@@ -361,7 +362,7 @@ def test_bundle_is_uploaded_once_and_importable(ct, runner, scratch, tmp_path):
         (tmp_root / pkg / "__init__.py").write_text(f"MARK = {TAG!r}\n")
     bundle = build_bundle(root=tmp_root)
     fresh = Container(runner, ct.node_name, ct.node, ct.ctid)
-    fresh.config = ct.config.model_copy(update={"workspace": scratch})
+    fresh.config = dataclasses.replace(ct.config, workspace=scratch)
     path = AgentCaller(fresh, bundle=bundle).ensure_bundle()
     assert path == remote_path(scratch, bundle.version) == f"{scratch}/.dflash-ctl/bundles/{bundle.version}"
     assert fresh.read_file(f"{path}/VERSION") == bundle.version.encode() + b"\n"
@@ -399,7 +400,7 @@ def test_agent_call_parses_the_sentinel_payload_through_noise(ct, runner, scratc
     (root / "agent" / "protocol.py").write_bytes((REPO / "agent" / "protocol.py").read_bytes())
     (root / "trainer" / "__init__.py").write_text("")
     fresh = Container(runner, ct.node_name, ct.node, ct.ctid)
-    fresh.config = ct.config.model_copy(update={"workspace": scratch})
+    fresh.config = dataclasses.replace(ct.config, workspace=scratch)
     caller = AgentCaller(fresh, bundle=build_bundle(root=root))
     weird = ["it's", "$(id)", "a\nb", ""]
     reply = caller.call("agent", ["status", *weird], check=True)
@@ -437,7 +438,7 @@ def test_hostile_start_script_uploaded_and_run_in_the_container_interprets_nothi
     fake_python = ("#!/usr/bin/python3\nimport json, os, sys\n"
                    "open(os.path.join(os.getcwd(), 'dump.json'), 'w').write("
                    "json.dumps({'argv': sys.argv[1:], 'env': dict(os.environ)}))\n")
-    container = ct.config.model_copy(update={"venv": f"{scratch}/venv"})
+    container = dataclasses.replace(ct.config, venv=f"{scratch}/venv")
     ct.exec(["mkdir", "-p", f"{scratch}/venv/bin"], check=True)
     ct.write_file(f"{scratch}/venv/bin/python3", fake_python, mode=0o755)
     run_dir = f"{scratch}/run 'x' $(touch {pwned})"
