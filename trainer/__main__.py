@@ -58,12 +58,11 @@ def validate(args) -> list[str]:
         return problems
     # -- the start decision's checkpoint must fit this target, block size and (resume) data
     from trainer import checkpoint as ckpt_io
-    from trainer.model import DrafterConfig
-    from trainer.target import read_config, target_identity
+    from trainer.target import target_identity
+    from trainer.train import drafter_config
 
     try:
-        dcfg = DrafterConfig.from_target(read_config(args.target_model), args.num_draft_layers, args.block_size,
-                                         args.mask_token_id, args.target_layer_ids)
+        dcfg = drafter_config(args)
     except (KeyError, ValueError) as exc:
         return [f"--target-model {args.target_model}: not a Qwen3-family config ({exc})"]
     L = dcfg.num_target_layers

@@ -117,7 +117,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--run-dir", "path", None, "run directory for events.jsonl and heartbeats (default: $DFLASH_RUN_DIR, else the output dir)", "paths", metavar="DIR"),
     # -- GPU roles
     Flag("--target-gpus", "gpus", None, "GPUs running the frozen target forward (comma list); on CPU the ids name rank slots", "topology", required=True, metavar="IDS"),
-    Flag("--drafter-gpus", "gpus", None, "GPUs training the drafter with DDP; equal to --target-gpus means colocated", "topology", required=True, metavar="IDS"),
+    Flag("--drafter-gpus", "gpus", None, "GPUs training the drafter data-parallel (gradients averaged over them each step); equal to --target-gpus means colocated", "topology", required=True, metavar="IDS"),
     Flag("--device", "choice", "auto", "auto uses CUDA when available, else CPU with gloo", "topology", choices=("auto", "cuda", "cpu")),
     # -- one job across several containers/nodes (trainer/multinode.py; the controller sets these for a job)
     Flag("--nnodes", "int", 1, "containers (torchrun nodes) in this job; more than 1 needs --node-rank, --rdzv-endpoint and --job-layout, and --target-gpus/--drafter-gpus name this container's own GPUs", "job"),
@@ -149,7 +149,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-anchors", "int", 1024, "anchors (blocks) sampled per sequence per step", "drafter"),
     Flag("--num-draft-layers", "int", 5, "decoder layers in the drafter", "drafter"),
     Flag("--target-layer-ids", "layers", None, "tapped target layers (default: evenly spaced, as in the reference drafter)", "drafter", metavar="IDS"),
-    Flag("--drafter-step", "choice", "auto", "drafter forward/backward: reference (whole micro-batch through autograd, per-slot metrics) or chunked (trainer/fast_drafter.py: anchor chunks, bounded activation memory, ~10× less memory per drafted position; with --position-weights dpace it first runs every chunk forward without gradient for the detached weights: extra compute, not yet measured on GPU); auto = chunked on CUDA, reference on CPU", "drafter", choices=("auto", "reference", "chunked")),
+    Flag("--drafter-step", "choice", "auto", "drafter forward/backward (trainer/step.py): reference (model.py + loss.py, the whole micro-batch through autograd) or chunked (trainer/fast_drafter.py: anchor chunks, bounded activation memory, ~10× less memory per drafted position; with --position-weights dpace it first runs every chunk forward without gradient for the detached weights: extra compute, not yet measured on GPU); auto = chunked on CUDA, reference on CPU", "drafter", choices=("auto", "reference", "chunked")),
     Flag("--target-forward", "choice", "auto", "target forward: hf (transformers, hooks on the tapped layers) or fast (trainer/fast_target.py over the same weights: fused GEMMs, cuDNN attention, stops after the last tapped layer); auto = fast on CUDA, hf on CPU", "drafter", choices=("auto", "hf", "fast")),
     Flag("--mask-token-id", "int", None, "id used for the masked block slots (default: 151669 when the vocabulary has it, else the last id)", "drafter"),
     # -- objective

@@ -1,4 +1,4 @@
-"""Block-sparse attention mask for the DFlash drafter, for ``flex_attention``.
+"""The DFlash drafter's attention mask, written once, in the forms both steps use.
 
 Layout (per sequence of the batch, shared by every head):
 
@@ -17,9 +17,15 @@ only its own block, so its rows are never fully masked (no NaN path); its loss w
 Context padding is handled by the rule itself: padded context positions lie at or after
 the sequence's length, and every real anchor is below it.
 
-Works on CPU (eager flex_attention, small sizes, for tests) and on CUDA (compiled
-flex_attention, block-sparse: tiles with no visible pair are skipped, so the cost follows
-the visible area — roughly Σ a_i·B for the context plus B² per block — not Q × KV).
+Forms: :func:`dflash_mask_mod` (flex_attention's mask_mod: the reference step's block mask
+and each chunk's mask in the chunked step), :func:`dense_dflash_mask` (an explicit boolean
+tensor for SDPA: CPU runs and tests, where flex_attention has no backward), and
+:func:`visible_pairs` (the work a block-sparse kernel does, for FLOP counts). The tests
+check the mask_mod and the dense tensor against each other and against the rule pair by pair.
+
+On CUDA flex_attention is compiled (block-sparse: tiles with no visible pair are skipped, so
+the cost follows the visible area — roughly Σ a_i·B for the context plus B² per block — not
+Q × KV); on CPU it runs eagerly, forward only.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ __all__ = [
     "dense_dflash_mask",
     "make_dflash_block_mask",
     "visible_pairs",
+    "flex_attention_fn",
 ]
 
 
@@ -64,20 +71,18 @@ def dflash_mask_mod(anchors: torch.Tensor, ctx_len: int, block_size: int,
 
 def dense_dflash_mask(anchors: torch.Tensor, ctx_len: int, block_size: int,
                       keep: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The same rule as an explicit boolean tensor [batch, Q, KV], written independently
-    (loops over blocks), for tests and for small CPU runs with a plain SDPA mask."""
-    bsz, n = anchors.shape
-    B = int(block_size)
-    q_len, kv_len = n * B, ctx_len + n * B
-    out = torch.zeros(bsz, q_len, kv_len, dtype=torch.bool)
-    for b in range(bsz):
-        for i in range(n):
-            rows = slice(i * B, (i + 1) * B)
-            if keep is None or bool(keep[b, i]):
-                a = int(anchors[b, i])
-                out[b, rows, : min(a, ctx_len)] = True
-            out[b, rows, ctx_len + i * B: ctx_len + (i + 1) * B] = True
-    return out
+    """The same rule as an explicit boolean tensor [batch, Q, KV] on the anchors' device:
+    query row r belongs to block i = r // B (anchor a_i); context column j is visible iff
+    j < a_i and the block is kept; block column S + c iff c // B == i."""
+    b, n = anchors.shape
+    dev = anchors.device
+    q_blk = torch.arange(n * block_size, device=dev) // block_size  # [Q]
+    a_q = anchors[:, q_blk]  # [b, Q]
+    ctx_ok = torch.arange(ctx_len, device=dev)[None, None, :] < a_q[:, :, None]
+    if keep is not None:
+        ctx_ok = ctx_ok & keep.bool()[:, q_blk][:, :, None]
+    own = (q_blk[:, None] == q_blk[None, :]).expand(b, -1, -1)
+    return torch.cat([ctx_ok, own], dim=2)
 
 
 def make_dflash_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int,
@@ -110,3 +115,18 @@ def visible_pairs(anchors: torch.Tensor, ctx_len: int, block_size: int,
     a = anchors.long().clamp(max=ctx_len)
     ctx = a if keep is None else a * keep.long()
     return int(ctx.sum()) * block_size + anchors.numel() * block_size * block_size
+
+
+_FLEX: dict = {}
+
+
+def flex_attention_fn(device_type: str, dynamic: bool = False):
+    """flex_attention for tensors on ``device_type``: compiled once per ``dynamic`` on CUDA
+    (the fused block-sparse kernel; eager flex_attention materialises the scores), eager on
+    CPU (tests, forward only)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    compiled = device_type == "cuda"
+    if (compiled, dynamic) not in _FLEX:
+        _FLEX[compiled, dynamic] = torch.compile(flex_attention, dynamic=dynamic) if compiled else flex_attention
+    return _FLEX[compiled, dynamic]

@@ -16,9 +16,16 @@ are used frozen and live outside this module (:class:`FrozenHead`), so they are 
 the optimizer nor in checkpoints. Parameter names follow z-lab's ``DFlashDraftModel``, so an
 exported ``drafter/`` directory loads in their inference code.
 
-Attention is pluggable: ``"sdpa"`` builds the explicit boolean mask (reference; CPU and
-tests), ``"flex"`` builds a flex_attention block mask (CUDA; the mask is never
-materialised and fully masked tiles are skipped).
+Two forward paths over the same parameters, one per drafter step (trainer/step.py):
+
+* :meth:`Drafter.forward`, the reference: the whole micro-batch as ``nn.Module`` calls
+  under the DFlash mask (flex_mask.py), ``"sdpa"`` with the explicit boolean mask (CPU and
+  tests) or ``"flex"`` with a flex_attention block mask (CUDA; never materialised, fully
+  masked tiles skipped);
+* :meth:`Drafter.context_kv` + :meth:`Drafter.block_forward`, the chunked step's pieces
+  (trainer/fast_drafter.py): the context path once, then blocks chunk by chunk through
+  fused q|k|v and gate|up GEMMs and the fused elementwise ops of fused_ops.py, with the
+  weights cast to the compute dtype per call (the fp32 master weights stay the parameters).
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from trainer import fused_ops as fo
+from trainer.flex_mask import dense_dflash_mask, flex_attention_fn, make_dflash_block_mask
 
 DEFAULT_MASK_TOKEN_ID = 151669  # Qwen3: a row the embedding has and the tokenizer never emits
 
@@ -88,6 +98,18 @@ class DrafterConfig:
             mask_token_id=int(mask_token_id),
             attention_bias=bool(target.get("attention_bias", False)),
         )
+
+    @classmethod
+    def for_shape(cls, shape, num_draft_layers: int, block_size: int, n_tapped: int | None = None,
+                  rope_theta: float = 1e6) -> "DrafterConfig":
+        """A drafter of a benchmark shape (trainer/flops.py ``ModelShape``) without a target
+        directory: the probe's measured run and bench/gpu."""
+        n_tapped = num_draft_layers if n_tapped is None else n_tapped
+        return cls(hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_attention_heads=shape.n_heads,
+                   num_key_value_heads=shape.n_kv_heads, head_dim=shape.head_dim, rms_norm_eps=1e-6,
+                   rope_theta=float(rope_theta), vocab_size=shape.vocab, num_hidden_layers=num_draft_layers,
+                   num_target_layers=shape.n_layers, target_layer_ids=build_target_layer_ids(shape.n_layers, n_tapped),
+                   block_size=block_size, mask_token_id=shape.vocab - 1)
 
     def to_hf(self) -> dict:
         """config.json in the layout of z-lab's released drafters (Qwen3 config + dflash_config)."""
@@ -189,13 +211,35 @@ class Attention(nn.Module):
         v = self.v_proj(kv_in).view(b, kv_in.shape[1], -1, hd).transpose(1, 2)
         q, k = apply_rope(q, *rope_q), apply_rope(k, *rope_k)
         if impl == "flex":
-            out = _flex_attention()(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+            out = flex_attention_fn(q.device.type, dynamic=True)(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
         else:
             rep = q.shape[1] // k.shape[1]
             if rep > 1:  # GQA by repetition: plain SDPA everywhere (enable_gqa is newer than some torch builds)
                 k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
+
+    # -- the chunked step's pieces: fused GEMMs, weights cast to ``dtype`` per call
+    def context_kv(self, ctx, cos, sin, dtype):
+        """k, v [b, nkv, S, hd] of the context states ctx [b, S, H] (k-norm + RoPE at the
+        positions of cos/sin)."""
+        c = self.c
+        w, bias = _fused((self.k_proj, self.v_proj), dtype)
+        return fo.kv_prep(_mm(ctx, w, bias), _cast(self.k_norm.weight, dtype), cos, sin,
+                          c.num_key_value_heads, c.head_dim, c.rms_norm_eps)
+
+    def block_attention(self, h, ctx_kv, cos, sin, attend, dtype):
+        """Attention output [1, Q, H] of normed block states h [1, Q, H]: q from the block,
+        k/v = [context k/v | block k/v]; ``attend(q, k, v)`` applies the DFlash mask."""
+        c = self.c
+        Q = h.shape[1]
+        w, bias = _fused((self.q_proj, self.k_proj, self.v_proj), dtype)
+        q, k, v = fo.qkv_prep(_mm(h, w, bias), _cast(self.q_norm.weight, dtype), _cast(self.k_norm.weight, dtype),
+                              cos, sin, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps)
+        kc, vc = ctx_kv
+        o = attend(q, torch.cat([kc.to(dtype), k], dim=2), torch.cat([vc.to(dtype), v], dim=2))
+        wo, bo = _fused((self.o_proj,), dtype)
+        return _mm(o.transpose(1, 2).reshape(1, Q, -1), wo, bo)
 
 
 class MLP(nn.Module):
@@ -221,55 +265,34 @@ class Layer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask, impl)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-
-# --------------------------------------------------------------------------- masks
-
-
-def dense_block_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
-    """Boolean [b, 1, N·B, S + N·B]: True where a query may attend.
-
-    Query row r belongs to block i = r // B (anchor a_i). Context column j is visible iff
-    j < a_i and the block is kept; block column S + c is visible iff c // B == i. A padded
-    block (keep False) sees only itself, so no row is fully masked (SDPA would give NaN).
-    """
-    b, n = anchors.shape
-    dev = anchors.device
-    q_blk = torch.arange(n * block_size, device=dev) // block_size  # [Q]
-    a_q = anchors[:, q_blk]  # [b, Q]
-    keep_q = keep[:, q_blk]
-    ctx_ok = (torch.arange(ctx_len, device=dev)[None, None, :] < a_q[:, :, None]) & keep_q[:, :, None]
-    own = (q_blk[:, None] == q_blk[None, :]).expand(b, -1, -1)
-    return torch.cat([ctx_ok, own], dim=2).unsqueeze(1)
+    def block_forward(self, x, ctx_kv, cos, sin, attend, dtype):
+        """The chunked step's layer: x [1, Q, H] → [1, Q, H], the residual add fused with the
+        post-attention norm."""
+        eps = self.input_layernorm.eps
+        h = fo.norm(x, _cast(self.input_layernorm.weight, dtype), eps)
+        o = self.self_attn.block_attention(h, ctx_kv, cos, sin, attend, dtype)
+        x, h = fo.add_norm(x, o, _cast(self.post_attention_layernorm.weight, dtype), eps)
+        m = self.mlp
+        wgu = torch.cat([_cast(m.gate_proj.weight, dtype), _cast(m.up_proj.weight, dtype)])
+        return x + fo.silu_mul(h @ wgu.t()) @ _cast(m.down_proj.weight, dtype).t()
 
 
-def flex_block_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int):
-    """The same rule as :func:`dense_block_mask` as a flex_attention BlockMask (never dense)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    B, S = block_size, ctx_len
-
-    def mask_mod(bi, h, q_idx, kv_idx):
-        blk = q_idx // B
-        ctx_ok = (kv_idx < S) & (kv_idx < anchors[bi, blk]) & keep[bi, blk]
-        own = (kv_idx >= S) & ((kv_idx - S) // B == blk)
-        return ctx_ok | own
-
-    b, n = anchors.shape
-    return create_block_mask(mask_mod, b, None, n * B, S + n * B, device=anchors.device,
-                             _compile=anchors.device.type == "cuda")
+def _cast(p: torch.Tensor, dtype) -> torch.Tensor:
+    return p if p.dtype == dtype else p.to(dtype)
 
 
-_FLEX = None
+def _fused(linears, dtype):
+    """The weights of ``linears`` stacked along their outputs (one GEMM), and their biases
+    (None when the layers have none), in ``dtype``."""
+    w = torch.cat([_cast(m.weight, dtype) for m in linears]) if len(linears) > 1 else _cast(linears[0].weight, dtype)
+    if linears[0].bias is None:
+        return w, None
+    return w, torch.cat([_cast(m.bias, dtype) for m in linears])
 
 
-def _flex_attention():
-    # Compiled once on CUDA (the fused block-sparse kernel); eager elsewhere (tests only).
-    global _FLEX
-    if _FLEX is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _FLEX = torch.compile(flex_attention, dynamic=True) if torch.cuda.is_available() else flex_attention
-    return _FLEX
+def _mm(x, w, bias):
+    y = x @ w.t()
+    return y if bias is None else y + bias
 
 
 # --------------------------------------------------------------------------- the drafter
@@ -309,15 +332,30 @@ class Drafter(nn.Module):
         rope_q = rope_cos_sin(blk_pos, c.head_dim, c.rope_theta)
         rope_k = rope_cos_sin(torch.cat([ctx_pos, blk_pos], dim=1), c.head_dim, c.rope_theta)
         if attn_impl == "flex":
-            mask = flex_block_mask(anchors, keep, S, B)
+            mask = make_dflash_block_mask(anchors, S, B, keep)
         elif attn_impl == "sdpa":
-            mask = dense_block_mask(anchors, keep, S, B)
+            mask = dense_dflash_mask(anchors, S, B, keep).unsqueeze(1)
         else:
             raise ValueError(f"attention implementation {attn_impl!r}: expected 'sdpa' or 'flex'")
         x = block_embeds
         for layer in self.layers:
             x = layer(x, ctx, rope_q, rope_k, mask, attn_impl)
         return self.norm(x)
+
+    # -- the chunked step (trainer/fast_drafter.py): context once, blocks chunk by chunk
+    def context_kv(self, taps: torch.Tensor, cos, sin, dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The context path with autograd: ctx = hidden_norm(fc(taps)), then per layer the
+        context (k, v) [b, nkv, S, hd] in ``dtype``."""
+        ctx = fo.norm(taps.to(dtype) @ _cast(self.fc.weight, dtype).t(), _cast(self.hidden_norm.weight, dtype),
+                      self.hidden_norm.eps)
+        return [layer.self_attn.context_kv(ctx, cos, sin, dtype) for layer in self.layers]
+
+    def block_forward(self, x: torch.Tensor, ctx_kv, cos, sin, attend, dtype) -> torch.Tensor:
+        """Embedded blocks x [1, Q, H] → final-normed states [1, Q, H]; ctx_kv: per layer the
+        context (k, v) [1, nkv, S, hd]; ``attend(q, k, v)`` applies the DFlash mask."""
+        for layer, kv in zip(self.layers, ctx_kv):
+            x = layer.block_forward(x, kv, cos, sin, attend, dtype)
+        return fo.norm(x, _cast(self.norm.weight, dtype), self.norm.eps)
 
     # -- inference export (z-lab layout)
     def save_pretrained(self, directory: str) -> None:

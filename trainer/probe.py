@@ -296,6 +296,7 @@ def run_worst_case(role: str, shape: ModelShape, *, gpu: int, block_size: int, m
 
     from trainer import fast_drafter as fd
     from trainer.fast_target import FastTarget
+    from trainer.model import Drafter, DrafterConfig
 
     dev = torch.device("cuda", gpu)
     torch.cuda.set_device(dev)
@@ -313,8 +314,7 @@ def run_worst_case(role: str, shape: ModelShape, *, gpu: int, block_size: int, m
                 out, _ = ft.forward(ids)
                 del out
         else:
-            d = fd.MiniDrafter(shape.hidden, shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.intermediate,
-                               num_draft_layers, num_draft_layers, block_size=block_size, device=dev)
+            d = Drafter(DrafterConfig.for_shape(shape, num_draft_layers, block_size)).to(dev)
             embed = torch.randn(shape.vocab, shape.hidden, device=dev, dtype=torch.bfloat16) * 0.02
             head = torch.randn(shape.vocab, shape.hidden, device=dev, dtype=torch.bfloat16) * 0.02
             opt = torch.optim.AdamW(d.parameters(), lr=1e-4, fused=True)
