@@ -17,6 +17,7 @@ from typing import Any, Iterable, Mapping, Optional
 import jinja2
 
 from trainer import flags as F
+from trainer import runtime_env
 from controller.config import ContainerConfig
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
@@ -65,6 +66,11 @@ def start_env(container: ContainerConfig, *, bundle: str, run_id: str, run_dir: 
         # The agent finds and stops a run's processes by these (agent/protocol.py).
         "DFLASH_RUN_ID": run_id,
         "DFLASH_RUN_DIR": run_dir,
+        # Set before CUDA starts (trainer/runtime_env.py): the allocator configuration the
+        # memory model describes, and a compile cache that outlives /tmp and the container's
+        # restarts; start.sh adds the venv generation it belongs to.
+        runtime_env.ENV_ALLOC: runtime_env.ALLOC_CONF,
+        runtime_env.ENV_CACHE_ROOT: posixpath.join(container.workspace, runtime_env.WORKSPACE_CACHE),
     }
     for key, value in (extra or {}).items():
         if not _NAME.match(key):
@@ -118,4 +124,6 @@ def render_start_script(values: Mapping[str, Any], *, container: ContainerConfig
         flag_lines=lines,
         env=start_env(container, bundle=bundle, run_id=run_id, run_dir=run_dir, extra=env),
         python=container.python,
+        venv=container.venv,
+        generation_var=runtime_env.ENV_GENERATION,
     )

@@ -210,3 +210,22 @@ def plan_run(values, gpu_free_mib: dict | None, target_config=None, *, margin_mi
                 f"{need / GIB:.1f} GiB is a lower bound (the reference step holds ~2 MB per drafted position): "
                 "measure with --probe-memory, or use --drafter-step chunked")
     return out
+
+
+def probe_refusal(gpu, role: str, measured_reserved_mib: float, capacity_mib: float | None, *,
+                  margin_mib: float = MARGIN_MIB, fits_budget: int | None = None) -> dict:
+    """The measured probe's verdict for one GPU: the worst case's reserved peak over two
+    optimizer steps + the margin against ``capacity_mib`` (the GPU's free memory when the
+    probe started, or --probe-capacity-mib). {"need_mib", "short_mib", "line"}; no check
+    (short_mib and line None) without a capacity. ``fits_budget``: a budget to suggest."""
+    need = measured_reserved_mib + margin_mib
+    out = {"need_mib": round(need, 1), "short_mib": None, "line": None}
+    if capacity_mib is None or need <= capacity_mib:
+        return out
+    out["short_mib"] = math.ceil(need - capacity_mib)
+    fix = (f"lower --token-budget to {fits_budget} (the model's largest that fits) or use --token-budget auto"
+           if fits_budget else "lower --token-budget or --max-anchors, or use a GPU with more free memory")
+    out["line"] = (f"GPU {gpu} ({ROLE_NAMES.get(role, role)}): the worst case measured over two optimizer steps needs "
+                   f"{need / 1024:.1f} GiB (reserved peak {measured_reserved_mib / 1024:.1f} + margin "
+                   f"{margin_mib / 1024:.1f}), has {capacity_mib / 1024:.1f} GiB: short by {out['short_mib']} MiB; {fix}")
+    return out
