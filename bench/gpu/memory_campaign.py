@@ -341,13 +341,31 @@ def _values(sc: dict, budget, role: str) -> dict:
     return v
 
 
+LEAK = {"on": False}  # summary --leaky-build: the data came from the build before the chunked step's leak fix
+
+
+def leak_bytes(sc: dict, budget: int, role: str) -> int:
+    """What the chunked step of the build before its fix (the P2 merge, 2026-12-01) also held
+    at its peak: the context k/v leaves' gradients of every earlier anchor chunk of the
+    micro-batch, 2 × layers × [1, nkv, S, hd] bf16 each (bench/gpu/memory_trace.py). Zero on
+    a target rank."""
+    if role == "target":
+        return 0
+    from trainer.synthetic import SHAPES
+
+    shape, L = SHAPES[sc["shape"]], sc["L"]
+    chunks = (budget // L) * -(-min(sc["anchors"], L - 1) // 512)
+    return (chunks - 1) * 2 * sc["layers"] * L * shape.kv_dim * 2
+
+
 def _pred(sc: dict, budget: int, role: str) -> dict:
     from trainer import budget as B
     from trainer.synthetic import SHAPES, hf_config
 
     cfg = hf_config(SHAPES[sc["shape"]])
     p = B.predictions(_values(sc, budget, role), cfg, budget, "expandable_segments:True")[role]
-    return {"alloc": p.allocated / 2**20, "reserved": p.reserved / 2**20, "phase": p.peak_phase}
+    extra = leak_bytes(sc, budget, role) if LEAK["on"] else 0
+    return {"alloc": (p.allocated + extra) / 2**20, "reserved": (p.reserved + extra) / 2**20, "phase": p.peak_phase}
 
 
 def _err(pred, meas):
@@ -357,7 +375,8 @@ def _err(pred, meas):
 def summary(out: str) -> str:
     meta = json.load(open(os.path.join(out, "meta.json")))
     sc = SCALES[meta["scale"]]
-    lines = [f"scale {meta['scale']}; predictions: trainer/memory.py of this checkout (expandable segments)", "",
+    lines = [f"scale {meta['scale']}; predictions: trainer/memory.py of this checkout (expandable segments)"
+             + ("; + the measured build's chunked-step leak (memory_campaign.leak_bytes)" if LEAK["on"] else ""), "",
              "launch | budget | steps | first-step compile s | first step s | time to first step s | median tok/s "
              "(steps 2+) | allocated peak MiB (pred, err) | reserved peak MiB (pred, err) | nvidia-smi MiB (pred) | rc"]
     for name, *_ in sc["phases"]:
@@ -373,10 +392,12 @@ def summary(out: str) -> str:
         probes = [e for e in ev if e.get("kind") == "probe" and "peak_mib" in e]
         if probes:
             for e in probes:
+                p = _pred(sc, int(e["budget"]), "colocated") if sc["device"] == "cuda" else None
+                pa, pr = (p["alloc"], p["reserved"]) if p else (None, None)
                 lines.append(f"{name} (--probe-memory) | {e['budget']} | 2 optimizer steps | allocated {e['peak_mib']:,.0f}"
-                             f" (pred {e.get('predicted_peak_mib')}) | reserved {e.get('reserved_mib')} (pred "
-                             f"{e.get('predicted_reserved_mib')}, {_err(e.get('predicted_reserved_mib'), e.get('reserved_mib'))})"
-                             f" | need {e['need_mib']:,.0f} of {e.get('capacity_mib')} | fits {e['fits']} | rc {rec['rc']}")
+                             f" (pred {pa or 0:,.0f}, {_err(pa, e['peak_mib'])}) | reserved {e.get('reserved_mib')} "
+                             f"(pred {pr or 0:,.0f}, {_err(pr, e.get('reserved_mib'))}) | need {e['need_mib']:,.0f} of "
+                             f"{e.get('capacity_mib')} MiB | fits {e['fits']} | rc {rec['rc']}")
             if plan is not None:
                 lines.append(f"  auto: {plan.get('reason')}")
             continue
@@ -438,11 +459,14 @@ def main(argv=None) -> int:
     s.add_argument("--scale", default="gpu")
     m = sub.add_parser("summary")
     m.add_argument("dir")
+    m.add_argument("--leaky-build", action="store_true",
+                   help="the data came from the build before the chunked step's leak fix: add what it held")
     a = ap.parse_args(argv)
     if a.cmd == "run":
         return cmd_run(a)
     if a.cmd == "sweep":
         return cmd_sweep(a)
+    LEAK["on"] = a.leaky_build
     print(summary(a.dir))
     return 0
 
