@@ -54,7 +54,7 @@ to ``TARGET_FAMILIES`` under its ``ModelShape.family``; the drafter side is the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Callable
 
 from trainer.flops import QWEN3_8B, QWEN3_27B_LIKE, ModelShape
@@ -308,22 +308,14 @@ def drafter_peak_bytes(shape: ModelShape, *, n_layers: int, block_size: int, max
 def target_peak_bytes(shape: ModelShape, *, token_budget: int, max_seq_len: int, last_layer: int | None = None,
                       n_tapped: int = 5, max_batch_size: int = 64, soft_labels: bool = False,
                       send_buffers: int = 1, **_ignored) -> dict:
-    """A target rank alone, layers 0..last_layer loaded (the harness builds only those)."""
+    """A target rank alone as the benchmark harness builds it (FastTarget.random): layers
+    0..last_layer and the embedding, no LM head."""
     n = shape.n_layers if last_layer is None else last_layer + 1
     s = RunSpec(shape, "target", token_budget, max_seq_len, max_batch_size, n_tapped, n_tapped,
-                soft_labels=soft_labels, target_layers=n, resident_microbatches=send_buffers)
+                soft_labels=soft_labels, tied=True, target_layers=n, resident_microbatches=send_buffers)
     p = predict(s)
     return {**p.terms, "total": p.allocated, "reserved": p.reserved, "batch": s.batch, "seq_len": max_seq_len,
             "tokens": s.tokens}
-
-
-def describe(d: dict) -> str:
-    skip = {"batch", "seq_len", "tokens", "anchors_per_seq", "drafted_positions", "trainable_params"}
-    return ", ".join(f"{k} {v / GIB:.2f}" for k, v in d.items() if k not in skip and v) + " GiB"
-
-
-def with_budget(s: RunSpec, token_budget: int) -> RunSpec:
-    return replace(s, token_budget=int(token_budget))
 
 
 if __name__ == "__main__":  # pragma: no cover

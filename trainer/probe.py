@@ -24,7 +24,6 @@ import math
 import sys
 import time
 
-from trainer import flags
 from trainer import memory as mm
 from trainer import runtime_env
 # the trainer's own run (train.memory_check, the controller's preflight): trainer/budget.py,

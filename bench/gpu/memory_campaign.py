@@ -264,18 +264,22 @@ def cmd_sweep(a) -> int:
     by_role = {}
     for role, budget, steps in sc["sweep"]:
         by_role.setdefault(role, []).append((budget, steps))
-    # split drafter rank: its own head, random states of the received shape
-    if "drafter" in by_role:
+
+    def drafter_points(role, target):
+        """A drafter (split: its own head, random states of the received shape; colocated:
+        the target's head and forward) through every budget of ``role``."""
         fresh()
-        drafter, head, opt = train.build_drafter(args, dcfg, None, dev, dtype)
+        drafter, head, opt = train.build_drafter(args, dcfg, target, dev, dtype)
         step = make_step(args, drafter, head, dcfg)
-        for budget, steps in by_role["drafter"]:
+        for budget, steps in by_role[role]:
             fresh()
             t0 = time.time()
             phases = []
-            drafter_steps(step, opt, drafter, *inputs(budget // L), None, steps, phases)
-            record("drafter", budget, steps, t0, phases)
-        del drafter, head, opt, step
+            drafter_steps(step, opt, drafter, *inputs(budget // L), target, steps, phases)
+            record(role, budget, steps, t0, phases)
+
+    if "drafter" in by_role:
+        drafter_points("drafter", None)
     target = None
     if "target" in by_role or "colocated" in by_role:
         fresh()
@@ -293,15 +297,7 @@ def cmd_sweep(a) -> int:
         del held
         record("target", budget, steps, t0, phases)
     if "colocated" in by_role:
-        fresh()
-        drafter, head, opt = train.build_drafter(args, dcfg, target, dev, dtype)
-        step = make_step(args, drafter, head, dcfg)
-        for budget, steps in by_role["colocated"]:
-            fresh()
-            t0 = time.time()
-            phases = []
-            drafter_steps(step, opt, drafter, *inputs(budget // L), target, steps, phases)
-            record("colocated", budget, steps, t0, phases)
+        drafter_points("colocated", target)
     return 0
 
 
