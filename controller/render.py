@@ -8,6 +8,7 @@ from trainer/flags.py's FLAGS (the one definition), so the template never lists 
 
 from __future__ import annotations
 
+import posixpath
 import shlex
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
@@ -17,7 +18,7 @@ import jinja2
 from controller.bundle import agent_env
 from controller.config import ContainerConfig
 from controller.pct import VAR_NAME, PctUsageError, container_env
-from trainer import flags
+from trainer import flags, runtime_env
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 START_TEMPLATE = "start.sh.j2"
@@ -56,7 +57,12 @@ def start_env(container: ContainerConfig, *, bundle: str, run_id: str, run_dir: 
     """Every variable the trainer's environment holds (secrets aside), in order: the clean
     container environment every command gets (controller/pct.py), the bundle, the run."""
     # The agent finds and stops a run's processes by these (agent/protocol.py).
-    run = {**agent_env(bundle), "DFLASH_RUN_ID": run_id, "DFLASH_RUN_DIR": run_dir}
+    run = {**agent_env(bundle), "DFLASH_RUN_ID": run_id, "DFLASH_RUN_DIR": run_dir,
+           # Set before CUDA starts (trainer/runtime_env.py): the allocator configuration the
+           # memory model describes, and a compile cache that outlives /tmp and the container's
+           # restarts; start.sh adds the venv generation it belongs to.
+           runtime_env.ENV_ALLOC: runtime_env.ALLOC_CONF,
+           runtime_env.ENV_CACHE_ROOT: posixpath.join(container.workspace, runtime_env.WORKSPACE_CACHE)}
     try:
         return container_env(container, {**run, **(extra or {})})
     except PctUsageError as exc:
@@ -105,4 +111,6 @@ def render_start_script(values: Mapping[str, Any], *, container: ContainerConfig
         flag_lines=lines,
         env=start_env(container, bundle=bundle, run_id=run_id, run_dir=run_dir, extra=env),
         python=container.python,
+        venv=container.venv,
+        generation_var=runtime_env.ENV_GENERATION,
     )

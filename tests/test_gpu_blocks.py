@@ -145,16 +145,20 @@ def test_flops_linear_counts():
 
 
 def test_memory_model_monotone_and_fits_logic():
+    from trainer import probe
+
     base = dict(shape=memory.QWEN3_27B_LIKE, n_layers=5, block_size=32, max_anchors=1024,
                 max_seq_len=8192, token_budget=49152, n_tapped=5)
     m1 = memory.drafter_peak_bytes(**base)
     m2 = memory.drafter_peak_bytes(**{**base, "token_budget": 65536})
-    assert m2["total"] > m1["total"] > 0
-    assert set(m1) >= {"params", "grads", "optimizer", "activations", "logit_chunk", "context", "total"}
-    auto = memory.auto_token_budget(capacity_bytes=96e9, margin_bytes=2e9, **{k: v for k, v in base.items() if k != "token_budget"})
-    assert auto >= 8192 and memory.drafter_peak_bytes(**{**base, "token_budget": auto})["total"] <= 94e9
+    assert m2["total"] > m1["total"] > 0 and m2["reserved"] > m2["total"]
+    assert set(m1) >= {"drafter_state", "activations", "logits", "context", "taps", "total"}
+    kw = dict(block_size=32, max_anchors=1024, max_seq_len=8192, num_draft_layers=5)
+    auto = probe.auto_budget(memory.QWEN3_27B_LIKE, 96e9, 2e9, role="drafter", **kw)
+    assert auto >= 8192 and probe.plan(memory.QWEN3_27B_LIKE, token_budget=auto, **kw)["drafter"]["need"] <= 94e9
     tgt = memory.target_peak_bytes(memory.QWEN3_8B, token_budget=49152, max_seq_len=8192, last_layer=33, n_tapped=5)
-    assert tgt["params"] == pytest.approx(2 * (34 * memory.QWEN3_8B.layer_params + 151936 * 4096 + 4096 * 2), rel=0.01)
+    layer = memory.QWEN3_8B.layer_params + memory.QWEN3_8B.layer_norm_params
+    assert tgt["target_weights"] == 2 * (34 * layer + 151936 * 4096 + 4096)
     assert math.isfinite(tgt["total"])
 
 

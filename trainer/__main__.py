@@ -26,6 +26,9 @@ PROG = "python -m trainer"
 def validate(args) -> list[str]:
     """Every reason this run cannot start, one line each; touches nothing on disk."""
     problems = flags.check(vars(args))
+    if args.probe_capacity_mib is not None and not args.probe_capacity_mib > 0:
+        problems.append(f"--probe-capacity-mib {args.probe_capacity_mib:g}: give the memory to check against in MiB, "
+                        "a positive number (e.g. 91000 for a 96 GB GPU)")
     cuda = args.device == "cuda" or (args.device == "auto" and _cuda_available())
     # auto paths are fixed here, once, so every later reader (memory check, probe, events) sees one value
     args.drafter_step = flags.drafter_step_for(vars(args), cuda)
@@ -181,11 +184,20 @@ def main(argv: list[str] | None = None) -> int:
 
     # exits EXIT_USAGE with one line on a parse error
     args = flags.parse_args(argv, epilog=f"other commands: {', '.join(SUBCOMMANDS)} (`{PROG} NAME --help`)")
+    # before anything imports torch: the allocator reads its configuration when CUDA starts,
+    # and the compile cache's place must be known before the first compile
+    from trainer import runtime_env
+
+    runtime_env.apply()
     problems = validate(args)
     if problems:
         for p in problems:
             print(f"{PROG}: error: {p}", file=sys.stderr)
         return flags.EXIT_USAGE
+    if args.probe_first and not args.probe_memory and "RANK" not in os.environ:
+        rc, argv = probe_first(argv, args)
+        if rc != flags.EXIT_OK:
+            return rc
 
     from trainer.topology import world_size_for
 
@@ -215,6 +227,60 @@ def main(argv: list[str] | None = None) -> int:
         return run(args, topo)
     finally:
         topology.shutdown(topo)
+
+
+def probe_first(argv: list[str], args) -> tuple[int, list[str]]:
+    """--probe-first: run this command's --probe-memory (its own process, so what it held is
+    given back before training loads) and, when it fits, return the argv to train with —
+    --token-budget auto replaced by the budget the probe measured, so the run trains exactly
+    what was probed. (exit code, argv)."""
+    from trainer.train import ENV_PROBE_FIRST, run_dir_of
+    from agent.protocol import EVENTS
+
+    argv = [a for a in argv if a != "--probe-first"]
+    print(f"{PROG}: --probe-first: measuring this run's worst case for two optimizer steps before training", flush=True)
+    started = time.time()
+    rc = subprocess.run([sys.executable, "-m", "trainer", *argv, "--probe-memory"],
+                        env={**os.environ, ENV_PROBE_FIRST: "1"}).returncode
+    if rc != flags.EXIT_OK:
+        print(f"{PROG}: error: --probe-first: the memory probe exited {rc}"
+              + (" (it does not fit: see the line above)" if rc == flags.EXIT_USAGE else "") + "; not training",
+              file=sys.stderr, flush=True)
+        return rc, argv
+    if args.token_budget == "auto":
+        budgets = [e.get("budget") for e in _events(os.path.join(run_dir_of(args), EVENTS), started)
+                   if e.get("kind") == "probe" and "peak_mib" in e]
+        if budgets and all(b == budgets[0] for b in budgets):
+            argv = _with_budget(argv, int(budgets[0]))
+    return flags.EXIT_OK, argv
+
+
+def _with_budget(argv: list[str], budget: int) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--token-budget":
+            skip = True
+        elif not a.startswith("--token-budget="):
+            out.append(a)
+    return out + ["--token-budget", str(budget)]
+
+
+def _events(path: str, since: float) -> list[dict]:
+    out = []
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for line in fh:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if rec.get("ts", 0) >= since:
+                    out.append(rec)
+    except OSError:
+        pass
+    return out
 
 
 def relaunch(argv: list[str], world: int, args, launcher: list[str] | None = None) -> int:

@@ -183,11 +183,19 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
         loss, ce, kl, correct = chunked_head_loss(h, lm_head, labels[s, sl], fn, teacher=teacher,
                                                   temperature=temperature, chunk_rows=head_chunk_rows)
         (loss * loss_scale).backward()
+        # Metrics only: ce/kl come out of the head's autograd Function still linked to its
+        # graph, and summed as they were, they kept every chunk's graph — with its context
+        # k/v leaves and their gradients — alive to the end of the step: 20 × [1, nkv, S, hd]
+        # per sequence, 41 KB per token for Qwen3-8B (found by the H200 allocator trace of
+        # bench/gpu/memory_trace.py, issue 14). Detached, and each leaf's gradient dropped once
+        # it is in the accumulator.
+        ce, kl = ce.detach(), (None if kl is None else kl.detach())
         for (kl_, vl_), (gk, gv) in zip(leaves, gacc):
             if kl_.grad is not None:
                 gk[s:s + 1].add_(kl_.grad)
             if vl_.grad is not None:
                 gv[s:s + 1].add_(vl_.grad)
+            kl_.grad = vl_.grad = None
         total = total + loss.detach()
         # the terms as loss.dflash_loss reports them (CAP also when it is not in the loss)
         w, v = weights[s, sl], valid[s, sl]

@@ -48,7 +48,7 @@ def format_gpus(gpus: Iterable[int]) -> str:
 
 
 def parse_token_budget(text: str) -> int | str:
-    """An int, or 'auto' (the largest budget that fits, found by the memory probe)."""
+    """An int, or 'auto' (the budget the memory plan picks on the GPUs: trainer/budget.py)."""
     if isinstance(text, int):
         return text
     if str(text).strip().lower() == "auto":
@@ -151,7 +151,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--grad-clip", "float", 1.0, "global gradient-norm clip (0 disables)", "optim"),
     Flag("--seed", "int", 0, "seed for data order, anchors, noise and init", "optim"),
     # -- batching
-    Flag("--token-budget", "budget", 49152, "tokens per micro-batch, counted as padded length × batch; 'auto' (CUDA, --drafter-step chunked) = the largest multiple of --max-seq-len whose predicted peak (trainer/memory.py) plus allocator reserve (6 % drafter, 12 % target), CUDA context and a 2 GiB margin fits every rank's free GPU memory, the same for all ranks", "batching", metavar="N|auto"),
+    Flag("--token-budget", "budget", 49152, "tokens per micro-batch, counted as padded length × batch; 'auto' (CUDA, --drafter-step chunked) = among the multiples of --max-seq-len whose predicted reserved peak (trainer/memory.py) plus a 2 GiB margin fits every rank's free GPU memory, the smallest within 0.2 % of the best modelled tokens/s (trainer/budget.py; one line says why), the same for all ranks", "batching", metavar="N|auto"),
     Flag("--max-seq-len", "int", 8192, "sequences are truncated to this length", "batching"),
     Flag("--max-batch-size", "int", 64, "at most this many sequences per micro-batch", "batching"),
     # -- drafter
@@ -180,7 +180,9 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--save-interval", "int", 2000, "optimizer steps between checkpoints (a final one is always written)", "output"),
     Flag("--log-interval", "int", 1, "optimizer steps between step events", "output"),
     Flag("--eval-prompts", "int", 0, "held-out prompts for acceptance-length evaluation at each save (0: off)", "output"),
-    Flag("--probe-memory", "bool", False, "run the worst-case step (the selected --drafter-step) on each role's device, report the measured peak per GPU beside the memory model's prediction, and exit", "output"),
+    Flag("--probe-memory", "bool", False, "run this run's worst case (full-length sequences at the resolved --token-budget, --max-anchors each, the selected --drafter-step) for two optimizer steps on each role's GPU, report the measured allocated and reserved peaks beside the memory model's prediction, and exit: 0 when every GPU holds the measured reserved peak plus a 2 GiB margin, 2 (one line per short GPU: role, need, shortfall) when not", "output"),
+    Flag("--probe-first", "bool", False, "before training, run --probe-memory's worst case in a separate process and train only if it fits (costs one more start-up and two steps; the compile cache it fills is reused)", "output"),
+    Flag("--probe-capacity-mib", "float", None, "the memory --probe-memory checks the measured need against, instead of the GPU's free memory: plan for a smaller GPU (on CPU the check runs only with it)", "output", metavar="MIB"),
     # -- experiment tracking
     Flag("--wandb-project", "str", None, "wandb project (no wandb logging when unset)", "wandb", metavar="NAME"),
     Flag("--wandb-run-name", "str", None, "wandb run name", "wandb", metavar="NAME"),

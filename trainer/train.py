@@ -23,6 +23,7 @@ import torch
 
 from agent.protocol import ENV_RUN_DIR
 from trainer import checkpoint as ckpt_io
+from trainer import runtime_env
 from trainer import topology as topo_mod
 from trainer.data import PreparedData, make_batches
 from trainer.evaluate import acceptance_length
@@ -35,6 +36,7 @@ from trainer.telemetry import Events, Heartbeat, make_logger
 from trainer.topology import MicroBatch, assemble, recv_microbatch, send_microbatch
 
 FINAL_LR_RATIO = 0.1  # cosine decays to 10 % of peak (TRAINER_SPEC.md)
+ENV_PROBE_FIRST = "DFLASH_PROBE_FIRST"  # set by --probe-first for its probe process: the run goes on after it
 
 _STOP = {"requested": False}
 
@@ -64,17 +66,22 @@ def noise_amplitude(step: int, start: float, end: float, total: int) -> float:
 
 
 def add_noise(taps: torch.Tensor, amp: float, kind: str, seed_key: int) -> torch.Tensor:
-    """U(-a, a) or N(0, a²) on the tapped target states, from a generator keyed by the
-    micro-batch, on the tensor's own device (no host round trip)."""
+    """U(-a, a) or N(0, a²) added in place to the tapped target states (the caller's buffer,
+    which nothing reads after the drafter step), from a generator keyed by the micro-batch,
+    on the tensor's own device (no host round trip). Drawn one sequence at a time, so the
+    noise costs one sequence's buffer, not a second copy of the micro-batch's taps (which
+    grows with the token budget: 17 GiB at 450,560 tokens for Qwen3-8B)."""
     if amp <= 0:
         return taps
     g = torch.Generator(device=taps.device)
     g.manual_seed(seed_key)
-    if kind == "uniform":
-        noise = torch.rand(taps.shape, generator=g, device=taps.device, dtype=taps.dtype).mul_(2).sub_(1)
-    else:
-        noise = torch.randn(taps.shape, generator=g, device=taps.device, dtype=taps.dtype)
-    return taps + noise.mul_(amp)
+    draw = torch.rand if kind == "uniform" else torch.randn
+    for row in taps:
+        noise = draw(row.shape, generator=g, device=taps.device, dtype=taps.dtype)
+        if kind == "uniform":
+            noise.mul_(2).sub_(1)
+        row.add_(noise.mul_(amp))
+    return taps
 
 
 # --------------------------------------------------------------------------- data
@@ -108,6 +115,24 @@ def mem_peak_mib(device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def mem_reserved_mib(device) -> float | None:
+    """What the caching allocator has held at most (what an OOM is about); None on CPU."""
+    return torch.cuda.max_memory_reserved(device) / 2**20 if device.type == "cuda" else None
+
+
+def compile_stats() -> dict:
+    """torch.compile's work in this process so far: seconds in Dynamo/Inductor compiles and
+    the Inductor cache's hits and misses (trainer/runtime_env.py keeps the cache across
+    launches). Zero when nothing was compiled (CPU runs compile nothing)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return {"compile_s": 0.0, "compile_cache_hits": 0, "compile_cache_misses": 0}
+    inductor = utils.counters.get("inductor", {})
+    return {"compile_s": round(sum(utils.compilation_time_metrics.get("_compile.compile_inner", [])), 2),
+            "compile_cache_hits": int(inductor.get("fxgraph_cache_hit", 0)),
+            "compile_cache_misses": int(inductor.get("fxgraph_cache_miss", 0))}
 
 
 def drafter_config(args) -> DrafterConfig:
@@ -190,38 +215,41 @@ def _rank_values(args, topo) -> dict:
 
 def memory_check(args, topo, events: Events) -> int | None:
     """CUDA only, before any model is loaded: resolve --token-budget auto and check this
-    rank's predicted peak against its GPU's free memory (trainer/probe.plan_run: the memory
-    model plus allocator reserve and a 2 GiB margin). All ranks agree — the budget is the
-    minimum over ranks, a refusal anywhere stops every rank — so nothing trains unless every
-    GPU fits. Returns EXIT_USAGE when refused (one line naming GPU, role and shortfall, an
-    error event "memory_refused"), else None."""
+    rank's predicted reserved peak against its GPU's free memory (trainer/budget.plan_run:
+    the memory model of trainer/memory.py for the allocator this process runs with, and a
+    2 GiB margin). All ranks agree — the budget is the minimum over ranks, a refusal
+    anywhere stops every rank — so nothing trains unless every GPU fits. Returns EXIT_USAGE
+    when refused (one line naming GPU, role and shortfall, an error event
+    "memory_refused"), else None."""
     if topo.device.type != "cuda":
         return None
-    from trainer import probe as plan_mod
+    from trainer.budget import plan_run
     from trainer.flags import EXIT_USAGE
 
     values = _rank_values(args, topo)
     free = _gpu_free_mib(topo.device)
+    cfg = read_config(args.target_model)
     # this process already holds its CUDA context: it is out of the free figure
-    p = plan_mod.plan_run(values, {topo.gpu: free}, read_config(args.target_model), context_mib=0)
+    kw = dict(context_mib=0, alloc_conf=os.environ.get(runtime_env.ENV_ALLOC, ""))
+    p = plan_run(values, {topo.gpu: free}, cfg, **kw)
     if p["auto"]:
         mine = int(p["token_budget"]) if not p["refusals"] else 0
         budget = -int(topo_mod.all_reduce_max(topo, -float(mine)))  # the smallest over ranks
         if budget and not p["refusals"]:
+            reason = p["auto_reason"] if budget == mine else f"{budget}: the smallest of the ranks' choices"
             args.token_budget = budget
-            p = plan_mod.plan_run({**values, "token_budget": budget}, {topo.gpu: free},
-                                  read_config(args.target_model), context_mib=0)
-            p["auto"] = True
+            p = plan_run({**values, "token_budget": budget}, {topo.gpu: free}, cfg, **kw)
+            p["auto"], p["auto_reason"] = True, reason
     row = p["gpus"].get(topo.gpu, {})
     refused = topo_mod.all_reduce_max(topo, 1.0 if p["refusals"] else 0.0) > 0
     if p["auto"] and not refused:
-        events.emit("probe", phase="plan", budget=args.token_budget, auto=True, predicted_peak_mib=row.get("peak_mib"),
+        events.emit("probe", phase="plan", budget=args.token_budget, auto=True, reason=p["auto_reason"],
+                    predicted_peak_mib=row.get("peak_mib"), predicted_reserved_mib=row.get("reserved_mib"),
                     need_mib=row.get("need_mib"), free_mib=round(free, 1), margin_mib=p["margin_mib"],
-                    per_rank_budget=p.get("auto_per_gpu", {}).get(topo.gpu))
+                    allocator=p["allocator"])
         if topo.is_log_rank:
-            print(f"token budget auto: {args.token_budget} (largest multiple of --max-seq-len whose predicted need "
-                  f"+ {p['margin_mib'] / 1024:.0f} GiB margin fits every rank's GPU; GPU {topo.gpu} "
-                  f"predicted peak {row.get('peak_mib', 0) / 1024:.1f} GiB)", flush=True)
+            print(f"token budget auto: {p['auto_reason']}; GPU {topo.gpu} predicted reserved peak "
+                  f"{row.get('reserved_mib', 0) / 1024:.1f} GiB of {free / 1024:.1f} GiB free", flush=True)
     from trainer import family
 
     for note in p["notes"] + (family.kernel_notes(read_config(args.target_model)) if topo.is_target else []):
@@ -288,6 +316,7 @@ def ship(target, data, stream, base: int, per_step: int, args, topo, ahead: dict
         if topo.producer(base + j) == topo.rank:
             mb = ahead.pop(base + j, None) or produce(target, data, stream, base + j, args, dev)
             send_microbatch(mb, topo.consumer(j))
+            del mb  # the send keeps its buffers until it completes (trainer/memory.py: two resident)
     nxt = [base + per_step + j for j in range(per_step) if topo.producer(base + per_step + j) == topo.rank]
     if more and nxt:
         ahead[nxt[0]] = produce(target, data, stream, nxt[0], args, dev)
@@ -362,6 +391,9 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
                 mb = produce(target, data, stream, base + j, args, dev) if topo.colocated else recv_microbatch(topo.producer(base + j), dev)
                 stats.wait_s += time.time() - tw
                 stats += drafter_step(mb, add_noise(mb.taps, amp, args.noise_type, key(args.seed, "noise", mb.index)))
+                # its taps and final state go before the next micro-batch's are made: held
+                # over, they sat beside the next target forward (trainer/memory.py counts one)
+                del mb
             topo_mod.average_gradients(topo, drafter)
             lr, grad_norm = optimizer_step(opt, drafter, step, start.schedule, args.grad_clip)
         step += 1
@@ -374,11 +406,19 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
         if topo.is_drafter and (step % args.log_interval == 0 or finishing):
             metrics = {"step": step, "total_steps": start.last_step, "epoch": stream[min(base, len(stream) - 1)][0],
                        **stats.reduce(topo).to_metrics(time.time() - t0), "lr": lr, "grad_norm": float(grad_norm),
-                       "mem_peak_mib": mem_peak_mib(dev)}
+                       "mem_peak_mib": mem_peak_mib(dev), "mem_reserved_mib": mem_reserved_mib(dev),
+                       **compile_stats()}  # compile_s: cumulative, so the first step event holds the launch's compiles
+            if step == start.step + 1:  # what this launch runs with (trainer/runtime_env.py)
+                metrics["compile_cache"] = os.environ.get(runtime_env.ENV_INDUCTOR)
+                metrics["alloc_conf"] = os.environ.get(runtime_env.ENV_ALLOC)
             if log:
                 events.emit("step", **metrics)
                 wandb.log({k: v for k, v in metrics.items() if k not in ("step", "total_steps")}, step=step)
                 print(step_line(metrics), flush=True)
+                if "compile_cache" in metrics:
+                    print(f"compile: {metrics['compile_s']:.1f} s in the first step ({metrics['compile_cache_hits']} "
+                          f"cache hits, {metrics['compile_cache_misses']} misses; cache {metrics['compile_cache']})",
+                          flush=True)
         hb.beat(step)
 
         # -- checkpoint and evaluation (the log rank; everyone waits so nobody exits mid-save)
@@ -409,15 +449,32 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
     return EXIT_OK
 
 
+def _probe_capacity_mib(args, dev) -> float | None:
+    """What the probe's measured need must fit: --probe-capacity-mib, else the GPU's free
+    memory now (this process's context already out of it); None on CPU without the flag."""
+    if args.probe_capacity_mib is not None:
+        return float(args.probe_capacity_mib)
+    return _gpu_free_mib(dev) if dev.type == "cuda" else None
+
+
 def probe(args, topo, events: Events, hb: Heartbeat) -> int:
-    """--probe-memory: run the worst-case micro-batch on each role's device — the full token
-    budget at --max-seq-len, --max-anchors per sequence, soft labels if on — through the
-    target forward (target ranks) and two steps of the selected --drafter-step with AdamW
-    (drafter ranks; split ranks use random states of the right shape, nothing is sent). One
-    probe event per rank with its peak; nothing is trained or saved."""
+    """--probe-memory: this run's worst case, measured. Every rank builds what training
+    builds (target, drafter, AdamW) and runs two optimizer steps — AdamW's state exists only
+    from the first one's end, so the second is the steady state the model predicts — of
+    full-length sequences at the resolved --token-budget with --max-anchors each, the way
+    train() runs them: colocated ranks the target forward then the drafter step; split
+    drafter ranks random states of the received shape; split target ranks two micro-batches
+    resident, as while one is still being sent. One probe event per rank (allocated and
+    reserved peaks beside the prediction); exit 2 on every rank when any rank's reserved
+    peak + margin exceeds its capacity (budget.probe_refusal), else 0. Nothing is trained
+    or saved."""
+    from trainer.budget import MARGIN_MIB, largest_fitting_batch, plan_run, probe_refusal
+    from trainer.flags import EXIT_USAGE
+
     dev = topo.device
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
+    capacity = _probe_capacity_mib(args, dev)
     dcfg = drafter_config(args)
     b, S = max(1, min(args.max_batch_size, args.token_budget // args.max_seq_len)), args.max_seq_len
     n = min(args.max_anchors, S - 1)
@@ -430,40 +487,67 @@ def probe(args, topo, events: Events, hb: Heartbeat) -> int:
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
     target = Target(args.target_model, dcfg.target_layer_ids, dev, dtype, args.target_forward) if topo.is_target else None
-    taps = final = None
-    if target is not None:
-        taps, final = target.forward(ids, want_final=args.use_soft_labels)
+    drafter = head = opt = drafter_step = None
     if topo.is_drafter:
-        if taps is None:
-            taps = torch.randn(b, S, len(dcfg.target_layer_ids) * dcfg.hidden_size, device=dev, dtype=dtype)
-            final = torch.randn(b, S, dcfg.hidden_size, device=dev, dtype=dtype) if args.use_soft_labels else None
         drafter, head, opt = build_drafter(args, dcfg, target, dev, dtype)
-        drafter_step = make_step(args, drafter, head, dcfg, loss_scale=1.0)  # the step the run would take
-        mb = MicroBatch(0, 0, torch.arange(b, device=dev), ids, loss_mask, lengths, anchors, keep, taps, final)
-        for _ in range(2):  # AdamW creates its state in the first step, after that step's peak
-            drafter_step(mb, taps)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    peak = mem_peak_mib(dev)
-    total = torch.cuda.get_device_properties(dev).total_memory / 2**20 if cuda else None
-    fits = peak < 0.9 * total if total else True  # 10 % margin for fragmentation and the allocator
-    # The memory model's prediction for this rank (CUDA, bf16): exact for the chunked drafter
-    # step and the target, a lower bound for the reference drafter step. None on CPU (fp32,
-    # and the peak there is the process's RSS).
-    predicted = exact = None
+        drafter_step = make_step(args, drafter, head, dcfg)  # the step the run would take
+    schedule = {"peak_lr": args.lr, "total_steps": 2, "warmup_steps": 0}
+    F = len(dcfg.target_layer_ids) * dcfg.hidden_size
+    held = None  # split target: the micro-batch still being sent while the next is made
+    for step in range(2):
+        if target is not None:
+            taps, final = target.forward(ids, want_final=args.use_soft_labels)
+        else:
+            taps = torch.randn(b, S, F, device=dev, dtype=dtype)
+            final = torch.randn(b, S, dcfg.hidden_size, device=dev, dtype=dtype) if args.use_soft_labels else None
+        if drafter is None:
+            held = (taps, final)
+            continue
+        mb = MicroBatch(step, 0, torch.arange(b, device=dev), ids, loss_mask, lengths, anchors, keep, taps, final)
+        del taps, final
+        amp = max(args.noise_start, args.noise_end)
+        drafter_step(mb, add_noise(mb.taps, amp, args.noise_type, key(args.seed, "noise", step)))
+        del mb
+        topo_mod.average_gradients(topo, drafter)
+        optimizer_step(opt, drafter, step, schedule, args.grad_clip)
     if cuda:
-        from trainer import probe as plan_mod
-
-        row = plan_mod.plan_run(_rank_values(args, topo), None, read_config(args.target_model))["gpus"][topo.gpu]
-        predicted, exact = row["peak_mib"], row["exact"]
-    events.emit("probe", peak_mib=round(peak, 1), total_mib=total, fits=fits, budget=args.token_budget,
-                batch=[b, S], anchors=n, drafter_step=args.drafter_step, predicted_peak_mib=predicted,
-                predicted_exact=exact)
-    pred = "" if predicted is None else (f", predicted {'at least ' if not exact else ''}{predicted:.0f} MiB "
-                                         f"({100 * (predicted - peak) / peak:+.1f} %)")
-    print(f"probe rank {topo.rank} ({topo.role}, gpu {topo.gpu}): peak {peak:.0f} MiB"
-          + (f" of {total:.0f} MiB" if total else "") + pred + f" for {b}×{S} tokens, {n} anchors/seq: "
-          + ("fits" if fits else "does NOT fit"), flush=True)
-    hb.beat(0, "done")
+        torch.cuda.synchronize(dev)
+    del held
+    peak = mem_peak_mib(dev)
+    reserved = mem_reserved_mib(dev)
+    measured = reserved if cuda else peak  # CPU: the process's peak RSS
+    values = _rank_values(args, topo)
+    cfg = read_config(args.target_model)
+    predicted = reserved_pred = exact = None
+    alloc_conf = os.environ.get(runtime_env.ENV_ALLOC, "")
+    if cuda:  # the memory model describes the CUDA paths (bf16; none on CPU)
+        row = plan_run(values, None, cfg, alloc_conf=alloc_conf)["gpus"][topo.gpu]
+        predicted, reserved_pred, exact = row["peak_mib"], row["reserved_mib"], row["exact"]
+    fits_b = 0
+    if capacity is not None and cuda:
+        role = {"both": "colocated"}.get(topo.role, topo.role)
+        fits_b = largest_fitting_batch(values, cfg, role, capacity * 2**20, context_mib=0, alloc_conf=alloc_conf)
+    verdict = probe_refusal(topo.gpu, {"both": "colocated"}.get(topo.role, topo.role), measured, capacity,
+                            fits_budget=fits_b * S if fits_b else None)
+    refused = topo_mod.all_reduce_max(topo, 1.0 if verdict["line"] else 0.0) > 0
+    events.emit("probe", peak_mib=round(peak, 1), reserved_mib=None if reserved is None else round(reserved, 1),
+                capacity_mib=capacity, need_mib=verdict["need_mib"], short_mib=verdict["short_mib"],
+                fits=verdict["line"] is None, budget=args.token_budget, batch=[b, S], anchors=n, steps=2,
+                drafter_step=args.drafter_step, predicted_peak_mib=predicted, predicted_reserved_mib=reserved_pred,
+                predicted_exact=exact, margin_mib=MARGIN_MIB)
+    pred = "" if reserved_pred is None else (
+        f", predicted {'at least ' if not exact else ''}{reserved_pred:.0f} MiB reserved "
+        f"({100 * (reserved_pred - reserved) / reserved:+.1f} %)")
+    what = f"reserved {reserved:.0f} MiB (allocated {peak:.0f})" if cuda else f"peak RSS {peak:.0f} MiB"
+    verdict_text = ("fits" if verdict["line"] is None else "does NOT fit") if capacity is not None else "not checked"
+    print(f"probe rank {topo.rank} ({topo.role}, gpu {topo.gpu}): two optimizer steps of {b}×{S} tokens, {n} anchors/seq: "
+          f"{what}{pred}; needs {verdict['need_mib']:.0f} MiB with the margin"
+          + (f" of {capacity:.0f} MiB: {verdict_text}" if capacity is not None else ": not checked (no capacity)"),
+          flush=True)
+    if verdict["line"]:
+        print(f"python -m trainer: error: {verdict['line']}", file=sys.stderr, flush=True)
+        events.emit("error", error="memory_refused", message=verdict["line"], phase="probe",
+                    need_mib=verdict["need_mib"], short_mib=verdict["short_mib"], budget=args.token_budget)
+    hb.beat(0, "failed" if refused else ("loading" if os.environ.get(ENV_PROBE_FIRST) else "done"))
     topo_mod.barrier(topo)
-    return EXIT_OK
+    return EXIT_USAGE if refused else EXIT_OK
