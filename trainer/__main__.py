@@ -1,4 +1,5 @@
-"""``python -m trainer``: train a DFlash drafter; ``prepare``, ``tiny``, ``synthetic`` and ``flags`` subcommands.
+"""``python -m trainer``: train a DFlash drafter; ``prepare``, ``tiny``, ``synthetic``, ``export`` and ``flags``
+subcommands.
 
 Bad input (flags, paths, an incompatible checkpoint, a missing start decision) is refused
 before anything is created: one line per problem on stderr, exit code 2 (EXIT_USAGE).
@@ -145,7 +146,14 @@ def main(argv: list[str] | None = None) -> int:
         from trainer.synthetic import main as synthetic_main
 
         return synthetic_main(argv[1:])
+    if argv and argv[0] == "export":
+        from trainer.export import main as export_main
+
+        return export_main(argv[1:])
     if argv and argv[0] == "flags":
+        if argv[1:] in (["--help"], ["-h"]):
+            print(f"usage: {PROG} flags --markdown\n\nPrint docs/flags.md, generated from trainer/flags.py.")
+            return flags.EXIT_OK
         if argv[1:] != ["--markdown"]:
             print(f"{PROG} flags: usage: {PROG} flags --markdown", file=sys.stderr)
             return flags.EXIT_USAGE

@@ -18,6 +18,8 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
+EVAL_MAX_NEW = 64  # new tokens per prompt of the evaluation at each save
+
 
 @torch.no_grad()
 def greedy(target, prompt: list[int], max_new: int, device="cpu") -> list[int]:
@@ -70,7 +72,7 @@ def prompts_from(data, n: int, max_prompt: int = 256) -> list[list[int]]:
     return prompts
 
 
-def acceptance_length(target, drafter, head, data, n_prompts: int, device, max_new: int = 64) -> float:
+def acceptance_length(target, drafter, head, data, n_prompts: int, device, max_new: int = EVAL_MAX_NEW) -> float:
     was_training = drafter.training
     drafter.eval()
     counts: list[int] = []

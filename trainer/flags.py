@@ -165,6 +165,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--noise-end", "float", 0.0, "noise amplitude at the last step (linear anneal)", "loss"),
     # -- outputs
     Flag("--save-interval", "int", 2000, "optimizer steps between checkpoints (a final one is always written)", "output"),
+    Flag("--keep-checkpoints", "int", 3, "keep the newest N checkpoints in --output-dir: an older one is removed only after a newer save completed, never the newest loadable one (0 keeps all); the launch preflight refuses a run whose retained checkpoints cannot fit the output disk", "output", metavar="N"),
+    Flag("--keep-every", "int", 0, "also keep every checkpoint whose step is a multiple of K, beyond --keep-checkpoints (0: none)", "output", metavar="K"),
     Flag("--log-interval", "int", 1, "optimizer steps between step events", "output"),
     Flag("--eval-prompts", "int", 0, "held-out prompts for acceptance-length evaluation at each save (0: off)", "output"),
     Flag("--probe-memory", "bool", False, "run the worst-case step (the selected --drafter-step) on each role's device, report the measured peak per GPU beside the memory model's prediction, and exit", "output"),
@@ -268,6 +270,10 @@ def check(values: Mapping[str, Any]) -> list[str]:
         v = values.get(dest)
         if isinstance(v, (int, float)) and not 0 <= v <= 1:
             problems.append(f"{BY_DEST[dest].name} {v} must be between 0 and 1")
+    for dest in ("keep_checkpoints", "keep_every"):
+        v = values.get(dest)
+        if isinstance(v, int) and v < 0:
+            problems.append(f"{BY_DEST[dest].name} {v} must be >= 0 (0: {'keep all' if dest == 'keep_checkpoints' else 'none'})")
     for dest in ("noise_start", "noise_end", "cap_lambda", "weight_decay", "grad_clip"):
         v = values.get(dest)
         if isinstance(v, (int, float)) and v < 0:
@@ -295,7 +301,8 @@ class UsageParser(argparse.ArgumentParser):
 
 
 def build_parser(prog: str = "python -m trainer") -> argparse.ArgumentParser:
-    parser = UsageParser(prog=prog, description="Train a DFlash drafter against a frozen target.")
+    parser = UsageParser(prog=prog, description="Train a DFlash drafter against a frozen target. Subcommands: "
+                         f"`{prog} prepare|tiny|synthetic|export|flags --help`.")
     groups: dict[str, Any] = {}
     exclusive = parser.add_mutually_exclusive_group()
     for f in FLAGS:
@@ -303,7 +310,8 @@ def build_parser(prog: str = "python -m trainer") -> argparse.ArgumentParser:
             target = exclusive
         else:
             target = groups.setdefault(f.group, parser.add_argument_group(f.group))
-        kw: dict[str, Any] = {"dest": f.dest, "help": f.help, "default": f.default}
+        # argparse %-formats help text: a literal "10 %" would be a conversion (a traceback on --help)
+        kw: dict[str, Any] = {"dest": f.dest, "help": f.help.replace("%", "%%"), "default": f.default}
         if f.kind == "bool":
             kw["action"] = "store_true"
         else:

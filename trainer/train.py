@@ -395,12 +395,19 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
                          "epoch": stream[nxt][0] if nxt < len(stream) else args.epochs}
                 path = ckpt_io.save(args.output_dir, step, drafter,
                                     {**meta, "data_position": nxt, "epoch": state["epoch"]}, state)
-                events.emit("checkpoint", step=step, path=path)
+                # older checkpoints go only now that this one is complete (--keep-checkpoints)
+                pruned = ckpt_io.prune(args.output_dir, step, args.keep_checkpoints, args.keep_every)
+                events.emit("checkpoint", step=step, path=path, pruned=pruned)
                 if args.eval_prompts > 0 and target is not None:
-                    from trainer.evaluate import acceptance_length
+                    from trainer.evaluate import EVAL_MAX_NEW, acceptance_length
+                    from trainer.export import record_eval
 
                     events.emit("phase", phase="evaluating")
                     tau = acceptance_length(target, drafter, head, data, args.eval_prompts, dev)
+                    record_eval(os.path.dirname(path), block={  # the export's model card shows it
+                        "tau": tau, "prompts": args.eval_prompts, "max_new_tokens": EVAL_MAX_NEW, "device": dev.type,
+                        "dtype": str(next(drafter.parameters()).dtype).replace("torch.", ""),
+                        "by": "trainer/evaluate.py at save"})
                     events.emit("eval", step=step, tau=tau)
                     print(f"eval step {step}: tau {tau:.3f}", flush=True)
                 events.emit("phase", phase="training")
