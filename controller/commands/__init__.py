@@ -6,7 +6,7 @@ import importlib
 
 import typer
 
-GROUPS: list[str] = ["remote", "sim", "envs", "rollback", "run"]
+GROUPS: list[str] = ["remote", "sim", "envs", "rollback", "run", "export"]
 
 
 def register_all(app: typer.Typer) -> None:
