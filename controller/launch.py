@@ -102,7 +102,15 @@ class Launcher:
         request = {"workspace": self.workspace, "run_id": self.run_id, "config": self.config.name,
                    "flags": {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.values.items()},
                    "start": start_kind(self.start)}
-        return self._call(["agent.preflight", "check"], request, "the launch preflight")
+        pf = self._call(["agent.preflight", "check"], request, "the launch preflight")
+        # the container reports free disk; whether the kept checkpoints fit is decided here
+        from controller.diskcheck import disk_refusal
+
+        refusal = disk_refusal(self.values, pf)
+        if refusal:
+            pf["errors"] = [*(pf.get("errors") or []), refusal]
+            pf["ok"] = False
+        return pf
 
     def report(self, pf: dict) -> tuple[list[str], list[D.Finding]]:
         """The operator's view of the preflight: what will run, then drift against known good."""
