@@ -39,12 +39,13 @@ def du(path: str) -> int:
     return sum(_blocks(os.path.getsize(os.path.join(r, f))) for r, _, fs in os.walk(path) for f in fs)
 
 
-def one(shape, work: str) -> dict:
+def save_random_checkpoint(shape, out: str, config: dict | None = None) -> tuple[dict, float]:
+    """A drafter of ``shape`` after one AdamW step (so the optimizer state exists), saved as
+    OUTPUT/step_1 by trainer.checkpoint.save; returns (the target config.json it implies,
+    seconds the save took)."""
     import torch
 
     from trainer import checkpoint as ckpt_io
-    from trainer import ckptsize
-    from trainer.export import export
     from trainer.model import Drafter, DrafterConfig
 
     H, L, inter, nh, nkv, hd = shape
@@ -56,18 +57,26 @@ def one(shape, work: str) -> dict:
     drafter(torch.randn(1, 32, L * H), torch.randn(1, 16, H), torch.tensor([[32]]),
             torch.ones(1, 1, dtype=torch.bool)).sum().backward()
     opt.step()
-    meta = {"config": {"num_draft_layers": L, "max_seq_len": 4096}, "drafter_config": dcfg.to_hf(), "target": {},
-            "data_fingerprint": "0" * 64, "schedule": {"total_steps": 1}}
-    out = os.path.join(work, f"w{H}")
+    meta = {"config": {**(config or {}), "num_draft_layers": L, "max_seq_len": 4096}, "drafter_config": dcfg.to_hf(),
+            "target": {}, "data_fingerprint": "0" * 64, "schedule": {"total_steps": 1}}
     t0 = time.perf_counter()
     ckpt_io.save(out, 1, drafter, meta, {"model": drafter.state_dict(), "optimizer": opt.state_dict()})
-    save_s = time.perf_counter() - t0
+    return tcfg, time.perf_counter() - t0
+
+
+def one(shape, work: str) -> dict:
+    from trainer import ckptsize
+    from trainer.export import export
+
+    H, L = shape[:2]
+    out = os.path.join(work, f"w{H}")
+    tcfg, save_s = save_random_checkpoint(shape, out)
+    params = ckptsize.drafter_params(tcfg, L)[0]
     t0 = time.perf_counter()
     export(out, os.path.join(work, f"e{H}"))
     export_s = time.perf_counter() - t0
     real = du(os.path.join(out, "step_1"))
     pred = ckptsize.checkpoint_bytes(tcfg, {"num_draft_layers": L})
-    params = sum(p.numel() for p in drafter.parameters())
     shutil.rmtree(out)
     shutil.rmtree(os.path.join(work, f"e{H}"))
     return {"params": params, "real": real, "pred": pred, "save_s": save_s, "export_s": export_s}

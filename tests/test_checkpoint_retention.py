@@ -93,10 +93,6 @@ def du(path: str) -> int:
 
 
 def test_the_size_prediction_matches_real_checkpoints_within_2_percent(tiny, tmp_path):
-    import torch
-
-    from trainer.model import Drafter, DrafterConfig
-
     # the tiny run's own checkpoint (the trainer's meta, config and eval records)
     out = str(tmp_path / "out")
     argv = base_args(tiny["target"], tiny["data"], out, "--from-scratch", "--max-steps", "2", "--eval-prompts", "2")
@@ -105,22 +101,14 @@ def test_the_size_prediction_matches_real_checkpoints_within_2_percent(tiny, tmp
     values = vars(flags.parse_args(argv))
     real, pred = du(os.path.join(out, "step_2")), ckptsize.checkpoint_bytes(target, values)
     assert abs(pred - real) / real < 0.02, (pred, real)
-    # wider drafters, saved through the same code path after an optimizer step
-    for H, L, inter, nh, nkv, hd in [(256, 2, 768, 8, 4, 32), (512, 3, 1536, 8, 4, 64)]:
-        tcfg = dict(hidden_size=H, intermediate_size=inter, num_attention_heads=nh, num_key_value_heads=nkv,
-                    head_dim=hd, vocab_size=1000, num_hidden_layers=8, max_position_embeddings=4096)
-        dcfg = DrafterConfig.from_target(tcfg, L, 8)
-        drafter = Drafter(dcfg)
-        opt = torch.optim.AdamW(drafter.parameters(), lr=1e-3)
-        drafter(torch.randn(1, 16, L * H), torch.randn(1, 8, H), torch.tensor([[8]]),
-                torch.ones(1, 1, dtype=torch.bool)).sum().backward()
-        opt.step()
-        d = str(tmp_path / f"w{H}")
-        meta = {"config": {**values, "num_draft_layers": L}, "drafter_config": dcfg.to_hf(), "target": {},
-                "data_fingerprint": "0" * 64, "schedule": {"total_steps": 1}}
-        ckpt_io.save(d, 1, drafter, meta, {"model": drafter.state_dict(), "optimizer": opt.state_dict()})
-        real, pred = du(os.path.join(d, "step_1")), ckptsize.checkpoint_bytes(tcfg, {"num_draft_layers": L})
-        assert abs(pred - real) / real < 0.02, (H, pred, real)
+    # wider drafters, saved through the same code path after an optimizer step (bench/export_ckpt.py)
+    from bench.export_ckpt import save_random_checkpoint
+
+    for shape in [(256, 2, 768, 8, 4, 32), (512, 3, 1536, 8, 4, 64)]:
+        d = str(tmp_path / f"w{shape[0]}")
+        tcfg, _ = save_random_checkpoint(shape, d, values)
+        real, pred = du(os.path.join(d, "step_1")), ckptsize.checkpoint_bytes(tcfg, {"num_draft_layers": shape[1]})
+        assert abs(pred - real) / real < 0.02, (shape, pred, real)
 
 
 def test_a_27b_width_drafter_checkpoint_is_tens_of_gigabytes():

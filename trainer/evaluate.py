@@ -18,6 +18,8 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
+from trainer.hf_dflash import accept
+
 EVAL_MAX_NEW = 64  # new tokens per prompt of the evaluation at each save
 
 
@@ -50,13 +52,10 @@ def speculative(target, drafter, head, prompt: list[int], max_new: int, device="
             h = drafter(taps[:, :n], head.embed_blocks(ids, anchors, B, mask_id), anchors, keep)
             draft = F.linear(h[0, 1:], head.lm_head).argmax(-1).tolist()
         taps, logits = target.forward_logits(torch.tensor([seq + [bonus] + draft], device=device))
-        pred = logits[0, n:n + B].argmax(-1).tolist()  # target's choice for positions n+1 .. n+B
-        j = 0
-        while j < B - 1 and draft[j] == pred[j]:
-            j += 1
-        seq += [bonus] + draft[:j]
-        out += [bonus] + draft[:j]
-        bonus = pred[j]
+        # target's choice for positions n+1 .. n+B; the export's spec_generate verifies alike
+        j, bonus_next = accept(draft, logits[0, n:n + B].argmax(-1).tolist())
+        committed = [bonus] + draft[:j]
+        seq, out, bonus = seq + committed, out + committed, bonus_next
         per_forward.append(j + 1)
     return out[:max_new], per_forward
 

@@ -235,13 +235,10 @@ class DFlashDraftModel(PreTrainedModel):
                 h = self(taps[:, :n], F.embedding(block, embed), torch.tensor([[n]], device=device))
                 draft = F.linear(h[0, 1:].to(lm_head.dtype), lm_head).argmax(-1).tolist()
                 taps, logits = taps_of(torch.tensor([seq + [bonus] + draft], device=device))
-                pred = logits[0, n:n + B].argmax(-1).tolist()  # the target's token after each position
-                j = 0
-                while j < B - 1 and draft[j] == pred[j]:
-                    j += 1
+                j, nxt = accept(draft, logits[0, n:n + B].argmax(-1).tolist())
                 seq += [bonus] + draft[:j]
                 out += [bonus] + draft[:j]
-                bonus = pred[j]
+                bonus = nxt
                 per_forward.append(j + 1)
                 if stops and any(t in stops for t in out):
                     out = out[:next(i for i, t in enumerate(out) if t in stops) + 1]
@@ -254,6 +251,16 @@ class DFlashDraftModel(PreTrainedModel):
             return ids
         return SimpleNamespace(output_ids=ids, acceptance_lengths=per_forward,
                                tau=sum(per_forward) / max(1, len(per_forward)), num_output_tokens=len(out))
+
+
+def accept(draft: list[int], pred: list[int]) -> tuple[int, int]:
+    """Greedy verification of one block: ``pred`` is the target's token after the bonus and
+    after each draft (len(draft) + 1 of them). Returns (drafts accepted — the longest prefix
+    equal to the target's own choices —, the target's token after them: the next bonus)."""
+    j = 0
+    while j < len(draft) and draft[j] == pred[j]:
+        j += 1
+    return j, pred[j]
 
 
 class _Taps:

@@ -1,62 +1,48 @@
-"""`ctl export` against the simulated node, run as the operator runs it (a `ctl` subprocess in
-which torch cannot be imported): a tiny run launched in container 201, its drafter exported
-in the container and streamed back over SSH; the directory on this side equals the
-container's (sha256 of every file, against the checkpoint's own step_N/drafter/), and every
-refusal leaves nothing behind, here or in the container."""
+"""Disks and exports on the simulated node, with `ctl` run as the operator runs it (a
+subprocess in which torch cannot be imported), in container 201.
+
+`ctl export`: a tiny run launched there, its drafter exported in the container and streamed
+back over SSH; the directory on this side equals the container's (sha256 of every file,
+against the checkpoint's own step_N/drafter/), and every refusal leaves nothing behind, here
+or in the container.
+
+Disks (issue 20, item 6): the container gets a 2 GiB tmpfs as its output disk for the test
+(mounted inside the container, removed after; tmpfs holds only what is written), and a run
+that keeps all of 3,000 checkpoints of ~0.8 MiB is launched on it. Before, 2 GiB free drew
+only a warning ("--output-dir: 2.0 GiB free on …") and the run started; now `ctl launch`
+exits 3 with one line naming need, free and what to change, and nothing is started or
+written."""
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+import _ctl_subprocess as C
 
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
 CT = 201
 WS = "/workspace"
-REPO = Path(__file__).resolve().parent.parent
 NAME = "exporttest"
-CTL = [str(Path(sys.executable).with_name("ctl"))]
-BLOCKER = '''
-import sys
-class _NoTorch:
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ImportError("torch is blocked in the controller (tests/test_export_sim.py)")
-        return None
-sys.meta_path.insert(0, _NoTorch())
-'''
-
-
-def ctl(env, *args, timeout=600):
-    return subprocess.run(CTL + [str(a) for a in args], env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def sh(env, *argv) -> str:
-    p = ctl(env, "exec", "-c", CT, "--", *argv)
-    assert p.returncode == 0, f"{argv}: {p.stderr}"
-    return p.stdout
+ctl = C.ctl
+sh = functools.partial(C.sh, ct=CT)
 
 
 @pytest.fixture(scope="module")
 def env(ctl_config, tmp_path_factory):
-    blocker = tmp_path_factory.mktemp("no-torch")
-    (blocker / "sitecustomize.py").write_text(BLOCKER)
-    return {**os.environ, "PYTHONPATH": f"{blocker}{os.pathsep}{REPO}", "DFLASH_CTL_CONFIG": str(ctl_config),
-            "DFLASH_CTL_SSH_CONFIG": "none", "COLUMNS": "200"}
+    return C.no_torch_env(ctl_config, tmp_path_factory.mktemp("no-torch"))
 
 
 @pytest.fixture(scope="module")
-def run(sim_node, env, tmp_path_factory):
-    """A 4-step tiny run in container 201 (checkpoints at steps 2 and 4); on teardown our runs
-    and launch records go and .dflash-ctl is put back as found."""
+def toml(sim_node, env, tmp_path_factory):
+    """examples/tiny.toml under our own name, its target and data provisioned in the container."""
     from controller import config as cfg
     from controller.container import Container
     from controller.provision import provision_tiny
@@ -66,8 +52,15 @@ def run(sim_node, env, tmp_path_factory):
     name, node = conf.node()
     with open_runner(name, node) as runner:
         provision_tiny(Container(runner, name, node, CT))
-    toml = tmp_path_factory.mktemp("cfg") / f"{NAME}.toml"
-    toml.write_text((REPO / "examples" / "tiny.toml").read_text().replace('name = "tiny"', f'name = "{NAME}"'))
+    path = tmp_path_factory.mktemp("cfg") / f"{NAME}.toml"
+    path.write_text((C.REPO / "examples" / "tiny.toml").read_text().replace('name = "tiny"', f'name = "{NAME}"'))
+    return path
+
+
+@pytest.fixture(scope="module")
+def run(env, toml):
+    """A 4-step tiny run in container 201 (checkpoints at steps 2 and 4); on teardown our runs
+    and launch records go and .dflash-ctl is put back as found."""
     saved = f"/tmp/dflash-{NAME}-saved"
     sh(env, "sh", "-c", f'mkdir -p {WS}/.dflash-ctl && rm -rf "$1" && cp -a {WS}/.dflash-ctl "$1"', "sh", saved)
     launch = ctl(env, "launch", "--container", CT, "--config", toml, "--from-scratch", "--accept-drift", "--json",
@@ -146,3 +139,39 @@ def test_refusals_leave_nothing_behind(run, env, tmp_path):
         refused(env, ["--container", CT, "--run", empty, "--to", tmp_path / "y"], "no complete checkpoint", tmp_path)
     finally:
         sh(env, "rm", "-rf", "--", f"{WS}/runs/{empty}")
+
+
+# --- disks -----------------------------------------------------------------------------------
+
+@pytest.fixture
+def small_disk(env):
+    """A 2 GiB tmpfs in container 201, unmounted and removed after the test."""
+    mnt = f"{WS}/{NAME}-{os.getpid()}"
+    sh(env, "sh", "-c", 'mkdir -p "$1" && mount -t tmpfs -o size=2g tmpfs "$1"', "sh", mnt)
+    try:
+        yield mnt
+    finally:
+        sh(env, "sh", "-c", 'umount "$1"; rmdir "$1"', "sh", mnt, check=False)
+    assert NAME not in sh(env, "cat", "/proc/mounts")
+
+
+def runs(env) -> list[str]:
+    return sorted(r for r in sh(env, "sh", "-c", f"ls -1 {WS}/runs 2>/dev/null || true").split() if r.startswith(NAME))
+
+
+def test_a_launch_whose_checkpoints_cannot_fit_the_output_disk_is_refused_before_anything_starts(env, toml,
+                                                                                                  small_disk):
+    before = runs(env)
+    p = ctl(env, "launch", "--container", CT, "--config", toml, "--from-scratch", "--accept-drift",
+            "--output-dir", f"{small_disk}/out", "--set", "epochs=200", "--set", "max-steps=3000",
+            "--set", "save-interval=1", "--set", "keep-checkpoints=0")
+    assert p.returncode == 3, p.stdout + p.stderr
+    assert "launch refused — nothing was started" in p.stderr and "Traceback" not in p.stderr + p.stdout
+    line = next(ln.strip() for ln in p.stderr.splitlines() if f"--output-dir {small_disk}/out:" in ln)
+    print(line)
+    # need, free, what to change
+    assert "3000 checkpoints of " in line and "--keep-checkpoints 0 keeps every one: at least 3000 steps" in line, line
+    assert " need 2." in line and f"{small_disk} has 2.0 GiB free; set --keep-checkpoints (e.g. 3)" in line, line
+    assert runs(env) == before
+    assert sh(env, "ls", "-A", small_disk).strip() == ""  # nothing written on that disk
+    assert f"{WS}/runs/{NAME}-" not in sh(env, "ps", "-eo", "args=")
