@@ -8,10 +8,12 @@ works with torch and transformers alone. Nothing here imports dflash-ctl: this f
 as text by trainer/export.py and must stay loadable on a machine that has only torch,
 transformers and safetensors (tests/test_export_served.py loads it in such a venv).
 
-The math is trainer/model.py's, op for op and in the same order (context K/V projected
-together with the block's, fp32 norm statistics, RoPE cos/sin in fp32, the same boolean
-mask through SDPA), so a drafter decodes here exactly as the trainer's evaluator
-(trainer/evaluate.py) decodes it: same drafts, same acceptance length.
+The math is the trainer's, op for op and in the same order: trainer/model.py takes its
+norm, RoPE and MLP from this file and trainer/evaluate.py its verification step
+(:func:`accept`); the attention here repeats the trainer's sdpa path (context K/V projected
+together with the block's, the same boolean mask through SDPA). So a drafter decodes here
+exactly as the trainer's evaluator decodes it: same drafts, same acceptance length
+(tests/test_export_served.py).
 
 ``spec_generate`` is greedy block verification without a KV cache: every round the target
 recomputes the committed prefix, as the evaluator does. It is the reference for what the
