@@ -177,3 +177,25 @@ def test_an_empty_out_dir_is_filled(run, tmp_path):
 def test_help_exits_0_without_a_traceback(argv):
     p = subprocess.run([sys.executable, "-m", "trainer", *argv], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 0 and "Traceback" not in p.stderr and "usage:" in p.stdout, p.stderr
+
+
+def test_sliding_layers_are_written_generically_and_masked_as_documented():
+    """A drafter config with sliding layers (the hybrid trainer's, once merged) is exported as
+    it says; the modeling file windows the context and makes the block causal there."""
+    from trainer.hf_dflash import block_mask
+
+    base = {"num_hidden_layers": 2, "dflash_config": {"mask_token_id": 5, "target_layer_ids": [1]}, "block_size": 4,
+            "rope_theta": 1e4}
+    cfg = X.hf_config({**base, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 3}, {})
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["sliding_window"] == 3
+    assert cfg["use_sliding_window"] is True
+    with pytest.raises(X.ExportError, match="no sliding_window"):
+        X.hf_config({**base, "layer_types": ["sliding_attention", "full_attention"]}, {})
+    anchors, keep = torch.tensor([[6]]), torch.ones(1, 1, dtype=torch.bool)
+    full = block_mask(anchors, keep, 6, 4)[0, 0]
+    win = block_mask(anchors, keep, 6, 4, window=3)[0, 0]
+    assert full[:, :6].all() and full[:, 6:].all()  # all context, the block both ways
+    # query j sits at position 6 + j: it sees context positions > 6 + j - 3, i.e. 4.. for j = 0
+    assert win[0, :6].tolist() == [False, False, False, False, True, True]
+    assert win[3, :6].tolist() == [False] * 6
+    assert win[:, 6:].tolist() == torch.ones(4, 4, dtype=torch.bool).tril().tolist()
