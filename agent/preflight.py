@@ -38,9 +38,6 @@ from agent import gpuview, knowngood
 from agent.protocol import read_json_doc, atomic_write, wrap_payload
 
 GIB = 1 << 30
-# Below this much free disk at the output dir a checkpoint save would fail hours in.
-MIN_FREE_DISK_GIB = 1.0
-WARN_FREE_DISK_GIB = 20.0
 CHECKPOINT_FILE = "checkpoint.pt"
 
 
@@ -247,12 +244,16 @@ def checkpoint_info(start: dict, flags: dict, model: dict, data: dict) -> tuple[
 
 
 def disk_info(path: Optional[str]) -> dict:
+    """Free space where --output-dir will be, measured in this container (its nearest existing
+    ancestor: the output dir is usually created by the run). A fact only: whether the run's
+    checkpoints fit is the controller's verdict (controller/diskcheck.py), which knows their
+    size; this side imports nothing of the trainer."""
     probe = path or "/"
     while probe and not os.path.exists(probe):
         probe = os.path.dirname(probe.rstrip("/")) or "/"
     usage = shutil.disk_usage(probe)
-    return {"path": path, "measured_at": probe, "free_gib": round(usage.free / GIB, 2),
-            "total_gib": round(usage.total / GIB, 2)}
+    return {"path": path, "measured_at": probe, "free_bytes": usage.free, "total_bytes": usage.total,
+            "free_gib": round(usage.free / GIB, 2), "total_gib": round(usage.total / GIB, 2)}
 
 
 def active_runs(workspace: str) -> list[dict]:
@@ -329,11 +330,6 @@ def check(req: dict) -> dict:
     warnings += warns
 
     disk = disk_info(flags.get("output_dir"))
-    if disk["free_gib"] < MIN_FREE_DISK_GIB:
-        errors.append(f"--output-dir {flags.get('output_dir')}: only {disk['free_gib']} GiB free on "
-                      f"{disk['measured_at']}; free space or choose another output dir")
-    elif disk["free_gib"] < WARN_FREE_DISK_GIB:
-        warnings.append(f"--output-dir: {disk['free_gib']} GiB free on {disk['measured_at']}")
 
     for other in active_runs(workspace):
         shared = sorted(set(other.get("gpus") or []) & set(roles["target"] + roles["drafter"]))

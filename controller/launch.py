@@ -190,10 +190,16 @@ class Launcher:
     def assess(self, pf: dict) -> "Assessment":
         """Everything the preflight found, as the operator sees it, and what refuses the
         launch: the preflight's errors, GPUs the container cannot see (with the cause),
-        the memory verdict per GPU, and drift. The one verdict of a single-container launch
+        the disk the kept checkpoints need, the memory verdict per GPU, and drift. The one verdict of a single-container launch
         and of every container of a job."""
+        from controller.diskcheck import disk_refusal
+
         lines, findings = self.report(pf)
         refusals = list(pf.get("errors") or [])
+        # the container reports free disk; whether the kept checkpoints fit is decided here
+        disk = disk_refusal(self.values, pf)
+        if disk:
+            refusals.append(disk)
         target_cfg = (pf.get("model") or {}).get("config")
         if target_cfg:
             from trainer import family

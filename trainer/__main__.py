@@ -1,4 +1,5 @@
-"""``python -m trainer``: train a DFlash drafter; ``prepare``, ``tiny``, ``synthetic`` and ``flags`` subcommands.
+"""``python -m trainer``: train a DFlash drafter; ``prepare``, ``tiny``, ``synthetic``, ``export`` and ``flags``
+subcommands.
 
 Bad input (flags, paths, an incompatible checkpoint, a missing start decision) is refused
 before anything is created: one line per problem on stderr, exit code 2 (EXIT_USAGE).
@@ -173,6 +174,7 @@ SUBCOMMANDS = {
     "prepare": _subcommand("trainer.data"),
     "tiny": _subcommand("trainer.tiny"),
     "synthetic": _subcommand("trainer.synthetic"),
+    "export": _subcommand("trainer.export"),
     "flags": _flags_main,
 }
 

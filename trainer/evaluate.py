@@ -26,6 +26,10 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
+from trainer.hf_dflash import accept
+
+EVAL_MAX_NEW = 64  # new tokens per prompt of the evaluation at each save
+
 
 @torch.no_grad()
 def greedy(target, prompt: list[int], max_new: int, device="cpu") -> list[int]:
@@ -57,17 +61,15 @@ def speculative(target, drafter, head, prompt: list[int], max_new: int, device="
             draft = F.linear(h[0, 1:], head.lm_head).argmax(-1).tolist()
         before = copy.deepcopy(cache)  # the committed prefix's state, for the roll-back
         block_taps, logits, cache = target.forward_cached(torch.tensor([[bonus] + draft], device=device), cache)
-        pred = logits[0].argmax(-1).tolist()  # target's choice for positions n+1 .. n+B
-        j = 0
-        while j < B - 1 and draft[j] == pred[j]:
-            j += 1
+        # target's choice for positions n+1 .. n+B; the export's spec_generate verifies alike
+        j, bonus_next = accept(draft, logits[0].argmax(-1).tolist())
         committed = [bonus] + draft[:j]
         if j < B - 1:  # roll back to the accepted prefix: replay the committed tokens on the old state
             block_taps, _, cache = target.forward_cached(torch.tensor([committed], device=device), before)
         taps = torch.cat([taps, block_taps[:, :len(committed)]], dim=1)
         seq += committed
         out += committed
-        bonus = pred[j]
+        bonus = bonus_next
         per_forward.append(j + 1)
     return out[:max_new], per_forward
 
@@ -83,7 +85,7 @@ def prompts_from(data, n: int, max_prompt: int = 256) -> list[list[int]]:
     return prompts
 
 
-def acceptance_length(target, drafter, head, data, n_prompts: int, device, max_new: int = 64) -> float:
+def acceptance_length(target, drafter, head, data, n_prompts: int, device, max_new: int = EVAL_MAX_NEW) -> float:
     was_training = drafter.training
     drafter.eval()
     counts: list[int] = []

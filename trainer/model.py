@@ -42,6 +42,12 @@ import torch.nn.functional as F
 from trainer import family
 from trainer import fused_ops as fo
 from trainer.flex_mask import dense_dflash_mask, flex_attention_fn, make_dflash_block_mask
+# One implementation of the norm, RoPE and MLP: the export's modeling file (trainer/hf_dflash.py,
+# written into every drafter/ so transformers loads it without this package) must compute
+# exactly what the trainer computes, so the trainer uses its pieces.
+from trainer.hf_dflash import DFlashMLP as MLP
+from trainer.hf_dflash import DFlashRMSNorm as RMSNorm
+from trainer.hf_dflash import apply_rope, rope_cos_sin
 
 DEFAULT_MASK_TOKEN_ID = family.QWEN3_MASK_TOKEN_ID  # a drafter export that names none (z-lab's Qwen3 ones)
 
@@ -189,36 +195,6 @@ def rope_theta_of(cfg: dict) -> float:
 # --------------------------------------------------------------------------- layers
 
 
-class RMSNorm(nn.Module):
-    """Qwen3RMSNorm: statistics in fp32, weight applied in the input dtype."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
-    """cos/sin [b, N, head_dim] (fp32) at absolute integer positions [b, N] (Qwen3 default RoPE)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    freqs = positions.float().unsqueeze(-1) * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [b, heads, N, D]; cos/sin [b, N, D]."""
-    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
-
 class Attention(nn.Module):
     def __init__(self, c: DrafterConfig):
         super().__init__()
@@ -269,17 +245,6 @@ class Attention(nn.Module):
         o = attend(q, torch.cat([kc.to(dtype), k], dim=2), torch.cat([vc.to(dtype), v], dim=2))
         wo, bo = _fused((self.o_proj,), dtype)
         return _mm(o.transpose(1, 2).reshape(1, Q, -1), wo, bo)
-
-
-class MLP(nn.Module):
-    def __init__(self, c: DrafterConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Layer(nn.Module):

@@ -16,6 +16,7 @@ import os
 import torch
 
 from trainer import family
+from trainer.hf_dflash import cache_kwarg
 
 # Keys of config.json that do not change what the target computes.
 _IDENTITY_IGNORE = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures",
@@ -143,11 +144,3 @@ class Target:
         taps = torch.cat([self._taps[i] for i in self.layer_ids], dim=-1)
         self._taps.clear()
         return taps, logits
-
-
-def cache_kwarg(model) -> str:
-    """The forward's cache argument: transformers renamed past_key_values → cache (5.2x);
-    the GPU machine runs 5.17."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

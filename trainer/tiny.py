@@ -81,7 +81,7 @@ def greedy_continue(model, prompts: np.ndarray, steps: int) -> np.ndarray:
     """Greedy continuation (KV cache, mask token suppressed) of equal-length prompts."""
     import torch
 
-    from trainer.target import cache_kwarg
+    from trainer.hf_dflash import cache_kwarg
 
     kw = cache_kwarg(model)
     out_tokens = []

@@ -339,11 +339,14 @@ def step_line(m: dict) -> str:
             f"acc@1 {m['acc'][0]} | wait {m['wait_s']:.2f}s")
 
 
-def save_checkpoint(args, events, step: int, position: int, stream, drafter, opt, meta: dict) -> None:
+def save_checkpoint(args, events, step: int, position: int, stream, drafter, opt, meta: dict) -> str:
     epoch = stream[position][0] if position < len(stream) else args.epochs
     state = {"model": drafter.state_dict(), "optimizer": opt.state_dict(), "data_position": position, "epoch": epoch}
     path = ckpt_io.save(args.output_dir, step, drafter, {**meta, "data_position": position, "epoch": epoch}, state)
-    events.emit("checkpoint", step=step, path=path)
+    # older checkpoints go only now that this one is complete (--keep-checkpoints)
+    pruned = ckpt_io.prune(args.output_dir, step, args.keep_checkpoints, args.keep_every)
+    events.emit("checkpoint", step=step, path=path, pruned=pruned)
+    return path
 
 
 def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
@@ -425,11 +428,18 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
         if step % args.save_interval == 0 or finishing:
             if log:
                 events.emit("phase", phase="saving")
-                save_checkpoint(args, events, step, start.position + (step - start.step) * per_step, stream,
-                                drafter, opt, meta)
+                path = save_checkpoint(args, events, step, start.position + (step - start.step) * per_step, stream,
+                                       drafter, opt, meta)
                 if args.eval_prompts > 0 and target is not None:
+                    from trainer.evaluate import EVAL_MAX_NEW, acceptance_length
+                    from trainer.export import record_eval
+
                     events.emit("phase", phase="evaluating")
                     tau = acceptance_length(target, drafter, head, data, args.eval_prompts, dev)
+                    record_eval(os.path.dirname(path), block={  # the export's model card shows it
+                        "tau": tau, "prompts": args.eval_prompts, "max_new_tokens": EVAL_MAX_NEW, "device": dev.type,
+                        "dtype": str(next(drafter.parameters()).dtype).replace("torch.", ""),
+                        "by": "trainer/evaluate.py at save"})
                     events.emit("eval", step=step, tau=tau)
                     print(f"eval step {step}: tau {tau:.3f}", flush=True)
                 events.emit("phase", phase="training")

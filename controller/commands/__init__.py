@@ -16,6 +16,7 @@ COMMANDS: dict[str, str] = {
     "launch": "run", "tail": "run", "status": "run", "runs": "run",
     "kill-and-rollback": "rollback", "history": "rollback",
     "sim": "sim",
+    "export": "export",
 }
 
 
