@@ -171,7 +171,8 @@ def test_the_transformers_forward_grows_where_the_chunked_one_does_not():
     fast = [mm.predict(spec("target", b * 8192)).terms["target_chunk"] for b in (1, 6, 55)]
     hf = [mm.predict(spec("target", b * 8192, target_forward="hf")).terms["target_chunk"] for b in (1, 6, 55)]
     assert fast[0] == fast[1] == fast[2]
-    assert hf[2] == 55 * hf[0] > 50 * fast[2]  # 450,560 tokens: the 10.3 GiB MLP product of issue 14 and more
+    # 450,560 tokens at once: at least the MLP's gate|up and the 10.3 GiB product of issue 14
+    assert hf[2] == 55 * hf[0] >= 55 * 8192 * 3 * 12288 * 2 > 40 * fast[2]
 
 
 def test_optimizer_state_from_step_two_is_in_every_drafter_phase():
@@ -213,33 +214,38 @@ def test_a_target_family_without_terms_is_named_not_guessed():
 
 # Issue 14's H200 measurements (bench/gpu/memory_campaign.py, 2026-12-01, one H200, torch
 # 2.11, expandable segments; raw files in bench/gpu/results/issue14_*): torch's
-# max_memory_allocated / max_memory_reserved in MiB, after two or more optimizer steps. The
-# build measured held one more thing than this one: the chunked step's leak fixed since
+# max_memory_allocated / max_memory_reserved in MiB, after two or more optimizer steps. Call 1
+# measured a build that held one more thing than this one: the chunked step's leak fixed since
 # (test_the_chunked_step_holds_one_chunks_context_gradients_not_every_chunks), whose bytes
-# memory_campaign.leak_bytes counts from the allocator trace; it is added to the prediction.
+# memory_campaign.leak_bytes_of counts from the allocator trace; it is added to the prediction
+# of those rows (memory_campaign.as_measured_build). Call 3 measured the fixed build.
 MEASURED_H200 = [
-    # (role, token budget, allocated, reserved, what)
-    ("colocated", 49152, 56_729, 56_992, "python -m trainer, the operators' budget"),
-    ("colocated", 65536, 59_518, 59_794, "python -m trainer --token-budget auto, 21 steps"),
-    ("colocated", 65536, 59_518, 59_974, "python -m trainer --probe-memory --token-budget auto"),
-    ("colocated", 196608, 81_834, 82_200, "sweep: the trainer's pieces in one process"),
-    ("drafter", 49152, 43_472, 43_852, "sweep: a split drafter rank"),
-    ("drafter", 131072, 57_419, 57_756, "sweep: a split drafter rank"),
-    ("target", 49152, 21_007, 21_402, "sweep: a split target rank, two micro-batches resident"),
-    ("target", 131072, 28_688, 29_084, "sweep: a split target rank, two micro-batches resident"),
+    # (role, token budget, allocated, reserved, what, measured on the leaky build)
+    ("colocated", 49152, 56_729, 56_992, "call 1: python -m trainer, the operators' budget", True),
+    ("colocated", 65536, 59_518, 59_794, "call 1: python -m trainer --token-budget auto, 21 steps", True),
+    ("colocated", 65536, 59_518, 59_974, "call 1: python -m trainer --probe-memory --token-budget auto", True),
+    ("colocated", 196608, 81_834, 82_200, "call 1: sweep, the trainer's pieces in one process", True),
+    ("drafter", 49152, 43_472, 43_852, "call 1: sweep, a split drafter rank", True),
+    ("drafter", 131072, 57_419, 57_756, "call 1: sweep, a split drafter rank", True),
+    ("target", 49152, 21_007, 21_402, "call 1: sweep, a split target rank, two micro-batches resident", True),
+    ("target", 131072, 28_688, 29_084, "call 1: sweep, a split target rank, two micro-batches resident", True),
+    ("colocated", 49152, 54_967, 55_330, "call 3 (fixed build): python -m trainer, the operators' budget", False),
+    ("colocated", 65536, 57_116, 57_490, "call 3 (fixed build): python -m trainer --token-budget auto", False),
 ]
 
 
-@pytest.mark.parametrize("role, budget, allocated, reserved, what", MEASURED_H200)
-def test_predicted_reserved_peaks_are_within_5_percent_of_the_h200_measurements(role, budget, allocated, reserved, what):
+@pytest.mark.parametrize("role, budget, allocated, reserved, what, leaky", MEASURED_H200)
+def test_predicted_reserved_peaks_are_within_5_percent_of_the_h200_measurements(role, budget, allocated, reserved,
+                                                                                what, leaky):
     sys.path.insert(0, os.path.join(ROOT, "bench", "gpu"))
     import memory_campaign as mc
 
     sc = mc.SCALES["gpu"]
     p = budget_mod.predictions(mc._values(sc, budget, role), QWEN3_8B_CONFIG, budget)[role]
-    leak = mc.leak_bytes(sc, budget, role)
-    assert abs((p.reserved + leak) / mm.MIB - reserved) / reserved < 0.05, (p.reserved / mm.MIB, leak / mm.MIB, what)
-    assert abs((p.allocated + leak) / mm.MIB - allocated) / allocated < 0.05
+    if leaky:
+        p = mc.as_measured_build(p)
+    assert abs(p.reserved / mm.MIB - reserved) / reserved < 0.05, (p.reserved / mm.MIB, what)
+    assert abs(p.allocated / mm.MIB - allocated) / allocated < 0.05
     assert p.reserved > p.allocated  # what the GPU must hold, not what one step allocated
 
 
@@ -252,24 +258,29 @@ def test_reference_step_is_a_lower_bound_and_says_so():
     assert "needs at least" in short["refusals"][0]
 
 
-def test_plan_run_imports_and_runs_without_torch(tmp_path):
-    """The controller's preflight has no torch: block it (and numpy) and call plan_run."""
-    (tmp_path / "config.json").write_text(json.dumps(QWEN3_8B_CONFIG))
-    code = f"""
+# The start of a script run where torch, numpy and transformers cannot be imported, as in the
+# controller's preflight; the script ends by checking that none was.
+WITHOUT_TORCH = """
 import sys
 class Block:
     def find_spec(self, name, path=None, target=None):
         if name.split('.')[0] in ('torch', 'numpy', 'transformers'):
             raise ImportError('blocked: ' + name)
 sys.meta_path.insert(0, Block())
+"""
+NONE_IMPORTED = "\nassert not any(m.split('.')[0] in ('torch', 'numpy') for m in sys.modules)\n"
+
+
+def test_plan_run_imports_and_runs_without_torch(tmp_path):
+    """The controller's preflight has no torch: block it (and numpy) and call plan_run."""
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_8B_CONFIG))
+    code = WITHOUT_TORCH + f"""
 from trainer import flags, probe
 v = flags.defaults(); v.update(target_model={str(tmp_path)!r}, target_gpus=(0,), drafter_gpus=(1,),
                                 drafter_step='chunked', token_budget='auto')
 p = probe.plan_run(v, {{'0': 140000, '1': 60000}})
 assert not p['refusals'] and p['token_budget'] > 0, p
-assert not any(m.split('.')[0] in ('torch', 'numpy') for m in sys.modules)
-print(p['token_budget'])
-"""
+""" + NONE_IMPORTED + "print(p['token_budget'])\n"
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert int(r.stdout.split()[-1]) % 8192 == 0

@@ -24,8 +24,9 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import replace
 
-from trainer import flags
+from trainer import family, flags
 from trainer import memory as mm
 from trainer import runtime_env
 from trainer.flops import ModelShape, step_tok_s
@@ -60,17 +61,31 @@ def roles_by_gpu(values) -> dict[int, str]:
     return {**{g: "target" for g in t}, **{g: "drafter" for g in d}}
 
 
+def shapes(values, cfg: dict) -> tuple[ModelShape, ModelShape]:
+    """(target, drafter) as the trainer builds them from this config.json (either layout of
+    its family): the language model's numbers, and the drafter with the target's hidden,
+    MLP and vocabulary widths and the attention widths trainer/model.py gives it
+    (--drafter-attention, else the family's: a Qwen3.5/3.6 target's public drafters have
+    32/8 × 128 whatever the target's own). Every drafter layer is dense attention."""
+    target = ModelShape.from_hf_config(cfg)
+    heads, kv_heads, head_dim = family.drafter_attention(cfg, values.get("drafter_attention"))
+    drafter = replace(target, n_heads=heads, n_kv_heads=kv_heads, head_dim=head_dim, layer_types=(), linear=None)
+    return target, drafter
+
+
 def run_spec(values, cfg: dict, role: str, token_budget: int, alloc_conf: str | None = None) -> mm.RunSpec:
     """What the trainer these resolved flag values describe runs on one GPU of ``role``."""
-    shape = ModelShape.from_hf_config(cfg)
+    shape, drafter = shapes(values, cfg)
+    text = family.text_config(cfg)
     layer_ids = values.get("target_layer_ids")
     n_draft = int(values["num_draft_layers"])
     n_tapped = len(_gpus(layer_ids)) if layer_ids not in (None, "", "auto") else n_draft
     return mm.RunSpec(
         shape, role, int(token_budget), int(values["max_seq_len"]), int(values["max_batch_size"]), n_draft, n_tapped,
         int(values["block_size"]), int(values["max_anchors"]), soft_labels=bool(values.get("use_soft_labels")),
-        tied=bool(cfg.get("tie_word_embeddings", False)),
-        target_forward=flags.target_forward_for(values, cuda=True),  # a memory plan is for GPUs
+        tied=bool(text.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))), drafter=drafter,
+        # a memory plan is for GPUs; a hybrid target's auto picks by the kernels importable here
+        target_forward=flags.target_forward_for(values, cuda=True, target_config=cfg),
         n_drafter_ranks=len(_gpus(values.get("drafter_gpus"))) or 1,
         # a split target rank makes its next micro-batch while the last one is still being sent
         resident_microbatches=2 if role == "target" else 1,
@@ -153,6 +168,17 @@ def plan_run(values, gpu_free_mib: dict | None, target_config=None, *, margin_mi
     out = {"token_budget": values.get("token_budget"), "auto": False, "auto_reason": None, "drafter_step": step,
            "margin_mib": margin_mib, "allocator": allocator.name, "gpus": {}, "refusals": [], "notes": []}
     kw = dict(margin_mib=margin_mib, context_mib=context_mib, alloc_conf=alloc_conf)
+    # the numbers the model reads, checked as the trainer checks its target (a dict of dense
+    # numbers without a model_type, as benchmark shapes write it, is Qwen3's)
+    why = family.unsupported(cfg if cfg.get("model_type") is not None else {**cfg, "model_type": family.QWEN3})
+    if why:
+        out["refusals"].append(f"no memory plan for this target: {why}")
+        return out
+    try:
+        shapes(values, cfg)
+    except ValueError as exc:  # a --drafter-attention that does not parse names itself
+        out["refusals"].append(str(exc))
+        return out
     if values.get("token_budget") == "auto":
         out["auto"] = True
         if not chunked:

@@ -23,10 +23,32 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterable
 
-__all__ = ["ModelShape", "QWEN3_8B", "QWEN3_27B_LIKE", "H200_BF16_PEAK",
+from trainer import family
+
+__all__ = ["ModelShape", "LinearAttention", "QWEN3_8B", "QWEN3_27B_LIKE", "H200_BF16_PEAK",
            "target_forward_flops", "drafter_step_flops", "mfu"]
 
 H200_BF16_PEAK = 989e12  # dense bf16, datasheet; the issue counts MFU against it
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """The Gated DeltaNet widths of a hybrid target's linear-attention layers (Qwen3.5/3.6:
+    ``linear_*`` of its language model's config)."""
+
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int = 4
+
+    @property
+    def key_dim(self) -> int:
+        return self.k_heads * self.k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_heads * self.v_dim
 
 
 @dataclass(frozen=True)
@@ -39,7 +61,11 @@ class ModelShape:
     intermediate: int
     vocab: int = 151936
     name: str = ""
-    family: str = "qwen3"  # config.json's model_type: which per-family terms trainer/memory.py uses
+    family: str = "qwen3"  # the language model's model_type: which per-family terms trainer/memory.py uses
+    # a hybrid target's per-layer attention (family.LINEAR / family.FULL) and its Gated
+    # DeltaNet widths; () and None for a dense model (every layer full attention)
+    layer_types: tuple = ()
+    linear: LinearAttention | None = None
 
     @property
     def q_dim(self) -> int:
@@ -71,14 +97,25 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, cfg) -> "ModelShape":
-        """From a transformers config object or its dict (Qwen3 keys)."""
+        """From a transformers config object or its dict: the language model's numbers (a
+        vision-language Qwen3.5/3.6 config's ``text_config``), with its layer types and
+        Gated DeltaNet widths when it is a hybrid."""
+        if isinstance(cfg, dict):
+            cfg = family.text_config(cfg)
         g = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
         hidden = g("hidden_size")
         heads = g("num_attention_heads")
+        mt = str(g("model_type") or "qwen3")
+        hybrid = isinstance(cfg, dict) and family.is_hybrid(cfg)
+        linear = None
+        if hybrid:
+            linear = LinearAttention(int(g("linear_num_key_heads")), int(g("linear_num_value_heads")),
+                                     int(g("linear_key_head_dim")), int(g("linear_value_head_dim")),
+                                     int(g("linear_conv_kernel_dim", 4)))
         return cls(n_layers=g("num_hidden_layers"), hidden=hidden, n_heads=heads,
                    n_kv_heads=g("num_key_value_heads", heads), head_dim=g("head_dim") or hidden // heads,
                    intermediate=g("intermediate_size"), vocab=g("vocab_size"), name=g("_name_or_path", "") or "",
-                   family=str(g("model_type") or "qwen3"))
+                   family=mt, layer_types=tuple(family.target_layer_types(cfg)) if hybrid else (), linear=linear)
 
 
 QWEN3_8B = ModelShape(36, 4096, 32, 8, 128, 12288, 151936, "Qwen3-8B")

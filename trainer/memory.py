@@ -3,17 +3,23 @@
 Standard library and math only, so the controller's preflight can import it without torch.
 It describes the trainer's GPU paths: the target forward of ``trainer/fast_target.py`` (run
 in chunks of whole sequences, at most ``TARGET_CHUNK_TOKENS`` tokens each, into outputs
-allocated once per micro-batch) and the chunked drafter step of ``trainer/fast_drafter.py``
-(anchor chunks, flex attention, chunked LM head), with fp32 master weights, gradients kept
-between steps and AdamW state from the first optimizer step on. ``--target-forward hf``
-(transformers, unchunked) has its own target term; the unchunked ``Drafter`` + loss.py path
-(``--drafter-step reference``, ~10× more activations) is not modelled.
+allocated once per micro-batch) or, for a Qwen3.5/3.6 (hybrid Gated DeltaNet) target, of
+``trainer/fast_hybrid.py`` (the whole micro-batch at once), and the chunked drafter step of
+``trainer/fast_drafter.py`` (anchor chunks, flex attention, chunked LM head), with fp32
+master weights, gradients kept between steps and AdamW state from the first optimizer step
+on. ``--target-forward hf`` (transformers, unchunked) has its own target term; the
+unchunked ``Drafter`` + loss.py path (``--drafter-step reference``, ~10× more activations)
+is not modelled. The drafter has the target's hidden, MLP and vocabulary widths and its own
+attention widths (``RunSpec.drafter``: a Qwen3.5/3.6 target's public drafters have 32/8 ×
+128 heads, trainer/family.py); its sliding-window layers change the attention mask only,
+not what is stored.
 
 How the prediction is built (bytes; T = tokens of the worst-case micro-batch, i.e. as many
 full ``--max-seq-len`` sequences as the budget allows)
 
 persistent        what lives from load to exit
-  target_weights  bf16 layers, embedding, final norm, LM head              (family term)
+  target_weights  bf16 layers, embedding, final norm, LM head of the language model (never
+                  a vision tower)                                            (family term)
   drafter_state   fp32 weights + fp32 gradients + AdamW m and v: 16 B/param — the AdamW
                   state exists only after the first optimizer step, so a one-step probe
                   under-reads by 8 B/param; the model is the steady state (step 2 on)
@@ -26,8 +32,11 @@ per micro-batch   scale with T (the only terms that do)
                   (4H B/token) and per draft layer the context k/v, their autograd inputs
                   and their fp32 gradient accumulators (14·kv B/token)
 per chunk         bounded, whatever the budget
-  target_chunk    one chunk of the target forward: residual, norm output, the MLP's gate|up
-                  product and the gated product (the largest; family term)
+  target_chunk    one chunk of the target forward: the largest moment of one layer — for
+                  Qwen3 the MLP's residual, norm output, gate|up and product, for a hybrid
+                  target a Gated DeltaNet layer inside its chunk kernel (family term). An
+                  unchunked forward (hf; the hybrid fast one) takes the whole micro-batch and
+                  keeps its taps as it goes: this term then grows with T
   activations     one anchor chunk of C positions: per position per layer what backward keeps
   chunk_context   the chunk's sequence's context k/v concatenated with the block k/v
   logits          one head chunk: bf16 logits + their gradient (+ teacher logits)
@@ -47,8 +56,8 @@ unmapped again under memory pressure; fragmentation is then a fraction of the *d
 of the peak (what is allocated and freed each step), not of the budget's whole footprint.
 nvidia-smi shows reserved + the CUDA context (``CONTEXT_MIB``).
 
-Extending to another target family (e.g. a hybrid-attention target): add a ``TargetFamily``
-to ``TARGET_FAMILIES`` under its ``ModelShape.family``; the drafter side is the same.
+Extending to another target family: add a ``TargetFamily`` to ``TARGET_FAMILIES`` under its
+``ModelShape.family`` (the language model's model_type); the drafter side is the same.
 """
 
 from __future__ import annotations
@@ -57,10 +66,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable
 
+from trainer import family
 from trainer.flops import QWEN3_8B, QWEN3_27B_LIKE, ModelShape
 
 __all__ = ["ModelShape", "QWEN3_8B", "QWEN3_27B_LIKE", "RunSpec", "Prediction", "predict", "TargetFamily",
-           "TARGET_FAMILIES", "ALLOCATORS", "worst_case_batch", "drafter_peak_bytes", "target_peak_bytes",
+           "TARGET_FAMILIES", "hybrid_layer_params", "ALLOCATORS", "worst_case_batch", "drafter_peak_bytes", "target_peak_bytes",
            "GIB", "MIB", "TARGET_CHUNK_TOKENS", "DRAFTER_CHUNK_ANCHORS", "HEAD_CHUNK_ROWS", "CONTEXT_MIB"]
 
 GIB = 1024 ** 3
@@ -80,27 +90,79 @@ def worst_case_batch(token_budget: int, max_seq_len: int, max_batch_size: int = 
 # ------------------------------------------------------------------ target families
 @dataclass(frozen=True)
 class TargetFamily:
-    """The target's own terms: weights, and the largest transient of a forward over ``tokens``
-    tokens at once (bf16). ``hf_tokens_factor``: the transformers forward's extra per-token
-    state (it runs unchunked and keeps its hook outputs and their concatenation)."""
+    """The target's own terms (bytes, bf16). ``weight_bytes``: what it loads — the language
+    model's layers, embedding, final norm and LM head. ``transient_bytes``: the largest
+    moment of one layer in a forward over ``tokens`` tokens at once, residual and norm output
+    included, for ``forward`` "fast" or "hf" (where the two differ). ``chunked``: its fast
+    forward runs in chunks of whole sequences (trainer/fast_target.py); otherwise every
+    forward takes the whole micro-batch at once."""
 
     weight_bytes: Callable[[ModelShape, int, bool], int]  # (shape, layers loaded, tied) → bytes
-    transient_bytes: Callable[[ModelShape, int], int]  # (shape, tokens in one forward) → bytes
+    transient_bytes: Callable[[ModelShape, int, str], int]  # (shape, tokens in one forward, forward) → bytes
+    chunked: bool
 
 
-def _qwen3_weights(s: ModelShape, n_layers: int, tied: bool) -> int:
+def _dense_weights(s: ModelShape, n_layers: int, tied: bool) -> int:
     return 2 * (n_layers * (s.layer_params + s.layer_norm_params) + (1 if tied else 2) * s.vocab * s.hidden + s.hidden)
 
 
-def _qwen3_transient(s: ModelShape, tokens: int) -> int:
+def _dense_transient(s: ModelShape, tokens: int, forward: str) -> int:
     # the MLP of one layer is the largest moment: residual x, norm output h, gate|up [2I],
-    # the gated product [I] (bf16); attention (q|k|v, q, k, v, output) is smaller for Qwen3
+    # the gated product [I]; attention (q|k|v, q, k, v, output) is smaller for Qwen3; the
+    # transformers forward's layers hold the same
     return tokens * 2 * max(2 * s.hidden + 3 * s.intermediate, 2 * s.hidden + 2 * (s.q_dim + 2 * s.kv_dim))
 
 
-_DENSE = TargetFamily(_qwen3_weights, _qwen3_transient)
-# model_type → terms; the dense decoders the trainer's target code runs share Qwen3's
-TARGET_FAMILIES: dict[str, TargetFamily] = {"qwen3": _DENSE, "qwen2": _DENSE, "llama": _DENSE}
+def hybrid_layer_params(s: ModelShape, layer_type: str) -> int:
+    """Parameters of one Qwen3.5/3.6 decoder layer, norms, conv and gates included: the MLP
+    and both norms, then a gated full-attention mixer (q_proj gives the query and its output
+    gate per head; q/k norms over the head dim) or a Gated DeltaNet one (q|k|v, z, β and
+    decay projections, the short conv, A_log and dt_bias per value head, the gated norm)."""
+    H = s.hidden
+    mlp = s.mlp_params + 2 * H
+    if layer_type == family.FULL:
+        return mlp + H * (2 * s.q_dim + 2 * s.kv_dim) + s.q_dim * H + 2 * s.head_dim
+    la = s.linear
+    conv = (2 * la.key_dim + la.value_dim) * la.conv_kernel
+    return (mlp + H * (2 * la.key_dim + 2 * la.value_dim + 2 * la.v_heads) + conv + la.value_dim * H
+            + 2 * la.v_heads + la.v_dim)
+
+
+def _hybrid_weights(s: ModelShape, n_layers: int, tied: bool) -> int:
+    layers = sum(hybrid_layer_params(s, t) for t in s.layer_types[:n_layers])
+    return 2 * (layers + (1 if tied else 2) * s.vocab * s.hidden + s.hidden)
+
+
+GDN_CHUNK = 64  # flash-linear-attention's chunk of the gated delta rule
+
+
+def _hybrid_transient(s: ModelShape, tokens: int, forward: str) -> int:
+    """A Gated DeltaNet layer is the largest moment (bf16 elements per token, fp32 as two):
+    beside x and h, the fused projection q|k|v|z|β|a, the conv output, q and k repeated to
+    the value heads, v made contiguous for the kernel, the decay (fp32) and β; inside fla's
+    chunk kernel its L2-normed q and k, the cumulative decay (fp32), the solved chunk matrix,
+    the WY factors w and u, every chunk's [dk, dv] state, the corrected v and the output.
+    transformers' forward runs the conv and the SiLU as two passes (one more conv-sized
+    tensor). The MLP (x, h, gate|up, product) is smaller for Qwen3.6-27B, the gated full
+    attention smaller still; both stay in the max for other widths."""
+    H, I, la = s.hidden, s.intermediate, s.linear
+    kd, vd, hv = la.key_dim, la.value_dim, la.v_heads
+    qk = 2 * hv * la.k_dim
+    conv = 2 * kd + vd
+    outside = 2 * H + (conv + vd + 2 * hv) + conv + qk + vd + 3 * hv
+    kernel = qk + 2 * hv + hv * GDN_CHUNK + hv * (la.k_dim + la.v_dim) + hv * la.k_dim * la.v_dim // GDN_CHUNK + 2 * vd
+    gdn = outside + kernel + (conv if forward == "hf" else 0)
+    return tokens * 2 * max(2 * H + 3 * I, gdn)
+
+
+_DENSE = TargetFamily(_dense_weights, _dense_transient, chunked=True)
+# model_type of the language model → terms. The dense decoders the trainer's target code runs
+# share Qwen3's; Qwen3.5/3.6 (either layout: a vision-language config's text_config is
+# qwen3_5_text, trainer/family.py) its hybrid layers, whose fast forward is not chunked
+TARGET_FAMILIES: dict[str, TargetFamily] = {
+    "qwen3": _DENSE, "qwen2": _DENSE, "llama": _DENSE,
+    "qwen3_5_text": TargetFamily(_hybrid_weights, _hybrid_transient, chunked=False),
+}
 
 
 def family_of(shape: ModelShape) -> TargetFamily:
@@ -159,7 +221,7 @@ class RunSpec:
     tied: bool = False
     drafter: ModelShape | None = None  # drafter widths, when not the target's
     target_layers: int | None = None  # layers the target loads (None: all)
-    target_forward: str = "fast"  # "fast" (chunked) or "hf" (transformers, unchunked)
+    target_forward: str = "fast"  # "fast" (trainer/fast_target.py, fast_hybrid.py) or "hf" (transformers)
     n_drafter_ranks: int = 1
     resident_microbatches: int = 1  # micro-batches whose buffers are alive at the step's peak
     chunk_tokens: int = TARGET_CHUNK_TOKENS
@@ -255,12 +317,15 @@ def predict(s: RunSpec) -> Prediction:
     persistent = terms["target_weights"] + terms["drafter_state"] + terms["frozen_head"]
     phases = {}
     if has_t:
-        if s.target_forward == "hf":
-            # unchunked, all tokens at once; hook outputs and their concatenation (2 × taps)
-            tgt = fam.transient_bytes(t, T) + buf["taps"]
-        else:
+        if s.target_forward == "fast" and fam.chunked:
             per = max(1, s.chunk_tokens // L)
-            tgt = fam.transient_bytes(t, min(b, per) * L)
+            tgt = fam.transient_bytes(t, min(b, per) * L, "fast")
+        else:
+            # the whole micro-batch at once, keeping each tapped layer's output as it goes and
+            # concatenating them at the end: the larger of one layer's transient beside the
+            # kept taps and of the concatenation (kept taps, their copy, x and h). Its final
+            # state is the last h, not a separate buffer.
+            tgt = max(fam.transient_bytes(t, T, s.target_forward), buf["taps"] + 2 * T * t.hidden * 2) - buf["final"]
         terms["target_chunk"] = tgt
         phases["target"] = persistent + buffers + tgt
     if has_d:
@@ -316,88 +381,6 @@ def target_peak_bytes(shape: ModelShape, *, token_budget: int, max_seq_len: int,
     p = predict(s)
     return {**p.terms, "total": p.allocated, "reserved": p.reserved, "batch": s.batch, "seq_len": max_seq_len,
             "tokens": s.tokens}
-
-
-# ------------------------------------------------------------------ Qwen3.5/3.6 (hybrid) targets
-# A target of trainer/family.py's qwen3_5 family differs from the dense shape above in its
-# layers (Gated DeltaNet and gated full attention: other parameters and transients) and in
-# its drafter, whose attention widths are not the target's (family.drafter_attention). The
-# terms below are structural counts like the dense ones, not yet fitted to a measurement
-# (docs/benchmarks.md compares them with the H200 run).
-
-
-def drafter_shape(target_config: dict, attention: str | None = None) -> ModelShape:
-    """The drafter's widths as trainer/model.py's DrafterConfig.from_target builds them:
-    the language model's hidden/MLP/vocabulary, the family's drafter attention."""
-    from trainer import family
-
-    text = family.text_config(target_config)
-    heads, kv_heads, head_dim = family.drafter_attention(target_config, attention)
-    return ModelShape(int(text["num_hidden_layers"]), int(text["hidden_size"]), heads, kv_heads, head_dim,
-                      int(text["intermediate_size"]), int(text["vocab_size"]), str(text.get("_name_or_path", "")))
-
-
-def hybrid_layer_params(text: dict, layer_type: str) -> int:
-    """Parameters of one Qwen3.5 decoder layer (norms, conv and gates included)."""
-    H, I = int(text["hidden_size"]), int(text["intermediate_size"])
-    mlp = 3 * H * I + 2 * H
-    if layer_type == "full_attention":
-        hd = int(text.get("head_dim") or H // int(text["num_attention_heads"]))
-        q, kv = int(text["num_attention_heads"]) * hd, int(text["num_key_value_heads"]) * hd
-        return mlp + H * (2 * q + 2 * kv) + q * H + 2 * hd
-    kd = int(text["linear_num_key_heads"]) * int(text["linear_key_head_dim"])
-    hv = int(text["linear_num_value_heads"])
-    vd = hv * int(text["linear_value_head_dim"])
-    conv = (2 * kd + vd) * int(text.get("linear_conv_kernel_dim", 4))
-    return mlp + H * (2 * kd + 2 * vd + 2 * hv) + conv + vd * H + 2 * hv + int(text["linear_value_head_dim"])
-
-
-def hybrid_target_peak_bytes(target_config: dict, *, token_budget: int, max_seq_len: int, n_tapped: int = 5,
-                             max_batch_size: int = 64, soft_labels: bool = False, send_buffers: int = 1,
-                             last_layer: int | None = None) -> dict:
-    """The trainer's target role for a Qwen3.5/3.6 target: bf16 weights of the language
-    model (never the vision tower), and per token the residual stream plus the largest
-    transient of a layer — the MLP's (norm out, gate|up, product) or the Gated DeltaNet's
-    inside the chunk kernel (fused projection, conv output, q/k repeated to the value heads,
-    fp32 gates, the WY factors w/u, the per-chunk states at chunk 64, the output) — and the
-    tapped outputs with their send buffer."""
-    from trainer import family
-
-    text = family.text_config(target_config)
-    types = family.target_layer_types(text)
-    n = len(types) if last_layer is None else last_layer + 1
-    b, L = worst_case_batch(token_budget, max_seq_len, max_batch_size)
-    tokens = b * L
-    H, I, V = int(text["hidden_size"]), int(text["intermediate_size"]), int(text["vocab_size"])
-    params = 2 * (sum(hybrid_layer_params(text, t) for t in types[:n]) + V * H + H)
-    if soft_labels:
-        params += 2 * V * H
-    transient = H + 3 * I
-    if "linear_attention" in types[:n]:
-        kd = int(text["linear_num_key_heads"]) * int(text["linear_key_head_dim"])
-        hv, dk, dv = (int(text["linear_num_value_heads"]), int(text["linear_key_head_dim"]),
-                      int(text["linear_value_head_dim"]))
-        vd = hv * dv
-        gdn = (H + (2 * kd + 2 * vd + 2 * hv) + (2 * kd + vd) + 2 * hv * dk + 2 * 2 * hv
-               + hv * (dk + dv) + 2 * hv * 64 + hv * dk * dv // 64 + vd)
-        transient = max(transient, gdn)
-    # the dense terms for the batch geometry, the taps and the fixed share; weights and
-    # activations are this family's
-    out = target_peak_bytes(ModelShape(n, H, 1, 1, 1, I, V), token_budget=token_budget, max_seq_len=max_seq_len,
-                            n_tapped=n_tapped, max_batch_size=max_batch_size, send_buffers=send_buffers)
-    out["params"] = params
-    out["activations"] = int(COEF.target_act * tokens * 2 * (2 * H + transient))
-    out["total"] = out["params"] + out["activations"] + out["tapped"] + out["fixed"]
-    return out
-
-
-def target_peak_for(target_config: dict, shape: ModelShape, **kw) -> dict:
-    """The target role's terms for this config.json: the dense model or the hybrid one."""
-    from trainer import family
-
-    if family.unsupported(target_config) is None and family.is_hybrid(target_config):
-        return hybrid_target_peak_bytes(target_config, **kw)
-    return target_peak_bytes(shape, **kw)
 
 
 if __name__ == "__main__":  # pragma: no cover

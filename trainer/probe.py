@@ -28,7 +28,7 @@ from trainer import memory as mm
 from trainer import runtime_env
 # the trainer's own run (train.memory_check, the controller's preflight): trainer/budget.py,
 # re-exported here where callers have always found it
-from trainer.budget import CONTEXT_MIB, MARGIN_MIB, ROLE_NAMES, plan_run, predictions, roles_by_gpu  # noqa: F401
+from trainer.budget import CONTEXT_MIB, MARGIN_MIB, ROLE_NAMES, plan_run, predictions, roles_by_gpu, shapes  # noqa: F401
 from trainer.flops import QWEN3_8B, QWEN3_27B_LIKE, ModelShape
 
 GIB = mm.GIB
@@ -36,11 +36,23 @@ MIB = 1024 ** 2
 SHAPES = {"qwen3-8b": QWEN3_8B, "qwen3-27b-like": QWEN3_27B_LIKE}
 
 
-def shape_of(name: str) -> ModelShape:
-    if name in SHAPES:
-        return SHAPES[name]
+def _config(name: str) -> dict:
     with open(name if name.endswith(".json") else name.rstrip("/") + "/config.json") as fh:
-        return ModelShape.from_hf_config(json.load(fh))
+        return json.load(fh)
+
+
+def shape_of(name: str) -> ModelShape:
+    """A benchmark shape by name, or the language model of a config.json / model dir."""
+    return SHAPES[name] if name in SHAPES else ModelShape.from_hf_config(_config(name))
+
+
+def drafter_shape_of(name: str) -> ModelShape | None:
+    """The drafter widths trainer/model.py builds for the target ``name`` when they are not
+    the target's own (a Qwen3.5/3.6 config: its family's 32/8 × 128), else None."""
+    if name in SHAPES:
+        return None
+    target, drafter = shapes({}, _config(name))
+    return None if drafter == target else drafter
 
 
 def tapped_ids(n_target_layers: int, n: int) -> list[int]:
@@ -184,7 +196,11 @@ def main(argv=None) -> int:
     ap.add_argument("--run", action="store_true", help="also run the worst-case step and measure (even if refused)")
     a = ap.parse_args(argv)
     shape = shape_of(a.model)
-    dshape = shape_of(a.drafter_model) if a.drafter_model else None
+    dshape = shape_of(a.drafter_model) if a.drafter_model else drafter_shape_of(a.model)
+    if a.run and a.role != "drafter" and shape.layer_types:
+        print(f"--run --role {a.role}: the random-weight target here is dense (FastTarget.random); measure a "
+              "Qwen3.5/3.6 target with python -m trainer --probe-memory", file=sys.stderr)
+        return 2
     kw = dict(block_size=a.block_size, max_anchors=a.max_anchors, max_seq_len=a.max_seq_len,
               num_draft_layers=a.num_draft_layers, max_batch_size=a.max_batch_size,
               chunk_positions=a.chunk_positions, head_chunk_rows=a.head_chunk_rows)

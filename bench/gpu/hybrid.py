@@ -282,19 +282,22 @@ def phase_colocated(out: str, budget: int = 16384, steps: int = 10, limit_s: flo
 
 
 def phase_model(out: str) -> None:
-    """The memory model for the three runs above (stdlib; the colocated row is what
-    memory_check predicted inside the trainer)."""
-    from trainer import family, flags, probe
+    """The memory model for the runs above (stdlib): trainer/budget.py's predictions, for the
+    allocator this process would give the trainer."""
+    from trainer import budget, family, flags
 
     cfg = family.QWEN3_6_27B_TEXT
     base = {**flags.defaults(), "block_size": 32, "max_anchors": 1024, "max_seq_len": 8192, "num_draft_layers": 5,
-            "use_soft_labels": True, "noise_start": 0.05, "noise_end": 0.01, "drafter_step": "chunked"}
-    for budget in (49152, 40960, 32768):
-        p = probe.run_peaks({**base, "target_gpus": (0,), "drafter_gpus": (1,), "token_budget": budget}, cfg)
-        record(out, phase="model", role="drafter (split)", budget=budget, peak_gib=p["drafter"]["peak"] / GIB,
-               target_peak_gib=p["target"]["peak"] / GIB)
-    p = probe.run_peaks({**base, "target_gpus": (0,), "drafter_gpus": (0,), "token_budget": 16384}, cfg)
-    record(out, phase="model", role="colocated", budget=16384, peak_gib=p["colocated"]["peak"] / GIB)
+            "use_soft_labels": True, "noise_start": 0.05, "noise_end": 0.01, "drafter_step": "chunked",
+            "target_forward": "fast"}
+    for budget_ in (49152, 40960, 32768):
+        p = budget.predictions({**base, "target_gpus": (0,), "drafter_gpus": (1,), "token_budget": budget_}, cfg, budget_)
+        record(out, phase="model", role="drafter (split)", budget=budget_, peak_gib=p["drafter"].allocated / GIB,
+               reserved_gib=p["drafter"].reserved / GIB, target_peak_gib=p["target"].allocated / GIB,
+               target_reserved_gib=p["target"].reserved / GIB)
+    p = budget.predictions({**base, "target_gpus": (0,), "drafter_gpus": (0,), "token_budget": 16384}, cfg, 16384)
+    record(out, phase="model", role="colocated", budget=16384, peak_gib=p["colocated"].allocated / GIB,
+           reserved_gib=p["colocated"].reserved / GIB)
 
 
 if __name__ == "__main__":

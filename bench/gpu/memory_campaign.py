@@ -5,6 +5,9 @@ compile cache across a relaunch.
     PYTHONUNBUFFERED=1 python3 bench/gpu/memory_campaign.py run --out $OUT          # one H200
     python3 bench/gpu/memory_campaign.py run --out /tmp/o --cpu                     # the same plumbing on CPU
     python3 bench/gpu/memory_campaign.py summary RESULTS_DIR                        # the table, from raw files
+    # cut to the two launches that hold the model (≈ 160 s on an H200): 49,152 and auto, 3 steps each
+    PYTHONUNBUFFERED=1 python3 bench/gpu/memory_campaign.py run --out $OUT --phases cold49k,auto --steps 3 \
+        --no-sweep --deadline-s 280
 
 ``run`` makes a synthetic Qwen3-8B target and random full-length data (``python -m trainer
 synthetic``), then runs ``python -m trainer`` itself, colocated on GPU 0 with the operators'
@@ -124,8 +127,26 @@ def pack(work_out: str, final: str) -> None:
     os.replace(tmp, os.path.join(final, "results.tgz"))
 
 
+def scale_of(a) -> dict:
+    """The scale's plan, cut to ``--phases`` (their own step counts unless ``--steps``) and
+    without the sweep under ``--no-sweep``."""
+    sc = dict(SCALES["cpu" if a.cpu else "gpu"])
+    if a.phases:
+        names = a.phases.split(",")
+        unknown = set(names) - {p[0] for p in sc["phases"]}
+        if unknown:
+            raise SystemExit(f"--phases: unknown {', '.join(sorted(unknown))}; choose from "
+                             + ", ".join(p[0] for p in sc["phases"]))
+        sc["phases"] = [p for p in sc["phases"] if p[0] in names]
+    if a.steps:
+        sc["phases"] = [(n, b, a.steps if steps else 0, t) for n, b, steps, t in sc["phases"]]
+    if a.no_sweep:
+        sc["sweep"] = []
+    return sc
+
+
 def cmd_run(a) -> int:
-    sc = SCALES["cpu" if a.cpu else "gpu"]
+    sc = scale_of(a)
     t0 = time.time()
     final = os.path.abspath(a.out)
     work = os.path.abspath(a.work)
@@ -144,7 +165,8 @@ def cmd_run(a) -> int:
                                 "-lms", "500"], stdout=open(os.path.join(out, "smi.csv"), "w"),
                                stderr=subprocess.DEVNULL)
     with open(os.path.join(out, "meta.json"), "w") as fh:
-        json.dump({"scale": "cpu" if a.cpu else "gpu", "t0": t0, "host": os.uname().nodename}, fh)
+        json.dump({"scale": "cpu" if a.cpu else "gpu", "phases": [p[0] for p in sc["phases"]], "t0": t0,
+                   "host": os.uname().nodename}, fh)
     try:
         data = os.path.join(work, "synthetic")
         log("synthetic target and data")
@@ -162,7 +184,7 @@ def cmd_run(a) -> int:
                 print(open(os.path.join(out, f"{name}.log")).read()[-4000:])
                 return 1
         left = a.deadline_s - (time.time() - t0) - 25
-        if left > 30:
+        if sc["sweep"] and left > 30:
             log(f"sweep ({left:.0f} s left)")
             with open(os.path.join(out, "sweep.log"), "w") as fh:
                 try:
@@ -340,18 +362,34 @@ def _values(sc: dict, budget, role: str) -> dict:
 LEAK = {"on": False}  # summary --leaky-build: the data came from the build before the chunked step's leak fix
 
 
-def leak_bytes(sc: dict, budget: int, role: str) -> int:
-    """What the chunked step of the build before its fix (the P2 merge, 2026-12-01) also held
-    at its peak: the context k/v leaves' gradients of every earlier anchor chunk of the
-    micro-batch, 2 × layers × [1, nkv, S, hd] bf16 each (bench/gpu/memory_trace.py). Zero on
-    a target rank."""
-    if role == "target":
+def leak_bytes_of(spec) -> int:
+    """What the chunked step of the builds before its fix (P2 merge to 6fcfb8f, 2026-12-01)
+    also held at its peak, for one GPU of ``spec`` (a trainer.memory.RunSpec): the context
+    k/v leaves' gradients of every earlier anchor chunk of the micro-batch, 2 × layers ×
+    [1, nkv, S, hd] bf16 each (bench/gpu/memory_trace.py). Zero on a target rank."""
+    if spec.role == "target":
         return 0
-    from trainer.synthetic import SHAPES
+    chunks = spec.batch * -(-min(spec.max_anchors, spec.seq_len - 1) // spec.chunk_anchors)
+    return (chunks - 1) * 2 * spec.n_draft_layers * spec.seq_len * spec.dshape.kv_dim * 2
 
-    shape, L = SHAPES[sc["shape"]], sc["L"]
-    chunks = (budget // L) * -(-min(sc["anchors"], L - 1) // 512)
-    return (chunks - 1) * 2 * sc["layers"] * L * shape.kv_dim * 2
+
+def noisy_copy_bytes(spec) -> int:
+    """What ``python -m trainer`` of the builds before issue 14 also held during the drafter
+    step: the noisy copy of the micro-batch's taps beside the taps (the noise is added in
+    place since)."""
+    return 0 if spec.role == "target" else spec.tokens * spec.taps_count * spec.target.hidden * 2
+
+
+def as_measured_build(p, *, noisy_copy: bool = False):
+    """The prediction ``p`` (trainer.memory.Prediction) for such an older build: its drafter
+    phases (the anchor chunks and the context backward, during which both were alive) hold
+    the leak, and with ``noisy_copy`` the copy, besides; reserved follows from the allocator
+    as for any prediction."""
+    from trainer import memory as mm
+
+    extra = leak_bytes_of(p.spec) + (noisy_copy_bytes(p.spec) if noisy_copy else 0)
+    phases = {k: v + (extra if k in ("chunk", "ctx_bwd") else 0) for k, v in p.phases.items()}
+    return mm.Prediction(p.spec, {**p.terms, "older_build": extra}, phases, p.persistent)
 
 
 def _pred(sc: dict, budget: int, role: str) -> dict:
@@ -360,8 +398,9 @@ def _pred(sc: dict, budget: int, role: str) -> dict:
 
     cfg = hf_config(SHAPES[sc["shape"]])
     p = B.predictions(_values(sc, budget, role), cfg, budget, "expandable_segments:True")[role]
-    extra = leak_bytes(sc, budget, role) if LEAK["on"] else 0
-    return {"alloc": (p.allocated + extra) / 2**20, "reserved": (p.reserved + extra) / 2**20, "phase": p.peak_phase}
+    if LEAK["on"]:
+        p = as_measured_build(p)
+    return {"alloc": p.allocated / 2**20, "reserved": p.reserved / 2**20, "phase": p.peak_phase}
 
 
 def _err(pred, meas):
@@ -375,7 +414,7 @@ def summary(out: str) -> str:
              + ("; + the measured build's chunked-step leak (memory_campaign.leak_bytes)" if LEAK["on"] else ""), "",
              "launch | budget | steps | first-step compile s | first step s | time to first step s | median tok/s "
              "(steps 2+) | allocated peak MiB (pred, err) | reserved peak MiB (pred, err) | nvidia-smi MiB (pred) | rc"]
-    for name, *_ in sc["phases"]:
+    for name in meta.get("phases") or [p[0] for p in sc["phases"]]:
         try:
             rec = json.load(open(os.path.join(out, f"{name}.json")))
         except OSError:
@@ -449,6 +488,9 @@ def main(argv=None) -> int:
     r.add_argument("--work", default="/tmp/issue14")
     r.add_argument("--cpu", action="store_true", help="the plumbing at a tiny shape on CPU")
     r.add_argument("--deadline-s", type=float, default=540)
+    r.add_argument("--phases", help="comma list of the scale's launches to run (default: all), e.g. cold49k,auto")
+    r.add_argument("--steps", type=int, help="steps per launch instead of each phase's own (the probe keeps its two)")
+    r.add_argument("--no-sweep", action="store_true", help="leave out the one-process sweep")
     s = sub.add_parser("sweep")
     s.add_argument("--data", required=True)
     s.add_argument("--out", required=True)
