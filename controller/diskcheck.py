@@ -43,6 +43,10 @@ def disk_refusal(values: Mapping[str, Any], pf: Mapping[str, Any]) -> Optional[s
         free = disk["free_gib"] * (1 << 30)
     if not target or free is None or not saves_here(values):
         return None
+    from trainer import family
+
+    if family.unsupported(dict(target)) is not None:
+        return None  # refused for that, in its own words (Launcher.assess)
     each = ckptsize.checkpoint_bytes(target, values)
     ranks = multinode.totals(values)[1] if multinode.is_job(values) else len(values.get("drafter_gpus") or ()) or 1
     steps = ckptsize.steps_at_least(values, (pf.get("data") or {}).get("stats") or {}, ranks) or 1

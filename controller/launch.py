@@ -272,6 +272,10 @@ def memory_report(values: dict, pf: dict) -> tuple[list[str], list[str]]:
     model_cfg = (pf.get("model") or {}).get("config")
     if not free or not model_cfg:
         return ["memory   not checked here: no free-memory figure or no target config.json from the preflight"], []
+    # --target-forward auto follows the kernels the container has, not this machine's
+    packages = {n.lower().replace("_", "-") for n in ((pf.get("fingerprint") or {}).get("packages") or {})}
+    values = {**values, "target_forward": flags.target_forward_for(
+        values, cuda=True, target_config=model_cfg, kernels="flash-linear-attention" in packages)}
     plan = plan_run(values, free, target_config=model_cfg)
     lines = []
     for g, row in sorted(plan["gpus"].items()):

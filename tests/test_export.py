@@ -17,6 +17,7 @@ import torch
 
 from _trainer_tiny import base_args, tiny_setup
 from trainer import checkpoint as ckpt_io
+from trainer import drafter_dir
 from trainer import export as X
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -114,7 +115,7 @@ def test_the_export_equals_the_checkpoints_drafter_dir_byte_for_byte(run, tmp_pa
     dest = tmp_path / "exp"
     assert trainer("export", "--checkpoint", os.path.join(run["out"], "step_4"), "--out", str(dest)).returncode == 0
     saved = Path(run["out"]) / "step_4" / "drafter"
-    assert X.manifest(str(dest))["files"] == X.manifest(str(saved))["files"]
+    assert drafter_dir.manifest(str(dest))["files"] == drafter_dir.manifest(str(saved))["files"]
 
 
 def test_checkpoint_forms_and_step_select_the_same_export(run, tmp_path):
@@ -186,11 +187,11 @@ def test_sliding_layers_are_written_generically_and_masked_as_documented():
 
     base = {"num_hidden_layers": 2, "dflash_config": {"mask_token_id": 5, "target_layer_ids": [1]}, "block_size": 4,
             "rope_theta": 1e4}
-    cfg = X.hf_config({**base, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 3}, {})
+    cfg = drafter_dir.hf_config({**base, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 3}, {})
     assert cfg["layer_types"] == ["sliding_attention", "full_attention"] and cfg["sliding_window"] == 3
     assert cfg["use_sliding_window"] is True
     with pytest.raises(X.ExportError, match="no sliding_window"):
-        X.hf_config({**base, "layer_types": ["sliding_attention", "full_attention"]}, {})
+        drafter_dir.hf_config({**base, "layer_types": ["sliding_attention", "full_attention"]}, {})
     anchors, keep = torch.tensor([[6]]), torch.ones(1, 1, dtype=torch.bool)
     full = block_mask(anchors, keep, 6, 4)[0, 0]
     win = block_mask(anchors, keep, 6, 4, window=3)[0, 0]

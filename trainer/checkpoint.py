@@ -83,7 +83,7 @@ def set_rng_state(state: dict) -> None:
 def save(output_dir: str, step: int, drafter, meta: dict, state: dict) -> str:
     """Write step_N/ (drafter export, meta.json, then checkpoint.pt atomically); return the
     checkpoint.pt path. ``meta`` is JSON-able; ``state`` adds the tensors."""
-    from trainer import export
+    from trainer import drafter_dir as export
 
     d = step_dir(output_dir, step)
     os.makedirs(d, exist_ok=True)

@@ -34,14 +34,18 @@ FIXED_BYTES = 40 * 1024
 BLOCK = 4096  # file sizes are rounded up to the file system block
 
 
-def drafter_params(target: Mapping[str, Any], num_draft_layers: int, n_taps: Optional[int] = None) -> tuple[int, int]:
+def drafter_params(target: Mapping[str, Any], num_draft_layers: int, n_taps: Optional[int] = None,
+                   attention: Optional[str] = None) -> tuple[int, int]:
     """(parameters, tensors) of the drafter trainer/model.py builds for ``target`` (its
-    config.json as a dict)."""
-    H = int(target["hidden_size"])
-    nh = int(target["num_attention_heads"])
-    nkv = int(target.get("num_key_value_heads") or nh)
-    hd = int(target.get("head_dim") or H // nh)
-    inter = int(target["intermediate_size"])
+    config.json as a dict): the language model's widths, the family's drafter attention
+    (Qwen3.5/3.6: 32/8 × 128, not the target's; ``attention`` is --drafter-attention)."""
+    from trainer import family
+
+    text = family.text_config(dict(target))
+    H = int(text["hidden_size"])
+    nh, nkv, hd = family.drafter_attention(dict(target), attention)
+    inter = int(text["intermediate_size"])
+    target = text
     n_taps = int(n_taps or num_draft_layers)
     bias = bool(target.get("attention_bias", False))
     per_layer = H * nh * hd + 2 * H * nkv * hd + nh * hd * H + 2 * hd + 3 * H * inter + 2 * H
@@ -57,7 +61,7 @@ def checkpoint_bytes(target: Mapping[str, Any], values: Mapping[str, Any]) -> in
     """Predicted size of one ``step_N/`` for the flag values ``values`` (flags.py dests)."""
     layers = int(values.get("num_draft_layers") or 5)
     ids = values.get("target_layer_ids")
-    params, tensors = drafter_params(target, layers, len(ids) if ids else None)
+    params, tensors = drafter_params(target, layers, len(ids) if ids else None, values.get("drafter_attention"))
     pt = 12 * params + tensors * PER_TENSOR_BYTES  # weights + 2 moments, and the records
     export = 2 * params + tensors * 128  # bf16 + the safetensors header's entry per tensor
     return _blocks(pt) + _blocks(export) + FIXED_BYTES

@@ -432,7 +432,7 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
                                        drafter, opt, meta)
                 if args.eval_prompts > 0 and target is not None:
                     from trainer.evaluate import EVAL_MAX_NEW, acceptance_length
-                    from trainer.export import record_eval
+                    from trainer.drafter_dir import record_eval
 
                     events.emit("phase", phase="evaluating")
                     tau = acceptance_length(target, drafter, head, data, args.eval_prompts, dev)

@@ -379,7 +379,7 @@ def main(argv=None) -> int:
             slowest = max(slowest, tr["seconds"])  # larger budgets cost more: keep the worst seen
             log(f"{name}: tree {budget}: τ {tr['tau']:.2f}, speedup {tr['speedup']:.2f}×, lossless {tr['lossless']}")
             save()
-    from trainer.export import record_eval
+    from trainer.drafter_dir import record_eval
 
     for name, v in results["variants"].items():  # the model card of each final checkpoint shows what was measured
         fin = v.get("final")
