@@ -91,33 +91,30 @@ def test_an_unknown_bastion_key_is_refused_naming_the_bastion(sim_node, tmp_path
     assert only_node.read_text().count("\n") == 1, "the key was learned"
 
 
-def test_a_changed_bastion_key_is_refused(sim_node, tmp_path):
-    entry = sim_node.node_config("bastion")
+def _with_forged_key(entry: dict, tmp_path: Path, bastion: bool) -> dict:
+    """``entry`` with a known_hosts whose bastion (or node) line holds another key."""
     other = tmp_path / "other_key"
     subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
     new_pub = other.with_suffix(".pub").read_text().split()
     lines = Path(entry["known_hosts"]).read_text().splitlines()
-    forged = [f"{line.split()[0]} {new_pub[0]} {new_pub[1]}" if "pve.internal" not in line else line for line in lines]
+    forged = [f"{line.split()[0]} {new_pub[0]} {new_pub[1]}" if ("pve.internal" not in line) == bastion else line
+              for line in lines]
     known = tmp_path / "known_hosts"
     known.write_text("\n".join(forged) + "\n")
-    entry["known_hosts"] = str(known)
-    proc = ctl(write_config(tmp_path / "c.toml", entry), "exec", "--container", CT, "--", "true",
-               "--trust-new-host-key")
+    return dict(entry, known_hosts=str(known))
+
+
+def test_a_changed_bastion_key_is_refused_even_with_trust_new_host_key(sim_node, tmp_path):
+    entry = _with_forged_key(sim_node.node_config("bastion"), tmp_path, bastion=True)
+    proc = ctl(write_config(tmp_path / "c.toml", entry), "exec", "--container", CT, "--trust-new-host-key",
+               "--", "true")
     assert proc.returncode == 255
     assert "the host key of bastion 127.0.0.1:" in proc.stderr and "has CHANGED" in proc.stderr, proc.stderr
     assert "ssh-keygen -R" in proc.stderr
 
 
 def test_a_changed_node_key_behind_the_bastion_is_refused(sim_node, tmp_path):
-    entry = sim_node.node_config("bastion")
-    other = tmp_path / "other_key"
-    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(other)], check=True)
-    new_pub = other.with_suffix(".pub").read_text().split()
-    lines = Path(entry["known_hosts"]).read_text().splitlines()
-    forged = [f"{line.split()[0]} {new_pub[0]} {new_pub[1]}" if "pve.internal" in line else line for line in lines]
-    known = tmp_path / "known_hosts"
-    known.write_text("\n".join(forged) + "\n")
-    entry["known_hosts"] = str(known)
+    entry = _with_forged_key(sim_node.node_config("bastion"), tmp_path, bastion=False)
     proc = ctl(write_config(tmp_path / "c.toml", entry), "exec", "--container", CT, "--", "true")
     assert proc.returncode == 255
     assert "the host key of node sim ([sim.pve.internal]:" in proc.stderr and "has CHANGED" in proc.stderr, proc.stderr

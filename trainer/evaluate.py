@@ -20,13 +20,12 @@ layouts). Not a serving benchmark: batch 1, transformers' forward.
 
 from __future__ import annotations
 
-import copy
 from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 
-from trainer.hf_dflash import accept
+from trainer.hf_dflash import verify_block
 
 EVAL_MAX_NEW = 64  # new tokens per prompt of the evaluation at each save
 
@@ -59,14 +58,10 @@ def speculative(target, drafter, head, prompt: list[int], max_new: int, device="
         with autocast:
             h = drafter(taps, head.embed_blocks(ids, anchors, B, mask_id), anchors, keep)
             draft = F.linear(h[0, 1:], head.lm_head).argmax(-1).tolist()
-        before = copy.deepcopy(cache)  # the committed prefix's state, for the roll-back
-        block_taps, logits, cache = target.forward_cached(torch.tensor([[bonus] + draft], device=device), cache)
-        # target's choice for positions n+1 .. n+B; the export's spec_generate verifies alike
-        j, bonus_next = accept(draft, logits[0].argmax(-1).tolist())
-        committed = [bonus] + draft[:j]
-        if j < B - 1:  # roll back to the accepted prefix: replay the committed tokens on the old state
-            block_taps, _, cache = target.forward_cached(torch.tensor([committed], device=device), before)
-        taps = torch.cat([taps, block_taps[:, :len(committed)]], dim=1)
+        # the export's spec_generate verifies with the same function (trainer/hf_dflash.py)
+        j, bonus_next, committed, block_taps, cache = verify_block(
+            lambda rows, c: target.forward_cached(torch.tensor(rows, device=device), c), cache, bonus, draft)
+        taps = torch.cat([taps, block_taps], dim=1)
         seq += committed
         out += committed
         bonus = bonus_next

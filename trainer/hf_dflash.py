@@ -241,13 +241,9 @@ class DFlashDraftModel(PreTrainedModel):
                 block[0, 0] = bonus
                 h = self(taps[:, :n], F.embedding(block, embed), torch.tensor([[n]], device=device))
                 draft = F.linear(h[0, 1:].to(lm_head.dtype), lm_head).argmax(-1).tolist()
-                before = copy.deepcopy(cache)
-                block_taps, logits, cache = taps_of.cached(torch.tensor([[bonus] + draft], device=device), cache)
-                j, nxt = accept(draft, logits[0].argmax(-1).tolist())
-                committed = [bonus] + draft[:j]
-                if j < B - 1:
-                    block_taps, _, cache = taps_of.cached(torch.tensor([committed], device=device), before)
-                taps = torch.cat([taps, block_taps[:, :len(committed)]], dim=1)
+                j, nxt, committed, block_taps, cache = verify_block(
+                    lambda ids, c: taps_of.cached(torch.tensor(ids, device=device), c), cache, bonus, draft)
+                taps = torch.cat([taps, block_taps], dim=1)
                 seq += committed
                 out += committed
                 bonus = nxt
@@ -263,6 +259,22 @@ class DFlashDraftModel(PreTrainedModel):
             return ids
         return SimpleNamespace(output_ids=ids, acceptance_lengths=per_forward,
                                tau=sum(per_forward) / max(1, len(per_forward)), num_output_tokens=len(out))
+
+
+def verify_block(forward_cached, cache, bonus: int, draft: list[int]):
+    """One round of greedy block verification on a target that keeps its cache:
+    ``forward_cached(ids, cache) -> (taps, logits, cache)`` runs token rows ``ids`` after the
+    prefix ``cache`` holds (and updates it). Returns (drafts accepted, next bonus token, the
+    committed tokens, their taps, the cache after exactly them). A rejected tail is undone by
+    replaying the committed tokens on the state before the block, which also holds for
+    layers with recurrent state (Qwen3.5's Gated DeltaNet), where a cache cannot be cut."""
+    before = copy.deepcopy(cache)
+    block_taps, logits, cache = forward_cached([[bonus] + draft], cache)
+    j, nxt = accept(draft, logits[0].argmax(-1).tolist())
+    committed = [bonus] + draft[:j]
+    if j < len(draft):
+        block_taps, _, cache = forward_cached([committed], before)
+    return j, nxt, committed, block_taps[:, :len(committed)], cache
 
 
 def accept(draft: list[int], pred: list[int]) -> tuple[int, int]:
