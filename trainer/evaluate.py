@@ -25,7 +25,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 
-from trainer.hf_dflash import verify_block
+from trainer.hf_dflash import speculative_decode
 
 EVAL_MAX_NEW = 64  # new tokens per prompt of the evaluation at each save
 
@@ -45,27 +45,18 @@ def speculative(target, drafter, head, prompt: list[int], max_new: int, device="
     B = drafter.config.block_size
     mask_id = drafter.config.mask_token_id
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if torch.device(device).type == "cuda" else nullcontext()
-    seq = list(prompt)
-    taps, logits, cache = target.forward_cached(torch.tensor([seq], device=device), None)
-    bonus = int(logits[0, -1].argmax())
-    out: list[int] = []
-    per_forward: list[int] = []
-    while len(out) < max_new:
-        n = len(seq)  # the block's anchor (the bonus token) sits at position n
-        ids = torch.tensor([seq + [bonus]], device=device)
+
+    def draft(taps, n, bonus):
+        ids = torch.full((1, n + 1), bonus, device=device)  # embed_blocks reads only the anchor's token
         anchors = torch.tensor([[n]], device=device)
         keep = torch.ones(1, 1, dtype=torch.bool, device=device)
         with autocast:
             h = drafter(taps, head.embed_blocks(ids, anchors, B, mask_id), anchors, keep)
-            draft = F.linear(h[0, 1:], head.lm_head).argmax(-1).tolist()
-        # the export's spec_generate verifies with the same function (trainer/hf_dflash.py)
-        j, bonus_next, committed, block_taps, cache = verify_block(
-            lambda rows, c: target.forward_cached(torch.tensor(rows, device=device), c), cache, bonus, draft)
-        taps = torch.cat([taps, block_taps], dim=1)
-        seq += committed
-        out += committed
-        bonus = bonus_next
-        per_forward.append(j + 1)
+            return F.linear(h[0, 1:], head.lm_head).argmax(-1).tolist()
+
+    # one decode loop with the export's spec_generate (trainer/hf_dflash.py)
+    out, per_forward = speculative_decode(
+        lambda rows, c: target.forward_cached(torch.tensor(rows, device=device), c), draft, prompt, max_new)
     return out[:max_new], per_forward
 
 

@@ -227,30 +227,15 @@ class DFlashDraftModel(PreTrainedModel):
         B = self.block_size
         taps_of = _Taps(target, self.target_layer_ids)
         try:
-            seq = input_ids[0].tolist()
-            # The target keeps its cache between rounds, as serving engines do; a rejected tail
-            # is undone by replaying the committed tokens on the state before the block, which
-            # also holds for targets whose layers carry recurrent state (Qwen3.5's Gated DeltaNet).
-            taps, logits, cache = taps_of.cached(torch.tensor([seq], device=device), None)
-            bonus = int(logits[0, -1].argmax())
-            out: list[int] = []
-            per_forward: list[int] = []
-            while len(out) < max_new_tokens:
-                n = len(seq)  # the block's anchor (the bonus token) sits at position n
+            def draft(taps, n, bonus):
                 block = torch.full((1, B), self.mask_token_id, dtype=torch.long, device=device)
                 block[0, 0] = bonus
                 h = self(taps[:, :n], F.embedding(block, embed), torch.tensor([[n]], device=device))
-                draft = F.linear(h[0, 1:].to(lm_head.dtype), lm_head).argmax(-1).tolist()
-                j, nxt, committed, block_taps, cache = verify_block(
-                    lambda ids, c: taps_of.cached(torch.tensor(ids, device=device), c), cache, bonus, draft)
-                taps = torch.cat([taps, block_taps], dim=1)
-                seq += committed
-                out += committed
-                bonus = nxt
-                per_forward.append(j + 1)
-                if stops and any(t in stops for t in out):
-                    out = out[:next(i for i, t in enumerate(out) if t in stops) + 1]
-                    break
+                return F.linear(h[0, 1:].to(lm_head.dtype), lm_head).argmax(-1).tolist()
+
+            out, per_forward = speculative_decode(
+                lambda ids, c: taps_of.cached(torch.tensor(ids, device=device), c), draft,
+                input_ids[0].tolist(), max_new_tokens, stops)
         finally:
             taps_of.close()
         out = out[:max_new_tokens]
@@ -259,6 +244,32 @@ class DFlashDraftModel(PreTrainedModel):
             return ids
         return SimpleNamespace(output_ids=ids, acceptance_lengths=per_forward,
                                tau=sum(per_forward) / max(1, len(per_forward)), num_output_tokens=len(out))
+
+
+def speculative_decode(forward_cached, draft_fn, prompt: list[int], max_new: int, stops=()) -> tuple[list, list]:
+    """Greedy block speculative decoding: (new tokens, tokens committed per target forward).
+
+    ``forward_cached(ids, cache) -> (taps, logits, cache)`` is the target with its cache (see
+    verify_block); ``draft_fn(taps, n, bonus)`` drafts block-size − 1 tokens after the bonus
+    token at position n from the target's taps of positions < n. The target keeps its cache
+    between rounds, as serving engines do. trainer/evaluate.py and the export's
+    spec_generate both decode with this, so the served drafter is measured as trained."""
+    seq = list(prompt)
+    taps, logits, cache = forward_cached([seq], None)
+    bonus = int(logits[0, -1].argmax())
+    out: list[int] = []
+    per_forward: list[int] = []
+    while len(out) < max_new:
+        draft = draft_fn(taps, len(seq), bonus)
+        j, bonus, committed, block_taps, cache = verify_block(forward_cached, cache, bonus, draft)
+        taps = torch.cat([taps, block_taps], dim=1)
+        seq += committed
+        out += committed
+        per_forward.append(j + 1)
+        if stops and any(t in stops for t in out):
+            out = out[:next(i for i, t in enumerate(out) if t in stops) + 1]
+            break
+    return out, per_forward
 
 
 def verify_block(forward_cached, cache, bonus: int, draft: list[int]):
