@@ -15,7 +15,7 @@ import hashlib
 import io
 import posixpath
 import tarfile
-import uuid
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,5 +82,5 @@ def remote_path(workspace: str, version: str) -> str:
 def upload_argv(dest: str, data: bytes) -> list[str]:
     """The in-container argv that receives the bundle tar ``data`` on stdin and installs it
     at ``dest`` (via a temp directory beside it)."""
-    tmp = posixpath.join(posixpath.dirname(dest), f".tmp-{posixpath.basename(dest)}-{uuid.uuid4().hex[:8]}")
+    tmp = posixpath.join(posixpath.dirname(dest), f".tmp-{posixpath.basename(dest)}-{os.urandom(4).hex()}")
     return ["sh", "-c", _UPLOAD_SCRIPT, "sh", tmp, dest, str(len(data)), hashlib.sha256(data).hexdigest()]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import posixpath
 import re
-import uuid
+import os
 from typing import IO, Mapping, Optional, Sequence
 
 from controller import pct
@@ -131,7 +131,7 @@ class Container:
         """The in-container argv that receives ``data`` on stdin for :meth:`write_file`."""
         self._check_path(path)
         directory, base = posixpath.split(path)
-        tmp = posixpath.join(directory, f".{base}.ctl-{uuid.uuid4().hex[:12]}.tmp")
+        tmp = posixpath.join(directory, f".{base}.ctl-{os.urandom(6).hex()}.tmp")
         return ["sh", "-c", _WRITE_SCRIPT, "sh", tmp, path, f"{mode:o}", str(len(data)),
                 hashlib.sha256(data).hexdigest()]
 

@@ -28,7 +28,6 @@ import socket
 import sys
 import threading
 import types
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -61,7 +60,6 @@ def _import_paramiko():
 
 
 paramiko = _import_paramiko()
-import tenacity  # noqa: E402
 
 from controller.config import NodeConfig  # noqa: E402
 from controller.transport import HostKeyError, MarkerGate, Process, Runner, TransportError  # noqa: E402
@@ -332,14 +330,23 @@ class SSHRunner(Runner):
                 raise TransportError(f"the SSH key {key} for node {t.node} does not exist: fix identity_file "
                                      f"in the config")
         try:
-            for attempt in tenacity.Retrying(
-                stop=tenacity.stop_after_attempt(self.attempts),
-                wait=tenacity.wait_exponential(multiplier=0.25, max=4),
-                retry=tenacity.retry_if_exception(lambda e: isinstance(e, _HopError) and e.retryable),
-                reraise=True,
-            ):
-                with attempt:
-                    client = self._connect_once()
+            try:
+                client = self._connect_once()
+            except _HopError as first:
+                if not first.retryable or self.attempts <= 1:
+                    raise
+                # Only a failed first attempt pays for importing the retry policy (~90 ms of
+                # every command's start-up otherwise: bench/exec_roundtrip.py).
+                import tenacity
+
+                for attempt in tenacity.Retrying(
+                    stop=tenacity.stop_after_attempt(self.attempts - 1),
+                    wait=tenacity.wait_exponential(multiplier=0.25, max=4),
+                    retry=tenacity.retry_if_exception(lambda e: isinstance(e, _HopError) and e.retryable),
+                    reraise=True,
+                ):
+                    with attempt:
+                        client = self._connect_once()
         except _HopError as exc:
             hint = ("Check the node is up and its host/port in the config" if exc.hop is t else
                     "Check the bastion is up and proxy_jump (or ProxyJump in ~/.ssh/config)")
@@ -368,7 +375,7 @@ class SSHRunner(Runner):
     # -- commands --------------------------------------------------------------------------
     def _start(self, argv: list[str], with_stdin: bool) -> Process:
         client = self.connect()
-        marker = f"--dflash-ctl-begin-{uuid.uuid4().hex}--"
+        marker = f"--dflash-ctl-begin-{os.urandom(16).hex()}--"
         remote = shlex.join(["sh", "-c", _PRELUDE, marker, *argv])
         try:
             chan = client.get_transport().open_session(timeout=CONNECT_TIMEOUT_S)

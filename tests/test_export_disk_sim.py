@@ -46,7 +46,7 @@ def toml(sim_node, env, tmp_path_factory):
     from controller import config as cfg
     from controller.container import Container
     from controller.provision import provision_tiny
-    from controller.transport import open_runner
+    from controller.session import open_runner
 
     conf = cfg.load(env["DFLASH_CTL_CONFIG"])
     name, node = conf.node()
