@@ -159,7 +159,7 @@ def read_wandb_history(path):
     return rows
 
 
-def test_wandb_offline_files_hold_the_metrics(tiny, tmp_path, monkeypatch):
+def test_wandb_offline_files_hold_the_metrics(tiny, tmp_path, monkeypatch, capsys):
     out, run_dir = str(tmp_path / "out"), str(tmp_path / "run")
     monkeypatch.delenv("WANDB_DIR", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -168,6 +168,8 @@ def test_wandb_offline_files_hold_the_metrics(tiny, tmp_path, monkeypatch):
     assert rc == 0
     files = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))
     assert len(files) == 1, files
+    where = os.path.dirname(files[0])  # said once, with the line that uploads it later
+    assert f"wandb: offline run in {where}; upload it later with `wandb sync {where}`" in capsys.readouterr().out
     rows = [r for r in read_wandb_history(files[0]) if "loss" in r]
     assert [r["_step"] for r in rows] == [1, 2, 3]
     logged = step_events(run_dir)

@@ -59,6 +59,10 @@ class WandbLogger:
         directory = os.environ.get("WANDB_DIR") or run_dir
         os.makedirs(directory, exist_ok=True)
         self.run = wandb.init(project=project, name=name, mode=mode, config=config, dir=directory)
+        if mode == "offline":
+            # the run's own directory (wandb/offline-run-…), which `wandb sync` uploads later
+            where = os.path.dirname(self.run.dir.rstrip("/"))
+            print(f"wandb: offline run in {where}; upload it later with `wandb sync {where}`", flush=True)
 
     def log(self, metrics: dict, step: int) -> None:
         flat = {}
