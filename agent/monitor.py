@@ -20,7 +20,7 @@ import sys
 import time
 
 from agent import procs
-from agent.protocol import JOB_EXIT, atomic_write_json
+from agent.protocol import EXIT_FAILURE, EXIT_SPAWN_FAILED, JOB_EXIT, atomic_write_json
 
 
 def _noop(signum, frame):  # noqa: ARG001
@@ -38,9 +38,10 @@ def main(run_dir: str, argv: list[str]) -> int:
     except OSError as exc:
         # "failed to start" is not "exited non-zero" (Ray's supervisor separates them)
         print(f"agent: could not start {argv[0]!r}: {exc}", file=sys.stderr, flush=True)
-        atomic_write_json(exit_path, {"pid": None, "exit_code": 127, "signal": None, "signal_name": None,
-                                      "spawn_error": str(exc), "started": started, "ended": time.time()})
-        return 127
+        atomic_write_json(exit_path, {"pid": None, "exit_code": EXIT_SPAWN_FAILED, "signal": None,
+                                      "signal_name": None, "spawn_error": str(exc), "started": started,
+                                      "ended": time.time()})
+        return EXIT_SPAWN_FAILED
     code = None
     while True:
         try:
@@ -54,4 +55,4 @@ def main(run_dir: str, argv: list[str]) -> int:
             info.update(pid=pid, started=started, ended=time.time())
             atomic_write_json(exit_path, info)
             code = info["exit_code"] if info["exit_code"] is not None else 128 + info["signal"]
-    return code if code is not None else 1
+    return code if code is not None else EXIT_FAILURE

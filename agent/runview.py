@@ -22,7 +22,7 @@ import sys
 from typing import Optional
 
 from agent import knowngood
-from agent.protocol import DEFAULT_WORKSPACE, ENV_WORKSPACE, SPEC, wrap_payload
+from agent.protocol import DEFAULT_WORKSPACE, ENV_WORKSPACE, SPEC, RunResult, RunStatus, wrap_payload
 from agent.rundir import RunDir, agent_alive, agent_live_or_none, read_json
 
 
@@ -56,9 +56,10 @@ def status(workspace: str, run: Optional[str] = None) -> dict:
     config = launch.get("config")
     baseline = ((known_good.get("configs") or {}).get(config) or {}) if config else {}
     spec = read_json(rd.spec) or {}
+    result = RunResult.load(rd.result)
     return {"ok": True, "run_id": run, "run_dir": rd.path, "latest": all_runs[-1]["run_id"] == run,
             "spec": {k: spec.get(k) for k in ("run_id", "created", "argv", "cwd", "options")},
-            "status": read_json(rd.status) or {}, "result": read_json(rd.result),
+            "status": RunStatus.load(rd.status).to_json(), "result": result.to_json() if result else None,
             "agent_alive": agent_alive(rd), "job_alive": agent_live_or_none(rd.job_pid),
             "config": config, "start": launch.get("start"), "gpus": launch.get("gpus"),
             "baseline": {"run_id": baseline.get("run_id"), "steady": baseline.get("steady")} if baseline else None,

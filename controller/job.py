@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+from agent.protocol import FailureKind, RunResult, RunState, RunStatus
 from controller import config as cfg
 from controller.container import Container
 from trainer import flags as F
@@ -295,13 +296,12 @@ def load_record(ctl_config: Optional[str], run_id: str) -> Optional[list[Member]
 # --- status across containers ---------------------------------------------------------------------
 
 def member_failure(reply: dict) -> Optional[dict]:
-    res = reply.get("result") or {}
-    cause = res.get("root_cause")
-    if isinstance(cause, dict):
-        return cause
-    st = reply.get("status") or {}
-    if st.get("state") == "failed":
-        return {"kind": "job_exit", "reason": st.get("reason") or st.get("last_error"), "ts": st.get("updated")}
+    res = RunResult.from_json(reply.get("result"))
+    if res and res.root_cause:
+        return res.root_cause
+    st = RunStatus.from_json(reply.get("status"))
+    if st.state == RunState.FAILED:
+        return {"kind": FailureKind.JOB_EXIT.value, "reason": st.reason or st.last_error, "ts": st.updated}
     return None
 
 
@@ -311,13 +311,14 @@ def job_verdict(replies: list[tuple[Member, dict]]) -> dict:
     State: failed if any container failed; running while any runs; completed when all did.
     Root cause: the earliest failure that is not a peer/network consequence; else the
     earliest network failure, else the earliest peer failure."""
-    states = [((r.get("status") or {}).get("state") or "unknown") for _, r in replies]
+    known = [RunStatus.from_json(r.get("status")).state for _, r in replies]
+    states = [s.value if s else "unknown" for s in known]
     failures = [(m, f) for m, r in replies if (f := member_failure(r))]
-    if any(s == "failed" for s in states):
+    if RunState.FAILED in known:
         state = "failed"
-    elif states and all(s == "completed" for s in states):
+    elif known and all(s == RunState.COMPLETED for s in known):
         state = "completed"
-    elif any(s in ("running", "starting", "restarting", "stopping", "pending") for s in states):
+    elif any(s is not None and not s.is_terminal() for s in known):
         state = "running"
     else:
         state = states[0] if len(set(states)) == 1 else "mixed"

@@ -27,6 +27,7 @@ import threading
 import time
 from typing import Callable, Optional
 
+from agent.protocol import RunState, RunStatus
 from controller.job import Member
 
 HOLD_S = 1.0
@@ -130,7 +131,8 @@ def merged(members: list[Member], sources: list, run_id: str, write: Callable[[s
             last_ts[label] = max(last_ts[label], float(ts))
             last_seen[label] = time.monotonic()
             payload = rec.get("payload") or {}
-            if rec.get("kind") == "status" and payload.get("state") == "failed" and failed_at is None:
+            if rec.get("kind") == "status" and failed_at is None and \
+                    RunStatus.from_json(payload).state == RunState.FAILED:
                 failed_at = time.monotonic()
         now = time.monotonic()
         marks = [last_ts[l] if not follow or now - last_seen[l] < HOLD_S else max(last_ts[l], time.time() - HOLD_S)

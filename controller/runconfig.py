@@ -29,6 +29,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr
                       create_model, field_validator, model_validator)
 from typing_extensions import Annotated
 
+from agent.options import Options as AgentOptions
 from trainer import flags as F
 
 
@@ -171,7 +172,7 @@ class BaselineSection(BaseModel):
     # A run whose steady tokens/s falls more than this below the known-good run of its config
     # is stopped by the agent with a named reason (the story: 20 → 5.4 Ktok/s, nobody told).
     # 0 hands the agent no baseline (e.g. CPU runs on a shared machine, whose rate swings 3×).
-    regression_fraction: float = Field(0.3, alias="regression-fraction", ge=0, lt=1)
+    regression_fraction: float = Field(AgentOptions.regression_fraction, alias="regression-fraction", ge=0, lt=1)
 
 
 class JobContainer(BaseModel):

@@ -18,11 +18,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
-from agent.protocol import RunState
+from agent.protocol import EXIT_AGENT_GONE, RunState
 from controller.transport import TransportError
 
 # Agent follow's documented exit code when the agent is gone and the run has not finished.
-FOLLOW_AGENT_GONE = 3
+FOLLOW_AGENT_GONE = EXIT_AGENT_GONE
 
 
 class StreamSource(Protocol):

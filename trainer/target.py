@@ -7,16 +7,13 @@ drafted positions (loss.py).
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
 
 import torch
 
-# Keys of config.json that do not change what the target computes.
-_IDENTITY_IGNORE = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures",
-                    "use_cache", "output_hidden_states", "return_dict", "id2label", "label2id"}
+from agent import ckptcompat
 
 
 def read_config(target_dir: str) -> dict:
@@ -25,17 +22,8 @@ def read_config(target_dir: str) -> dict:
 
 
 def target_identity(target_dir: str) -> dict:
-    """What a checkpoint records about its target; two targets with the same architecture
-    numbers and the same config hash are the same target as far as the drafter cares."""
-    cfg = read_config(target_dir)
-    body = json.dumps({k: v for k, v in sorted(cfg.items()) if k not in _IDENTITY_IGNORE}, sort_keys=True)
-    return {
-        "model_type": cfg.get("model_type"),
-        "num_hidden_layers": cfg.get("num_hidden_layers"),
-        "hidden_size": cfg.get("hidden_size"),
-        "vocab_size": cfg.get("vocab_size"),
-        "config_sha256": hashlib.sha256(body.encode()).hexdigest(),
-    }
+    """What a checkpoint records about its target (agent/ckptcompat.py's rule)."""
+    return ckptcompat.target_identity(read_config(target_dir))
 
 
 class Target:

@@ -21,6 +21,7 @@ from typing import List, Optional
 
 import typer
 
+from agent.protocol import EXIT_AGENT_GONE, RunStatus
 from controller import config as cfg
 from controller import runconfig as R
 from controller.commands.remote import EXIT_CONFIG, TrustOpt, container_session, fail
@@ -88,7 +89,7 @@ class ContainerStream:
         else:
             module, args = "agent", ["follow", "--workspace", self.workspace, "--run", run_id, "--from", after]
         result = self.caller.run(module, args, capture=False, on_stdout=on_line)
-        if result.failed and result.returncode not in (3,):
+        if result.failed and result.returncode != EXIT_AGENT_GONE:
             tail = result.tail("stderr", 3)
             if "no run directory" in tail:
                 raise fail(f"no run {run_id!r} in container {self.ct.ctid}: `ctl runs --container "
@@ -132,13 +133,13 @@ def _follow(ct: Container, caller, run_id: str, since: int, follow: bool, raw: b
     if not follow:
         return 0
     state = result.state
-    status = result.status or {}
+    status = RunStatus.from_json(result.status)
     if state == "failed":
-        typer.echo(f"ctl: run {run_id} FAILED: {status.get('reason') or status.get('last_error')}", err=True)
+        typer.echo(f"ctl: run {run_id} FAILED: {status.reason or status.last_error}", err=True)
     elif state == "completed":
         # With --json, stdout carries only records: the verdict goes to stderr.
-        typer.echo(f"ctl: run {run_id} completed" + (f"; last checkpoint {status['checkpoint'][1]}"
-                                                     if isinstance(status.get("checkpoint"), list) else ""), err=raw)
+        typer.echo(f"ctl: run {run_id} completed" + (f"; last checkpoint {status.checkpoint.path}"
+                                                     if status.checkpoint else ""), err=raw)
     else:
         typer.echo(f"ctl: the stream of run {run_id} ended while the run is {state or 'unknown'}: its agent is not "
                    "running; see `ctl status`", err=True)
