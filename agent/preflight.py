@@ -323,8 +323,12 @@ def commit(req: dict) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    usage = "usage: python3 -m agent.preflight check|commit|known-good < request.json"
+    if argv[:1] in (["-h"], ["--help"]):
+        print(f"{usage}\n\nThe launch preflight's container side (the controller sends the request).")
+        return 0
     if not argv or argv[0] not in ("check", "commit", "known-good"):
-        print("usage: python3 -m agent.preflight check|commit|known-good < request.json", file=sys.stderr)
+        print(usage, file=sys.stderr)
         return 2
     try:
         req = json.load(sys.stdin) if argv[0] != "known-good" else {"workspace": argv[1] if len(argv) > 1 else "/workspace"}

@@ -70,35 +70,47 @@ class SimNode:
         started = time.monotonic()
         cold = not rootfs.rootfs_path().is_dir()
         with self._lock():
-            cache = rootfs.ensure_rootfs(progress)
-            state = self._read_state()
-            for d in (self.paths.bin, self.paths.lxcpath, self.paths.pve_lxc, self.paths.log,
-                      self.paths.dir_storage):
-                d.mkdir(parents=True, exist_ok=True)
-            was_mounted = storage.mount_source(self.paths.btrfs_mount) is not None
-            storage.ensure_btrfs(self.paths.btrfs_image, self.paths.btrfs_mount, progress)
-            net.ensure_network()  # the containers' bridge (sim/net.py)
-            containers = state.get("containers", {})
-            for ctid in self.ctids:
-                containers[str(ctid)] = self._ensure_container(ctid, cache, containers.get(str(ctid), {}), progress)
-            port = state.get("port")
-            if not port or (self.sshd.pid() is None and not port_free(port)):
-                port = free_port()
-            state.update(self._state_doc(port, containers))
-            atomic_write(str(self.paths.node_json), json.dumps(state, indent=1, sort_keys=True) + "\n")
-            atomic_write(str(self.paths.pct), PCT_SOURCE.read_text(), mode=0o755)
-            if not was_mounted and self.sshd.pid():
-                # sshd's private mount namespace was copied before the storage was mounted.
-                self.sshd.stop()
-            self.sshd.prepare(port)
-            self.sshd.start(port)
-            if self.sshd.pid():
-                net.expose_to(self.sshd.pid())
+            try:
+                port = self._up_locked(progress)
+            except (SimError, OSError) as exc:
+                # A half-up node is worse than none: containers running and storage mounted
+                # with no sshd to reach them. Stop everything, then say why.
+                progress(f"bring-up failed; stopping what it started on node {self.name}")
+                self._down_locked(progress)
+                message = str(exc) if isinstance(exc, SimError) else f"sim node {self.name}: {exc}"
+                raise SimError(f"{message} (nothing was left running or mounted)") from None
         info = self.node_config()
         info.update(name=self.name, cold=cold, seconds=round(time.monotonic() - started, 1))
         progress(f"sim node {self.name} is up: ssh -p {port} -i {info['identity_file']} root@127.0.0.1 "
                  f"({info['seconds']} s)")
         return info
+
+    def _up_locked(self, progress: Progress) -> int:
+        cache = rootfs.ensure_rootfs(progress)
+        state = self._read_state()
+        for d in (self.paths.bin, self.paths.lxcpath, self.paths.pve_lxc, self.paths.log,
+                  self.paths.dir_storage):
+            d.mkdir(parents=True, exist_ok=True)
+        was_mounted = storage.mount_source(self.paths.btrfs_mount) is not None
+        storage.ensure_btrfs(self.paths.btrfs_image, self.paths.btrfs_mount, progress)
+        net.ensure_network()  # the containers' bridge (sim/net.py)
+        containers = state.get("containers", {})
+        for ctid in self.ctids:
+            containers[str(ctid)] = self._ensure_container(ctid, cache, containers.get(str(ctid), {}), progress)
+        port = state.get("port")
+        if not port or (self.sshd.pid() is None and not port_free(port)):
+            port = free_port()
+        state.update(self._state_doc(port, containers))
+        atomic_write(str(self.paths.node_json), json.dumps(state, indent=1, sort_keys=True) + "\n")
+        atomic_write(str(self.paths.pct), PCT_SOURCE.read_text(), mode=0o755)
+        if not was_mounted and self.sshd.pid():
+            # sshd's private mount namespace was copied before the storage was mounted.
+            self.sshd.stop()
+        self.sshd.prepare(port)
+        self.sshd.start(port)
+        if self.sshd.pid():
+            net.expose_to(self.sshd.pid())
+        return port
 
     def down(self, purge: bool = False, progress: Progress = quiet) -> None:
         """Stop containers and sshd, unmount the storage, detach its loop device. With
@@ -108,17 +120,20 @@ class SimNode:
             return
         self._preflight()
         with self._lock():
-            for ctid in self.ctids:
-                if lxc.running(self.paths.lxcpath, str(ctid)):
-                    progress(f"stopping container {ctid}")
-                lxc.stop(self.paths.lxcpath, str(ctid))
-            if self.sshd.pid():
-                progress("stopping sshd")
-            self.sshd.stop()
-            storage.release_btrfs(self.paths.btrfs_image, self.paths.btrfs_mount)
+            self._down_locked(progress)
             if purge:
                 progress(f"removing {self.paths.root}")
                 shutil.rmtree(self.paths.root)
+
+    def _down_locked(self, progress: Progress) -> None:
+        for ctid in self.ctids:
+            if lxc.running(self.paths.lxcpath, str(ctid)):
+                progress(f"stopping container {ctid}")
+            lxc.stop(self.paths.lxcpath, str(ctid))
+        if self.sshd.pid():
+            progress("stopping sshd")
+        self.sshd.stop()
+        storage.release_btrfs(self.paths.btrfs_image, self.paths.btrfs_mount)
 
     def status(self) -> dict:
         state = self._read_state()

@@ -26,6 +26,10 @@ from sim.proc import SimError, run, tail, wait_until, which
 POLLUTED_PATH_PREFIX = "/opt/homebrew/opt/openjdk/bin:/root/perl5/bin"
 NOISE_PREFIX = "sim-node"
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+# sshd's privilege-separation directory. Debian's ssh.service makes it (RuntimeDirectory=sshd)
+# on every boot, since /run is a tmpfs; a machine that installed openssh-server without
+# systemd running never has it, and sshd refuses to start without it.
+PRIVSEP_DIR = Path("/run/sshd")
 
 BASHRC = """\
 # ~/.bashrc of the simulated Proxmox node {name}. Polluted ON PURPOSE, like the real host's:
@@ -102,6 +106,7 @@ class Sshd:
         atomic_write(str(self.known_hosts), f"[127.0.0.1]:{port} {host_pub[0]} {host_pub[1]}\n", mode=0o644)
         self._write_home()
         atomic_write(str(self.config), self._config_text(port), mode=0o600)
+        ensure_privsep_dir()
         proc = run([which("sshd") or "/usr/sbin/sshd", "-t", "-f", self.config],
                    what=f"sshd -t (config check of {self.config})", check=False)
         if proc.returncode != 0:
@@ -204,6 +209,18 @@ class Sshd:
             wait_until(lambda: not processes_in_mount_ns(ns), 5)
         self.runfile.unlink(missing_ok=True)
         self.pidfile.unlink(missing_ok=True)
+
+
+def ensure_privsep_dir(path: Path = PRIVSEP_DIR) -> None:
+    """What the service unit would have made: root-owned, not group/world writable (sshd
+    checks both)."""
+    try:
+        path.mkdir(mode=0o755, exist_ok=True)
+        os.chown(path, 0, 0)
+        os.chmod(path, 0o755)
+    except OSError as exc:
+        raise SimError(f"cannot create sshd's privilege separation directory {path}: {exc.strerror} "
+                       f"(the sshd service unit makes it at boot; make it by hand: mkdir -m 0755 {path})") from None
 
 
 def processes_in_mount_ns(ns: str) -> list[int]:

@@ -8,7 +8,7 @@ from controller import runconfig as R
 from trainer import flags as F
 
 BASE = {"trainer": {"target-model": "/m", "data-dir": "/d", "target-gpus": [0], "drafter-gpus": "0",
-                    "max-seq-len": 64, "token-budget": 256}}
+                    "max-seq-len": 64, "token-budget": 256, "max-anchors": 16}}
 
 
 def test_every_trainer_flag_is_a_config_field_except_the_ones_it_must_not_hold():
@@ -114,3 +114,35 @@ def test_the_printed_resume_line_names_the_config_file_the_run_was_launched_with
                        {"path": "/workspace/runs/r/output/step_8/checkpoint.pt"})
     assert f"--config {config._source_file}" in line
     assert line.endswith("--resume-from /workspace/runs/r/output/step_8/checkpoint.pt")
+
+
+@pytest.mark.parametrize("setting, expected", [
+    ("max-anchors = 100000000000000000000",
+     "--max-anchors 100000000000000000000 is too large: it must be at most --max-seq-len (64)"),
+    ("block-size = 1", "--block-size 1 is too small: it must be at least 2"),
+    ("lr = inf", "lr"),
+])
+def test_ctl_launch_refuses_a_hostile_value_with_one_line_before_connecting(tmp_path, setting, expected):
+    """As typed: `ctl launch` with the value in the run config exits 2 with one line and never
+    reaches the node (configured on a port where nothing listens: a connection attempt would
+    end in a transport error, exit 255, after retries)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    lines = [f"{k} = {v!r}".replace("'", '"') for k, v in BASE["trainer"].items() if k != "max-anchors"]
+    if not setting.startswith("max-anchors"):
+        lines.append("max-anchors = 16")
+    run = tmp_path / "run.toml"
+    run.write_text("[trainer]\n" + "\n".join(lines + [setting]) + "\n")
+    ctl_config = tmp_path / "ctl.toml"
+    ctl_config.write_text('default_node = "nowhere"\n[nodes.nowhere]\nhost = "127.0.0.1"\nport = 9\n')
+    ctl = Path(sys.executable).with_name("ctl")
+    proc = subprocess.run([str(ctl), "launch", "--container", "200", "--config", str(run), "--from-scratch"],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "DFLASH_CTL_CONFIG": str(ctl_config)})
+    err = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2, proc.stderr
+    assert len(err) == 1 and expected in err[0], err
+    assert "Traceback" not in proc.stderr

@@ -51,6 +51,18 @@ CASES = {
                                      "trained against another target (num_hidden_layers 6 vs 8"),
     "resume holding out other samples": (lambda e: base_args(e["target"], e["data"], e["new"], "--resume-from", e["ckpt"],
                                                              "--eval-prompts", "2"), "held out 0 samples for evaluation"),
+    # Hostile numbers (issue "Real machines"): once accepted, and the run started.
+    "anchors beyond any index": (lambda e: replace(base_args(e["target"], e["data"], e["new"], "--from-scratch"),
+                                                   "--max-anchors", "100000000000000000000"),
+                                 "--max-anchors 100000000000000000000 is too large: it must be at most --max-seq-len (48)"),
+    "anchors beyond the sequence": (lambda e: replace(base_args(e["target"], e["data"], e["new"], "--from-scratch"),
+                                                      "--max-anchors", "49"), "it must be at most --max-seq-len (48)"),
+    "block of one token": (lambda e: replace(base_args(e["target"], e["data"], e["new"], "--from-scratch"),
+                                             "--block-size", "1"), "--block-size 1 is too small: it must be at least 2"),
+    "infinite learning rate": (lambda e: base_args(e["target"], e["data"], e["new"], "--from-scratch", "--lr", "inf"),
+                               "--lr: expected a finite number, got 'inf'"),
+    "negative seed": (lambda e: base_args(e["target"], e["data"], e["new"], "--from-scratch", "--seed", "-1"),
+                      "--seed -1 is too small: it must be at least 0"),
     "not a checkpoint": (lambda e: base_args(e["target"], e["data"], e["new"], "--resume-from", e["data"]),
                          "holds no checkpoint.pt"),
 }

@@ -131,28 +131,43 @@ def _cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def _flags_main(argv: list[str]) -> int:
+    usage = f"usage: {PROG} flags --markdown\n\nPrint docs/flags.md, generated from the flag table (trainer/flags.py)."
+    if argv in (["-h"], ["--help"]):
+        print(usage)
+        return flags.EXIT_OK
+    if argv != ["--markdown"]:
+        print(f"{PROG} flags: {usage.splitlines()[0]}", file=sys.stderr)
+        return flags.EXIT_USAGE
+    sys.stdout.write(flags.markdown())
+    return flags.EXIT_OK
+
+
+def _subcommand(module: str):
+    def run(argv: list[str]) -> int:
+        import importlib
+
+        return importlib.import_module(module).main(argv)
+    return run
+
+
+# ``python -m trainer <name> …``; anything else is a training run. Imported on use, so
+# `python -m trainer --help` pays for none of them.
+SUBCOMMANDS = {
+    "prepare": _subcommand("trainer.data"),
+    "tiny": _subcommand("trainer.tiny"),
+    "synthetic": _subcommand("trainer.synthetic"),
+    "flags": _flags_main,
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] == "prepare":
-        from trainer.data import main as prepare_main
+    if argv and argv[0] in SUBCOMMANDS:
+        return SUBCOMMANDS[argv[0]](argv[1:])
 
-        return prepare_main(argv[1:])
-    if argv and argv[0] == "tiny":
-        from trainer.tiny import main as tiny_main
-
-        return tiny_main(argv[1:])
-    if argv and argv[0] == "synthetic":
-        from trainer.synthetic import main as synthetic_main
-
-        return synthetic_main(argv[1:])
-    if argv and argv[0] == "flags":
-        if argv[1:] != ["--markdown"]:
-            print(f"{PROG} flags: usage: {PROG} flags --markdown", file=sys.stderr)
-            return flags.EXIT_USAGE
-        sys.stdout.write(flags.markdown())
-        return flags.EXIT_OK
-
-    args = flags.parse_args(argv)  # exits EXIT_USAGE with one line on a parse error
+    # exits EXIT_USAGE with one line on a parse error
+    args = flags.parse_args(argv, epilog=f"other commands: {', '.join(SUBCOMMANDS)} (`{PROG} NAME --help`)")
     problems = validate(args)
     if problems:
         for p in problems:

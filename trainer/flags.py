@@ -12,6 +12,7 @@ trainer refuse the same inputs with the same words.
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
@@ -93,11 +94,18 @@ class Flag:
         return [self.name, str(value)]
 
 
+def parse_float(text: Any) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {text!r}")
+    return value
+
+
 _PARSERS: dict[str, Callable[[Any], Any]] = {
     "str": str,
     "path": str,
     "int": int,
-    "float": float,
+    "float": parse_float,
     "bool": bool,
     "choice": str,
     "gpus": parse_gpus,
@@ -171,6 +179,69 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--wandb-run-name", "str", None, "wandb run name", "wandb", metavar="NAME"),
     Flag("--wandb-mode", "choice", "offline", "wandb mode; offline makes no network connection", "wandb", choices=("offline", "online", "disabled")),
 )
+
+# Sane ranges of the numeric flags, (low, high) inclusive; a bound may name another flag's
+# dest, whose value it then is. Without them `max-anchors = 100000000000000000000` was
+# accepted and the run started. Every int flag not listed is held to [0, INT_MAX]: no value
+# beyond what torch and the data format can index reaches a run.
+INT_MAX = 2**63 - 1
+BOUNDS: dict[str, tuple[Any, Any]] = {
+    "nnodes": (1, 1024),
+    "node_rank": (0, 1023),
+    "dist_timeout": (1, 7 * 86400),
+    "epochs": (1, 100_000),
+    "lr": (1e-12, 1.0),
+    "warmup_ratio": (0.0, 1.0),
+    "weight_decay": (0.0, 10.0),
+    "grad_accum": (1, 65_536),
+    "grad_clip": (0.0, 1e6),
+    "max_seq_len": (2, 1 << 20),
+    "max_batch_size": (1, 1 << 20),
+    "token_budget": (1, 1 << 30),  # and >= --max-seq-len: check() says so in its own words
+    "block_size": (2, "max_seq_len"),
+    "max_anchors": (1, "max_seq_len"),
+    "num_draft_layers": (1, 256),
+    "mask_token_id": (0, 1 << 31),
+    "gamma": (1e-6, 1e6),
+    "dpace_alpha": (0.0, 1.0),
+    "kl_weight": (0.0, 1.0),
+    "kl_temperature": (1e-3, 100.0),
+    "cap_lambda": (0.0, 1e3),
+    "noise_start": (0.0, 1e3),
+    "noise_end": (0.0, 1e3),
+    "save_interval": (1, INT_MAX),
+    "log_interval": (1, INT_MAX),
+    "eval_prompts": (0, 1_000_000),
+}
+
+
+def _bound(value: Any, values: Mapping[str, Any]) -> tuple[Any, str]:
+    """(number, how to say it) of a bound that may name another flag."""
+    if isinstance(value, str):
+        other = values.get(value, BY_DEST[value].default)
+        return other, f"{BY_DEST[value].name} ({other})"
+    return value, f"{value:g}" if isinstance(value, float) else f"{value}"
+
+
+def bound_problems(values: Mapping[str, Any]) -> list[str]:
+    """One line per numeric flag outside its range, naming the flag, the range and the fix."""
+    problems = []
+    for f in FLAGS:
+        v = values.get(f.dest)
+        if f.kind not in ("int", "float", "budget") or isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        low, high = BOUNDS.get(f.dest, (0, INT_MAX) if f.kind in ("int", "budget") else (None, None))
+        for bound, too in ((low, "small"), (high, "large")):
+            if bound is None:
+                continue
+            limit, said = _bound(bound, values)
+            if not isinstance(limit, (int, float)):
+                continue
+            if (too == "small" and v < limit) or (too == "large" and v > limit):
+                edge = "at least" if too == "small" else "at most"
+                problems.append(f"{f.name} {v} is too {too}: it must be {edge} {said}")
+    return problems
+
 
 BY_DEST: dict[str, Flag] = {f.dest: f for f in FLAGS}
 BY_NAME: dict[str, Flag] = {f.name: f for f in FLAGS}
@@ -252,24 +323,7 @@ def check(values: Mapping[str, Any]) -> list[str]:
             f"--token-budget {budget} is below --max-seq-len {max_len}: one full-length sequence must fit; "
             f"raise --token-budget to at least {max_len} or lower --max-seq-len"
         )
-    for dest, low in (("block_size", 2), ("max_anchors", 1), ("num_draft_layers", 1), ("epochs", 1),
-                      ("grad_accum", 1), ("max_batch_size", 1), ("max_seq_len", 2), ("save_interval", 1),
-                      ("log_interval", 1)):
-        v = values.get(dest)
-        if isinstance(v, int) and v < low:
-            problems.append(f"{BY_DEST[dest].name} {v} is too small: it must be at least {low}")
-    for dest in ("lr", "gamma", "kl_temperature"):
-        v = values.get(dest)
-        if isinstance(v, (int, float)) and v <= 0:
-            problems.append(f"{BY_DEST[dest].name} {v} must be positive")
-    for dest in ("warmup_ratio", "kl_weight", "dpace_alpha"):
-        v = values.get(dest)
-        if isinstance(v, (int, float)) and not 0 <= v <= 1:
-            problems.append(f"{BY_DEST[dest].name} {v} must be between 0 and 1")
-    for dest in ("noise_start", "noise_end", "cap_lambda", "weight_decay", "grad_clip"):
-        v = values.get(dest)
-        if isinstance(v, (int, float)) and v < 0:
-            problems.append(f"{BY_DEST[dest].name} {v} must be >= 0")
+    problems += bound_problems(values)
     return problems
 
 
@@ -292,8 +346,8 @@ class UsageParser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
 
 
-def build_parser(prog: str = "python -m trainer") -> argparse.ArgumentParser:
-    parser = UsageParser(prog=prog, description="Train a DFlash drafter against a frozen target.")
+def build_parser(prog: str = "python -m trainer", epilog: str | None = None) -> argparse.ArgumentParser:
+    parser = UsageParser(prog=prog, description="Train a DFlash drafter against a frozen target.", epilog=epilog)
     groups: dict[str, Any] = {}
     exclusive = parser.add_mutually_exclusive_group()
     for f in FLAGS:
@@ -301,7 +355,9 @@ def build_parser(prog: str = "python -m trainer") -> argparse.ArgumentParser:
             target = exclusive
         else:
             target = groups.setdefault(f.group, parser.add_argument_group(f.group))
-        kw: dict[str, Any] = {"dest": f.dest, "help": f.help, "default": f.default}
+        # argparse %-formats help text ("%(default)s"): a literal "10 % of peak" must reach it
+        # as "%%", or `--help` dies with "%o format: an integer is required".
+        kw: dict[str, Any] = {"dest": f.dest, "help": f.help.replace("%", "%%"), "default": f.default}
         if f.kind == "bool":
             kw["action"] = "store_true"
         else:
@@ -325,8 +381,17 @@ def _argparse_type(f: Flag) -> Callable[[str], Any]:
     return convert
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    return build_parser().parse_args(argv)
+def parse_args(argv: list[str], epilog: str | None = None) -> argparse.Namespace:
+    return build_parser(epilog=epilog).parse_args(argv)
+
+
+def _range_text(f: Flag) -> str:
+    if f.kind not in ("int", "float", "budget"):
+        return ""
+    low, high = BOUNDS.get(f.dest, (0, INT_MAX) if f.kind in ("int", "budget") else (None, None))
+    said = [_bound(b, {})[1].split(" (")[0] if b is not None else "" for b in (low, high)]
+    said = ["2^63−1" if b == str(INT_MAX) else b for b in said]
+    return f"{said[0]} … {said[1]}" if any(said) else ""
 
 
 def markdown() -> str:
@@ -341,13 +406,13 @@ def markdown() -> str:
         f"Exit codes: {EXIT_OK} done, {EXIT_FAILURE} failure, {EXIT_USAGE} bad input (nothing written), "
         f"{EXIT_STOPPED} stopped on request after a checkpoint (resumable).",
         "",
-        "| flag | value | default | group | meaning |",
-        "| --- | --- | --- | --- | --- |",
+        "| flag | value | default | range | group | meaning |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
     for f in FLAGS:
         value = "switch" if f.kind == "bool" else (f.metavar or f.kind).replace("|", "\\|")  # N|auto: a table cell
         if f.choices:
             value = " \\| ".join(f.choices)
         default = "required" if f.required else ("—" if f.default is None else f"`{f.default}`")
-        lines.append(f"| `{f.name}` | {value} | {default} | {f.group} | {f.help.replace('|', '/')} |")
+        lines.append(f"| `{f.name}` | {value} | {default} | {_range_text(f)} | {f.group} | {f.help.replace('|', '/')} |")
     return "\n".join(lines) + "\n"
