@@ -109,6 +109,12 @@ class Failure:
         return dict(asdict(self), kind=self.kind.value)
 
 
+# A rank that lost its connection to a peer (or heard nothing from it) reports the peer's
+# failure, not its own: seen in one container, the peer's own failure is the root cause
+# (issue 18: kill -9 of drafter rank 6 was reported as rank 5's lost connection, noticed first).
+_CONSEQUENCES = (FailureKind.PEER_FAILURE, FailureKind.NETWORK_FAILURE)
+
+
 def root_cause(failures: list[Failure]) -> Failure | None:
     """The earliest failure (torchelastic reports the earliest error file as root cause).
 
@@ -120,11 +126,13 @@ def root_cause(failures: list[Failure]) -> Failure | None:
     A rank that exited with the trainer's "stopped on request" code or by SIGTERM was told
     to stop — by its launcher or its peers reacting to the real failure — so it is ranked
     after every failure that was not such a reaction, however early it was noticed (seen
-    under load: the survivors' exit 75 was polled before the SIGKILLed rank's death)."""
+    under load: the survivors' exit 75 was polled before the SIGKILLed rank's death). A lost
+    peer comes after the peer's own failure and before those reactions."""
     def key(f: Failure):
         collateral = f.details.get("exit_code") == EXIT_STOPPED or f.details.get("signal") == signal.SIGTERM
         penalty = 1.0 if f.details.get("status_unknown") else 0.0
-        return (1 if collateral else 0, f.ts + penalty, f.details.get("last_heartbeat") or f.ts)
+        return (2 if collateral else 1 if f.kind in _CONSEQUENCES else 0, f.ts + penalty,
+                f.details.get("last_heartbeat") or f.ts)
     return min(failures, key=key) if failures else None
 
 
@@ -268,15 +276,15 @@ def classify_event(event: dict, ts: float | None = None) -> Failure | None:
 
 def exit_failure(rank: int | None, pid: int | None, gpu: int | None, status: dict | None,
                  had_traceback: bool, evidence: list[str], oom_kills: int = 0,
-                 what: str | None = None) -> Failure:
+                 what: str | None = None, slot: str = "GPU") -> Failure:
     """A process (a rank, or the whole job) that ended badly.
 
     SIGKILL with no Python traceback is the host OOM killer's signature (research §6:
     torchelastic leaves no error file for a signalled worker); a cgroup oom_kill increase
-    confirms it.
+    confirms it. ``slot``: what ``gpu`` names ("GPU", or "rank slot" on CPU).
     """
     who = what or (f"rank {rank}" if rank is not None else "the job")
-    where = ", ".join(x for x in (f"pid {pid}" if pid else "", f"GPU {gpu}" if gpu is not None else "") if x)
+    where = ", ".join(x for x in (f"pid {pid}" if pid else "", f"{slot} {gpu}" if gpu is not None else "") if x)
     who_full = f"{who} ({where})" if where else who
     status = status or {}
     sig = status.get("signal")

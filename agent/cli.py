@@ -48,6 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cwd", help="working directory of the job (default: the current one)")
     Options.add_arguments(s)
     s.add_argument("--reattach", action="store_true", help="re-attach to the live job of an existing run dir")
+    s.add_argument("--by", help="who re-attaches (recorded in status.json; default: agent start)")
+    s.add_argument("--why", help="why it re-attaches (recorded in status.json)")
+    s.add_argument("--auto", action="store_true",
+                   help="an automatic re-attach (by ctl): refused when the run's --revive is 0")
     f = sub.add_parser("follow", help="print the stream from a seq, live, until the run ends")
     _run_args(f)
     f.add_argument("--from", dest="from_seq", type=int, default=0, help="print records with seq > FROM")
@@ -67,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--run-dir", required=True)
     d.add_argument("--ready-fd", type=int)
     d.add_argument("--reattach", action="store_true")
+    d.add_argument("--by")
+    d.add_argument("--why")
     m = sub.add_parser("_monitor")
     m.add_argument("--run-dir", required=True)
     return parser
@@ -103,7 +109,13 @@ def cmd_start(args, job_argv: list[str]) -> int:
         if st.terminal:
             return _fail(f"run {existing['run_id']} in {rd.path} already ended ({st.state.value}); "
                          "start a new run in a new --run-dir")
-        reply = daemon.launch(rd, reattach=True)
+        if args.auto:
+            reply = daemon.revive_if_gone(rd, args.by or "agent start --auto", args.why)
+            if reply is None:
+                return _fail(f"automatic re-attach is off for run {existing['run_id']} (--revive 0); re-attach by "
+                             f"hand: python3 -m agent start --run-dir {rd.path} --reattach", protocol.EXIT_FAILURE)
+            return _reply(reply)
+        reply = daemon.launch(rd, reattach=True, by=args.by or "agent start", why=args.why)
         return _reply(reply)
     if args.reattach:
         return _fail(f"nothing to re-attach to: {rd.spec} does not exist")
@@ -136,13 +148,36 @@ def cmd_follow(args, _tail) -> int:
         print(f"agent follow: no run directory {rd.path}", file=sys.stderr)
         return protocol.EXIT_USAGE
     try:
-        return follow(rd.path, args.from_seq, sys.stdout.buffer, lambda: agent_alive(rd), once=args.once)
+        return follow(rd.path, args.from_seq, sys.stdout.buffer, _supervised(rd), once=args.once)
     except (BrokenPipeError, KeyboardInterrupt):
         try:
             sys.stdout = None  # the reader went away: nothing more to say
         except Exception:  # noqa: BLE001
             pass
         return 0
+
+
+# How long `follow` waits for the job's monitor to bring a dead agent back (--revive) before
+# it says the agent is gone (exit 3).
+REVIVAL_WAIT_S = 30.0
+
+
+def _supervised(rd: RunDir):
+    """For `follow`: is an agent writing the stream, or about to be? The job's monitor starts
+    a new one --revive seconds after a death, so while the monitor lives the stream goes on."""
+    revive = Options.from_spec(read_json(rd.spec) or {}).revive
+    gone_since: float | None = None
+
+    def alive() -> bool:
+        nonlocal gone_since
+        if agent_alive(rd):
+            gone_since = None
+            return True
+        if revive <= 0 or not agent_live_or_none(rd.job_pid):
+            return False
+        gone_since = gone_since or time.monotonic()
+        return time.monotonic() - gone_since < revive + REVIVAL_WAIT_S
+    return alive
 
 
 def cmd_status(args, _tail) -> int:
@@ -219,7 +254,8 @@ def cmd_stop(args, _tail) -> int:
             lock = Lock(rd.agent_lock)
             if lock.acquire(timeout=1.0):
                 try:
-                    Supervisor(rd, spec, reattach=True, lock=lock).run()
+                    Supervisor(rd, spec, reattach=True, lock=lock, by="agent stop",
+                               why="a stop was requested and no agent was running").run()
                 finally:
                     lock.release()
                 st = RunStatus.load(rd.status)
@@ -233,7 +269,7 @@ def cmd_stop(args, _tail) -> int:
 def cmd_daemon(args, _tail) -> int:
     from agent import daemon
 
-    return daemon.main(args.run_dir, args.ready_fd, args.reattach)
+    return daemon.main(args.run_dir, args.ready_fd, args.reattach, args.by, args.why)
 
 
 def cmd_monitor(args, tail) -> int:

@@ -96,6 +96,7 @@ class JobProcess:
         self.child: subprocess.Popen | None = None  # set when this agent spawned it
         self.child_status: dict | None = None
         self.reaped: dict[int, dict] = {}  # orphans re-parented to us (subreaper) and reaped
+        self.spawned: float | None = None  # time.time() of the current attempt's spawn
 
     @property
     def pid(self) -> int | None:
@@ -121,7 +122,8 @@ class JobProcess:
                 cwd=self.cwd or "/", start_new_session=True)
         self.child_status = None
         self.ident = procs.Identity.of(self.child.pid, marker=self.run_id)
-        atomic_write_json(self.rd.job_pid, dict(self.ident.to_json(), argv=argv, attempt=attempt))
+        self.spawned = time.time()
+        atomic_write_json(self.rd.job_pid, dict(self.ident.to_json(), argv=argv, attempt=attempt, spawned=self.spawned))
 
     def attach(self) -> bool:
         """Re-attach to the job recorded in job.pid; False when none was ever started."""
@@ -129,6 +131,7 @@ class JobProcess:
         if not data:
             return False
         self.ident = procs.Identity.from_json(data)
+        self.spawned = float(data.get("spawned") or time.time())
         self.child = None
         return True
 

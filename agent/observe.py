@@ -45,14 +45,19 @@ class Observation:
     done_ranks: set = field(default_factory=set)  # ranks that left cleanly (None: all of them)
     phase: str | None = None
     metrics: dict = field(default_factory=dict)  # the last step event's, by RunStatus field
+    started: float = field(default_factory=time.time)  # when this attempt's job was spawned
+    launch: dict | None = None  # the trainer's launch event: the ranks it starts, the rendezvous
+    startup_checked: bool = False  # the start-up deadline has been judged
 
     def rank_health(self, now: float) -> dict[int, RankHealth]:
-        out = {}
+        """Every rank that heartbeats, and the planned ones that have not yet ("not started")."""
+        out = {int(r["rank"]): RankHealth(gpu=r.get("gpu"), role=r.get("role"), health="not started")
+               for r in (self.launch or {}).get("ranks") or [] if r.get("rank") is not None}
         for rank, hb in sorted(self.heartbeats.items()):
             health = "done" if rank in self.done_ranks else "dead" if rank in self.dead_ranks else "ok"
             out[rank] = RankHealth(step=hb.get("step"), pid=hb.get("pid"), gpu=hb.get("gpu"), role=hb.get("role"),
                                    heartbeat_age_s=round(now - float(hb.get("ts") or now), 1), health=health)
-        return out
+        return dict(sorted(out.items()))
 
 
 class Observer:
@@ -76,11 +81,20 @@ class Observer:
         self.changed = True  # something status.json shows changed since the last write
         self.seen = self.new_attempt()
 
-    def new_attempt(self) -> Observation:
+    def new_attempt(self, started: float | None = None) -> Observation:
+        """A fresh Observation for a job (attempt) spawned at ``started`` (time.time())."""
         self.seen = Observation(LineClassifier(), StallMonitor(self.opts.stall_timeout),
                                 ThroughputMonitor(self.opts.baseline_tokens_per_s, self.opts.regression_fraction),
-                                oom_base=cgroup.oom_kills(self.oom_path) or 0)
+                                oom_base=cgroup.oom_kills(self.oom_path) or 0,
+                                started=time.time() if started is None else started)
         return self.seen
+
+    def slot(self) -> str:
+        """What a rank's "gpu" names: a GPU, or on CPU only a rank slot."""
+        device = (self.seen.launch or {}).get("device")
+        if device is None:
+            device = "cpu" if self.gpu.get("state") == "no GPU" else "cuda"
+        return "rank slot" if device == "cpu" else "GPU"
 
     # --- output and events -------------------------------------------------------------------
     def pump(self, final: bool = False) -> int:
@@ -148,6 +162,8 @@ class Observer:
             failure = classify_event(ev)
             if failure:
                 self.add_failure(failure)
+        elif kind == "launch":
+            seen.launch = ev
 
     def add_failure(self, failure: Failure, batch: list | None = None) -> None:
         """Record a failure and announce it in the stream (within ``batch`` when a batch of
@@ -220,23 +236,60 @@ class Observer:
             if not any(x.kind == FailureKind.RANK_STALL and x.rank == f.rank for x in seen.failures):
                 self.add_failure(f)
 
+    def check_startup(self, now: float) -> None:
+        """Past --startup-timeout, every rank must have sent a heartbeat: the ones that did not
+        are named with the rendezvous they were to meet at and the last lines they printed
+        (a hung start is otherwise invisible: issue 18)."""
+        seen, limit = self.seen, self.opts.startup_timeout
+        if limit <= 0 or seen.startup_checked or now - seen.started < limit:
+            return
+        seen.startup_checked = True
+        planned = {int(r["rank"]): r for r in (seen.launch or {}).get("ranks") or [] if r.get("rank") is not None}
+        missing = sorted(set(planned) - set(seen.heartbeats)) if planned else ([] if seen.heartbeats else [None])
+        if not missing:
+            return
+        endpoint = (seen.launch or {}).get("rdzv_endpoint")
+        where = f"; rendezvous {endpoint}" if endpoint else ""
+        if missing == [None]:
+            who, rank, gpu = "no rank", None, None
+            what = "sent a heartbeat"
+        else:
+            roles = sorted({str(planned[r].get("role")) for r in missing})
+            slots = ", ".join(str(planned[r].get("gpu")) for r in missing)
+            who = (f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} "
+                   f"({'/'.join(roles)} on {self.slot()}{'s' if len(missing) > 1 else ''} {slots})")
+            rank, gpu = missing[0], planned[missing[0]].get("gpu")
+            what = "sent no heartbeat"
+        evidence = [line for r in missing for line in seen.classifier.evidence(r, 6)] \
+            + seen.classifier.evidence(None, 12)
+        reason = (f"start-up deadline: {who} {what} within {limit:.0f} s of the start "
+                  f"(--startup-timeout){where}")
+        self.add_failure(Failure(FailureKind.STARTUP_TIMEOUT, reason, rank, gpu, evidence=evidence,
+                                 details={"missing_ranks": [r for r in missing if r is not None],
+                                          "rdzv_endpoint": endpoint, "startup_timeout_s": limit,
+                                          "heartbeats": sorted(seen.heartbeats)}))
+
     def oom_delta(self) -> int:
         now = cgroup.oom_kills(self.oom_path)
         return max(0, (now or 0) - self.seen.oom_base) if now is not None else 0
 
     def rank_exit_failures(self, reaped: dict[int, dict]) -> list[Failure]:
+        """The ranks that died without a failure of their own already named: a rank whose
+        exception, OOM or lost peer was seen exited *because* of it, and naming its exit too
+        would put a consequence next to its cause."""
         seen = self.seen
         oom = self.oom_delta()
+        explained = {f.rank for f in seen.failures if f.rank is not None}
         out = []
         for rank, dead in sorted(seen.dead_ranks.items()):
-            if rank in seen.done_ranks or None in seen.done_ranks:
+            if rank in seen.done_ranks or None in seen.done_ranks or rank in explained:
                 continue
             status = dead["status"] or seen.classifier.exit_by_pid.get(dead["pid"]) \
                 or seen.classifier.exit_by_rank.get(rank) or reaped.get(dead["pid"])
             if status and status.get("exit_code") == 0:
                 continue
             f = exit_failure(rank, dead["pid"], dead["gpu"], status, seen.classifier.had_traceback(rank),
-                             seen.classifier.evidence(rank), oom)
+                             seen.classifier.evidence(rank), oom, slot=self.slot())
             f.ts = dead["ts"]
             f.details["last_heartbeat"] = seen.heartbeats.get(rank, {}).get("ts")
             out.append(f)

@@ -24,6 +24,14 @@ class Options:
     gpu_interval: float = _opt(10.0, "seconds between GPU samples")
     stall_timeout: float = _opt(300.0, "seconds without heartbeat progress before a rank counts as stalled "
                                        "(0: off)")
+    # A rank's first heartbeat comes once it has joined the process group, before the model
+    # loads (trainer/train.py), so this covers the interpreter, the imports and the rendezvous
+    # of every rank; loading and compiling come after it. 15 minutes is several times what
+    # 8 ranks importing torch from a cold network filesystem take.
+    startup_timeout: float = _opt(900.0, "seconds within which every rank must send its first heartbeat; past "
+                                         "it the run fails naming the ranks that never started (0: off)")
+    revive: float = _opt(1.0, "seconds after the agent's death before the job's monitor starts a new agent, "
+                              "which re-attaches (0: never)")
     baseline_tokens_per_s: float | None = _opt(None, "steady tokens/s of the known-good run; a run this far "
                                                      "below it (--regression-fraction) is stopped")
     regression_fraction: float = _opt(0.3, "allowed drop below --baseline-tokens-per-s, as a fraction")

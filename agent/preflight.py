@@ -154,33 +154,49 @@ def disk_info(path: Optional[str]) -> dict:
 
 
 def active_runs(workspace: str) -> list[dict]:
-    """Runs whose agent is alive and whose state is not terminal, with their GPU roles (from
-    the launch record ctl wrote; a run started otherwise shows no roles)."""
+    """Live runs: not ended, and supervised or with their job still running (a run whose agent
+    died still holds its GPUs), with their GPU roles from the launch record ctl wrote (a run
+    started otherwise shows none)."""
     from agent.protocol import RunStatus
-    from agent.rundir import RunDir, agent_alive, read_json
+    from agent.rundir import RunDir, agent_alive, agent_live_or_none, read_json
 
     base = os.path.join(workspace, "runs")
     out = []
-    for name in os.listdir(base) if os.path.isdir(base) else []:
+    for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
         rd = RunDir(os.path.join(base, name))
         try:
             st = RunStatus.load(rd.status)
         except ValueError:  # a state this agent does not know
             continue
-        if st.state is None or st.terminal or not agent_alive(rd):
+        if st.state is None or st.terminal or not (agent_alive(rd) or agent_live_or_none(rd.job_pid)):
             continue
         rec = read_json(knowngood.launch_record_path(workspace, name)) or {}
         gpus = rec.get("gpus") or {}
         out.append({"run_id": name, "state": st.state.value,
-                    "gpus": list(gpus.get("target", [])) + list(gpus.get("drafter", []))})
+                    "gpus": sorted(set(gpus.get("target", [])) | set(gpus.get("drafter", [])))})
     return out
+
+
+def busy(workspace: str, wanted: list[int], use_cuda: bool) -> list[str]:
+    """One line per live run holding any of ``wanted`` (GPUs, or rank slots on CPU): two runs
+    on one GPU each plan for its whole memory — the shortfall of the story, made on purpose."""
+    slot = "GPU" if use_cuda else "rank slot"
+    lines = []
+    for other in active_runs(workspace):
+        shared = sorted(set(other["gpus"]) & set(wanted))
+        if shared:
+            lines.append(f"run {other['run_id']} is live ({other['state']}) in this container on "
+                         f"{slot}{'s' if len(shared) > 1 else ''} {','.join(map(str, shared))}: stop it first "
+                         f"(`ctl kill-and-rollback --run {other['run_id']}`), give this run other GPUs, or pass "
+                         "--share-gpus to start it anyway")
+    return lines
 
 
 # --- the check ---------------------------------------------------------------------------------
 
 def check(req: dict) -> dict:
     """The whole preflight. ``req`` keys: workspace, run_id, flags (trainer values by dest),
-    start {kind, path}, config (name)."""
+    start {kind, path}, config (name), share_gpus (start although a live run holds a GPU)."""
     workspace = req.get("workspace") or "/workspace"
     flags = req.get("flags") or {}
     errors: list[str] = []
@@ -235,15 +251,11 @@ def check(req: dict) -> dict:
     elif disk["free_gib"] < WARN_FREE_DISK_GIB:
         warnings.append(f"--output-dir: {disk['free_gib']} GiB free on {disk['measured_at']}")
 
-    for other in active_runs(workspace):
-        shared = sorted(set(other.get("gpus") or []) & set(roles["target"] + roles["drafter"]))
-        if not shared:
-            continue
-        where = f"GPU {','.join(map(str, shared))}" if use_cuda else f"rank slot {','.join(map(str, shared))}"
-        message = (f"run {other['run_id']} is still {other['state']} on {where} in this container: stop it first "
-                   "(`ctl kill-and-rollback`) or give this run other GPUs")
-        # Two runs on one GPU is the OOM of the story; on CPU slots they only compete for cores.
-        (errors if use_cuda else warnings).append(message)
+    held = busy(workspace, roles["target"] + roles["drafter"], use_cuda)
+    if req.get("share_gpus"):
+        warnings += [line.split(": stop it first")[0] + ": shared, as --share-gpus asks" for line in held]
+    else:
+        errors += held
     for g in gpu["gpus"] if use_cuda else []:
         used = g.get("memory_used_mib")
         if g["index"] in roles["target"] + roles["drafter"] and isinstance(used, (int, float)) and used > 1024:

@@ -147,7 +147,10 @@ class StreamKind(str, enum.Enum):
 #   eval        step, tau
 #   error       error (cuda_oom|exception|nccl_timeout), message, traceback
 #   probe       peak_mib per role/gpu, fits, budget
-EVENT_KINDS = ("phase", "step", "checkpoint", "eval", "error", "probe")
+#   launch      (the launching parent, rank null) rdzv_endpoint, nproc, ranks [{rank, role, gpu}]: the
+#               ranks this container will run, before torchrun starts them (the start-up deadline
+#               names the ones that never heartbeat)
+EVENT_KINDS = ("phase", "step", "checkpoint", "eval", "error", "probe", "launch")
 
 # Agent events (stream kind "event", payload key "kind" = "agent.<name>"): the agent's own
 # observations, next to the trainer's events. "agent.failure" carries "failure" (a
@@ -169,6 +172,7 @@ class FailureKind(str, enum.Enum):
     # a job across containers (agent/classify.py classify_comm)
     PEER_FAILURE = "peer_failure"
     NETWORK_FAILURE = "network_failure"
+    STARTUP_TIMEOUT = "startup_timeout"  # a rank sent no heartbeat within --startup-timeout
 
 
 # --- status.json and result.json --------------------------------------------------------------
@@ -201,7 +205,8 @@ class Checkpoint:
 
 @dataclass
 class RankHealth:
-    """One rank as its heartbeats show it. ``health``: ok | dead | done."""
+    """One rank as its heartbeats show it. ``health``: ok | dead | done | not started (planned
+    by the trainer's launch event, no heartbeat yet)."""
 
     step: int | None = None
     pid: int | None = None
@@ -235,6 +240,7 @@ class RunStatus:
     tokens_per_s: float | None = None  # the last step event's
     steady_tokens_per_s: float | None = None  # median of the last steps (classify.ThroughputMonitor)
     ranks: dict[int, RankHealth] = field(default_factory=dict)
+    launch: dict | None = None  # the trainer's launch event: rdzv_endpoint, nproc, ranks planned
     gpus: list[dict] | None = None  # the last agent/gpus.py sample's records
     gpu_state: str | None = None  # "ok" | "no GPU" | "error"
     gpu_reason: str | None = None  # why there is no GPU sample
@@ -243,6 +249,9 @@ class RunStatus:
     last_error: str | None = None  # the last failure's one-line reason
     reason: str | None = None  # why the run ended, once it has
     failures_history: list[dict] = field(default_factory=list)  # per failed attempt: root cause, failures
+    # Every time an agent took over a run whose agent was gone: {ts, by, why, agent_pid,
+    # previous_agent_pid, seq} (agent/daemon.py: the job's monitor, `ctl status`, `ctl tail`).
+    reattaches: list[dict] = field(default_factory=list)
 
     def to_json(self) -> dict:
         doc = asdict(self)
@@ -259,6 +268,7 @@ class RunStatus:
         kw["ranks"] = {int(r): RankHealth(**_pick(RankHealth, h)) for r, h in (kw.get("ranks") or {}).items()}
         kw["checkpoint"] = Checkpoint.from_json(kw.get("checkpoint"))
         kw["failures_history"] = list(kw.get("failures_history") or [])
+        kw["reattaches"] = list(kw.get("reattaches") or [])
         return cls(**kw)
 
     @property

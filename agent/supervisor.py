@@ -28,6 +28,7 @@ from agent.stream import StreamWriter
 TICK = 0.2  # seconds between polls when nothing arrived
 SLOW_EVERY = 0.5  # heartbeats, rank liveness, cgroup counter, stop request
 STATUS_EVERY = 1.0
+DEAD_RANK_GRACE = 2.0  # SIGTERM → SIGKILL after a failure with a dead rank (see on_failure)
 
 
 class AgentExit(BaseException):
@@ -51,12 +52,14 @@ class Outcome:
 
 
 class Supervisor:
-    def __init__(self, run_dir: RunDir, spec: dict, reattach: bool = False, lock=None):
+    def __init__(self, run_dir: RunDir, spec: dict, reattach: bool = False, lock=None,
+                 by: str | None = None, why: str | None = None):
         self.rd = run_dir
         self.spec = spec
         self.run_id = spec["run_id"]
         self.opts = Options.from_spec(spec)
         self.reattach = reattach
+        self.reattach_by, self.reattach_why = by, why
         self.lock = lock
         self.stream = StreamWriter(run_dir.path)
         prev = RunStatus.load(run_dir.status) if reattach else RunStatus()
@@ -90,7 +93,7 @@ class Supervisor:
         st, seen = self.status, self.obs.seen
         st.state, st.updated, st.seq = self.store.state, time.time(), self.stream.seq
         st.restarts, st.agent_pid, st.job_pid = self.restarts, os.getpid(), self.job.pid
-        st.ranks, st.failures_history = seen.rank_health(time.time()), self.history
+        st.ranks, st.failures_history, st.launch = seen.rank_health(time.time()), self.history, seen.launch
         st.phase = seen.phase or st.phase
         for key, value in seen.metrics.items():
             setattr(st, key, value)
@@ -108,9 +111,15 @@ class Supervisor:
     # --- start ---------------------------------------------------------------------------------
     def start(self) -> None:
         if self.reattach and self.job.attach():
+            previous = self.status.agent_pid
+            record = {"ts": time.time(), "by": self.reattach_by or "agent start",
+                      "why": self.reattach_why or f"its agent (pid {previous}) was gone",
+                      "agent_pid": os.getpid(), "previous_agent_pid": previous, "seq": self.stream.seq}
+            self.status.reattaches.append(record)
+            self.obs.seen.started, self.obs.seen.launch = self.job.spawned, self.status.launch
             self.event("agent.reattached", agent_pid=os.getpid(), job_pid=self.job.pid,
                        job_alive=self.job.alive(), seq_before=self.stream.seq,
-                       offsets=dict(self.stream.offsets))
+                       offsets=dict(self.stream.offsets), by=record["by"], why=record["why"])
             if self.store.state in (RunState.STARTING, RunState.RESTARTING) and self.job.alive():
                 self.store.set(RunState.RUNNING)  # the previous agent died right after spawning
             return
@@ -120,6 +129,7 @@ class Supervisor:
 
     def spawn(self, argv: list[str], resume_from: str | None = None) -> None:
         self.job.spawn(argv, self.restarts, resume_from)
+        self.obs.seen.started = self.job.spawned
         self.status.argv = argv
 
     # --- the loop ----------------------------------------------------------------------------
@@ -161,6 +171,7 @@ class Supervisor:
                 self.obs.read_heartbeats()
                 self.obs.check_ranks(self.job.reaped)
                 self.obs.check_stalls(now)
+                self.obs.check_startup(time.time())
                 ex = self.job.exit_status()
                 if ex is not None:
                     self.obs.drain()
@@ -199,8 +210,14 @@ class Supervisor:
                              "failures": [f.reason for f in sorted(failures, key=lambda f: f.ts)]})
         self.status.last_error = cause.reason
         self.final_failure = cause
-        # fail fast: one failed or stalled rank stops every rank
-        self.stop_job(self.opts.kill_grace, why=f"failure: {cause.reason}")
+        # Fail fast: one failed or stalled rank stops every rank. With a rank dead, the rest
+        # cannot agree on a stop and checkpoint (the trainer's stop is a collective), so the
+        # grace for that is cut short: seen with 5+3 ranks, survivors blocked in sends to the
+        # dead rank held the stop for the whole --kill-grace (issue 18: stop within 10 s).
+        dead = bool(self.obs.seen.dead_ranks) or any(
+            f.kind in (FailureKind.RANK_EXIT, FailureKind.HOST_OOM) for f in failures)
+        grace = min(self.opts.kill_grace, DEAD_RANK_GRACE) if dead else self.opts.kill_grace
+        self.stop_job(grace, why=f"failure: {cause.reason}")
         if self.store.state == RunState.STOPPING or self.store.terminal:
             return
         if self.restarts < self.opts.max_restarts:

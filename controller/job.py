@@ -207,7 +207,8 @@ def rendezvous_endpoint(ct: Container, say: Callable[[str], None]) -> str:
 
 def launch(cts: list[Container], members: list[Member], run_config, start: dict, *, say: Callable[[str], None] = print,
            accept_drift: bool = False, wandb_key: Optional[str] = None, dist_timeout: Optional[int] = None,
-           endpoint: Optional[str] = None, agent_options: Optional[dict] = None) -> JobResult:
+           endpoint: Optional[str] = None, agent_options: Optional[dict] = None,
+           share_gpus: bool = False) -> JobResult:
     """Preflight every container, then start each; nothing starts unless all pass."""
     from controller import drift as D
     from controller.launch import Launcher, LaunchRefused, new_run_id
@@ -221,7 +222,8 @@ def launch(cts: list[Container], members: list[Member], run_config, start: dict,
     for i, (ct, m) in enumerate(zip(cts, members)):
         prefix = f"[{m.label}] "
         launcher = Launcher(ct, run_config, start, accept_drift=accept_drift, say=lambda line, p=prefix: say(p + line),
-                            wandb_key=wandb_key, run_id=run_id, agent_options=dict(agent_options or {}))
+                            wandb_key=wandb_key, run_id=run_id, agent_options=dict(agent_options or {}),
+                            share_gpus=share_gpus)
         # The container's own roles and its place in the job (trainer/multinode.py).
         launcher.values.update(job_values(m, i, members, endpoint, run_id, dist_timeout))
         problems = F.check(launcher.values)

@@ -49,9 +49,11 @@ def render_status(reply: dict, ctid: str, node: str) -> list[str]:
     reason = _reason(st, res)
     if st.state == RunState.FAILED and reason:
         lines.append(f"FAILED   {reason}")
+        lines += [f"         | {line}" for line in ((res.root_cause or {}).get("evidence") or [])[-EVIDENCE_LINES:]]
     phase = f", phase {st.phase}" if st.phase else ""
     alive = "" if terminal else (" — agent alive" if reply.get("agent_alive") else " — AGENT NOT RUNNING")
     lines.append(f"state    {state}{phase}{alive}")
+    lines += _supervision(st, reply.get("revived"), now=time.time())
     if st.step is not None:
         pct = f" ({100 * st.step / st.total:.0f} %)" if st.total else ""
         eta = "" if terminal else f", ETA {fmt_duration(eta_seconds(st, _run_started(reply)))}"
@@ -87,6 +89,25 @@ def render_status(reply: dict, ctid: str, node: str) -> list[str]:
         lines.append(f"ckpt     step {st.checkpoint.step}: {st.checkpoint.path}")
     if st.state != RunState.FAILED and reason and terminal:
         lines.append(f"result   {reason}")
+    return lines
+
+
+EVIDENCE_LINES = 5  # of the root cause's evidence (its rank's last output lines) under FAILED
+
+
+def _supervision(st: RunStatus, revived: Optional[dict], now: float) -> list[str]:
+    """When and why an agent took over this run after its agent was gone (issue 18)."""
+    lines = []
+    if revived and revived.get("ok"):
+        lines.append(f"agent    none was supervising this run: ctl status started one (pid {revived.get('agent_pid')})")
+    elif revived:
+        lines.append(f"agent    none is supervising this run and none could be started: {revived.get('error')}")
+    if st.reattaches:
+        last = st.reattaches[-1]
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last.get("ts") or now))
+        times = f" ({len(st.reattaches)} times)" if len(st.reattaches) > 1 else ""
+        lines.append(f"agent    re-attached{times}: last at {when} ({fmt_duration(now - (last.get('ts') or now))} "
+                     f"ago) by {last.get('by')}: {last.get('why')}")
     return lines
 
 
@@ -130,5 +151,5 @@ def render_runs(reply: dict, ctid: str) -> list[str]:
             state += "*"
         lines.append(f"{r['run_id']:<36} {state:<10} {step:>6}  {r.get('reason') or ''}")
     if any(l.split()[1].endswith("*") for l in lines[1:] if len(l.split()) > 1):
-        lines.append("* no agent is supervising this unfinished run: re-attach with the agent's start --reattach")
+        lines.append("* no agent is supervising this unfinished run: `ctl status --run ID` starts one that re-attaches")
     return lines

@@ -15,6 +15,7 @@ refused (preflight or drift; nothing was started), 4 the run stopped or its agen
 from __future__ import annotations
 
 import json
+import posixpath
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -100,6 +101,24 @@ class ContainerStream:
         reply = self.caller.call("agent.runview", ["status", "--workspace", self.workspace, "--run", run_id])
         return reply.get("status") or {}
 
+    def revive(self, run_id: str) -> bool:
+        """The run's agent is gone: start one that re-attaches (the stream goes on from where
+        it was, nothing lost or repeated); False when the run's --revive is 0 or it failed."""
+        from controller.agentcall import AgentCallError
+
+        run_dir = posixpath.join(self.workspace, "runs", run_id)
+        try:
+            reply = self.caller.call("agent", ["start", "--run-dir", run_dir, "--reattach", "--auto", "--by", "ctl tail"],
+                                     what="re-attaching an agent")
+        except AgentCallError as exc:
+            reply = {"error": str(exc)}
+        if not reply.get("ok"):
+            typer.echo(f"ctl: the agent of run {run_id} is gone and no new one started: {reply.get('error')}", err=True)
+            return False
+        typer.echo(f"ctl: the agent of run {run_id} was gone; agent pid {reply.get('agent_pid')} supervises it "
+                   "now, following on", err=True)
+        return True
+
 
 def _exit_for(state: Optional[str]) -> int:
     return {"completed": 0, "failed": EXIT_FAILED}.get(state or "", EXIT_NOT_DONE)
@@ -161,6 +180,9 @@ def launch_command(
                                             help="weights only; fresh optimizer and schedule"),
     accept_drift: bool = typer.Option(False, "--accept-drift",
                                       help="launch although env or data drifted from the known-good run"),
+    share_gpus: bool = typer.Option(False, "--share-gpus",
+                                    help="start although a live run in the container holds some of these GPUs (or "
+                                         "CPU rank slots); without it such a launch is refused (exit 3)"),
     follow: bool = typer.Option(False, "--follow", "-f", help="go on to tail the run until it ends"),
     node: Optional[str] = NodeOpt,
     target_model: Optional[str] = typer.Option(None, "--target-model", metavar="DIR", help=_help("--target-model")),
@@ -206,14 +228,15 @@ def launch_command(
         raise typer.Exit(job_cmd.launch(container, run_config, start, node=node, target_gpus=target_gpus,
                                         drafter_gpus=drafter_gpus, accept_drift=accept_drift, follow=follow,
                                         json_out=json_out, wandb_key=wandb_key, ctl_config=ctl_config,
-                                        trust_new_host_key=trust_new_host_key))
+                                        trust_new_host_key=trust_new_host_key, share_gpus=share_gpus))
     if not container[0].isdigit():
         raise fail(f"--container {container[0]!r}: give a container id, e.g. 200", EXIT_CONFIG)
     container = int(container[0])
     say = (lambda line: typer.echo(line, err=True)) if json_out else typer.echo
     with container_session(container, node, ctl_config, trust_new_host_key) as ct:
         try:
-            launcher = Launcher(ct, run_config, start, accept_drift=accept_drift, say=say, wandb_key=wandb_key)
+            launcher = Launcher(ct, run_config, start, accept_drift=accept_drift, say=say, wandb_key=wandb_key,
+                                share_gpus=share_gpus)
             if snapshot:  # kill-and-rollback's snapshot path (controller/snapshots.py)
                 from controller.snapshots import launch_snapshot, undo_launch_snapshot
 
