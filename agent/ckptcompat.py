@@ -10,7 +10,9 @@ or for an inference export ``{"drafter_config": its config.json, "target": None}
 ``launch``: ``flag`` (--resume-from | --init-from), ``path``, ``block_size``,
 ``num_draft_layers``, ``target`` (:func:`target_identity` of the target's config.json),
 ``target_layer_ids`` (None: the default taps, :func:`default_target_layer_ids`),
-``data_fingerprint`` (None: not compared; a resume compares it).
+``data_fingerprint`` (None: not compared; a resume compares it), ``drafter`` (this run's
+drafter config as DrafterConfig.to_hf writes it; None: its layer layout is not compared —
+the preflight has no torch to build it).
 
 Standard library only: the preflight runs before anything is known about the container's
 python.
@@ -28,11 +30,15 @@ IDENTITY_IGNORE = frozenset({"_name_or_path", "transformers_version", "torch_dty
 _SHAPE = ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")
 
 
-def target_identity(config: Mapping[str, Any]) -> dict:
+def target_identity(config: Mapping[str, Any], text: Mapping[str, Any] | None = None) -> dict:
     """What a checkpoint records about its target: two targets with the same architecture
-    numbers and the same config hash are the same target as far as the drafter cares."""
+    numbers and the same config hash are the same target as far as the drafter cares.
+    ``text``: the language model's part of ``config`` where it is nested (Qwen3.5's
+    vision-language layout; trainer/family.py text_config), else ``config`` itself."""
+    text = config if text is None else text
     body = json.dumps({k: v for k, v in sorted(config.items()) if k not in IDENTITY_IGNORE}, sort_keys=True)
-    return {**{k: config.get(k) for k in _SHAPE}, "config_sha256": hashlib.sha256(body.encode()).hexdigest()}
+    return {"model_type": config.get("model_type"), **{k: text.get(k) for k in _SHAPE[1:]},
+            "config_sha256": hashlib.sha256(body.encode()).hexdigest()}
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -49,6 +55,8 @@ def problems(meta: Mapping[str, Any], launch: Mapping[str, Any]) -> list[str]:
     flag, where = launch["flag"], launch.get("path") or "the checkpoint"
     out: list[str] = []
     cfg = meta.get("drafter_config") or {}
+    if launch.get("drafter") is not None and cfg.get("num_hidden_layers") == launch.get("num_draft_layers"):
+        out += _layout_problems(cfg, launch["drafter"], flag, where)
     for key, name, dest in (("block_size", "--block-size", "block_size"),
                             ("num_hidden_layers", "--num-draft-layers", "num_draft_layers")):
         have, want = cfg.get(key), launch.get(dest)
@@ -79,4 +87,26 @@ def problems(meta: Mapping[str, Any], launch: Mapping[str, Any]) -> list[str]:
         out.append(f"{flag} {where}: trained on other data (fingerprint {str(have)[:12]}, --data-dir has "
                    f"{str(want)[:12]}); resuming continues that data's order — use --init-from to keep only the "
                    "weights")
+    return out
+
+
+def _layout_problems(theirs: Mapping[str, Any], ours: Mapping[str, Any], flag: str, where: str) -> list[str]:
+    """The drafter's per-layer attention and widths: the same parameter shapes could hide
+    another layer layout (a sliding layer trained as full), other widths fail to load."""
+    out = []
+    n = int(theirs.get("num_hidden_layers") or 0)
+    t_types = theirs.get("layer_types") or ["full_attention"] * n  # exports from before layer_types: all full
+    t_window = theirs.get("sliding_window") if "sliding_attention" in t_types else None
+    o_window = ours.get("sliding_window") if "sliding_attention" in ours.get("layer_types", []) else None
+    if list(t_types) != list(ours.get("layer_types", [])) or t_window != o_window:
+        short = ",".join("sliding" if t == "sliding_attention" else "full" for t in t_types)
+        out.append(f"{flag} {where}: checkpoint's drafter layers are {short} (sliding window {t_window}), this run's "
+                   f"{','.join('sliding' if t == 'sliding_attention' else 'full' for t in ours.get('layer_types', []))} "
+                   f"(window {o_window}); use --drafter-layer-types {short}"
+                   + (f" --sliding-window {t_window}" if t_window else ""))
+    widths = ("num_attention_heads", "num_key_value_heads", "head_dim")
+    if any(theirs.get(k) != ours.get(k) for k in widths) and all(theirs.get(k) for k in widths):
+        q, kv, d = (theirs[k] for k in widths)
+        out.append(f"{flag} {where}: checkpoint's drafter attention is {q}/{kv}/{d}, this run's "
+                   f"{'/'.join(str(ours.get(k)) for k in widths)}; use --drafter-attention {q}/{kv}/{d}")
     return out

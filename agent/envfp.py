@@ -13,7 +13,8 @@ the same id. Who adds what: the launch preflight and `agent fingerprint` add ``d
 (agent/gpus.py); the generations store keeps :func:`core` only.
 
 Readers: controller/drift.py (env drift against the known-good run), controller/rollback.py
-(which generation holds the known-good packages), agent/envgen.py (diff, match).
+(which generation holds the known-good packages), agent/envgen.py (diff, match),
+trainer/runtime_env.py (the compile cache's directory per generation).
 
 This file also runs as a script under another python (``python -I -c <this file's text>``
 prints that interpreter's fingerprint), so it imports nothing but the standard library.

@@ -32,14 +32,11 @@ import sys
 import time
 from typing import Any, Optional
 
-from agent import ckptcompat, envfp, knowngood
+from agent import ckptcompat, envfp, gpuview, knowngood
 from agent import gpus as nvml_gpus
 from agent.protocol import FINGERPRINT, atomic_write, atomic_write_json, read_json_doc, wrap_payload
 
 GIB = 1 << 30
-# Below this much free disk at the output dir a checkpoint save would fail hours in.
-MIN_FREE_DISK_GIB = 1.0
-WARN_FREE_DISK_GIB = 20.0
 CHECKPOINT_FILE = "checkpoint.pt"
 
 
@@ -145,12 +142,16 @@ def checkpoint_info(start: dict, flags: dict, model: dict, data: dict) -> tuple[
 
 
 def disk_info(path: Optional[str]) -> dict:
+    """Free space where --output-dir will be, measured in this container (its nearest existing
+    ancestor: the output dir is usually created by the run). A fact only: whether the run's
+    checkpoints fit is the controller's verdict (controller/diskcheck.py), which knows their
+    size; this side imports nothing of the trainer."""
     probe = path or "/"
     while probe and not os.path.exists(probe):
         probe = os.path.dirname(probe.rstrip("/")) or "/"
     usage = shutil.disk_usage(probe)
-    return {"path": path, "measured_at": probe, "free_gib": round(usage.free / GIB, 2),
-            "total_gib": round(usage.total / GIB, 2)}
+    return {"path": path, "measured_at": probe, "free_bytes": usage.free, "total_bytes": usage.total,
+            "free_gib": round(usage.free / GIB, 2), "total_gib": round(usage.total / GIB, 2)}
 
 
 def active_runs(workspace: str) -> list[dict]:
@@ -214,22 +215,21 @@ def check(req: dict) -> dict:
     device = flags.get("device") or "auto"
     roles = {"target": list(flags.get("target_gpus") or []), "drafter": list(flags.get("drafter_gpus") or [])}
     visible = {g["index"]: g for g in gpu["gpus"]}
-    use_cuda = device == "cuda" or (device == "auto" and bool(visible))
-    if device == "cuda" and not visible:
-        errors.append(f"--device cuda but no GPU is visible in this container ({gpu.get('reason')}); "
-                      "pass the GPUs through to the container or use --device cpu")
+    # A run that names GPUs gets them or is refused, unless it says device = "cpu": a 27B run
+    # silently on CPU because the container lost its passthrough (a host driver update, a
+    # missing device node or cgroup rule) is the failure, not a fallback.
+    use_cuda = device != "cpu"
+    named = sorted(set(roles["target"]) | set(roles["drafter"]))
+    gpu_shortfall = None
     if use_cuda:
-        if torch["version"] and not torch["cuda"]:
+        missing = [i for i in named if i not in visible]
+        if missing:
+            # The controller names the cause from these facts and the node's own (controller/gpucheck.py).
+            gpu_shortfall = {"named": named, "missing": missing, "visible": sorted(visible),
+                             "reason": gpu.get("reason"), "view": gpuview.diagnose()}
+        elif torch["version"] and not torch["cuda"]:
             errors.append(f"torch {torch['version']} is a CPU-only build but this launch uses GPUs; install a CUDA "
-                          "build of torch in the container's venv, or use --device cpu")
-        for role, ids in roles.items():
-            missing = [i for i in ids if i not in visible]
-            if missing:
-                errors.append(f"--{role}-gpus {','.join(map(str, ids))}: GPU {','.join(map(str, missing))} not visible "
-                              f"in this container (visible: {','.join(map(str, sorted(visible))) or 'none'}); "
-                              "fix the role or the container's GPU passthrough")
-    elif device == "auto" and roles["target"]:
-        warnings.append("no GPU visible: --device auto runs on CPU with gloo; GPU ids name rank slots")
+                          "build of torch in the container's venv, or set device = \"cpu\"")
 
     if flags.get("wandb_project") and flags.get("wandb_mode") != "disabled" and "wandb" not in pkgs:
         errors.append(f"[wandb] project = {flags['wandb_project']!r} but wandb is not installed for "
@@ -245,11 +245,6 @@ def check(req: dict) -> dict:
     warnings += warns
 
     disk = disk_info(flags.get("output_dir"))
-    if disk["free_gib"] < MIN_FREE_DISK_GIB:
-        errors.append(f"--output-dir {flags.get('output_dir')}: only {disk['free_gib']} GiB free on "
-                      f"{disk['measured_at']}; free space or choose another output dir")
-    elif disk["free_gib"] < WARN_FREE_DISK_GIB:
-        warnings.append(f"--output-dir: {disk['free_gib']} GiB free on {disk['measured_at']}")
 
     held = busy(workspace, roles["target"] + roles["drafter"], use_cuda)
     if req.get("share_gpus"):
@@ -272,9 +267,9 @@ def check(req: dict) -> dict:
         known = knowngood.load(workspace)
         warnings.append(f"cannot update the known-good record in {workspace}: {exc}")
 
-    return {"ok": not errors, "errors": errors, "warnings": warnings, "python": py,
+    return {"ok": not errors and gpu_shortfall is None, "errors": errors, "warnings": warnings, "python": py,
             "torch": torch, "packages_count": len(pkgs), "fingerprint": fp, "gpu": gpu, "roles": roles,
-            "device": "cuda" if use_cuda else "cpu", "model": model, "data": data, "checkpoint": ckpt,
+            "device": "cuda" if use_cuda else "cpu", "gpu_shortfall": gpu_shortfall, "model": model, "data": data, "checkpoint": ckpt,
             "disk": disk, "known_good": known, "workspace": workspace, "ts": time.time()}
 
 

@@ -85,20 +85,34 @@ def survivors(workspace: str, run: str) -> list[dict]:
 _read = read_json_doc  # agent/protocol.py
 
 
-def latest_run(workspace: str) -> Optional[str]:
-    """The run to act on when none is named: a live one if any, else the newest."""
+def _runs(workspace: str) -> list[tuple[str, bool]]:
+    """(name, live) of every run directory in the workspace."""
     root = os.path.join(workspace, "runs")
     try:
         names = [n for n in os.listdir(root) if os.path.isdir(os.path.join(root, n))]
     except FileNotFoundError:
-        return None
-    def key(name: str):
+        return []
+    out = []
+    for name in names:
         try:
             st = protocol.RunStatus.load(os.path.join(root, name, protocol.STATUS))
-        except ValueError:
+        except ValueError:  # a state this agent does not know
             st = protocol.RunStatus()
-        return (st.state is not None and not st.terminal, os.path.getmtime(os.path.join(root, name)))
-    return max(names, key=key) if names else None
+        out.append((name, st.state is not None and not st.terminal))
+    return out
+
+
+def live_runs(workspace: str) -> list[str]:
+    return sorted(name for name, live in _runs(workspace) if live)
+
+
+def latest_run(workspace: str) -> Optional[str]:
+    """The run to act on when none is named: a live one if any, else the newest."""
+    root = os.path.join(workspace, "runs")
+    runs = _runs(workspace)
+    if not runs:
+        return None
+    return max(runs, key=lambda r: (r[1], os.path.getmtime(os.path.join(root, r[0]))))[0]
 
 
 def run_info(workspace: str, run: str) -> dict:
@@ -169,6 +183,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     elif args.verb == "run-info":
         run = args.run or latest_run(args.workspace)
         body = run_info(args.workspace, run) if run else {"run": None, "exists": False}
+        body["live_runs"] = live_runs(args.workspace)
     elif args.verb == "known-good":
         from agent import knowngood
 

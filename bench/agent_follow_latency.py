@@ -26,6 +26,7 @@ sys.path.insert(0, str(REPO))
 
 from agent.protocol import extract_payload  # noqa: E402
 from controller import config as cfg  # noqa: E402
+from controller.agentcall import AgentCaller  # noqa: E402
 from controller.container import Container  # noqa: E402
 from controller.ssh import SSHRunner  # noqa: E402
 
@@ -78,7 +79,7 @@ def main():
     os.environ.setdefault("DFLASH_CTL_SSH_CONFIG", "none")
     with SSHRunner.for_node(name, node) as runner:
         ct = Container(runner, name, node, 200)
-        bundle = ct.ensure_bundle()
+        bundle = AgentCaller(ct).ensure_bundle()
         per_run = []
         for i in range(args.runs):
             s = one_run(ct, bundle, args.ticks)

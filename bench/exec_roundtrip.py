@@ -1,6 +1,7 @@
-"""Benchmark: `ctl exec --container 200 -- true` round trip against raw `ssh … pct exec 200 -- true`.
+"""Benchmark: `ctl exec --container 200 -- true`, `ctl status` and `ctl tail` (no --follow)
+against raw `ssh … pct exec 200 -- true`.
 
-Both are measured in the same run, as whole commands an operator would type (process start
+All are measured in the same run, as whole commands an operator would type (process start
 included), median of N after one warm-up each; plus the SSH connections each `ctl exec`
 opened (from $DFLASH_CTL_STATS) and, for reference, one command on an already open
 connection inside one process. Figures go to docs/benchmarks.md under "ctl exec round trip".
@@ -81,25 +82,32 @@ def main() -> None:
     env.setdefault(ENV_SSH_CONFIG, "none")
 
     stats = tempfile.NamedTemporaryFile(prefix="ctl-stats-", suffix=".json", delete=False).name
-    ctl = [str(REPO / ".venv" / "bin" / "ctl"), "exec", "--container", args.container,
-           *(["--node", node_name]), "--", "true"]
+    ctl_bin = str(REPO / ".venv" / "bin" / "ctl")
+    ctl = [ctl_bin, "exec", "--container", args.container, *(["--node", node_name]), "--", "true"]
+    # The latest run in the container: status and tail need one (a tiny run is enough).
+    status = [ctl_bin, "status", "--container", args.container, "--node", node_name]
+    tail = [ctl_bin, "tail", "--container", args.container, "--node", node_name]
     ssh = ["ssh", "-F", "/dev/null", "-T", "-p", str(target.port), "-o", "BatchMode=yes",
            "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={target.known_hosts}",
            *[a for k in target.key_filenames for a in ("-i", k)],
            f"{target.user}@{target.hostname}", shlex.join([node.pct, "exec", args.container, "--", "true"])]
 
     # What `ctl` pays before any connection: Python start-up and the controller's imports.
-    startup = [sys.executable, "-c", "from controller.cli import _register; _register(); import controller.ssh"]
+    startup = [sys.executable, "-c", "from controller.cli import _register; _register('exec'); import controller.ssh"]
 
     ctl_env = dict(env, DFLASH_CTL_STATS=stats)
     load_before = os.getloadavg()[0]
     timed(ctl, ctl_env)
     timed(ssh, env)
-    ctl_times, ssh_times, start_times, conns = [], [], [], []
-    for _ in range(args.n):  # interleaved, so drift on a shared machine hits both alike
+    timed(status, ctl_env)
+    timed(tail, ctl_env)
+    ctl_times, ssh_times, start_times, conns, status_times, tail_times = [], [], [], [], [], []
+    for _ in range(args.n):  # interleaved, so drift on a shared machine hits all alike
         ctl_times.append(timed(ctl, ctl_env))
         conns.append(json.loads(Path(stats).read_text())["ssh_connections"])
         ssh_times.append(timed(ssh, env))
+        status_times.append(timed(status, ctl_env))
+        tail_times.append(timed(tail, ctl_env))
         start_times.append(timed(startup, dict(env, PYTHONPATH=str(REPO))))
     os.unlink(stats)
 
@@ -115,8 +123,8 @@ def main() -> None:
     warm_conns = SSHRunner.connections_opened - before
 
     load_after = os.getloadavg()[0]
-    ctl_med, ssh_med, warm_med, start_med = (statistics.median(x) * 1000
-                                             for x in (ctl_times, ssh_times, warm, start_times))
+    ctl_med, ssh_med, warm_med, start_med, status_med, tail_med = (
+        statistics.median(x) * 1000 for x in (ctl_times, ssh_times, warm, start_times, status_times, tail_times))
     now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     section = "\n".join([
         HEADING,
@@ -131,14 +139,20 @@ def main() -> None:
         f"| raw `ssh … {node.pct} exec {args.container} -- true` | {ssh_med:.0f} ms | 1.00× | 1 |",
         f"| `ctl exec --container {args.container} -- true` (new process) | {ctl_med:.0f} ms | "
         f"{ctl_med / ssh_med:.2f}× | {statistics.median(conns):g} (max {max(conns)}) |",
+        f"| `ctl status --container {args.container}` (new process) | {status_med:.0f} ms | "
+        f"{status_med / ssh_med:.2f}× | 1 |",
+        f"| `ctl tail --container {args.container}` (no --follow; new process) | {tail_med:.0f} ms | "
+        f"{tail_med / ssh_med:.2f}× | 1 |",
         f"| `Container.exec(['true'])` on an open connection (in-process) | {warm_med:.0f} ms | "
         f"{warm_med / ssh_med:.2f}× | {warm_conns} for all {args.n + 1} |",
         f"| `ctl` start-up alone (Python + imports, no connection) | {start_med:.0f} ms | "
         f"{start_med / ssh_med:.2f}× | 0 |",
         "",
-        "`ctl exec` includes starting Python and importing the controller; it runs the command "
-        "through `pct exec --keep-env 0 -- env -i …` (the raw command does not scrub) and prints a "
-        "marker line first so login-shell noise is dropped.",
+        "Each `ctl` command includes starting Python and importing what that command uses; it asks "
+        "the node once what its pct accepts (`dpkg-query -W pve-container` on the same connection), "
+        "runs the command through `pct exec --keep-env 0 -- env -i …` (the raw command does not "
+        "scrub) and prints a marker line first so login-shell noise is dropped. `ctl status` and "
+        "`ctl tail` add one agent call in the container (its python starting there).",
         "",
     ])
     print(section)

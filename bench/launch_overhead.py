@@ -155,7 +155,7 @@ class Bench:
         """The same one call `ctl status` makes, on an open connection, without process start."""
         from controller.agentcall import AgentCaller
         from controller.container import Container
-        from controller.transport import open_runner
+        from controller.session import open_runner
 
         with open_runner(self.node_name, self.node) as runner:
             caller = AgentCaller(Container(runner, self.node_name, self.node, self.ct))

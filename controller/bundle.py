@@ -5,7 +5,8 @@ their relative paths and contents. It is uploaded once per version to
 ``<workspace>/.dflash-ctl/bundles/<hash>/`` and put on PYTHONPATH; the container's own venv
 supplies torch. Upload: a tar through stdin into a temp directory beside the destination,
 size- and hash-checked, extracted, then renamed into place, so a half upload never looks
-complete and two uploaders racing both end with the same finished directory.
+complete and two uploaders racing both end with the same finished directory. This module
+only builds; the caller uploads (controller/agentcall.py).
 """
 
 from __future__ import annotations
@@ -17,10 +18,6 @@ import tarfile
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from controller.container import Container
 
 PACKAGES = ("agent", "trainer")
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -72,25 +69,14 @@ def build(root: Path = REPO_ROOT, packages: tuple[str, ...] = PACKAGES) -> Bundl
     return Bundle(digest.hexdigest()[:16], tuple(files))
 
 
-def remote_path(container: "Container", version: str) -> str:
-    return posixpath.join(container.config.workspace, BUNDLES_DIR, version)
+def agent_env(bundle_path: str) -> dict[str, str]:
+    """What an agent or trainer process started from the bundle needs on top of the
+    container's clean environment (controller/pct.py: container_env)."""
+    return {"PYTHONPATH": bundle_path, "PYTHONUNBUFFERED": "1"}
 
 
-def ensure_bundle(container: "Container", bundle: Bundle | None = None) -> str:
-    """Upload ``bundle`` (default: this checkout's) unless that version is already there;
-    return its path in the container, ready to go on PYTHONPATH."""
-    from controller.container import ContainerError
-
-    bundle = bundle or build()
-    dest = remote_path(container, bundle.version)
-    if container.exec(["test", "-d", dest]).ok:
-        return dest
-    data = bundle.tar()
-    result = container.exec(upload_argv(dest, data), stdin=data)
-    if result.failed:
-        raise ContainerError(f"cannot install the agent bundle {bundle.version} at {dest} in {container}: "
-                             f"{result.tail('stderr', 3)}")
-    return dest
+def remote_path(workspace: str, version: str) -> str:
+    return posixpath.join(workspace, BUNDLES_DIR, version)
 
 
 def upload_argv(dest: str, data: bytes) -> list[str]:

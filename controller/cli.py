@@ -3,6 +3,9 @@ controller/commands/; this file only assembles them."""
 
 from __future__ import annotations
 
+import sys
+from typing import Optional
+
 import typer
 
 app = typer.Typer(
@@ -19,15 +22,20 @@ def _root() -> None:
     """Launch, watch and recover DFlash drafter training in Proxmox LXC containers."""
 
 
-def _register() -> None:
-    # Imported here so `ctl --help` stays fast and a broken group names itself.
-    from controller.commands import register_all
+def _register(command: Optional[str] = None) -> None:
+    # Imported here so a command pays only for its own module, and a broken group names itself.
+    from controller.commands import register
 
-    register_all(app)
+    register(app, command)
+
+
+def _command(argv: list[str]) -> Optional[str]:
+    """The top-level command `ctl` was asked for (the first word that is not an option)."""
+    return next((a for a in argv if not a.startswith("-")), None)
 
 
 def main() -> None:
-    _register()
+    _register(_command(sys.argv[1:]))
     app()
 
 

@@ -1,19 +1,24 @@
 """Node configuration: which Proxmox nodes exist, how to reach them, and per container the
-venv and workspace a run uses. TOML on disk, validated by pydantic on load.
+venv and workspace a run uses. TOML on disk, validated on load and on construction.
 
 Location: ``--config PATH`` > ``$DFLASH_CTL_CONFIG`` > ``~/.config/dflash-ctl/config.toml``.
 ``ctl sim up`` writes the simulated node's entry here.
+
+Why plain dataclasses and not pydantic (which the run config, controller/runconfig.py, does
+use): every `ctl` command reads this file first, and importing pydantic and building its
+models was about half of what `ctl exec` spent before it connected (bench/exec_roundtrip.py).
+Ten fields with simple rules do not need it; the messages keep its shape
+(``nodes.sim.port: … (got …)``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tomllib
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
-
-import tomli_w
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from typing import Any, Optional
 
 from agent.protocol import atomic_write
 
@@ -29,19 +34,41 @@ class ConfigError(Exception):
     """A config problem the operator must fix; the message names the file and field."""
 
 
-class ContainerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Invalid(ValueError):
+    """One field's problem: where (dotted) and what."""
 
-    venv: str = Field("/root/venv", description="venv in the container whose python runs the agent and trainer")
-    workspace: str = Field("/workspace", description="directory in the container for bundles and runs")
-    home: str = Field("/root", description="HOME for processes started in the container")
+    def __init__(self, where: str, message: str, got: Any = None):
+        suffix = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""
+        super().__init__(f"{where}: {message}{suffix}")
 
-    @field_validator("venv", "workspace", "home")
-    @classmethod
-    def _absolute(cls, value: str) -> str:
-        if not value.startswith("/"):
-            raise ValueError(f"must be an absolute path inside the container, got {value!r}")
-        return value.rstrip("/") or "/"
+
+def _check(where: str, value: Any, kind: type, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if kind is int and isinstance(value, bool) or not isinstance(value, kind):
+        raise _Invalid(where, f"must be {'an integer' if kind is int else 'true or false' if kind is bool else 'text'}",
+                       value)
+
+
+def _absolute(where: str, value: str) -> str:
+    _check(where, value, str)
+    if not value.startswith("/"):
+        raise _Invalid(where, "must be an absolute path inside the container", value)
+    return value.rstrip("/") or "/"
+
+
+@dataclass(frozen=True)
+class ContainerConfig:
+    """venv: the venv whose python runs the agent and trainer; workspace: the directory for
+    bundles and runs; home: HOME for processes started in the container."""
+
+    venv: str = "/root/venv"
+    workspace: str = "/workspace"
+    home: str = "/root"
+
+    def __post_init__(self) -> None:
+        for name in ("venv", "workspace", "home"):
+            object.__setattr__(self, name, _absolute(name, getattr(self, name)))
 
     @property
     def python(self) -> str:
@@ -52,37 +79,64 @@ class ContainerConfig(BaseModel):
         return f"{self.venv}/bin:{CONTAINER_SYSTEM_PATH}"
 
 
-class NodeConfig(BaseModel):
-    """One Proxmox node reached over SSH (or locally with ``transport = "local"``)."""
+@dataclass(frozen=True)
+class NodeConfig:
+    """One Proxmox node reached over SSH (or locally with ``transport = "local"``).
 
-    model_config = ConfigDict(extra="forbid")
+    host: hostname, IP or ~/.ssh/config alias; port/user: default ~/.ssh/config, else 22 and
+    root; identity_file: private key; known_hosts: the file holding this node's (and its
+    bastions') host keys; pct: the pct command (its full path with sudo); sudo: run pct
+    through `sudo -n`; proxy_jump: [user@]host[:port] of a bastion, a comma list hops in
+    order (like ProxyJump, which ~/.ssh/config may set instead); containers: per CT id."""
 
-    host: str = Field(..., description="hostname, IP or ~/.ssh/config alias")
-    port: Optional[int] = Field(None, ge=1, le=65535, description="SSH port (default: ~/.ssh/config, else 22)")
-    user: Optional[str] = Field(None, description="SSH user (default: ~/.ssh/config, else root)")
-    identity_file: Optional[str] = Field(None, description="private key file")
-    known_hosts: Optional[str] = Field(None, description="known_hosts file holding this node's host key")
-    transport: str = Field("ssh", pattern="^(ssh|local)$", description="ssh, or local when ctl runs on the node")
-    pct: str = Field("pct", description="pct command on the node")
-    containers: dict[str, ContainerConfig] = Field(default_factory=dict, description="per-container settings by CT id")
+    host: str
+    port: Optional[int] = None
+    user: Optional[str] = None
+    identity_file: Optional[str] = None
+    known_hosts: Optional[str] = None
+    transport: str = "ssh"
+    pct: str = "pct"
+    sudo: bool = False
+    proxy_jump: Optional[str] = None
+    containers: dict[str, ContainerConfig] = field(default_factory=dict)
 
-    @field_validator("containers")
-    @classmethod
-    def _ctids(cls, value: dict[str, ContainerConfig]) -> dict[str, ContainerConfig]:
-        for key in value:
+    def __post_init__(self) -> None:
+        _check("host", self.host, str)
+        if self.port is not None:
+            _check("port", self.port, int)
+            if not 1 <= self.port <= 65535:
+                raise _Invalid("port", "must be between 1 and 65535", self.port)
+        for name in ("user", "identity_file", "known_hosts", "proxy_jump"):
+            _check(name, getattr(self, name), str, optional=True)
+        _check("pct", self.pct, str)
+        _check("sudo", self.sudo, bool)
+        if self.transport not in ("ssh", "local"):
+            raise _Invalid("transport", "must be 'ssh', or 'local' when ctl runs on the node", self.transport)
+        if not isinstance(self.containers, dict):
+            raise _Invalid("containers", "must be a table of container ids", self.containers)
+        fixed = {}
+        for key, value in self.containers.items():
+            key = str(key)
             if not key.isdigit() or not 100 <= int(key) <= 999_999_999:
-                raise ValueError(f"container id {key!r} is not a Proxmox VMID (an integer from 100)")
-        return value
+                raise _Invalid("containers", f"container id {key!r} is not a Proxmox VMID (an integer from 100)")
+            if isinstance(value, dict):
+                value = _build(ContainerConfig, value, f"containers.{key}")
+            fixed[key] = value
+        object.__setattr__(self, "containers", fixed)
 
     def container(self, ctid: int | str) -> ContainerConfig:
         return self.containers.get(str(ctid)) or ContainerConfig()
 
 
-class Config(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+@dataclass
+class Config:
     default_node: Optional[str] = None
-    nodes: dict[str, NodeConfig] = Field(default_factory=dict)
+    nodes: dict[str, NodeConfig] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        _check("default_node", self.default_node, str, optional=True)
+        self.nodes = {name: _build(NodeConfig, n, f"nodes.{name}") if isinstance(n, dict) else n
+                      for name, n in (self.nodes or {}).items()}
 
     def node(self, name: Optional[str] = None) -> tuple[str, NodeConfig]:
         name = name or self.default_node or (next(iter(self.nodes)) if len(self.nodes) == 1 else None)
@@ -95,6 +149,24 @@ class Config(BaseModel):
         if name not in self.nodes:
             raise ConfigError(f"node {name!r} is not in the config (known: {', '.join(self.nodes) or 'none'})")
         return name, self.nodes[name]
+
+
+def _build(cls, data: Any, where: str):
+    """``cls(**data)`` with unknown or missing keys and bad values named by their dotted path."""
+    if not isinstance(data, dict):
+        raise _Invalid(where, "must be a table", data)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise _Invalid(f"{where}.{unknown[0]}", f"unknown key (known: {', '.join(sorted(known))})")
+    try:
+        return cls(**data)
+    except TypeError as exc:  # a required key is missing
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in data
+                   and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        raise _Invalid(f"{where}.{missing[0]}" if missing else where, "field required") from exc
+    except _Invalid as exc:
+        raise _Invalid(f"{where}.{str(exc)}".split(":", 1)[0], str(exc).split(": ", 1)[1]) from None
 
 
 def config_path(explicit: Optional[str | Path] = None) -> Path:
@@ -113,25 +185,27 @@ def load(explicit: Optional[str | Path] = None) -> Config:
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
     try:
-        return Config.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(f"{path}: {format_validation_error(exc)}") from exc
+        unknown = sorted(set(data) - {"default_node", "nodes"})
+        if unknown:
+            raise _Invalid(unknown[0], "unknown key (known: default_node, nodes)")
+        return Config(default_node=data.get("default_node"), nodes=data.get("nodes") or {})
+    except _Invalid as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def _plain(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                if getattr(obj, f.name) is not None}
+    if isinstance(obj, dict):
+        return {k: _plain(v) for k, v in obj.items()}
+    return obj
 
 
 def save(config: Config, explicit: Optional[str | Path] = None) -> Path:
+    import tomli_w  # only the commands that write the file pay for it
+
     path = config_path(explicit)
     path.parent.mkdir(parents=True, exist_ok=True)
-    data = config.model_dump(exclude_none=True)
-    atomic_write(str(path), tomli_w.dumps(data), mode=0o600)
+    atomic_write(str(path), tomli_w.dumps(_plain(config)), mode=0o600)
     return path
-
-
-def format_validation_error(exc: ValidationError) -> str:
-    """'field.path: message (got value)' per problem, one line each."""
-    lines = []
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        got = err.get("input")
-        suffix = f" (got {got!r})" if got is not None and not isinstance(got, dict) else ""
-        lines.append(f"{where}: {err['msg']}{suffix}")
-    return "; ".join(lines)

@@ -1,4 +1,5 @@
-"""A handle on one LXC container of one node: run argv in it, move files, call the agent.
+"""A handle on one LXC container of one node: run argv in it, move files. The agent is
+called through controller/agentcall.py.
 
 Everything goes through a Runner (controller/transport.py) and ``pct exec`` with a
 scrubbed environment (controller/pct.py), so the same code runs over SSH, locally on the
@@ -13,7 +14,6 @@ import re
 import uuid
 from typing import IO, Mapping, Optional, Sequence
 
-from agent.protocol import PayloadError, extract_payload
 from controller import pct
 from controller.config import ContainerConfig, NodeConfig
 from controller.transport import CommandError, Result, Runner, Stdin
@@ -57,23 +57,35 @@ class Container:
         self.node = node
         self.ctid = str(ctid)
         self.config: ContainerConfig = node.container(ctid)
-        self._bundle: Optional[str] = None
 
     def __str__(self) -> str:
         return f"container {self.ctid} on node {self.node_name}"
 
     # -- running commands ------------------------------------------------------------------
+    def pct(self, *args: str, **kw) -> Result:
+        """``pct <args…>`` on the node (through sudo when configured); a pct that cannot be run
+        at all raises PctAccessError with the fix."""
+        result = self.runner.run(pct.argv(self.node, *args), **kw)
+        problem = pct.access_problem(self.node_name, self.node, result)
+        if problem:
+            raise pct.PctAccessError(problem)
+        return result
+
     def exec(self, argv: Sequence[str], *, env: Optional[Mapping[str, str]] = None, stdin: Stdin = None,
              check: bool = False, capture: bool = True, on_stdout=None, on_stderr=None,
              stdout_sink: Optional[IO[bytes]] = None, stderr_sink: Optional[IO[bytes]] = None,
              timeout: Optional[float] = None) -> Result:
         """Run ``argv`` in the container with exactly PATH, HOME, LANG and ``env`` set."""
+        features = pct.features(self.runner, self.node_name, self.node)
         try:
-            full = pct.exec_argv(self.node, self.ctid, argv, container=self.config, env=env)
+            full = pct.exec_argv(self.node, self.ctid, argv, features=features, container=self.config, env=env)
         except pct.PctUsageError as exc:
             raise ContainerError(f"cannot run that in {self}: {exc}") from None
         result = self.runner.run(full, stdin=stdin, capture=capture, on_stdout=on_stdout, on_stderr=on_stderr,
                                  stdout_sink=stdout_sink, stderr_sink=stderr_sink, timeout=timeout)
+        problem = pct.access_problem(self.node_name, self.node, result)
+        if problem:
+            raise pct.PctAccessError(problem)
         if result.failed and self.looks_unreachable(result):
             self.check_running()  # raises the clear message when the container is the problem
         if check and result.failed:
@@ -88,14 +100,14 @@ class Container:
 
     def status(self) -> str:
         """'running' or 'stopped'; raises ContainerError when the container does not exist."""
-        result = self.runner.run(pct.status_argv(self.node, self.ctid))
+        result = self.pct("status", self.ctid)
         text = result.stdout + "\n" + result.stderr
         match = re.search(r"status:\s*(\w+)", result.stdout)
         if result.ok and match:
             return match.group(1)
         if _MISSING.search(text):
             raise ContainerError(f"container {self.ctid} does not exist on node {self.node_name}: "
-                                 f"check the id (`{self.node.pct} list` on the node)")
+                                 f"check the id (`{pct.command_text(self.node, 'list')}` on the node)")
         raise ContainerError(f"cannot get the status of {self}: `{result.command}` said: "
                              f"{result.tail('stderr', 3) or result.tail('stdout', 3) or f'exit code {result.returncode}'}")
 
@@ -133,33 +145,3 @@ class Container:
     def _check_path(self, path: str) -> None:
         if not path.startswith("/") or "\n" in path or "\0" in path:
             raise ContainerError(f"{path!r} is not an absolute path usable in {self}")
-
-    # -- the agent ----------------------------------------------------------------------------
-    def ensure_bundle(self) -> str:
-        """The in-container path of this controller's agent+trainer bundle (uploaded if new)."""
-        if self._bundle is None:
-            from controller.bundle import ensure_bundle
-
-            self._bundle = ensure_bundle(self)
-        return self._bundle
-
-    def agent_env(self, bundle: str) -> dict[str, str]:
-        return {"PYTHONPATH": bundle, "PYTHONUNBUFFERED": "1"}
-
-    def agent_call(self, verb: str, args: Sequence[str] = (), *, stdin: Stdin = None,
-                   timeout: Optional[float] = None) -> dict:
-        """Run ``python3 -m agent <verb> <args…>`` from the bundle; return its sentinel payload."""
-        bundle = self.ensure_bundle()
-        argv = [self.config.python, "-m", "agent", verb, *[str(a) for a in args]]
-        result = self.exec(argv, env=self.agent_env(bundle), stdin=stdin, timeout=timeout)
-        try:
-            payload = extract_payload(result.stdout)
-        except PayloadError as exc:
-            raise AgentError(f"agent {verb} in {self} gave no readable reply ({exc}); exit code "
-                             f"{result.returncode}: {result.tail('stderr', 5) or result.tail('stdout', 5)}",
-                             result=result) from None
-        if result.failed:
-            why = payload.get("error") or result.tail("stderr", 5)
-            raise AgentError(f"agent {verb} in {self} failed (exit code {result.returncode}): {why}",
-                             payload=payload, result=result)
-        return payload

@@ -39,7 +39,7 @@ from typing import Callable, Iterator, Optional
 from agent.protocol import FailureKind, RunResult, RunState, RunStatus
 from controller import config as cfg
 from controller.container import Container
-from trainer import flags as F
+from trainer import flags
 from trainer import multinode
 
 JOBS_DIR = "jobs"
@@ -91,7 +91,7 @@ def parse_roles(text: Optional[str], option: str, default_node: Optional[str]) -
                            f"{option} sim:200=0,1;sim2:300=0")
         node, ctid = parse_container(where, default_node)
         try:
-            out[f"{node}:{ctid}"] = F.parse_gpus(ids)
+            out[f"{node}:{ctid}"] = flags.parse_gpus(ids)
         except ValueError as exc:
             raise JobError(f"{option} {item!r}: {exc}") from None
     return out
@@ -154,40 +154,12 @@ def job_values(member: Member, node_rank: int, members: list[Member], endpoint: 
     return values
 
 
-# --- sessions: one runner per node --------------------------------------------------------------
-
-@contextlib.contextmanager
-def open_containers(members: list[Member], ctl_config: Optional[str], trust_new_host_key: bool = False,
-                    per_member: bool = False) -> Iterator[list[Container]]:
-    """One SSH connection per node (``per_member``: one per container, for concurrent use
-    from threads), and a Container handle per member."""
-    from controller.transport import open_runner
-
-    conf = cfg.load(ctl_config)
-    runners: dict[str, object] = {}
-    opened = []
-    try:
-        cts = []
-        for m in members:
-            name, node = conf.node(m.node)
-            key = m.label if per_member else name
-            if key not in runners:
-                runners[key] = open_runner(name, node, trust_new_host_key=trust_new_host_key)
-                opened.append(runners[key])
-            cts.append(Container(runners[key], name, node, m.ctid))
-        yield cts
-    finally:
-        for r in opened:
-            with contextlib.suppress(Exception):
-                r.close()
-
-
 # --- launch ---------------------------------------------------------------------------------------
 
 @dataclass
 class JobResult:
     run_id: str
-    endpoint: str
+    endpoint: Optional[str]  # None for a single container
     members: list[Member]
     starts: list[dict] = field(default_factory=list)
     round_trips: int = 0
@@ -208,42 +180,50 @@ def rendezvous_endpoint(ct: Container, say: Callable[[str], None]) -> str:
 def launch(cts: list[Container], members: list[Member], run_config, start: dict, *, say: Callable[[str], None] = print,
            accept_drift: bool = False, wandb_key: Optional[str] = None, dist_timeout: Optional[int] = None,
            endpoint: Optional[str] = None, agent_options: Optional[dict] = None,
-           share_gpus: bool = False) -> JobResult:
-    """Preflight every container, then start each; nothing starts unless all pass."""
-    from controller import drift as D
-    from controller.launch import Launcher, LaunchRefused, new_run_id
+           run_id: Optional[str] = None, share_gpus: bool = False) -> JobResult:
+    """Preflight and assess every container, then start each; nothing starts unless all pass.
+
+    The one launch path: a single-container launch is a job of one member, which keeps the
+    run config's own roles and needs no rendezvous. ``share_gpus``: start although a live run
+    holds some of the GPUs (the preflight refuses it otherwise)."""
+    from controller.launch import Assessment, Launcher, new_run_id
 
     t0 = time.monotonic()
-    run_id = new_run_id(run_config.name)
-    endpoint = endpoint or rendezvous_endpoint(cts[0], say)
-    say(f"job {run_id}: {len(members)} containers, layout {layout(members)} (target+drafter ranks per container), "
-        f"rendezvous {endpoint} in {members[0].label}")
+    run_id = run_id or new_run_id(run_config.name)
+    single = len(members) == 1
+    if not single:
+        endpoint = endpoint or rendezvous_endpoint(cts[0], say)
+        say(f"job {run_id}: {len(members)} containers, layout {layout(members)} (target+drafter ranks per "
+            f"container), rendezvous {endpoint} in {members[0].label}")
     launchers = []
     for i, (ct, m) in enumerate(zip(cts, members)):
-        prefix = f"[{m.label}] "
+        prefix = "" if single else f"[{m.label}] "
         launcher = Launcher(ct, run_config, start, accept_drift=accept_drift, say=lambda line, p=prefix: say(p + line),
                             wandb_key=wandb_key, run_id=run_id, agent_options=dict(agent_options or {}),
                             share_gpus=share_gpus)
-        # The container's own roles and its place in the job (trainer/multinode.py).
-        launcher.values.update(job_values(m, i, members, endpoint, run_id, dist_timeout))
-        problems = F.check(launcher.values)
-        if problems:
-            raise JobError(f"container {m.label}: " + "; ".join(problems))
+        if not single:
+            # The container's own roles and its place in the job (trainer/multinode.py).
+            launcher.values.update(job_values(m, i, members, endpoint, run_id, dist_timeout))
+            problems = flags.check(launcher.values)
+            if problems:
+                raise JobError(f"container {m.label}: " + "; ".join(problems))
         launchers.append(launcher)
-    preflights = []
-    for launcher, m in zip(launchers, members):
+    # Every container is assessed before any starts, and every refusal is shown at once.
+    preflights, verdicts = [], []
+    for launcher in launchers:
         pf = launcher.preflight()
-        lines, findings = launcher.report(pf)
-        for line in lines:
+        verdict = launcher.assess(pf)
+        for line in verdict.lines:
             launcher.say(line)
-        if pf.get("errors"):
-            raise LaunchRefused(f"preflight refused the job in {m.label}:\n  " + "\n  ".join(pf["errors"]), lines)
-        blocking = D.blocking(findings, accept_drift)
-        if blocking:
-            raise LaunchRefused(f"drift against the known-good baseline in {m.label}: "
-                                + "; ".join(f.line() for f in blocking)
-                                + ". Check that this is intended, then rerun with --accept-drift", lines)
         preflights.append(pf)
+        verdicts.append(verdict)
+    if single:
+        verdicts[0].raise_if_refused(str(launchers[0].ct))
+    else:
+        refused = Assessment([line for v in verdicts for line in v.lines],
+                             [f"{m.label}: {r}" for m, v in zip(members, verdicts) for r in v.refusals],
+                             [f for v in verdicts for f in v.blocking])
+        refused.raise_if_refused(f"job {run_id}")
     result = JobResult(run_id, endpoint, members)
     started: list[tuple[Container, Member]] = []
     try:

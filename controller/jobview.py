@@ -25,10 +25,87 @@ import queue
 import re
 import threading
 import time
+from pathlib import Path
 from typing import Callable, Optional
 
 from agent.protocol import RunState, RunStatus
+from controller import config as cfg
+from controller.container import Container, ContainerError
 from controller.job import Member
+from controller.tail import FOLLOW_AGENT_GONE
+
+LAST_LAUNCH = "last-launch.json"
+
+
+class NoSuchRun(ContainerError):
+    """The run named does not exist in the container (bad input: ctl exits 2)."""
+
+    exit_code = 2
+
+# --- where: remembered last launch ------------------------------------------------------------
+
+def last_launch_path(ctl_config: Optional[str]) -> Path:
+    return cfg.config_path(ctl_config).parent / LAST_LAUNCH
+
+
+def remember(ctl_config: Optional[str], node: str, container: str, run_id: str) -> None:
+    from agent.protocol import atomic_write_json
+
+    path = last_launch_path(ctl_config)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_json(str(path), {"node": node, "container": container, "run_id": run_id, "ts": time.time()})
+    except OSError:
+        pass  # a convenience only; never fail a launch over it
+
+
+# --- stream source over the product's exec path ------------------------------------------------
+
+class ContainerStream:
+    """tail.StreamSource for one container: `agent follow` live, `agent.runview stream` once."""
+
+    def __init__(self, ct: Container, caller):
+        self.ct = ct
+        self.caller = caller
+        self.workspace = ct.config.workspace
+
+    def follow(self, run_id: str, after: int, on_line, *, once: bool) -> int:
+        if once:
+            module, args = "agent.runview", ["stream", "--workspace", self.workspace, "--run", run_id, "--from", after]
+        else:
+            module, args = "agent", ["follow", "--workspace", self.workspace, "--run", run_id, "--from", after]
+        result = self.caller.run(module, args, capture=False, on_stdout=on_line)
+        if result.failed and result.returncode != FOLLOW_AGENT_GONE:
+            tail = result.tail("stderr", 3)
+            if "no run directory" in tail:
+                raise NoSuchRun(f"no run {run_id!r} in container {self.ct.ctid}: `ctl runs --container "
+                                f"{self.ct.ctid}` lists them")
+        return result.returncode
+
+    def state(self, run_id: str) -> dict:
+        reply = self.caller.call("agent.runview", ["status", "--workspace", self.workspace, "--run", run_id])
+        return reply.get("status") or {}
+
+    def revive(self, run_id: str) -> bool:
+        """The run's agent is gone: start one that re-attaches (the stream goes on from where
+        it was, nothing lost or repeated); False when the run's --revive is 0 or it failed."""
+        import sys
+
+        from controller.agentcall import AgentCallError
+
+        run_dir = f"{self.workspace}/runs/{run_id}"
+        try:
+            reply = self.caller.call("agent", ["start", "--run-dir", run_dir, "--reattach", "--auto", "--by", "ctl tail"],
+                                     what="re-attaching an agent")
+        except AgentCallError as exc:
+            reply = {"error": str(exc)}
+        if not reply.get("ok"):
+            print(f"ctl: the agent of run {run_id} is gone and no new one started: {reply.get('error')}", file=sys.stderr)
+            return False
+        print(f"ctl: the agent of run {run_id} was gone; agent pid {reply.get('agent_pid')} supervises it now, "
+              "following on", file=sys.stderr)
+        return True
+
 
 HOLD_S = 1.0
 STOP_PEERS_AFTER_S = 5.0

@@ -20,15 +20,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from controller import drift as D
+from controller import drift
 from controller.agentcall import AgentCallError, AgentCaller
 from controller import render
 from controller.container import Container
 from controller.runconfig import RunConfig, RunConfigError
-from trainer import flags as F
+from trainer import flags
 
 SECRETS_DIR = ".dflash-ctl/secrets"  # under the workspace; one 0600 file per run
-STATE_DIR = ".dflash-ctl"
 
 
 class LaunchRefused(Exception):
@@ -80,7 +79,7 @@ class Launcher:
         self.run_id = run_id or new_run_id(config.name)
         self.run_dir = posixpath.join(self.workspace, "runs", self.run_id)
         self.values = config.resolve(start, run_id=self.run_id, run_dir=self.run_dir, workspace=self.workspace)
-        problems = F.check(self.values)
+        problems = flags.check(self.values)
         if problems:
             raise RunConfigError("\n  ".join(problems))
         self.caller = AgentCaller(container, say)
@@ -105,7 +104,7 @@ class Launcher:
                    "start": start_kind(self.start), "share_gpus": self.share_gpus}
         return self._call(["agent.preflight", "check"], request, "the launch preflight")
 
-    def report(self, pf: dict) -> tuple[list[str], list[D.Finding]]:
+    def report(self, pf: dict) -> tuple[list[str], list[drift.Finding]]:
         """The operator's view of the preflight: what will run, then drift against known good."""
         lines = []
         py, torch, gpu = pf.get("python", {}), pf.get("torch", {}), pf.get("gpu", {})
@@ -137,22 +136,22 @@ class Launcher:
             lines.append(f"warning: {w}")
 
         known = pf.get("known_good") or {}
-        findings: list[D.Finding] = []
+        findings: list[drift.Finding] = []
         env_base = known.get("env") or {}
         if env_base.get("fingerprint"):
-            env_f = D.env_drift(env_base["fingerprint"], pf.get("fingerprint") or {})
+            env_f = drift.env_drift(env_base["fingerprint"], pf.get("fingerprint") or {})
             label = f"known-good run {env_base.get('run_id')}"
-            lines += D.render("env drift", env_f, label) or [f"env      same as known-good run {env_base.get('run_id')}"]
+            lines += drift.render("env drift", env_f, label) or [f"env      same as known-good run {env_base.get('run_id')}"]
             findings += env_f
         else:
             lines.append("env      no known-good run in this container yet: nothing to compare")
         data_base = (known.get("configs") or {}).get(self.config.name) or {}
         if data_base.get("data") and stats:
             b = self.config.baseline
-            data_f = D.data_drift(data_base["data"], stats, length_tolerance=b.length_tolerance,
+            data_f = drift.data_drift(data_base["data"], stats, length_tolerance=b.length_tolerance,
                                   loss_fraction_tolerance=b.loss_fraction_tolerance,
                                   samples_tolerance=b.samples_tolerance)
-            lines += D.render("data", data_f, f"the data config {self.config.name!r} last ran well on "
+            lines += drift.render("data", data_f, f"the data config {self.config.name!r} last ran well on "
                                                f"({data_base.get('data_dir')}, run {data_base.get('run_id')})")
             findings += data_f
         return lines, findings
@@ -189,30 +188,73 @@ class Launcher:
             raise LaunchRefused(f"the run did not start in {self.ct}: {reply.get('error')}; nothing was left behind")
         return reply
 
+    def assess(self, pf: dict) -> "Assessment":
+        """Everything the preflight found, as the operator sees it, and what refuses the
+        launch: the preflight's errors, GPUs the container cannot see (with the cause),
+        the disk the kept checkpoints need, the memory verdict per GPU, and drift. The one verdict of a single-container launch
+        and of every container of a job."""
+        from controller.diskcheck import disk_refusal
+
+        lines, findings = self.report(pf)
+        refusals = list(pf.get("errors") or [])
+        # the container reports free disk; whether the kept checkpoints fit is decided here
+        disk = disk_refusal(self.values, pf)
+        if disk:
+            refusals.append(disk)
+        target_cfg = (pf.get("model") or {}).get("config")
+        if target_cfg:
+            from trainer import family
+
+            why = family.unsupported(target_cfg)
+            if why:
+                refusals.append(f"--target-model {self.values['target_model']}: {why}")
+            elif pf.get("device") == "cuda":
+                packages = {n.lower().replace("_", "-") for n in ((pf.get("fingerprint") or {}).get("packages") or {})}
+                lines += [f"kernels  {note}" for note in
+                          family.kernel_notes(target_cfg, kernels_present="flash-linear-attention" in packages)]
+        if pf.get("gpu_shortfall"):
+            from controller.gpucheck import shortfall_line
+
+            refusals.append(shortfall_line(self.ct, pf["gpu_shortfall"]))
+        else:
+            mem_lines, mem_refusals = memory_report(self.values, pf)
+            lines += mem_lines
+            refusals += mem_refusals
+        return Assessment(lines, refusals, drift.blocking(findings, self.accept_drift))
+
     def run(self) -> LaunchResult:
+        """preflight → assess → commit, for a launcher used on its own (a job of one container
+        goes through controller/job.py's launch like any job)."""
         t0 = time.monotonic()
         pf = self.preflight()
         t_pf = time.monotonic()
-        lines, findings = self.report(pf)
-        for line in lines:
+        verdict = self.assess(pf)
+        for line in verdict.lines:
             self.say(line)
-        errors = pf.get("errors") or []
-        mem_lines, mem_refusals = memory_report(self.values, pf)
-        for line in mem_lines:
-            self.say(line)
-        lines += mem_lines
-        errors = errors + mem_refusals
-        if errors:
-            raise LaunchRefused(f"preflight refused the launch in {self.ct}:\n  " + "\n  ".join(errors), lines)
-        blocking = D.blocking(findings, self.accept_drift)
-        if blocking:
-            what = "; ".join(f.line() for f in blocking)
-            raise LaunchRefused(f"drift against the known-good baseline in {self.ct}: {what}. "
-                                "Check that this is intended, then rerun with --accept-drift", lines)
+        verdict.raise_if_refused(str(self.ct))
         reply = self.commit(pf)
         start = reply.get("start") or {}
-        return LaunchResult(self.run_id, self.run_dir, lines, start, pf, self.round_trips,
+        return LaunchResult(self.run_id, self.run_dir, verdict.lines, start, pf, self.round_trips,
                             {"preflight_s": t_pf - t0, "total_s": time.monotonic() - t0})
+
+
+@dataclass
+class Assessment:
+    """A container's preflight as a verdict: the report lines, the refusals (one line each)
+    and the drift findings that block without --accept-drift."""
+
+    lines: list[str]
+    refusals: list[str]
+    blocking: list
+
+    def raise_if_refused(self, where: str) -> None:
+        if self.refusals:
+            raise LaunchRefused(f"preflight refused the launch in {where}:\n  " + "\n  ".join(self.refusals),
+                                self.lines)
+        if self.blocking:
+            what = "; ".join(f.line() for f in self.blocking)
+            raise LaunchRefused(f"drift against the known-good baseline in {where}: {what}. "
+                                "Check that this is intended, then rerun with --accept-drift", self.lines)
 
 
 def memory_report(values: dict, pf: dict) -> tuple[list[str], list[str]]:
@@ -231,6 +273,10 @@ def memory_report(values: dict, pf: dict) -> tuple[list[str], list[str]]:
     model_cfg = (pf.get("model") or {}).get("config")
     if not free or not model_cfg:
         return ["memory   not checked here: no free-memory figure or no target config.json from the preflight"], []
+    # --target-forward auto follows the kernels the container has, not this machine's
+    packages = {n.lower().replace("_", "-") for n in ((pf.get("fingerprint") or {}).get("packages") or {})}
+    values = {**values, "target_forward": flags.target_forward_for(
+        values, cuda=True, target_config=model_cfg, kernels="flash-linear-attention" in packages)}
     plan = plan_run(values, free, target_config=model_cfg)
     lines = []
     for g, row in sorted(plan["gpus"].items()):

@@ -1,16 +1,23 @@
-"""argv builders for Proxmox's ``pct``: every command that enters a container is built here.
+"""Proxmox's ``pct`` as this connection found it: every command that touches a container is
+built here.
 
 A container command is always::
 
-    pct exec <ctid> --keep-env 0 -- env -i -- PATH=<venv/bin + system dirs> HOME=<home> \
-        LANG=C.UTF-8 [explicit vars…] <argv…>
+    [sudo -n --] pct exec <ctid> [--keep-env 0] -- env -i -- PATH=<venv/bin + system dirs> \
+        HOME=<home> LANG=C.UTF-8 [explicit vars…] <argv…>
 
 Why both layers (research/proxmox-and-supervision.md §1.1): ``pct exec`` keeps the caller's
 environment by default (keep-env=1, even at pve-container HEAD), so the SSH session's PATH
 (Homebrew, perl5 …), SSH_* and whatever the node's .bashrc exported would reach the
-trainer; ``--keep-env 0`` makes lxc-attach clear it, but LXC then adds its own defaults
-(``container=lxc``, ``TERM=linux``, lxc.environment entries) and older pve-container has no
-such option. ``env -i`` inside the container leaves exactly the variables we name.
+trainer. ``env -i`` inside the container leaves exactly the variables we name, on every
+Proxmox version. ``--keep-env 0`` (pve-container 5.0.9, commit 069553d: Proxmox VE 8.2 and
+later) also keeps the node's variables from ever entering the container, not even the
+environment of the ``env`` process; older ``pct`` has no such option and refuses it
+(``Unknown option: keep-env``), so the connection asks its ``pct`` once (``pct help exec``)
+and adds the option only where it exists.
+
+Non-root operators run pct through ``sudo -n`` (node config ``sudo = true``): never a
+password prompt, and a sudo that would ask for one is one line saying what to configure.
 
 No heredocs, no ``bash -c`` with interpolated text: the argv after ``--`` reaches the
 container process as separate arguments (pct uses list-form exec), and the SSH runner
@@ -20,24 +27,44 @@ quotes it with ``shlex.join``.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from controller.config import ContainerConfig, NodeConfig
+from controller.transport import Result, Runner, TransportError
 
 # Every process we start in a container gets these and nothing else (plus explicit extras).
 BASE_LOCALE = "C.UTF-8"
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+VAR_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+SUDO = ["sudo", "-n", "--"]
+
+# What sudo -n says when it will not run pct for this user without asking.
+_SUDO_REFUSALS = re.compile(r"^sudo: (a password is required|a terminal is required|.*is not allowed to execute"
+                            r"|.*is not in the sudoers file|.*may not run sudo)", re.M)
+_NO_SUDO = re.compile(r"sudo: (command )?not found|sudo: No such file", re.I)
 
 
 class PctUsageError(ValueError):
     """A container command that cannot be built safely (bad variable name, bad argv)."""
 
 
+class PctAccessError(TransportError):
+    """The node's pct cannot be run as configured (sudo refuses, pct missing)."""
+
+
+@dataclass(frozen=True)
+class PctFeatures:
+    """What the node's ``pct exec`` accepts, as ``pct help exec`` listed it."""
+
+    keep_env: bool
+
+
 def container_env(container: ContainerConfig, extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
-    """The complete environment a container process gets, in order."""
+    """The complete environment a container process gets, in order: the one builder of it
+    (the start script's environment extends it: controller/render.py)."""
     env = {"PATH": container.path, "HOME": container.home, "LANG": BASE_LOCALE}
     for key, value in (extra or {}).items():
-        if not _NAME.match(key):
+        if not VAR_NAME.match(key):
             raise PctUsageError(f"environment variable name {key!r} is not a valid shell name")
         if "\0" in str(value):
             raise PctUsageError(f"environment variable {key} contains a NUL byte")
@@ -45,34 +72,93 @@ def container_env(container: ContainerConfig, extra: Optional[Mapping[str, str]]
     return env
 
 
-def exec_argv(node: NodeConfig, ctid: int | str, argv: Sequence[str], *,
+def argv(node: NodeConfig, *args: str) -> list[str]:
+    """``pct <args…>`` as this node runs it (through ``sudo -n`` when configured)."""
+    return [*(SUDO if node.sudo else []), node.pct, *[str(a) for a in args]]
+
+
+def command_text(node: NodeConfig, *args: str) -> str:
+    """The same, as an operator would type it on the node (for messages)."""
+    return " ".join(argv(node, *args))
+
+
+def exec_argv(node: NodeConfig, ctid: int | str, command: Sequence[str], *, features: PctFeatures,
               container: Optional[ContainerConfig] = None,
               env: Optional[Mapping[str, str]] = None) -> list[str]:
-    """``pct exec`` of ``argv`` in container ``ctid`` with a scrubbed, explicit environment."""
-    argv = [str(a) for a in argv]
-    if not argv or argv[0] == "":
+    """``pct exec`` of ``command`` in container ``ctid`` with a scrubbed, explicit environment."""
+    command = [str(a) for a in command]
+    if not command or command[0] == "":
         raise PctUsageError("no command given to run in the container")
-    if "=" in argv[0]:
+    if "=" in command[0]:
         # env(1) would take it for another assignment instead of the program to run.
-        raise PctUsageError(f"the program name {argv[0]!r} contains '=': env would read it as a variable")
-    for arg in argv:
+        raise PctUsageError(f"the program name {command[0]!r} contains '=': env would read it as a variable")
+    for arg in command:
         if "\0" in arg:
             raise PctUsageError("an argument contains a NUL byte, which no process can receive")
     container = container or node.container(ctid)
     assignments = [f"{k}={v}" for k, v in container_env(container, env).items()]
+    keep = ["--keep-env", "0"] if features.keep_env else []
     # "--" after -i: an assignment or program that starts with "-" is never read as an option.
-    return [node.pct, "exec", str(ctid), "--keep-env", "0", "--", "env", "-i", "--", *assignments, *argv]
+    return [*argv(node, "exec", str(ctid), *keep, "--"), "env", "-i", "--", *assignments, *command]
 
 
-def raw_exec_argv(node: NodeConfig, ctid: int | str, argv: Sequence[str]) -> list[str]:
+def raw_exec_argv(node: NodeConfig, ctid: int | str, command: Sequence[str]) -> list[str]:
     """``pct exec`` without scrubbing: what an operator would type. Tests use it to show the
     pollution the product removes; the product itself never does."""
-    return [node.pct, "exec", str(ctid), "--", *[str(a) for a in argv]]
-
-
-def status_argv(node: NodeConfig, ctid: int | str) -> list[str]:
-    return [node.pct, "status", str(ctid)]
+    return argv(node, "exec", str(ctid), "--", *command)
 
 
 def start_hint(node: NodeConfig, ctid: int | str) -> str:
-    return f"`{node.pct} start {ctid}`"
+    return f"`{command_text(node, 'start', str(ctid))}`"
+
+
+def access_problem(node_name: str, node: NodeConfig, result: Result) -> Optional[str]:
+    """One line when ``result`` failed because pct could not be run at all, else None."""
+    if result.ok:
+        return None
+    text = result.stderr
+    user = node.user or "the SSH user"
+    if node.sudo and _SUDO_REFUSALS.search(text):
+        why = _SUDO_REFUSALS.search(text).group(0)
+        return (f"node {node_name}: {user} cannot run {node.pct} through `sudo -n` ({why.strip()}); a password "
+                f"prompt is never answered. On the node, allow it without one, e.g. in /etc/sudoers.d/dflash-ctl: "
+                f"`{user} ALL=(root) NOPASSWD: {node.pct}` (pct must be named by its full path, as sudo's "
+                f"secure_path decides what `pct` means)")
+    if node.sudo and _NO_SUDO.search(text):
+        return f"node {node_name}: sudo is not installed there (`apt install sudo`), or set sudo = false for the node"
+    if result.returncode == 127 and ("not found" in text or "No such file" in text) and node.pct in text:
+        return (f"node {node_name}: `{node.pct}` is not there: is it a Proxmox VE node? "
+                f"Set `pct` in the node config to its full path (usually /usr/sbin/pct)")
+    return None
+
+
+# pve-container's first release with `pct exec --keep-env` (commit 069553d).
+KEEP_ENV_SINCE = (5, 0, 9)
+
+
+def package_version(text: str) -> Optional[tuple[int, ...]]:
+    """A Debian version of pve-container as numbers: "4.4-3" → (4, 4, 3), "5.0.10" → (5, 0, 10)."""
+    m = re.match(r"^(?:\d+:)?(\d+(?:[.-]\d+)*)", text.strip())
+    return tuple(int(x) for x in re.split(r"[.-]", m.group(1))) if m else None
+
+
+def features(runner: Runner, node_name: str, node: NodeConfig) -> PctFeatures:
+    """What this connection's pct accepts; asked once per connection, on that connection.
+
+    From the installed pve-container package (``dpkg-query``, what ``pveversion -v`` lists,
+    answered in milliseconds where a Perl ``pct`` start takes a few hundred), else from
+    ``pct help exec`` itself (a pct not installed from the package)."""
+    cached = runner.facts.get("pct")
+    if cached is None:
+        version = runner.run(["dpkg-query", "-W", "-f=${Version}", "pve-container"])
+        parsed = package_version(version.stdout) if version.ok else None
+        if parsed is not None:
+            cached = PctFeatures(keep_env=parsed >= KEEP_ENV_SINCE)
+        else:
+            result = runner.run(argv(node, "help", "exec"))
+            problem = access_problem(node_name, node, result)
+            if problem:
+                raise PctAccessError(problem)
+            cached = PctFeatures(keep_env="keep-env" in result.stdout + result.stderr)
+        runner.facts["pct"] = cached
+    return cached

@@ -50,7 +50,7 @@ def provision_node(node_name: str, config_file: str | None = None,
     """``provision_tiny`` in every container the controller config lists for ``node_name``,
     over one SSH connection. ``ctl sim up`` calls this after writing the node's entry."""
     from controller import config as cfg
-    from controller.transport import open_runner
+    from controller.session import open_runner
 
     conf = cfg.load(config_file)
     name, node = conf.node(node_name)

@@ -9,21 +9,20 @@ from trainer/flags.py's FLAGS (the one definition), so the template never lists 
 from __future__ import annotations
 
 import posixpath
-import re
 import shlex
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional
 
 import jinja2
 
-from trainer import flags as F
+from controller.bundle import agent_env
 from controller.config import ContainerConfig
+from controller.pct import VAR_NAME, PctUsageError, container_env
+from trainer import flags, runtime_env
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
 START_TEMPLATE = "start.sh.j2"
 DEFAULT_SECRET_KEYS = ("WANDB_API_KEY", "HF_TOKEN")
-SECRETS_FILE = ".dflash-ctl/secrets.env"  # under the container's workspace; root-only
-_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
 class RenderError(ValueError):
@@ -46,7 +45,7 @@ def environment() -> jinja2.Environment:
 def flag_lines(values: Mapping[str, Any]) -> list[list[str]]:
     """argv tokens per flag, in FLAGS order; flattened they equal ``flags.to_argv(values)``."""
     lines = []
-    for flag in F.FLAGS:
+    for flag in flags.FLAGS:
         tokens = flag.render(values.get(flag.dest, flag.default))
         if tokens:
             lines.append(tokens)
@@ -55,30 +54,24 @@ def flag_lines(values: Mapping[str, Any]) -> list[list[str]]:
 
 def start_env(container: ContainerConfig, *, bundle: str, run_id: str, run_dir: str,
               extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
-    """Every variable the trainer's environment holds (secrets aside), in order."""
-    env = {
-        "PATH": container.path,
-        "HOME": container.home,
-        "LANG": "C.UTF-8",
-        "PYTHONPATH": bundle,
-        "PYTHONUNBUFFERED": "1",
-        # The agent finds and stops a run's processes by these (agent/protocol.py).
-        "DFLASH_RUN_ID": run_id,
-        "DFLASH_RUN_DIR": run_dir,
-    }
-    for key, value in (extra or {}).items():
-        if not _NAME.match(key):
-            raise RenderError(f"environment variable name {key!r} is not a valid shell name")
-        env[key] = str(value)
-    for key, value in env.items():
-        if "\0" in value:
-            raise RenderError(f"environment variable {key} contains a NUL byte")
-    return env
+    """Every variable the trainer's environment holds (secrets aside), in order: the clean
+    container environment every command gets (controller/pct.py), the bundle, the run."""
+    # The agent finds and stops a run's processes by these (agent/protocol.py).
+    run = {**agent_env(bundle), "DFLASH_RUN_ID": run_id, "DFLASH_RUN_DIR": run_dir,
+           # Set before CUDA starts (trainer/runtime_env.py): the allocator configuration the
+           # memory model describes, and a compile cache that outlives /tmp and the container's
+           # restarts; start.sh adds the venv generation it belongs to.
+           runtime_env.ENV_ALLOC: runtime_env.ALLOC_CONF,
+           runtime_env.ENV_CACHE_ROOT: posixpath.join(container.workspace, runtime_env.WORKSPACE_CACHE)}
+    try:
+        return container_env(container, {**run, **(extra or {})})
+    except PctUsageError as exc:
+        raise RenderError(str(exc)) from None
 
 
 def render_start_script(values: Mapping[str, Any], *, container: ContainerConfig, bundle: str, run_id: str,
                         run_dir: str, env: Optional[Mapping[str, str]] = None,
-                        secrets_file: Optional[str] = None,
+                        secrets_file: str,
                         secret_keys: Iterable[str] = DEFAULT_SECRET_KEYS) -> str:
     """The run's start.sh: an explicit environment, then ``python -m trainer <all flags>``.
 
@@ -86,10 +79,10 @@ def render_start_script(values: Mapping[str, Any], *, container: ContainerConfig
     are checked with ``flags.check`` so the script never carries a config the trainer would
     refuse.
     """
-    problems = F.check(values)
+    problems = flags.check(values)
     if problems:
         raise RenderError("cannot render the start script:\n  " + "\n  ".join(problems))
-    unknown = sorted(set(values) - set(F.BY_DEST))
+    unknown = sorted(set(values) - set(flags.BY_DEST))
     if unknown:
         raise RenderError(f"not trainer flags: {', '.join(unknown)} (see trainer/flags.py)")
     for tokens in flag_lines(values):
@@ -97,25 +90,27 @@ def render_start_script(values: Mapping[str, Any], *, container: ContainerConfig
             raise RenderError(f"{tokens[0]} contains a NUL byte")
     secret_keys = tuple(secret_keys)
     for key in secret_keys:
-        if not _NAME.match(key):
+        if not VAR_NAME.match(key):
             raise RenderError(f"secret name {key!r} is not a valid shell name")
     if not run_dir.startswith("/"):
         raise RenderError(f"run directory {run_dir!r} must be an absolute path in the container")
     lines = flag_lines(values)
     start_at = start_len = 0
     for tokens in lines:  # where the start decision sits in the flattened argv
-        if tokens[0] in {f.name for f in F.START_FLAGS}:
+        if tokens[0] in {f.name for f in flags.START_FLAGS}:
             start_len = len(tokens)
             break
         start_at += len(tokens)
     return environment().get_template(START_TEMPLATE).render(
         start_at=start_at,
         start_len=start_len,
-        resume_flag=F.BY_DEST["resume_from"].name,
+        resume_flag=flags.BY_DEST["resume_from"].name,
         run_dir=run_dir,
-        secrets_file=secrets_file or posixpath.join(container.workspace, SECRETS_FILE),
+        secrets_file=secrets_file,
         secret_keys=secret_keys,
         flag_lines=lines,
         env=start_env(container, bundle=bundle, run_id=run_id, run_dir=run_dir, extra=env),
         python=container.python,
+        venv=container.venv,
+        generation_var=runtime_env.ENV_GENERATION,
     )

@@ -31,6 +31,7 @@ from typing import Any, Callable, Optional
 
 from agent.protocol import RunResult, RunStatus
 from controller import envgen_client as eg
+from controller.agentcall import AgentCaller
 from controller import snapshots as snaps
 from controller.container import Container, ContainerError
 
@@ -207,6 +208,11 @@ def make_plan(ct: Container, run: Optional[str], to: str, grace: float) -> Plan:
     if run and not info.get("exists"):
         raise RollbackRefused(f"run {run} does not exist in container {ct.ctid} "
                               f"({ct.config.workspace}/runs/{run}); see `ctl status --container {ct.ctid}`")
+    live_runs = info.get("live_runs") or []
+    if not run and len(live_runs) > 1:
+        # Picking one would leave the other running on the GPUs the rollback is meant to free.
+        raise RollbackRefused(f"{len(live_runs)} runs are live in container {ct.ctid} ({', '.join(live_runs)}): "
+                              f"name the one to stop with --run; nothing changed")
     run = info.get("run")
     status = RunStatus.from_json(info.get("status"))
     state = status.state.value if run and status.state else None
@@ -302,8 +308,10 @@ def stop_run(ct: Container, plan: Plan, say: Callable[[str], None]) -> dict:
     if plan.run_live:
         say(f"stopping run {plan.run} (SIGTERM, up to {plan.grace:g} s to checkpoint, then SIGKILL) …")
         try:
-            reply = eg._call(ct, "agent", "stop", ["stop", "--run", plan.run, "--workspace", ct.config.workspace,
-                                                   "--grace", f"{plan.grace:g}"])
+            # The system python: the venv is what is about to be rolled back (controller/agentcall.py).
+            reply = AgentCaller(ct, python="system").call(
+                "agent", ["stop", "--run", plan.run, "--workspace", ct.config.workspace, "--grace", f"{plan.grace:g}"],
+                what="agent stop", check=True)
         except ContainerError as exc:
             reply = {"error": str(exc)}
         out["agent"] = reply

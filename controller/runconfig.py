@@ -30,7 +30,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr
 from typing_extensions import Annotated
 
 from agent.options import Options as AgentOptions
-from trainer import flags as F
+from trainer import flags
 
 
 class RunConfigError(Exception):
@@ -43,7 +43,7 @@ NOT_IN_CONFIG: dict[str, str] = {
     "probe_memory": "the memory probe is a separate step, not a training launch",
     **{f.dest: "the start decision is never stored in a config (it would make a later launch an "
                "implicit resume): pass --from-scratch, --resume-from CKPT or --init-from CKPT to "
-               "`ctl launch`" for f in F.START_FLAGS},
+               "`ctl launch`" for f in flags.START_FLAGS},
     # A job's place of each container is decided at launch (controller/job.py).
     **{dest: "the controller sets it for each container of a job: name the containers in [[job.containers]] "
              "or with repeated `ctl launch --container NODE:CTID`"
@@ -57,12 +57,12 @@ DEFAULT_OUTPUT_DIR = "{run_dir}/output"
 PLACEHOLDERS = ("run_id", "run_dir", "workspace")
 
 
-def _parser(flag: F.Flag):
+def _parser(flag: flags.Flag):
     def parse(value: Any) -> Any:
         if value is None:
             return None
         if flag.kind in ("gpus", "layers") and isinstance(value, (list, tuple)):
-            return F.parse_gpus(list(value))
+            return flags.parse_gpus(list(value))
         if flag.kind in ("gpus", "layers", "budget"):
             return flag.parse(value)
         return value  # pydantic's own coercion for scalars gives the better message
@@ -70,7 +70,7 @@ def _parser(flag: F.Flag):
     return parse
 
 
-def _field_type(flag: F.Flag) -> Any:
+def _field_type(flag: flags.Flag) -> Any:
     base: Any = {
         "str": str, "path": str, "int": int, "float": float, "bool": bool,
         "gpus": tuple[int, ...], "layers": tuple[int, ...],
@@ -85,7 +85,7 @@ def _field_type(flag: F.Flag) -> Any:
 
 def _trainer_model() -> type[BaseModel]:
     fields: dict[str, Any] = {}
-    for flag in F.FLAGS:
+    for flag in flags.FLAGS:
         if flag.dest in NOT_IN_CONFIG or flag.dest in WANDB_FLAGS:
             continue
         default: Any = ... if flag.required else flag.default
@@ -108,10 +108,10 @@ class WandbSection(BaseModel):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
 
-    project: Optional[str] = Field(None, description=F.BY_DEST["wandb_project"].help)
-    run_name: Optional[str] = Field(None, alias="run-name", description=F.BY_DEST["wandb_run_name"].help)
-    mode: Literal[F.BY_DEST["wandb_mode"].choices] = Field(  # type: ignore[valid-type]
-        F.BY_DEST["wandb_mode"].default, description=F.BY_DEST["wandb_mode"].help)
+    project: Optional[str] = Field(None, description=flags.BY_DEST["wandb_project"].help)
+    run_name: Optional[str] = Field(None, alias="run-name", description=flags.BY_DEST["wandb_run_name"].help)
+    mode: Literal[flags.BY_DEST["wandb_mode"].choices] = Field(  # type: ignore[valid-type]
+        flags.BY_DEST["wandb_mode"].default, description=flags.BY_DEST["wandb_mode"].help)
     api_key_file: Optional[str] = Field(None, alias="api-key-file",
                                         description="local file holding the wandb API key (chmod 600)")
     api_key_env: Optional[str] = Field(None, alias="api-key-env",
@@ -211,9 +211,9 @@ class JobContainer(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
 
     container: str = Field(..., pattern=r"^([a-z][a-z0-9-]*:)?\d+$", description="NODE:CTID, e.g. sim2:300")
-    target_gpus: Annotated[tuple[int, ...], BeforeValidator(_parser(F.BY_DEST["target_gpus"]))] = Field(
+    target_gpus: Annotated[tuple[int, ...], BeforeValidator(_parser(flags.BY_DEST["target_gpus"]))] = Field(
         (), alias="target-gpus", description="this container's GPUs running the target")
-    drafter_gpus: Annotated[tuple[int, ...], BeforeValidator(_parser(F.BY_DEST["drafter_gpus"]))] = Field(
+    drafter_gpus: Annotated[tuple[int, ...], BeforeValidator(_parser(flags.BY_DEST["drafter_gpus"]))] = Field(
         (), alias="drafter-gpus", description="this container's GPUs training the drafter")
 
 
@@ -256,11 +256,11 @@ class RunConfig(BaseModel):
     # -- what launch needs ------------------------------------------------------------------
     def values(self) -> dict[str, Any]:
         """Trainer flag values by dest, wandb included, start decision not."""
-        out = dict(F.defaults())
+        out = dict(flags.defaults())
         out.update(self.trainer.model_dump())
         out.update({dest: getattr(self.wandb, attr) for dest, attr in WANDB_FLAGS.items()})
         for dest in NOT_IN_CONFIG:
-            out[dest] = F.BY_DEST[dest].default
+            out[dest] = flags.BY_DEST[dest].default
         return out
 
     def resolve(self, start: Mapping[str, Any], *, run_id: str, run_dir: str, workspace: str) -> dict[str, Any]:
@@ -270,7 +270,7 @@ class RunConfig(BaseModel):
         values.update(start)
         for dest, value in values.items():
             if isinstance(value, str) and "{" in value:
-                values[dest] = fill(value, subst, F.BY_DEST[dest].name)
+                values[dest] = fill(value, subst, flags.BY_DEST[dest].name)
         return values
 
 
@@ -351,15 +351,15 @@ def from_dict(data: dict[str, Any], *, source: str = "run config", default_name:
         config = RunConfig.model_validate(data)
     except ValidationError as exc:
         raise RunConfigError(format_errors(exc, source)) from None
-    problems = [p for p in F.check({**config.values(), "from_scratch": True}) if "start decision" not in p]
+    problems = [p for p in flags.check({**config.values(), "from_scratch": True}) if "start decision" not in p]
     if problems:
         raise RunConfigError(f"{source}: " + "\n  ".join(problems))
     return config
 
 
-def _flag_for(loc: tuple) -> Optional[F.Flag]:
+def _flag_for(loc: tuple) -> Optional[flags.Flag]:
     if len(loc) >= 2 and loc[0] == "trainer":
-        return F.BY_DEST.get(str(loc[1]).replace("-", "_"))
+        return flags.BY_DEST.get(str(loc[1]).replace("-", "_"))
     return None
 
 
@@ -413,10 +413,10 @@ def _closest(word: str, options: list[str]) -> Optional[str]:
 def start_decision(from_scratch: bool, resume_from: Optional[str], init_from: Optional[str]) -> dict[str, Any]:
     """The start flags from `ctl launch`'s options; exactly one, or RunConfigError with the help."""
     chosen = {"from_scratch": bool(from_scratch), "resume_from": resume_from or None, "init_from": init_from or None}
-    names = F.start_decision(chosen)
+    names = flags.start_decision(chosen)
     if not names:
-        raise RunConfigError(f"no start decision: {F.START_DECISION_HELP}")
+        raise RunConfigError(f"no start decision: {flags.START_DECISION_HELP}")
     if len(names) > 1:
         raise RunConfigError(f"{' and '.join(names)} conflict: choose exactly one start decision "
-                             f"({F.START_DECISION_HELP})")
+                             f"({flags.START_DECISION_HELP})")
     return chosen

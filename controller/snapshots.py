@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from controller import pct
 from controller.container import Container, ContainerError
 
 PREFIX = "ctl-"
@@ -68,7 +69,7 @@ def _unsupported(ct: Container, detail: str) -> SnapshotUnsupported:
 
 
 def _pct(ct: Container, *args: str):
-    return ct.runner.run([ct.node.pct, *args])
+    return ct.pct(*args)
 
 
 def take_snapshot(ct: Container, run_id: str, venv_id: Optional[str] = None) -> Snapshot:
@@ -82,7 +83,7 @@ def take_snapshot(ct: Container, run_id: str, venv_id: Optional[str] = None) -> 
             raise _unsupported(ct, _NOT_AVAILABLE.search(text).group(0))
         if _ALREADY.search(text):
             raise SnapshotError(f"container {ct.ctid} already has a snapshot named {name}; pick another run "
-                                f"id or remove it with `{ct.node.pct} delsnapshot {ct.ctid} {name}` on the node")
+                                f"id or remove it with `{pct.command_text(ct.node, 'delsnapshot', ct.ctid, name)}` on the node")
         raise SnapshotError(f"`{result.command}` failed on node {ct.node_name}: "
                             f"{result.tail('stderr', 3) or f'exit code {result.returncode}'}")
     return Snapshot(name, time.strftime("%Y-%m-%d %H:%M:%S"), description)
@@ -95,7 +96,7 @@ def undo_launch_snapshot(ct: Container, snap: Snapshot, say=print) -> None:
     if result.failed:
         say(f"note: could not remove snapshot {snap.name} of the launch that did not start "
             f"({result.tail('stderr', 1) or f'exit code {result.returncode}'}); remove it with "
-            f"`{ct.node.pct} delsnapshot {ct.ctid} {snap.name}` on node {ct.node_name}")
+            f"`{pct.command_text(ct.node, 'delsnapshot', ct.ctid, snap.name)}` on node {ct.node_name}")
     else:
         say(f"snapshot {snap.name} removed: the launch did not start")
 
@@ -134,7 +135,7 @@ def rollback(ct: Container, name: str, wait_s: float = 120.0) -> float:
         if _NOT_AVAILABLE.search(text):
             raise _unsupported(ct, _NOT_AVAILABLE.search(text).group(0))
         raise SnapshotError(f"`{result.command}` failed on node {ct.node_name}: {result.tail('stderr', 3)}; "
-                            f"check the container with `{ct.node.pct} status {ct.ctid}`")
+                            f"check the container with `{pct.command_text(ct.node, 'status', ct.ctid)}`")
     return start_and_wait(ct, wait_s)
 
 
@@ -146,12 +147,11 @@ def start_and_wait(ct: Container, wait_s: float = 120.0) -> float:
             raise SnapshotError(f"the rollback of {ct} succeeded but `{result.command}` failed: "
                                 f"{result.tail('stderr', 3)}; start it by hand")
     while True:
-        if ct.status() == "running" and ct.runner.run(
-                [ct.node.pct, "exec", ct.ctid, "--", "true"]).ok:
+        if ct.status() == "running" and ct.pct("exec", ct.ctid, "--", "true").ok:
             return time.monotonic() - t0
         if time.monotonic() - t0 > wait_s:
             raise SnapshotError(f"{ct} was rolled back and started but does not answer after {wait_s:.0f} s; "
-                                f"look at it with `{ct.node.pct} status {ct.ctid}` on the node")
+                                f"look at it with `{pct.command_text(ct.node, 'status', ct.ctid)}` on the node")
         time.sleep(0.5)
 
 

@@ -21,6 +21,7 @@ Lessons this module encodes (research/proxmox-and-supervision.md §3):
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
 import shlex
 import socket
@@ -41,7 +42,7 @@ def _import_paramiko():
     command (bench/exec_roundtrip.py). A stand-in module imports the real invoke the first
     time paramiko touches it, so ``Match exec`` still works.
     """
-    if "paramiko" in sys.modules or "invoke" in sys.modules:
+    if "paramiko" in sys.modules or "invoke" in sys.modules or importlib.util.find_spec("invoke") is None:
         return importlib.import_module("paramiko")
 
     class _DeferredInvoke(types.ModuleType):
@@ -63,17 +64,7 @@ paramiko = _import_paramiko()
 import tenacity  # noqa: E402
 
 from controller.config import NodeConfig  # noqa: E402
-from controller.transport import (  # noqa: E402
-    CHUNK,
-    HostKeyError,
-    Result,
-    Runner,
-    TransportError,
-    _finish,
-    _MarkerGate,
-    _Sink,
-    _stdin_chunks,
-)
+from controller.transport import HostKeyError, MarkerGate, Process, Runner, TransportError  # noqa: E402
 
 # Which ssh_config file to honour. Tests point this at their own file (or "none") so a
 # developer's ~/.ssh/config never changes what a test does (fabric's tests do the same).
@@ -101,6 +92,21 @@ class SSHTarget:
     user: str
     key_filenames: list[str] = field(default_factory=list)
     known_hosts: str = ""
+    jump: Optional["SSHTarget"] = None  # the bastion this host is reached through (its own jump: the hop before)
+    proxy_command: Optional[str] = None  # ~/.ssh/config ProxyCommand, when no jump is set
+    bastion_for: Optional[str] = None  # set on a bastion: the node it leads to
+
+    @property
+    def label(self) -> str:
+        """How messages name this host: the node, or the bastion on the way to it."""
+        if self.bastion_for:
+            return f"bastion {self.hostname}:{self.port} (on the way to node {self.bastion_for})"
+        return f"node {self.node}"
+
+    @property
+    def hops(self) -> list["SSHTarget"]:
+        """Every host to connect to, first hop first, this one last."""
+        return [*(self.jump.hops if self.jump else []), self]
 
     @property
     def known_hosts_name(self) -> str:
@@ -118,23 +124,63 @@ def ssh_config_path() -> Optional[Path]:
     return path if path.exists() else None
 
 
-def resolve_target(node_name: str, node: NodeConfig) -> SSHTarget:
-    """Node config fields win; ~/.ssh/config (an alias in ``host``) fills the rest."""
-    looked: dict = {}
+def _ssh_config() -> "Optional[paramiko.SSHConfig]":
     path = ssh_config_path()
-    if path is not None:
-        if not path.exists():
-            raise TransportError(f"ssh config {path} (from ${ENV_SSH_CONFIG}) does not exist")
-        looked = paramiko.SSHConfig.from_path(str(path)).lookup(node.host)
+    if path is None:
+        return None
+    if not path.exists():
+        raise TransportError(f"ssh config {path} (from ${ENV_SSH_CONFIG}) does not exist")
+    return paramiko.SSHConfig.from_path(str(path))
+
+
+def _keys(looked: dict) -> list[str]:
+    # like OpenSSH, IdentityFile lines naming absent files are skipped
+    return [str(Path(k).expanduser()) for k in looked.get("identityfile", []) if Path(k).expanduser().is_file()]
+
+
+def _parse_hop(spec: str) -> tuple[Optional[str], str, Optional[int]]:
+    """'[user@]host[:port]' (or ssh://…) → (user, host, port)."""
+    spec = spec.strip().removeprefix("ssh://")
+    user, _, hostport = spec.rpartition("@")
+    host, port = hostport, None
+    if hostport.startswith("["):  # [v6]:port
+        host, _, rest = hostport[1:].partition("]")
+        port = rest[1:] or None
+    elif hostport.count(":") == 1:
+        host, port = hostport.split(":")
+    if not host or (port is not None and not port.isdigit()):
+        raise TransportError(f"proxy_jump {spec!r}: expected [user@]host[:port]")
+    return user or None, host, int(port) if port else None
+
+
+def resolve_target(node_name: str, node: NodeConfig) -> SSHTarget:
+    """Node config fields win; ~/.ssh/config (an alias in ``host``) fills the rest, the
+    bastions included: ``proxy_jump`` (or the config's ProxyJump) names hops that are looked
+    up in ~/.ssh/config in turn, and use the node's key and known_hosts unless it says otherwise."""
+    config = _ssh_config()
+    looked = config.lookup(node.host) if config else {}
     hostname = looked.get("hostname", node.host)
     port = node.port or int(looked.get("port", 22))
     user = node.user or looked.get("user") or "root"
-    if node.identity_file:
-        keys = [str(Path(node.identity_file).expanduser())]
-    else:  # like OpenSSH, IdentityFile lines naming absent files are skipped
-        keys = [str(Path(k).expanduser()) for k in looked.get("identityfile", []) if Path(k).expanduser().is_file()]
-    known = node.known_hosts or (looked.get("userknownhostsfile", "").split() or [DEFAULT_KNOWN_HOSTS])[0]
-    return SSHTarget(node_name, hostname, port, user, keys, str(Path(known).expanduser()))
+    keys = [str(Path(node.identity_file).expanduser())] if node.identity_file else _keys(looked)
+    known = str(Path(node.known_hosts or (looked.get("userknownhostsfile", "").split() or [DEFAULT_KNOWN_HOSTS])[0])
+                .expanduser())
+    target = SSHTarget(node_name, hostname, port, user, keys, known)
+    jump_spec = node.proxy_jump or looked.get("proxyjump")
+    if jump_spec and jump_spec.strip().lower() != "none":
+        previous = None
+        for spec in jump_spec.split(","):  # OpenSSH order: the first hop is connected to first
+            hop_user, hop_host, hop_port = _parse_hop(spec)
+            hop_looked = config.lookup(hop_host) if config else {}
+            previous = SSHTarget(
+                node_name, hop_looked.get("hostname", hop_host), hop_port or int(hop_looked.get("port", 22)),
+                hop_user or hop_looked.get("user") or user, _keys(hop_looked) or keys,
+                str(Path((hop_looked.get("userknownhostsfile", "").split() or [known])[0]).expanduser()),
+                jump=previous, bastion_for=node_name)
+        target.jump = previous
+    elif looked.get("proxycommand") and looked["proxycommand"].strip().lower() != "none":
+        target.proxy_command = looked["proxycommand"]
+    return target
 
 
 def _fingerprint(key: paramiko.PKey) -> str:
@@ -153,9 +199,9 @@ class _HostKeyPolicy(paramiko.MissingHostKeyPolicy):
         t = self.target
         if not self.trust_new:
             raise HostKeyError(
-                f"the host key of node {t.node} ({t.known_hosts_name}) is not in {t.known_hosts}; "
+                f"the host key of {t.label} ({t.known_hosts_name}) is not in {t.known_hosts}; "
                 f"the node offered {_fingerprint(key)}. Compare it with the node's own "
-                f"(on the node: `ssh-keygen -lf /etc/ssh/ssh_host_{_keyfile(key)}_key.pub`) and, if "
+                f"(on that host: `ssh-keygen -lf /etc/ssh/ssh_host_{_keyfile(key)}_key.pub`) and, if "
                 f"they match, rerun with --trust-new-host-key to record it"
             )
         path = Path(t.known_hosts)
@@ -172,10 +218,12 @@ def _keyfile(key: paramiko.PKey) -> str:
     return {"ssh-ed25519": "ed25519", "ssh-rsa": "rsa"}.get(name, "ecdsa" if "ecdsa" in name else name)
 
 
-def _retryable(exc: BaseException) -> bool:
-    if isinstance(exc, (HostKeyError, paramiko.AuthenticationException, paramiko.BadHostKeyException)):
-        return False
-    return isinstance(exc, (OSError, EOFError, paramiko.SSHException))
+class _HopError(Exception):
+    """Connecting to one hop failed in a way a retry may fix (refused, timed out, reset)."""
+
+    def __init__(self, hop: SSHTarget, detail: str, retryable: bool):
+        super().__init__(detail)
+        self.hop, self.detail, self.retryable = hop, detail, retryable
 
 
 class SSHRunner(Runner):
@@ -187,12 +235,14 @@ class SSHRunner(Runner):
 
     def __init__(self, target: SSHTarget, *, trust_new_host_key: bool = False,
                  keepalive_s: int = KEEPALIVE_S, attempts: int = CONNECT_ATTEMPTS):
+        super().__init__()
         self.target = target
         self.trust_new_host_key = trust_new_host_key
         self.keepalive_s = keepalive_s
         self.attempts = attempts
         self.where = f"node {target.node}"
         self._client: Optional[paramiko.SSHClient] = None
+        self._jumps: list[paramiko.SSHClient] = []  # bastions' clients, first hop first
         self.connections = 0  # opened by this runner
         self.trusted_key: Optional[str] = None  # fingerprint recorded with trust_new_host_key
         self._connect_lock = threading.Lock()  # threads share one connection, never open two
@@ -203,7 +253,33 @@ class SSHRunner(Runner):
 
     # -- connection ------------------------------------------------------------------------
     def _connect_once(self) -> paramiko.SSHClient:
-        t = self.target
+        """Every hop in turn, each host key checked; the clients of the bastions are kept (the
+        node's connection runs through their channels) and closed with the runner."""
+        clients: list[paramiko.SSHClient] = []
+        try:
+            hops = self.target.hops
+            sock = paramiko.ProxyCommand(hops[0].proxy_command) if hops[0].proxy_command else None
+            for i, hop in enumerate(hops):
+                clients.append(self._open_hop(hop, sock))
+                if i + 1 < len(hops):
+                    sock = self._tunnel(clients[-1], hops[i + 1])
+        except BaseException:
+            for c in reversed(clients):
+                c.close()
+            raise
+        self._jumps = clients[:-1]
+        return clients[-1]
+
+    def _tunnel(self, bastion: paramiko.SSHClient, to: SSHTarget):
+        try:
+            return bastion.get_transport().open_channel("direct-tcpip", (to.hostname, to.port), ("127.0.0.1", 0),
+                                                        timeout=CONNECT_TIMEOUT_S)
+        except paramiko.ChannelException as exc:
+            raise _HopError(to, f"the bastion could not reach {to.hostname}:{to.port} ({exc.text or exc}). "
+                                "Check the node's host/port as the bastion sees them, and that the bastion allows "
+                                "TCP forwarding (AllowTcpForwarding)", retryable=True) from None
+
+    def _open_hop(self, t: SSHTarget, sock) -> paramiko.SSHClient:
         client = paramiko.SSHClient()
         if Path(t.known_hosts).exists():
             client.load_host_keys(t.known_hosts)
@@ -211,15 +287,36 @@ class SSHRunner(Runner):
         client.set_missing_host_key_policy(policy)
         try:
             client.connect(
-                t.hostname, port=t.port, username=t.user,
+                t.hostname, port=t.port, username=t.user, sock=sock,
                 key_filename=t.key_filenames or None,
                 look_for_keys=not t.key_filenames, allow_agent=not t.key_filenames,
                 timeout=CONNECT_TIMEOUT_S, banner_timeout=CONNECT_TIMEOUT_S, auth_timeout=CONNECT_TIMEOUT_S,
             )
-        except BaseException:
+        except HostKeyError:
             client.close()
             raise
-        self.trusted_key = policy.trusted
+        except paramiko.BadHostKeyException as exc:
+            client.close()
+            raise HostKeyError(
+                f"the host key of {t.label} ({t.known_hosts_name}) has CHANGED: {t.known_hosts} has "
+                f"{_fingerprint(exc.expected_key)} but it offered {_fingerprint(exc.key)}. Either the "
+                f"host was reinstalled or someone is intercepting the connection. Verify the new key on the "
+                f"host; if it is legitimate, remove the old entry with "
+                f"`ssh-keygen -R {shlex.quote(t.known_hosts_name)} -f {shlex.quote(t.known_hosts)}` "
+                f"and rerun with --trust-new-host-key"
+            ) from None
+        except paramiko.AuthenticationException as exc:
+            client.close()
+            keys = ", ".join(t.key_filenames) or "the default keys and agent"
+            raise TransportError(
+                f"SSH authentication as {t.user} to {t.label} ({t.hostname}:{t.port}) failed with "
+                f"{keys}: {exc}. Put the public key in its authorized_keys or set identity_file"
+            ) from None
+        except (OSError, EOFError, paramiko.SSHException) as exc:
+            client.close()
+            raise _HopError(t, str(exc) or type(exc).__name__, retryable=True) from None
+        if policy.trusted:
+            self.trusted_key = policy.trusted
         return client
 
     def connect(self) -> paramiko.SSHClient:
@@ -238,37 +335,23 @@ class SSHRunner(Runner):
             for attempt in tenacity.Retrying(
                 stop=tenacity.stop_after_attempt(self.attempts),
                 wait=tenacity.wait_exponential(multiplier=0.25, max=4),
-                retry=tenacity.retry_if_exception(_retryable),
+                retry=tenacity.retry_if_exception(lambda e: isinstance(e, _HopError) and e.retryable),
                 reraise=True,
             ):
                 with attempt:
                     client = self._connect_once()
-        except HostKeyError:
-            raise
-        except paramiko.BadHostKeyException as exc:
-            raise HostKeyError(
-                f"the host key of node {t.node} ({t.known_hosts_name}) has CHANGED: {t.known_hosts} has "
-                f"{_fingerprint(exc.expected_key)} but the node offered {_fingerprint(exc.key)}. Either the "
-                f"node was reinstalled or someone is intercepting the connection. Verify the new key on the "
-                f"node; if it is legitimate, remove the old entry with "
-                f"`ssh-keygen -R {shlex.quote(t.known_hosts_name)} -f {shlex.quote(t.known_hosts)}` "
-                f"and rerun with --trust-new-host-key"
-            ) from None
-        except paramiko.AuthenticationException as exc:
-            keys = ", ".join(t.key_filenames) or "the default keys and agent"
+        except _HopError as exc:
+            hint = ("Check the node is up and its host/port in the config" if exc.hop is t else
+                    "Check the bastion is up and proxy_jump (or ProxyJump in ~/.ssh/config)")
             raise TransportError(
-                f"SSH authentication as {t.user} to node {t.node} ({t.hostname}:{t.port}) failed with "
-                f"{keys}: {exc}. Put the public key in the node's authorized_keys or set identity_file"
+                f"cannot connect to {exc.hop.label} at {exc.hop.hostname}:{exc.hop.port} after {self.attempts} "
+                f"attempts: {exc.detail}. {hint}"
             ) from None
-        except (OSError, EOFError, paramiko.SSHException) as exc:
-            raise TransportError(
-                f"cannot connect to node {t.node} at {t.hostname}:{t.port} after {self.attempts} attempts: "
-                f"{exc or type(exc).__name__}. Check the node is up and its host/port in the config"
-            ) from None
-        transport = client.get_transport()
-        transport.set_keepalive(self.keepalive_s)
-        _tcp_keepalive(transport.sock)
+        for c in [*self._jumps, client]:
+            c.get_transport().set_keepalive(self.keepalive_s)
+        _tcp_keepalive((self._jumps[0] if self._jumps else client).get_transport().sock)
         self._client = client
+        self.facts = {}  # a new connection may reach a node that changed since the last one
         self.connections += 1
         with SSHRunner._count_lock:
             SSHRunner.connections_opened += 1
@@ -278,11 +361,12 @@ class SSHRunner(Runner):
         if self._client is not None:
             self._client.close()
             self._client = None
+        for jump in reversed(self._jumps):
+            jump.close()
+        self._jumps = []
 
     # -- commands --------------------------------------------------------------------------
-    def run(self, argv, *, stdin=None, check=False, capture=True, on_stdout=None, on_stderr=None,
-            stdout_sink=None, stderr_sink=None, timeout=None) -> Result:
-        argv = [str(a) for a in argv]
+    def _start(self, argv: list[str], with_stdin: bool) -> Process:
         client = self.connect()
         marker = f"--dflash-ctl-begin-{uuid.uuid4().hex}--"
         remote = shlex.join(["sh", "-c", _PRELUDE, marker, *argv])
@@ -292,52 +376,65 @@ class SSHRunner(Runner):
         except (OSError, EOFError, paramiko.SSHException) as exc:
             self.close()
             raise TransportError(f"cannot start a command on node {self.target.node}: {exc}") from None
-        out = _Sink(capture, on_stdout, stdout_sink)
-        err = _Sink(capture, on_stderr, stderr_sink)
-        gates = (_MarkerGate(marker.encode(), out), _MarkerGate(marker.encode(), err))
-        readers = [threading.Thread(target=_drain, args=(chan.recv, gates[0]), daemon=True),
-                   threading.Thread(target=_drain, args=(chan.recv_stderr, gates[1]), daemon=True)]
-        for t in readers:
-            t.start()
+        return _SSHProcess(self, chan, marker.encode(), argv)
+
+
+class _SSHProcess(Process):
+    """One exec channel. Output before the marker line is the login shell's noise."""
+
+    timeout_note = "it may still be running there (closing the channel does not stop it)"
+
+    def __init__(self, runner: SSHRunner, chan, marker: bytes, argv: list[str]):
+        self.runner = runner
+        self.chan = chan
+        self.marker = marker
+        self.argv = argv
+        self.gates: list[MarkerGate] = []
+
+    def gate(self, stream, sink):
+        gate = MarkerGate(self.marker, sink)
+        self.gates.append(gate)
+        return gate
+
+    def recv_out(self, n: int) -> bytes:
+        return self.chan.recv(n)
+
+    def recv_err(self, n: int) -> bytes:
+        return self.chan.recv_stderr(n)
+
+    def send_in(self, data: bytes) -> bool:
         try:
-            if stdin is not None:
-                try:
-                    for chunk in _stdin_chunks(stdin):
-                        chan.sendall(chunk)
-                except OSError:
-                    if not chan.closed and not chan.exit_status_ready():
-                        raise
-                    # The command ended without reading all its input; its exit code says why.
-            if not chan.closed:
-                chan.shutdown_write()
-            for t in readers:
-                t.join(timeout)
-                if t.is_alive():
-                    raise TimeoutError(f"{shlex.join(argv)} did not finish within {timeout} s on {self.where}; "
-                                       "it may still be running there (closing the channel does not stop it)")
-        except BaseException:
-            # Interrupted, timed out or stdin failed: the input is incomplete. Closing the
-            # channel gives the remote side EOF; it is not a kill (research §1.1: pct does not
-            # forward signals), so writers must verify what they received (container.write_file).
-            chan.close()
-            for t in readers:
-                t.join(5)
-            raise
-        status = chan.recv_exit_status()
-        chan.close()
-        for gate in gates:
+            self.chan.sendall(data)
+            return True
+        except OSError:
+            if not self.chan.closed and not self.chan.exit_status_ready():
+                raise
+            return False  # the command ended without reading all its input
+
+    def close_in(self) -> None:
+        if not self.chan.closed:
+            self.chan.shutdown_write()
+
+    def wait(self, timeout):
+        # Both streams are at their end here, so the status is there or the channel died.
+        status = self.chan.recv_exit_status()
+        self.chan.close()
+        for gate in self.gates:
             if not gate.open:  # the marker never came: the login shell failed; its words are the diagnostic
                 gate.sink.feed(bytes(gate.noise))
         if status == -1:
-            if not client.get_transport().is_active():
-                self.close()
+            transport = self.runner._client.get_transport() if self.runner._client else None
+            if transport is None or not transport.is_active():
+                self.runner.close()
                 raise TransportError(
-                    f"the connection to node {self.target.node} was lost while running {shlex.join(argv)}; "
-                    f"it may or may not have completed: check before running it again"
-                )
+                    f"the connection to node {self.runner.target.node} was lost while running "
+                    f"{shlex.join(self.argv)}; it may or may not have completed: check before running it again")
             status = 255  # the remote side ended without an exit status (killed by a signal)
-        sig = status - 128 if 128 < status < 128 + 65 else None
-        return _finish(argv, status, out, err, sig, self.where, check)
+        return status, (status - 128 if 128 < status < 128 + 65 else None)
+
+    def abort(self) -> None:
+        # Closing the channel gives the remote side EOF; it is not a kill (research §1.1).
+        self.chan.close()
 
 
 def _tcp_keepalive(sock, idle: int = 30, interval: int = 10, count: int = 3) -> None:
@@ -354,12 +451,3 @@ def _tcp_keepalive(sock, idle: int = 30, interval: int = 10, count: int = 3) -> 
         pass  # not a TCP socket (a ProxyCommand): paramiko's keepalive still runs
 
 
-def _drain(recv, gate: _MarkerGate) -> None:
-    while True:
-        try:
-            data = recv(CHUNK)
-        except (OSError, EOFError, socket.timeout):
-            return
-        if not data:
-            return
-        gate.feed(data)

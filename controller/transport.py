@@ -1,7 +1,9 @@
 """How the controller runs a command: one Runner interface, a local and an SSH implementation.
 
-Shaped like invoke's Runner (STYLE.md): ``run(argv)`` starts the command, reads stdout and
-stderr concurrently, streams them line by line to callbacks, and returns a :class:`Result`
+Shaped like invoke's Runner (STYLE.md): ``Runner.run(argv)`` is one template that starts the
+command through the transport's ``_start`` (a :class:`Process`: receive stdout/stderr, send
+stdin, wait, abort), reads stdout and stderr concurrently, streams them line by line to
+callbacks, and returns a :class:`Result`
 (``ok``, ``failed``, ``returncode``, ``stdout``, ``stderr``, ``tail()``). With
 ``check=True`` a non-zero exit raises :class:`CommandError` showing the command, the code
 and the end of stderr. The ``pct exec`` wrapping (controller/pct.py) and the container
@@ -22,6 +24,7 @@ import shlex
 import signal as _signal
 import subprocess
 import threading
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import IO, Callable, Iterable, Optional, Sequence, Union
@@ -144,7 +147,7 @@ class _Sink:
         if self.on_line is not None and self.error is None:
             try:
                 self._lines(data)
-            except Exception as exc:  # noqa: BLE001 - re-raised by _finish once the command ended
+            except Exception as exc:  # noqa: BLE001 - re-raised by Runner.run once the command ended
                 self.error = exc
 
     def _lines(self, data: bytes) -> None:
@@ -168,7 +171,7 @@ class _Sink:
         return b"".join(self.parts) if self.capture else bytes(self.tail[-TAIL_BYTES:])
 
 
-class _MarkerGate:
+class MarkerGate:
     """Drops everything a stream carries before a marker line, then passes the rest through.
 
     A node's login shell may print to stdout or stderr before our command starts (a
@@ -219,12 +222,61 @@ def _stdin_chunks(stdin: Stdin) -> Iterable[bytes]:
         yield chunk
 
 
+class Process(ABC):
+    """One started command, as a transport sees it. The runner's template (:meth:`Runner.run`)
+    owns everything else: sinks, reader threads, the stdin pump, the timeout, the result."""
+
+    # What a timed-out command's error adds: whether it was stopped, or may still be running.
+    timeout_note = "it was stopped"
+
+    def gate(self, stream: str, sink: "_Sink"):
+        """What the bytes of ``stream`` ("stdout"/"stderr") are fed to (default: the sink)."""
+        return sink
+
+    @abstractmethod
+    def recv_out(self, n: int) -> bytes:
+        """Up to ``n`` bytes of stdout; b"" at its end."""
+
+    @abstractmethod
+    def recv_err(self, n: int) -> bytes:
+        """Up to ``n`` bytes of stderr; b"" at its end."""
+
+    @abstractmethod
+    def send_in(self, data: bytes) -> bool:
+        """Give the command ``data`` on stdin; False once it stopped reading (not an error:
+        its exit code says why)."""
+
+    @abstractmethod
+    def close_in(self) -> None:
+        """End of stdin."""
+
+    @abstractmethod
+    def wait(self, timeout: Optional[float]) -> tuple[int, Optional[int]]:
+        """(return code, signal) once both streams ended; 128+N for a signal N. Raises
+        TimeoutError when it has not ended within ``timeout`` seconds."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Interrupted or timed out: stop it (locally) or let go of it (remotely)."""
+
+
 class Runner(ABC):
-    """Runs argv lists somewhere (this machine, a node over SSH) and reports a Result."""
+    """Runs argv lists somewhere (this machine, a node over SSH) and reports a Result.
+
+    Shaped like invoke's Runner: :meth:`run` is the one template and a transport fills in
+    :meth:`_start`, which returns the started :class:`Process`."""
 
     where: str = "local"
 
+    def __init__(self) -> None:
+        # What this connection learned about the other side, once (e.g. what its pct
+        # accepts: controller/pct.py). A new connection starts empty.
+        self.facts: dict = {}
+
     @abstractmethod
+    def _start(self, argv: list[str], with_stdin: bool) -> Process:
+        """Start ``argv``; raise TransportError when it cannot be started at all."""
+
     def run(
         self,
         argv: Sequence[str],
@@ -243,6 +295,53 @@ class Runner(ABC):
         ``on_stdout``/``on_stderr`` get each line (without its newline) as it arrives;
         ``stdout_sink``/``stderr_sink`` get the raw bytes (for byte-exact pass-through).
         """
+        argv = [str(a) for a in argv]
+        out = _Sink(capture, on_stdout, stdout_sink)
+        err = _Sink(capture, on_stderr, stderr_sink)
+        proc = self._start(argv, stdin is not None)
+        # Both streams are drained concurrently: reading one while the other fills its
+        # window deadlocks the command (paramiko#448, #563, #1778).
+        readers = [threading.Thread(target=_pump, args=(proc.recv_out, proc.gate("stdout", out)), daemon=True),
+                   threading.Thread(target=_pump, args=(proc.recv_err, proc.gate("stderr", err)), daemon=True)]
+        for t in readers:
+            t.start()
+        try:
+            if stdin is not None:
+                for chunk in _stdin_chunks(stdin):
+                    if not proc.send_in(chunk):
+                        break
+            proc.close_in()
+            deadline = None if timeout is None else time.monotonic() + timeout
+
+            def left() -> Optional[float]:
+                return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+            try:
+                for t in readers:
+                    t.join(left())
+                    if t.is_alive():
+                        raise TimeoutError
+                returncode, sig = proc.wait(left())
+            except TimeoutError:
+                raise TimeoutError(f"{shlex.join(argv)} did not finish within {timeout} s on {self.where}; "
+                                   f"{proc.timeout_note}") from None
+        except BaseException:
+            # Interrupted, timed out or stdin failed: the input is incomplete. No half-fed
+            # process lingers where we own it (research §4 item 3); remotely, closing is
+            # not a kill (research §1.1), so writers verify what arrived (container.write_file).
+            proc.abort()
+            for t in readers:
+                t.join(5)
+            raise
+        out.close()
+        err.close()
+        for sink in (out, err):
+            if sink.error is not None:
+                raise sink.error
+        result = Result(argv, returncode, out.value(), err.value(), sig, self.where)
+        if check and result.failed:
+            raise CommandError(result)
+        return result
 
     def close(self) -> None:
         pass
@@ -254,16 +353,42 @@ class Runner(ABC):
         self.close()
 
 
-def _finish(argv, returncode, out: _Sink, err: _Sink, sig, where, check) -> Result:
-    out.close()
-    err.close()
-    for sink in (out, err):
-        if sink.error is not None:
-            raise sink.error
-    result = Result(list(argv), returncode, out.value(), err.value(), sig, where)
-    if check and result.failed:
-        raise CommandError(result)
-    return result
+class _LocalProcess(Process):
+    timeout_note = "it was killed"
+
+    def __init__(self, popen: subprocess.Popen):
+        self.popen = popen
+
+    def recv_out(self, n: int) -> bytes:
+        return self.popen.stdout.read1(n)
+
+    def recv_err(self, n: int) -> bytes:
+        return self.popen.stderr.read1(n)
+
+    def send_in(self, data: bytes) -> bool:
+        try:
+            self.popen.stdin.write(data)
+            return True
+        except BrokenPipeError:
+            return False
+
+    def close_in(self) -> None:
+        _close_quietly(self.popen.stdin)
+
+    def wait(self, timeout: Optional[float]) -> tuple[int, Optional[int]]:
+        try:
+            rc = self.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise TimeoutError from None
+        if rc < 0:  # killed by a signal: report it the way lxc-attach and shells do
+            return 128 - rc, -rc
+        return rc, None
+
+    def abort(self) -> None:
+        # Here, unlike over SSH, we own the process and can kill it.
+        _close_quietly(self.popen.stdin)
+        self.popen.kill()
+        self.popen.wait()
 
 
 class LocalRunner(Runner):
@@ -272,53 +397,21 @@ class LocalRunner(Runner):
 
     where = "local"
 
-    def run(self, argv, *, stdin=None, check=False, capture=True, on_stdout=None, on_stderr=None,
-            stdout_sink=None, stderr_sink=None, timeout=None) -> Result:
-        argv = [str(a) for a in argv]
-        out = _Sink(capture, on_stdout, stdout_sink)
-        err = _Sink(capture, on_stderr, stderr_sink)
+    def _start(self, argv: list[str], with_stdin: bool) -> Process:
         try:
-            proc = subprocess.Popen(argv, stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            popen = subprocess.Popen(argv, stdin=subprocess.PIPE if with_stdin else subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         except OSError as exc:
             raise TransportError(f"cannot start {argv[0]!r} on this machine: {exc.strerror}") from exc
-        readers = [threading.Thread(target=_pump, args=(proc.stdout.read1, out), daemon=True),
-                   threading.Thread(target=_pump, args=(proc.stderr.read1, err), daemon=True)]
-        for t in readers:
-            t.start()
-        try:
-            if stdin is not None:
-                try:
-                    for chunk in _stdin_chunks(stdin):
-                        proc.stdin.write(chunk)
-                    proc.stdin.close()
-                except BrokenPipeError:
-                    pass  # the command stopped reading; its exit code says why
-            proc.wait(timeout=timeout)
-        except BaseException as exc:
-            # Interrupted, timed out or stdin failed: stop it, so no half-fed process lingers
-            # (research §4 item 3). Here, unlike over SSH, we own the process and can kill it.
-            _close_quietly(proc.stdin)
-            proc.kill()
-            proc.wait()
-            for t in readers:
-                t.join(5)
-            if isinstance(exc, subprocess.TimeoutExpired):
-                raise TimeoutError(f"{shlex.join(argv)} did not finish within {timeout} s on {self.where}; "
-                                   "it was killed") from None
-            raise
-        for t in readers:
-            t.join()
-        rc = proc.returncode
-        sig = None
-        if rc < 0:  # killed by a signal: report it the way lxc-attach and shells do
-            sig, rc = -rc, 128 - rc
-        return _finish(argv, rc, out, err, sig, self.where, check)
+        return _LocalProcess(popen)
 
 
 def _pump(read: Callable[[int], bytes], sink) -> None:
     while True:
-        data = read(CHUNK)
+        try:
+            data = read(CHUNK)
+        except (OSError, EOFError, ValueError):
+            data = b""  # the stream broke: as good as its end; the exit status says more
         if not data:
             return
         sink.feed(data)
@@ -330,12 +423,3 @@ def _close_quietly(fh) -> None:
             fh.close()
     except OSError:
         pass
-
-
-def open_runner(node_name: str, node, *, trust_new_host_key: bool = False) -> Runner:
-    """The runner for a configured node: SSH, or local when ctl runs on the node itself."""
-    if node.transport == "local":
-        return LocalRunner()
-    from controller.ssh import SSHRunner  # paramiko only when a node is remote
-
-    return SSHRunner.for_node(node_name, node, trust_new_host_key=trust_new_host_key)

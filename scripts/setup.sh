@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(openssh-server openssh-client lxc debootstrap btrfs-progs iproute2 procps psmisc util-linux)
+APT_PACKAGES=(openssh-server openssh-client lxc debootstrap btrfs-progs iproute2 procps psmisc util-linux sudo)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
@@ -16,8 +16,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
 fi
 
-# Re-install only when the dependency list or this script changes.
-stamp=".venv/.setup-$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+# Re-install only when the dependency list or the install recipe below changes (not when
+# the apt list above does).
+VENV_RECIPE="torch==2.13.0 then -e .[controller,trainer,wandb,agent,dev]"
+stamp=".venv/.setup-$( (cat pyproject.toml; echo "$VENV_RECIPE") | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   echo "setup: building .venv (first run takes a few minutes)"
   python3 -m venv .venv

@@ -20,8 +20,10 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from agent.protocol import atomic_write
-from sim import ctsetup, lxc, net, rootfs, storage
+from sim import bastion as bastion_mod
+from sim import ctsetup, gpu, lxc, net, rootfs, storage, users
 from sim.layout import BTRFS_STORAGE, DIR_STORAGE, NodePaths
+from sim.pct import DEFAULT_PVE, PVE_RELEASES
 from sim.proc import Progress, SimError, is_root, quiet, require_tools, run
 from sim.sshd import Sshd, free_port, port_free
 
@@ -58,7 +60,7 @@ def _cmdline(pid: int) -> list[str]:
 class SimNode:
     """One simulated node, addressed by name; every path and port derives from the name."""
 
-    def __init__(self, name: str = "sim", ctids: Optional[Sequence[int]] = None):
+    def __init__(self, name: str = "sim", ctids: Optional[Sequence[int]] = None, pve: Optional[str] = None):
         self.name = name
         self.paths = NodePaths.for_node(name)
         recorded = self._read_state().get("ctids")
@@ -67,8 +69,13 @@ class SimNode:
             raise ValueError(f"sim node {name!r}: pass ctids=(snapshot_ctid, dir_ctid), "
                              f"e.g. SimNode({name!r}, ctids=(400, 401))")
         self.ctids = tuple(int(c) for c in chosen)
+        if pve is not None and pve not in PVE_RELEASES:
+            raise ValueError(f"--pve {pve}: the sim emulates Proxmox VE {', '.join(PVE_RELEASES)}")
+        # The release its pct behaves as: as asked, else as recorded, else the newest.
+        self.pve = pve or self._read_state().get("pve") or DEFAULT_PVE
         self.storage_of = {self.ctids[0]: BTRFS_STORAGE, self.ctids[1]: DIR_STORAGE}
         self.sshd = Sshd(self.paths)
+        self.bastion = bastion_mod.bastion(self.paths)
 
     # --- public API ----------------------------------------------------------------------
     def up(self, progress: Progress = quiet) -> dict:
@@ -108,16 +115,28 @@ class SimNode:
         port = state.get("port")
         if not port or (self.sshd.pid() is None and not port_free(port)):
             port = free_port()
-        state.update(self._state_doc(port, containers))
+        bport = state.get("bastion_port")
+        if not bport or bport == port or (self.bastion.pid() is None and not port_free(bport)):
+            bport = free_port()
+        state.update(self._state_doc(port, containers), bastion_port=bport)
         atomic_write(str(self.paths.node_json), json.dumps(state, indent=1, sort_keys=True) + "\n")
         atomic_write(str(self.paths.pct), PCT_SOURCE.read_text(), mode=0o755)
+        atomic_write(str(self.paths.bin / "pveversion"), PCT_SOURCE.read_text(), mode=0o755)
         if not was_mounted and self.sshd.pid():
             # sshd's private mount namespace was copied before the storage was mounted.
             self.sshd.stop()
-        self.sshd.prepare(port)
+        self.sshd.ensure_keys()  # the client key the users' files need
+        accounts = users.write(self.paths, Path(f"{self.sshd.client_key}.pub").read_text(), self.sshd.bashrc())
+        binds = (*accounts.binds, self._dpkg_status())
+        self.sshd.prepare(port, binds)
         self.sshd.start(port)
         if self.sshd.pid():
             net.expose_to(self.sshd.pid())
+        self.bastion.prepare(bport, (*binds, bastion_mod.hosts_file(self.paths)))
+        self.bastion.start(bport)
+        atomic_write(str(self.paths.ssh / "known_hosts_via_bastion"),
+                     self.bastion.known_hosts_line("127.0.0.1", bport)
+                     + self.sshd.known_hosts_line(bastion_mod.internal_name(self.name), port), mode=0o644)
         return port
 
     def down(self, purge: bool = False, progress: Progress = quiet) -> None:
@@ -141,7 +160,63 @@ class SimNode:
         if self.sshd.pid():
             progress("stopping sshd")
         self.sshd.stop()
+        self.bastion.stop()
         storage.release_btrfs(self.paths.btrfs_image, self.paths.btrfs_mount)
+
+    def _dpkg_status(self) -> tuple[str, str]:
+        """dpkg's status file as the node's sessions see it: the host's, plus the
+        pve-container (and pve-manager) of the emulated release, so `dpkg-query -W
+        pve-container` answers as on a Proxmox node. Rewritten in place: it is bind-mounted."""
+        rel = PVE_RELEASES[self.pve]
+        stanzas = "".join(
+            f"Package: {pkg}\nStatus: install ok installed\nPriority: optional\nSection: admin\n"
+            f"Maintainer: Proxmox Support Team <support@proxmox.com>\nArchitecture: all\nVersion: {ver}\n"
+            f"Description: {pkg} (dflash-ctl's simulated node)\n\n"
+            for pkg, ver in (("pve-container", rel["container"]), ("pve-manager", rel["manager"])))
+        host = Path("/var/lib/dpkg/status").read_text() if Path("/var/lib/dpkg/status").exists() else ""
+        host = "\n\n".join(st for st in host.split("\n\n") if not st.startswith(("Package: pve-container\n",
+                                                                                  "Package: pve-manager\n")))
+        target = self.paths.root / "etc" / "dpkg-status"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target, "w") as fh:
+            fh.write(host.rstrip("\n") + "\n\n" + stanzas)
+        return str(target), "/var/lib/dpkg/status"
+
+    def set_pve(self, version: str) -> None:
+        """Make the node's pct (and pveversion) behave as Proxmox VE ``version`` from the next
+        call on; the containers and everything else stay as they are."""
+        if version not in PVE_RELEASES:
+            raise ValueError(f"the sim emulates Proxmox VE {', '.join(PVE_RELEASES)}, not {version}")
+        with self._lock():
+            state = self._read_state()
+            state["pve"] = self.pve = version
+            atomic_write(str(self.paths.node_json), json.dumps(state, indent=1, sort_keys=True) + "\n")
+            self._dpkg_status()
+
+    def set_gpu(self, ctid: int, state: str, gpus: int = 1, free_mib: int = 143000,
+                progress: Progress = quiet) -> None:
+        """Present GPU state ``state`` (sim/gpu.py: STATES) in container ``ctid``: its LXC and
+        Proxmox config, its nvidia-smi and libraries, the node's nvidia-smi; then restart it,
+        as a passthrough change on Proxmox needs."""
+        if ctid not in self.ctids:
+            raise ValueError(f"container {ctid} is not on sim node {self.name} ({', '.join(map(str, self.ctids))})")
+        from sim.pct import parse_conf, render_conf
+
+        with self._lock():
+            gpu.write_state(self.paths.root, ctid, state, gpus, free_mib)
+            _, pve_lines = gpu.lxc_lines(self.paths.root, ctid)
+            conf_path = self.paths.pve_conf(ctid)
+            conf = parse_conf(conf_path.read_text())
+            conf["lxc"] = [(k, v) for k, v in conf["lxc"]
+                           if not (k.startswith("lxc.cgroup2.devices") or (k == "lxc.mount.entry" and "nvidia" in v))]
+            conf["lxc"] += [tuple(x.strip() for x in line.split(":", 1)) for line in pve_lines]
+            atomic_write(str(conf_path), render_conf(conf))
+            progress(f"container {ctid}: GPU state {state}; restarting it")
+            lxc.stop(self.paths.lxcpath, str(ctid))
+            record = self._read_state().get("containers", {}).get(str(ctid), {})
+            root = self.paths.rootfs(ctid, self.storage_of[ctid])
+            gpu.install(self.paths.root, ctid, root, self.paths.bin)
+            self._ensure_container(ctid, rootfs.rootfs_path(), record, progress)
 
     def status(self) -> dict:
         state = self._read_state()
@@ -163,8 +238,11 @@ class SimNode:
             }
         return {
             "name": self.name,
+            "pve": state.get("pve") or DEFAULT_PVE,
             "state_dir": str(self.paths.root),
             "sshd": {"running": pid is not None, "pid": pid, "port": port},
+            "bastion": {"running": self.bastion.pid() is not None, "port": state.get("bastion_port"),
+                        "node_name": bastion_mod.internal_name(self.name)},
             "storage": {"btrfs_mounted": storage.mount_source(self.paths.btrfs_mount) is not None,
                         "loop_devices": storage.loop_devices(self.paths.btrfs_image)
                         if self.paths.btrfs_image.exists() else []},
@@ -175,16 +253,31 @@ class SimNode:
         st = self.status()
         return st["sshd"]["running"] and all(c["state"] == "running" for c in st["containers"].values())
 
-    def node_config(self) -> dict:
-        """The node's entry for the controller config, as plain data (no controller import)."""
-        return {
+    def node_config(self, access: str = "root") -> dict:
+        """The node's entry for the controller config, as plain data (no controller import).
+
+        ``access="root"``: root straight to the node's sshd. ``access="bastion"``: as operators
+        behind a jump host have it: through the bastion, as the non-root ``dflash-op`` whose
+        pct runs through ``sudo -n`` (``"bastion-password"``: a user whose sudo rule wants a
+        password), both host keys in one known_hosts file."""
+        state = self._read_state()
+        entry = {
             "host": "127.0.0.1",
-            "port": self._read_state().get("port"),
+            "port": state.get("port"),
             "user": "root",
             "identity_file": str(self.sshd.client_key),
             "known_hosts": str(self.sshd.known_hosts),
             "containers": {str(c): {"venv": VENV, "workspace": WORKSPACE} for c in self.ctids},
         }
+        if access in ("bastion", "bastion-password"):
+            entry.update(host=bastion_mod.internal_name(self.name),
+                         user=users.OPERATOR if access == "bastion" else users.PASSWORD_OPERATOR,
+                         sudo=True, pct=str(self.paths.pct),
+                         proxy_jump=f"{users.JUMP}@127.0.0.1:{state.get('bastion_port')}",
+                         known_hosts=str(self.paths.ssh / "known_hosts_via_bastion"))
+        elif access != "root":
+            raise ValueError(f"access {access!r}: root, bastion or bastion-password")
+        return entry
 
     # --- internals -----------------------------------------------------------------------
     def _preflight(self) -> None:
@@ -213,6 +306,7 @@ class SimNode:
         p = self.paths
         return {
             "name": self.name,
+            "pve": self.pve,
             "port": port,
             "ctids": list(self.ctids),
             "lxcpath": str(p.lxcpath),
@@ -233,8 +327,9 @@ class SimNode:
             self.paths.pve_conf(ctid).unlink(missing_ok=True)  # its snapshots went with the old rootfs
         address = net.address_of(self.name, ctid)
         hostname = f"{self.name}-ct{ctid}"
+        gpu_lines, _ = gpu.lxc_lines(self.paths.root, ctid)
         lxc.write_config(self.paths.lxcpath, name, rootfs=root, hostname=hostname, init=ctsetup.INIT_IN_CT,
-                         extra=[net.hook_line(address), *ctsetup.config_lines(root, hostname, address)])
+                         extra=[net.hook_line(address), *ctsetup.config_lines(root, hostname, address), *gpu_lines])
         conf = self.paths.pve_conf(ctid)
         if not conf.exists():
             atomic_write(str(conf), PVE_CONF.format(hostname=hostname, storage=where, ctid=ctid))

@@ -30,6 +30,36 @@ from pathlib import Path
 STATE = Path(__file__).resolve().parent.parent
 NODE = json.loads((STATE / "node.json").read_text()) if (STATE / "node.json").exists() else None
 
+# The Proxmox VE releases the sim can be (`ctl sim up --pve VERSION`), each with the
+# pve-manager and pve-container versions it shipped (pve-container's debian/changelog dates
+# against the release dates) and a kernel of that release. pveversion's build hash is a
+# placeholder, not pve-manager's real commit. What differs on the CLI surface we touch, by
+# pve-container version (docs/sim.md cites each commit):
+#   >= 5.0.9  `exec --keep-env` (default 1) and clean_environment()   069553d, 83f594f
+#   >= 5.0.10 `stop --overrule-shutdown`                               d5fab92
+# Before 5.0.9 pct exec ran `lxc-attach -n <id> -- <argv>` with no environment flag, so
+# LXC's own default applies: keep the caller's environment (lxc tools/lxc_attach.c).
+PVE_RELEASES = {
+    "7.4": {"manager": "7.4-3", "container": "4.4-3", "kernel": "5.15.102-1-pve"},
+    "8.1": {"manager": "8.1.3", "container": "5.0.8", "kernel": "6.5.11-4-pve"},
+    "8.2": {"manager": "8.2.2", "container": "5.0.10", "kernel": "6.8.4-2-pve"},
+    "9.1": {"manager": "9.1.1", "container": "6.0.18", "kernel": "6.17.2-1-pve"},
+}
+DEFAULT_PVE = "9.1"
+
+
+def pve_release() -> dict:
+    return PVE_RELEASES[(NODE or {}).get("pve") or DEFAULT_PVE]
+
+
+def container_version() -> tuple[int, ...]:
+    """pve-container's version as numbers: "4.4-3" → (4, 4, 3), "5.0.10" → (5, 0, 10)."""
+    return tuple(int(x) for x in re.split(r"[.-]", pve_release()["container"]))
+
+
+def has_keep_env() -> bool:
+    return container_version() >= (5, 0, 9)
+
 BOOLEANS = {"1": True, "0": False, "yes": True, "no": False, "true": True, "false": False,
             "on": True, "off": False}
 # pve-configid, the format of pve-lxc-snapshot-name (pve-common JSONSchema.pm).
@@ -252,12 +282,13 @@ def cmd_exec(args: dict) -> None:
         raise PctError(f"container '{vmid}' not running!")
     if not args["extra-args"]:
         raise PctError("missing command")
-    # clean_environment(): the only host variables pct drops.
-    for var in ("SSL_CERT_FILE", "SSL_CERT_DIR"):
-        os.environ.pop(var, None)
-    keep_env = args.get("keep-env", True)
-    argv = ["lxc-attach", "-P", NODE["lxcpath"], "-n", str(vmid),
-            "--keep-env" if keep_env else "--clear-env", "--", *args["extra-args"]]
+    argv = ["lxc-attach", "-P", NODE["lxcpath"], "-n", str(vmid)]
+    if has_keep_env():
+        # clean_environment(): the only host variables pct drops.
+        for var in ("SSL_CERT_FILE", "SSL_CERT_DIR"):
+            os.environ.pop(var, None)
+        argv.append("--keep-env" if args.get("keep-env", True) else "--clear-env")
+    argv += ["--", *args["extra-args"]]
     sys.stdout.flush()
     os.execvp(argv[0], argv)
 
@@ -443,8 +474,9 @@ def cmd_pull(args: dict) -> None:
         os.chmod(dest, int(perms, 8))
 
 
-# name: (positional parameter names, {option: type}, handler). Types: bool, str.
-COMMANDS = {
+# name: (positional parameter names, {option: type}, handler). Types: bool, str. The options
+# a release lacks are removed by commands() below.
+ALL_COMMANDS = {
     "list": ([], {}, cmd_list),
     "status": (["vmid"], {"verbose": bool}, cmd_status),
     "start": (["vmid"], {"skiplock": bool, "debug": bool}, cmd_start),
@@ -458,6 +490,58 @@ COMMANDS = {
     "push": (["vmid", "file", "destination"], {"perms": str, "user": str, "group": str}, cmd_push),
     "pull": (["vmid", "path", "destination"], {"perms": str, "user": str, "group": str}, cmd_pull),
 }
+
+
+COMMANDS = ALL_COMMANDS  # main() narrows it to the node's release
+
+
+def commands() -> dict:
+    """The command table of this node's pve-container version."""
+    table = {name: (pos, dict(opts), fn) for name, (pos, opts, fn) in ALL_COMMANDS.items()}
+    if not has_keep_env():
+        del table["exec"][1]["keep-env"]
+    if container_version() < (5, 0, 10):
+        del table["stop"][1]["overrule-shutdown"]
+    return table
+
+
+# Option descriptions for `pct help <command>` (pct.pm's parameter descriptions).
+OPTION_HELP = {
+    ("exec", "keep-env"): ("<boolean>   (default = 1)", "Keep the current environment. This option will disabled by "
+                           "default with PVE 9. If you rely on a preserved environment, please use this option to "
+                           "be future-proof."),
+    ("stop", "overrule-shutdown"): ("<boolean>   (default = 0)", "Try to abort active 'vzshutdown' tasks before "
+                                    "stopping."),
+}
+DESCRIPTIONS = {"exec": "Launch a command inside the specified container.",
+                "stop": "Stop the container. This will abruptly stop all processes running in the container.",
+                "status": "Get virtual machine status.", "start": "Start the container."}
+
+
+def verbose_usage(name: str) -> str:
+    """`pct help <command>`: PVE::RESTHandler's verbose usage, in its layout."""
+    positional, options, _ = COMMANDS[name]
+    lines = [f"USAGE: {usage(name)}", ""]
+    if name in DESCRIPTIONS:
+        lines += [f"  {DESCRIPTIONS[name]}", ""]
+    for pname in positional:
+        kind = "<array>" if pname == "extra-args" else ("<integer> (100 - 999999999)" if pname == "vmid" else "<string>")
+        lines += [f"  <{pname}>: {kind}", ""]
+    for opt in sorted(options):
+        kind, text = OPTION_HELP.get((name, opt), ("<boolean>" if options[opt] is bool else "<string>", ""))
+        lines += [f"  --{opt} {kind}", ""] + ([f"             {text}", ""] if text else [])
+    return "\n".join(lines)
+
+
+def pveversion_main(argv: list[str]) -> int:
+    """`pveversion`: ``pve-manager/<version>/<build> (running kernel: <kernel>)``; -v lists the
+    packages, pve-container among them."""
+    rel = pve_release()
+    print(f"pve-manager/{rel['manager']}/0123456789abcdef (running kernel: {rel['kernel']})")
+    if argv[:1] in (["-v"], ["--verbose"]):
+        print(f"proxmox-ve: {rel['manager'].split('-')[0].rsplit('.', 1)[0]}.0 (running kernel: {rel['kernel']})")
+        print(f"pve-container: {rel['container']}")
+    return 0
 
 
 def parse(name: str, argv: list[str]) -> dict:
@@ -537,11 +621,29 @@ def usage(name: str) -> str:
 CLI_PATH = "/sbin:/bin:/usr/sbin:/usr/bin"
 
 
+def _log_call(argv: list[str]) -> None:
+    """One line per call in <state>/log/pct-calls.log, so tests can count what the controller
+    asked of the node (e.g. that it probes `pct help exec` once per connection)."""
+    try:
+        with open(Path(NODE["log"]) / "pct-calls.log", "a") as fh:
+            fh.write(json.dumps({"ts": time.time(), "prog": Path(sys.argv[0]).name, "argv": argv[:3]}) + "\n")
+    except (OSError, KeyError):
+        pass
+
+
 def main(argv: list[str]) -> int:
+    global COMMANDS
     os.environ["PATH"] = CLI_PATH
     if NODE is None:
         print(f"pct: {STATE / 'node.json'} is missing; run `ctl sim up`", file=sys.stderr)
         return 255
+    COMMANDS = commands()
+    _log_call(argv)
+    if Path(sys.argv[0]).name == "pveversion":
+        return pveversion_main(argv)
+    if len(argv) == 2 and argv[0] == "help" and argv[1] in COMMANDS:
+        print(verbose_usage(argv[1]))
+        return 0
     if not argv or argv[0] in ("help", "-h", "--help"):
         print("USAGE: pct <COMMAND> [ARGS] [OPTIONS]")
         for name in sorted(COMMANDS):

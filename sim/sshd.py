@@ -78,11 +78,16 @@ def accepting(port: int) -> bool:
 
 
 class Sshd:
-    """One node's sshd: files under ``<state>/ssh`` and ``<state>/home``."""
+    """One node's sshd: files under ``<state>/ssh`` and ``<state>/home``. With
+    ``role="bastion"``, the node's bastion (sim/bastion.py): files under ``<state>/bastion``."""
 
-    def __init__(self, paths: NodePaths):
+    def __init__(self, paths: NodePaths, role: str = "node"):
         self.paths = paths
-        d = paths.ssh
+        self.role = role
+        # (source, target) files bound over the host's in sshd's namespace (sim/users.py, /etc/hosts)
+        self.binds: tuple[tuple[str, str], ...] = ()
+        d = paths.ssh if role == "node" else paths.root / "bastion"
+        self.dir = d
         self.host_key = d / "ssh_host_ed25519_key"
         self.client_key = d / "id_ed25519"
         self.authorized_keys = d / "authorized_keys"
@@ -93,18 +98,24 @@ class Sshd:
         self.logfile = d / "sshd.log"
 
     # --- files -------------------------------------------------------------------------
-    def prepare(self, port: int) -> None:
-        self.paths.ssh.mkdir(parents=True, exist_ok=True, mode=0o700)
-        for key, comment in ((self.host_key, f"dflash-sim-{self.paths.name}-host"),
-                             (self.client_key, f"dflash-sim-{self.paths.name}-client")):
+    def ensure_keys(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        keys = [(self.host_key, f"dflash-sim-{self.paths.name}-{self.role}-host")]
+        if self.role == "node":
+            keys.append((self.client_key, f"dflash-sim-{self.paths.name}-client"))
+        for key, comment in keys:
             if not key.exists():
                 run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", comment, "-f", key],
                     what=f"ssh-keygen for {key.name}")
-        client_pub = Path(f"{self.client_key}.pub").read_text()
-        atomic_write(str(self.authorized_keys), client_pub, mode=0o600)
-        host_pub = Path(f"{self.host_key}.pub").read_text().split()
-        atomic_write(str(self.known_hosts), f"[127.0.0.1]:{port} {host_pub[0]} {host_pub[1]}\n", mode=0o644)
-        self._write_home()
+
+    def prepare(self, port: int, binds: tuple[tuple[str, str], ...] = ()) -> None:
+        self.binds = tuple(binds)
+        self.ensure_keys()
+        if self.role == "node":
+            client_pub = Path(f"{self.client_key}.pub").read_text()
+            atomic_write(str(self.authorized_keys), client_pub, mode=0o600)
+            atomic_write(str(self.known_hosts), self.known_hosts_line("127.0.0.1", port), mode=0o644)
+            self._write_home()
         atomic_write(str(self.config), self._config_text(port), mode=0o600)
         ensure_privsep_dir()
         proc = run([which("sshd") or "/usr/sbin/sshd", "-t", "-f", self.config],
@@ -112,39 +123,67 @@ class Sshd:
         if proc.returncode != 0:
             raise SimError(f"sim node {self.paths.name}: sshd rejects {self.config}: {tail(proc.stderr)}")
 
+    def known_hosts_line(self, host: str, port: int) -> str:
+        """This server's known_hosts line under the name ``host`` (and port)."""
+        pub = Path(f"{self.host_key}.pub").read_text().split()
+        name = host if port == 22 else f"[{host}]:{port}"
+        return f"{name} {pub[0]} {pub[1]}\n"
+
+    def bashrc(self) -> str:
+        return BASHRC.format(name=self.paths.name, prefix=POLLUTED_PATH_PREFIX, noise=NOISE_PREFIX)
+
     def _write_home(self) -> None:
         home = self.paths.home
         home.mkdir(parents=True, exist_ok=True, mode=0o700)
-        atomic_write(str(home / ".bashrc"), BASHRC.format(name=self.paths.name, prefix=POLLUTED_PATH_PREFIX,
-                                                         noise=NOISE_PREFIX))
+        atomic_write(str(home / ".bashrc"), self.bashrc())
         atomic_write(str(home / ".profile"), PROFILE)
 
     def _config_text(self, port: int) -> str:
-        d = self.paths.ssh
-        return "\n".join([
-            f"# sshd of the simulated Proxmox node {self.paths.name} (sim/sshd.py)",
+        from sim.users import USERS
+
+        d = self.dir
+        common = [
             f"Port {port}",
             "ListenAddress 127.0.0.1",
             f"HostKey {self.host_key}",
             f"PidFile {self.pidfile}",
-            f"AuthorizedKeysFile {self.authorized_keys}",
-            "PermitRootLogin prohibit-password",
             "PasswordAuthentication no",
             "KbdInteractiveAuthentication no",
             "UsePAM no",
             "StrictModes no",
             "PrintMotd no",
+            # Tests open many sessions at once.
+            "MaxStartups 64:30:128",
+            "MaxSessions 64",
+        ]
+        users = ",".join(USERS)
+        # The sim's other users log in with their own authorized_keys (sim/users.py).
+        match = ["", f"Match User {users}", f"    AuthorizedKeysFile {self.paths.root}/users/%u/.ssh/authorized_keys", ""]
+        if self.role == "bastion":
+            return "\n".join([
+                f"# bastion of the simulated Proxmox node {self.paths.name} (sim/bastion.py)",
+                *common,
+                "PermitRootLogin no",
+                "AuthorizedKeysFile none",
+                # A jump host forwards TCP (ssh -J, ProxyJump) and is nothing else here.
+                "AllowTcpForwarding yes",
+                "PermitTTY no",
+                "Subsystem sftp internal-sftp",
+                *match,
+            ])
+        return "\n".join([
+            f"# sshd of the simulated Proxmox node {self.paths.name} (sim/sshd.py)",
+            *common,
+            f"AuthorizedKeysFile {self.authorized_keys}",
+            "PermitRootLogin prohibit-password",
             # Like Debian's default: the client's locale travels in, as on the incident host.
             "AcceptEnv LANG LC_*",
             # In-process sftp, so .bashrc noise cannot corrupt the SFTP stream.
             "Subsystem sftp internal-sftp",
             # pct on the login PATH; .bashrc then prepends the polluted entries before it.
             f"SetEnv PATH={self.paths.bin}:{SYSTEM_PATH}",
-            # Tests open many sessions at once.
-            "MaxStartups 64:30:128",
-            "MaxSessions 64",
             f"# host key fingerprint source: {d}",
-            "",
+            *match,
         ])
 
     # --- process -----------------------------------------------------------------------
@@ -159,6 +198,12 @@ class Sshd:
             return None
         return pid
 
+    def _recorded(self) -> dict:
+        try:
+            return json.loads(self.runfile.read_text())
+        except (OSError, ValueError):
+            return {}
+
     def mount_ns(self) -> Optional[str]:
         """The private mount namespace sshd (and every session under it) lives in."""
         try:
@@ -168,7 +213,7 @@ class Sshd:
 
     def start(self, port: int) -> int:
         pid = self.pid()
-        if pid and accepting(port):
+        if pid and accepting(port) and self._recorded().get("binds") == [list(b) for b in self.binds]:
             return pid
         if pid:
             self.stop()
@@ -177,10 +222,15 @@ class Sshd:
         sshd = which("sshd") or "/usr/sbin/sshd"
         log = open(self.logfile, "ab")
         # unshare without --fork execs in place: the Popen PID *is* sshd's PID.
+        # In its own mount namespace: the node's home over /root, and the sim's account and
+        # name files over /etc (sim/users.py); the host's stay as they are.
+        script = ('set -e; home=$1 sshd=$2 conf=$3; shift 3; '
+                  '[ "$home" = - ] || mount --bind "$home" /root; '
+                  'while [ $# -gt 1 ]; do mount --bind "$1" "$2"; shift 2; done; exec "$sshd" -D -e -f "$conf"')
+        home = str(self.paths.home) if self.role == "node" else "-"
         proc = subprocess.Popen(
-            ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
-             'mount --bind "$1" /root && exec "$2" -D -e -f "$3"', "sh",
-             str(self.paths.home), sshd, str(self.config)],
+            ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh",
+             home, sshd, str(self.config), *[p for pair in self.binds for p in pair]],
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True, close_fds=True)
         log.close()
         if not wait_until(lambda: accepting(port) or proc.poll() is not None, 10):
@@ -189,7 +239,7 @@ class Sshd:
             raise SimError(f"sim node {self.paths.name}: sshd did not come up on 127.0.0.1:{port}: "
                            f"{tail(self.logfile.read_bytes())}")
         record = {"pid": proc.pid, "start_time": _start_time(proc.pid), "port": port,
-                  "mnt_ns": os.readlink(f"/proc/{proc.pid}/ns/mnt")}
+                  "mnt_ns": os.readlink(f"/proc/{proc.pid}/ns/mnt"), "binds": [list(b) for b in self.binds]}
         atomic_write(str(self.runfile), json.dumps(record) + "\n")
         return proc.pid
 

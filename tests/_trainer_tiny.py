@@ -91,3 +91,45 @@ def sigterm_once_training(proc, run_dir: str, steps: int = 2, poll_s: float = 0.
             proc.send_signal(signal.SIGTERM)
             return
         time.sleep(poll_s)
+
+
+# A tiny Qwen3.5/3.6-style target: 8 layers in the 3:1 Gated DeltaNet / gated full attention
+# pattern. Its RMSNorm weights are zero-centred (x̂·(1 + w)) and start at 0, so they get noise:
+# a norm applied the Qwen3 way would then show.
+TINY_QWEN35 = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, linear_num_key_heads=2, linear_num_value_heads=4,
+                   linear_key_head_dim=16, linear_value_head_dim=16, max_position_embeddings=512,
+                   initializer_range=0.1, tie_word_embeddings=False)
+
+
+def make_qwen35_target(directory: str, layout: str = "text", seed: int = 0, **overrides) -> str:
+    """``layout`` "text": a qwen3_5_text Qwen3_5ForCausalLM; "vl": the released layout,
+    Qwen3_5ForConditionalGeneration (language model under text_config, a small vision tower)."""
+    from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    text = {**TINY_QWEN35, **overrides}
+    if layout == "vl":
+        vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=text["hidden_size"])
+        model = Qwen3_5ForConditionalGeneration(Qwen3_5Config(text_config=text, vision_config=vision,
+                                                              tie_word_embeddings=False))
+    else:
+        model = Qwen3_5ForCausalLM(Qwen3_5TextConfig(**text))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") and "visual" not in name:
+                p.add_(0.2 * torch.randn_like(p))
+    model.eval().save_pretrained(directory)
+    return directory
+
+
+def qwen35_setup(root: str, layout: str = "text") -> tuple[str, str]:
+    target = make_qwen35_target(os.path.join(root, f"target-{layout}"), layout)
+    data = make_data(target, os.path.join(root, f"data-{layout}"), samples=32, new_tokens=32)
+    return target, data
+
+
+def qwen35_args(target: str, data: str, out: str, *extra: str) -> list[str]:
+    """base_args with a drafter small enough for CPU: the public 32/8×128 attention of this
+    family's drafters is the default (tested on the real config), here 4/2×16."""
+    return base_args(target, data, out, "--drafter-attention", "4/2/16", "--sliding-window", "12", *extra)

@@ -18,6 +18,7 @@ import pytest
 
 from agent.protocol import END, extract_payload
 from controller import config as cfg
+from controller.agentcall import AgentCaller
 from controller.container import Container
 from controller.ssh import SSHRunner
 
@@ -62,7 +63,7 @@ def _ctl_exec(*argv: str) -> subprocess.Popen:
 
 
 def _status(ct: Container) -> dict:
-    return ct.agent_call("status", ["--run-dir", RUN_DIR])
+    return AgentCaller(ct).call("agent", ["status", "--run-dir", RUN_DIR], check=True)
 
 
 def _wait(predicate, timeout, what):
@@ -76,7 +77,7 @@ def _wait(predicate, timeout, what):
 
 
 def test_job_started_through_ctl_exec_outlives_dropped_ssh_connections_and_its_stream_keeps_growing(ct):
-    bundle = ct.ensure_bundle()
+    bundle = AgentCaller(ct).ensure_bundle()
     ct.exec(["mkdir", "-p", JOB_DIR], check=True)
     job = posixpath.join(JOB_DIR, "fake_trainer.py")
     ct.write_file(job, FAKE.read_bytes())
@@ -126,7 +127,7 @@ def test_job_started_through_ctl_exec_outlives_dropped_ssh_connections_and_its_s
     assert any(r["kind"] == "gpu" and r["payload"]["state"] == "no GPU" for r in seen + recs)
 
     # 5. stop: nothing of the run is left in the container
-    stopped = ct.agent_call("stop", ["--run-dir", RUN_DIR, "--grace", "10"])
+    stopped = AgentCaller(ct).call("agent", ["stop", "--run-dir", RUN_DIR, "--grace", "10"], check=True)
     assert stopped["state"] == "stopped" and stopped["result"]["stop"]["survivors"] == []
     deadline = time.monotonic() + 20
     while True:

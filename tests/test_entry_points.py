@@ -79,3 +79,11 @@ def test_trainer_help_shows_a_percent_sign_literally():
     proc = subprocess.run([PYTHON, "-m", "trainer", "--help"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "10 % of peak" in " ".join(proc.stdout.split())
+
+
+def test_every_ctl_command_is_in_the_table_that_imports_only_its_module():
+    """`ctl X` imports only X's module (controller/commands/__init__.py: COMMANDS); a command
+    missing there still works, but pays for importing every command at start."""
+    from controller.commands import COMMANDS
+
+    assert {p[0] for p in _ctl_paths() if len(p) == 1} - {"version"} == set(COMMANDS)

@@ -106,8 +106,12 @@ def test_demo_runs_on_a_freshly_booted_host(tmp_path, fresh):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "sim node fresh up" in out
-    assert re.search(r"run \S+ (completed|finished)", out, re.I) or "completed" in out, out[-3000:]
-    assert "rolled back" in out.lower() or "known-good" in out.lower(), out[-3000:]
+    assert "adopted current generation" in out, out[-3000:]
+    assert re.search(r"^ctl: run \S+ completed; last checkpoint ", out, re.M), out[-3000:]
+    assert re.search(r"^ctl: detached at seq \d+; the run goes on", out, re.M), out[-3000:]
+    assert re.search(r"^stopped   run \S+: ended stopped \(stopped on request\); processes left: none", out, re.M), out[-3000:]
+    assert re.search(r"^verified  venv fingerprint (\w+) == target \1  \[OK\]", out, re.M), out[-3000:]
+    assert re.search(r"^  ctl launch .*--resume-from \S+/checkpoint.pt$", out, re.M), out[-3000:]
     assert (Path(env["HOME"]) / ".config/dflash-ctl/config.toml").exists(), "ctl sim up wrote no controller config"
     assert _nothing_left(tmp_path / "state") == []
 

@@ -12,6 +12,7 @@ torch = pytest.importorskip("torch")
 from trainer import chunked_head as chh  # noqa: E402
 from trainer import flex_mask as fm  # noqa: E402
 from trainer import flops, memory  # noqa: E402
+from trainer.loss import decay_weights, dflash_loss_fn  # noqa: E402
 
 
 # ---------------------------------------------------------------- mask
@@ -91,9 +92,9 @@ def test_chunked_head_matches_naive(soft, cap):
     t = torch.randint(0, V, (nb, K))
     valid = torch.rand(nb, K) > 0.2
     valid[3] = False
-    w = chh.position_weights(K + 1, 4.0, valid).double()
+    w = decay_weights(valid.double(), 4.0)
     teacher = torch.randn(nb, K, H, dtype=torch.float64) if soft else None
-    fn = chh.dflash_loss_fn(w, kl_weight=0.15 if soft else 0.0, temperature=2.0, cap_lambda=cap)
+    fn = dflash_loss_fn(w, kl_weight=0.15 if soft else 0.0, temperature=2.0, cap_lambda=cap)
     h1 = torch.randn(nb, K, H, dtype=torch.float64, requires_grad=True)
     h2 = h1.detach().clone().requires_grad_(True)
     loss, ce, kl, correct = chh.chunked_head_loss(h1, W, t, fn, teacher=teacher, temperature=2.0,
@@ -114,9 +115,9 @@ def test_chunked_head_teacher_logits_and_bf16():
     nb, K, H, V = 4, 3, 16, 64
     W = torch.randn(V, H).bfloat16()
     t = torch.randint(0, V, (nb, K))
-    w = chh.position_weights(K + 1, 7.0, torch.ones(nb, K, dtype=torch.bool))
+    w = decay_weights(torch.ones(nb, K), 7.0)
     tl = torch.randn(nb, K, V)
-    fn = chh.dflash_loss_fn(w, kl_weight=0.5, temperature=1.5)
+    fn = dflash_loss_fn(w, kl_weight=0.5, temperature=1.5)
     h = torch.randn(nb, K, H).bfloat16().requires_grad_(True)
     loss = chh.chunked_head_loss(h, W, t, fn, teacher=tl, teacher_is_logits=True, temperature=1.5, chunk_rows=K)[0]
     loss.backward()
@@ -144,30 +145,44 @@ def test_flops_linear_counts():
 
 
 def test_memory_model_monotone_and_fits_logic():
+    from trainer import probe
+
     base = dict(shape=memory.QWEN3_27B_LIKE, n_layers=5, block_size=32, max_anchors=1024,
                 max_seq_len=8192, token_budget=49152, n_tapped=5)
     m1 = memory.drafter_peak_bytes(**base)
     m2 = memory.drafter_peak_bytes(**{**base, "token_budget": 65536})
-    assert m2["total"] > m1["total"] > 0
-    assert set(m1) >= {"params", "grads", "optimizer", "activations", "logit_chunk", "context", "total"}
-    auto = memory.auto_token_budget(capacity_bytes=96e9, margin_bytes=2e9, **{k: v for k, v in base.items() if k != "token_budget"})
-    assert auto >= 8192 and memory.drafter_peak_bytes(**{**base, "token_budget": auto})["total"] <= 94e9
+    assert m2["total"] > m1["total"] > 0 and m2["reserved"] > m2["total"]
+    assert set(m1) >= {"drafter_state", "activations", "logits", "context", "taps", "total"}
+    kw = dict(block_size=32, max_anchors=1024, max_seq_len=8192, num_draft_layers=5)
+    auto = probe.auto_budget(memory.QWEN3_27B_LIKE, 96e9, 2e9, role="drafter", **kw)
+    assert auto >= 8192 and probe.plan(memory.QWEN3_27B_LIKE, token_budget=auto, **kw)["drafter"]["need"] <= 94e9
     tgt = memory.target_peak_bytes(memory.QWEN3_8B, token_budget=49152, max_seq_len=8192, last_layer=33, n_tapped=5)
-    assert tgt["params"] == pytest.approx(2 * (34 * memory.QWEN3_8B.layer_params + 151936 * 4096 + 4096 * 2), rel=0.01)
+    layer = memory.QWEN3_8B.layer_params + memory.QWEN3_8B.layer_norm_params
+    assert tgt["target_weights"] == 2 * (34 * layer + 151936 * 4096 + 4096)
     assert math.isfinite(tgt["total"])
 
 
 # ---------------------------------------------------------------- chunked drafter step
 
-@pytest.mark.parametrize("attn,soft,cap,weights", [("sdpa", False, 0.0, "decay"), ("sdpa", True, 0.2, "decay"),
-                                                    ("sdpa", False, 0.0, "dpace"), ("sdpa", True, 0.2, "dpace")])
-def test_fast_drafter_step_matches_dense_reference(attn, soft, cap, weights):  # flex has no CPU backward
+@pytest.mark.parametrize("attn,soft,cap,weights,window", [
+    ("sdpa", False, 0.0, "decay", None), ("sdpa", True, 0.2, "decay", None), ("sdpa", False, 0.0, "dpace", None),
+    ("sdpa", True, 0.2, "dpace", None),
+    ("sdpa", False, 0.0, "decay", 7), ("sdpa", True, 0.2, "dpace", 7)])  # a sliding layer before a full one
+def test_fast_drafter_step_matches_dense_reference(attn, soft, cap, weights, window):  # flex has no CPU backward
+    """The chunked step against the reference step's math, unchunked, in fp64: trainer/
+    model.py's Drafter.forward under the dense mask + trainer/loss.py's dflash_loss."""
     from trainer import fast_drafter as fd
+    from trainer.loss import LossConfig, dflash_loss
+    from trainer.model import Drafter, DrafterConfig
 
     torch.manual_seed(4)
     H, nh, nkv, hd, I, V, nl, nt, B = 16, 4, 2, 4, 24, 53, 2, 2, 4
     b, S, N = 2, 22, 5
-    d = fd.MiniDrafter(H, nh, nkv, hd, I, nl, nt, block_size=B, dtype=torch.float64)
+    cfg = DrafterConfig(hidden_size=H, intermediate_size=I, num_attention_heads=nh, num_key_value_heads=nkv,
+                        head_dim=hd, rms_norm_eps=1e-6, rope_theta=1e6, vocab_size=V, num_hidden_layers=nl,
+                        num_target_layers=6, target_layer_ids=list(range(nt)), block_size=B, mask_token_id=V - 1,
+                        layer_types=["sliding_attention", "full_attention"] if window else None, sliding_window=window)
+    d = Drafter(cfg).double()
     for p in d.parameters():  # non-trivial norm weights too
         p.data.add_(0.1 * torch.randn_like(p))
     embed = torch.randn(V, H, dtype=torch.float64)
@@ -180,17 +195,26 @@ def test_fast_drafter_step_matches_dense_reference(attn, soft, cap, weights):  #
     keep = torch.ones(b, N, dtype=torch.bool)
     keep[1, -2:] = False
     teacher = torch.randn(b, S, H, dtype=torch.float64) if soft else None
-    kw = dict(block_size=B, mask_token_id=V - 1, gamma=3.0, cap_lambda=cap, kl_weight=0.3 if soft else 0.0,
-              temperature=2.0, teacher_final=teacher, position_weights=weights, dpace_alpha=0.3)
-    ref = fd.reference_loss(d, embed, head, ids, taps, lm, lengths, anchors, keep, **kw)
-    ref.backward()
+    lcfg = LossConfig(block_size=B, gamma=3.0, position_weights=weights, dpace_alpha=0.3, use_soft_labels=soft,
+                      kl_weight=0.3, kl_temperature=2.0, cap_lambda=cap)
+    blocks = torch.nn.functional.embedding(torch.cat([ids.gather(1, anchors)[:, :, None],
+                                                      torch.full((b, N, B - 1), V - 1)], -1).view(b, -1), embed)
+    ref = dflash_loss(lcfg, d(taps, blocks, anchors, keep, "sdpa"), head, ids, lm, lengths, anchors, keep, teacher)
+    ref.loss.backward()
     g_ref = {n: p.grad.clone() for n, p in d.named_parameters()}
     d.zero_grad()
+    kw = dict(block_size=B, mask_token_id=V - 1, gamma=3.0, cap_lambda=cap, kl_weight=0.3 if soft else 0.0,
+              temperature=2.0, teacher_final=teacher, position_weights=weights, dpace_alpha=0.3)
     out = fd.step_backward(d, embed, head, ids, taps, lm, lengths, anchors, keep, chunk_anchors=2,
                            head_chunk_rows=6, dtype=torch.float64, attn=attn, ctx_multiple=8, **kw)
-    assert abs(float(out["loss"]) - float(ref.detach())) < 1e-9
+    assert abs(float(out["loss"]) - float(ref.loss.detach())) < 1e-9
     for n, p in d.named_parameters():
         assert (p.grad - g_ref[n]).norm() <= 1e-9 * (1 + g_ref[n].norm()), n
+    # the terms and per-slot counts it reports are dflash_loss's
+    for term in ("ce", "cap") + (("kl",) if soft else ()):
+        assert abs(float(out[term]) - float(getattr(ref, term))) < 1e-9, term
+    assert torch.equal(out["valid"], ref.acc_count.float())
+    assert torch.allclose(out["correct"], (ref.acc * ref.acc_count).float())
 
 
 # ---------------------------------------------------------------- fast target

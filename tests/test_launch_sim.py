@@ -39,16 +39,7 @@ PROBE = "dflash-driftprobe"
 LONG = ["--set", "epochs=10", "--set", "max-steps=360", "--set", "save-interval=180"]
 LAST = 360
 
-BLOCKER = '''
-import sys
-class _NoTorch:
-    """Makes `import torch` fail in this process: the controller must never need it."""
-    def find_spec(self, name, path=None, target=None):
-        if name == "torch" or name.startswith("torch."):
-            raise ImportError("torch is blocked in the controller (tests/test_launch_sim.py)")
-        return None
-sys.meta_path.insert(0, _NoTorch())
-'''
+from _ctl_subprocess import BLOCKER  # noqa: E402  (makes `import torch` fail in ctl)
 
 
 # --- helpers -----------------------------------------------------------------------------------
@@ -200,7 +191,7 @@ def prepared(sim_node, ctl_env, tmp_path_factory):
     from controller import config as cfg
     from controller.container import Container
     from controller.provision import provision_tiny
-    from controller.transport import open_runner
+    from controller.session import open_runner
 
     conf = cfg.load(ctl_env["DFLASH_CTL_CONFIG"])
     name, node = conf.node()

@@ -102,7 +102,7 @@ def env(sim_node, sim2_node, tmp_path_factory):
         p = ctl(e, "exec", "-n", n.name, "-c", ctid, "--", "rm", "-rf", TINY)
         assert p.returncode == 0, p.stderr
     from controller.container import Container
-    from controller.transport import open_runner
+    from controller.session import open_runner
 
     conf = cfg.load(path)
     prints = set()
@@ -291,8 +291,9 @@ def test_kill_and_rollback_of_a_job_plans_for_every_container_first(env, sim2_no
 STOP_JOB = """
 import sys
 from controller import job as J
+from controller.session import open_containers
 members = J.load_record(sys.argv[2], sys.argv[1])
-with J.open_containers(members, sys.argv[2]) as cts:
+with open_containers(members, sys.argv[2]) as cts:
     for ct in cts:
         J.stop_member(ct, sys.argv[1], grace=5)
 """

@@ -83,7 +83,7 @@ def test_a_cut_link_drops_packets_silently_until_restored(sim_node):
 
 def test_pct_start_over_ssh_gives_a_restarted_container_its_link(sim2_node):
     from controller import config as cfg
-    from controller.transport import open_runner
+    from controller.session import open_runner
 
     entry = sim2_node.node_config()
     node = cfg.NodeConfig(host=entry["host"], port=entry["port"], user=entry["user"],

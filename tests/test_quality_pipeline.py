@@ -124,6 +124,14 @@ def test_cpu_pipeline_is_lossless_and_trained_drafters_accept_more_than_one_toke
         assert v["curve"][0][0] == 0 and [s for s, _ in v["curve"]][1:] == [20, 40]
         assert fin["block"]["tau"] > 1.0 and fin["block"]["tau"] > untrained, name
         assert all(fin["tree"][str(b)]["tau"] > 1.0 for b in budget), name
+        # the served path (export + AutoModel trust_remote_code + its spec_generate): fp32 gives
+        # block verification's decodes exactly, bf16 (the default export) is lossless too
+        served = fin["served"]
+        assert served["fp32"]["equal_to_block"] and served["fp32"]["tau"] == fin["block"]["tau"], name
+        assert served["fp32"]["dtype"] == "float32" and served["bf16"]["dtype"] == "bfloat16", name
+        assert all(served[k]["lossless"] and served[k]["prompts"] == n_prompts for k in served), name
+        card = (tmp_path / "work" / "drafters" / name / f"step_{fin['step']}" / "drafter" / "README.md").read_text()
+        assert f"| τ block | {fin['block']['tau']:.3f}" in card and "| τ tree (budget 16) |" in card, name
     assert (out / "tau_vs_steps.png").stat().st_size > 0
 
     # The drafters evaluated again from the work directory: the same prompts give exactly the

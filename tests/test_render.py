@@ -143,10 +143,10 @@ def test_a_secrets_file_others_can_read_is_refused(tmp_path):
 def test_values_the_trainer_would_refuse_are_not_rendered(tmp_path):
     with pytest.raises(RenderError, match="start decision"):
         render_start_script(base_values(from_scratch=False), container=make_container(tmp_path), bundle="/b",
-                            run_id="r", run_dir="/r")
+                            run_id="r", run_dir="/r", secrets_file="/r/s.env")
     with pytest.raises(RenderError, match="not a valid shell name"):
         render_start_script(base_values(), container=make_container(tmp_path), bundle="/b", run_id="r",
-                            run_dir="/r", env={"BAD NAME": "x"})
+                            run_dir="/r", env={"BAD NAME": "x"}, secrets_file="/r/s.env")
 
 
 def test_operators_example_renders_their_exact_flag_set(tmp_path):
@@ -171,3 +171,39 @@ def test_operators_example_renders_their_exact_flag_set(tmp_path):
                     wandb_project="dflash-27b", wandb_run_name="drafter-1.1m")
     assert {k: getattr(args, k) for k in expected} == expected
     assert args.target_model and args.data_dir and args.output_dir == "/workspace/out/r1"
+
+
+def test_the_trainer_gets_the_allocator_and_a_compile_cache_of_its_venv_generation(tmp_path):
+    """Issue 14: expandable segments and a compile cache under the workspace, per venv
+    generation — resolved when the script runs, so a rollback (the venv link switched to
+    another generation, agent/envgen.py) names the other generation's cache."""
+    from trainer import runtime_env
+
+    plain = make_container(tmp_path)
+    gens = tmp_path / ".venv-generations"
+    for gid in ("3f2a9c0d1b7e", "91be04d2aa51"):
+        (gens / f"gen-{gid}").mkdir(parents=True)
+    os.rename(plain.venv, gens / "gen-3f2a9c0d1b7e")
+    os.symlink(".venv-generations/gen-3f2a9c0d1b7e", plain.venv)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    script = render_start_script(base_values(), container=plain, bundle="/b", run_id="r1", run_dir=str(run_dir),
+                                 secrets_file=str(tmp_path / "none.env"))
+    proc, dump = run_script(script, tmp_path, run_dir)
+    assert proc.returncode == 0, proc.stderr
+    env = dump["env"]
+    assert env["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert env["DFLASH_COMPILE_CACHE"] == str(tmp_path / "ws" / ".dflash-ctl" / "compile-cache")
+    assert env["DFLASH_ENV_GENERATION"] == "3f2a9c0d1b7e"
+    # what the trainer makes of it (runtime_env.apply, before torch is imported)
+    applied = dict(env)
+    runtime_env.apply(applied)
+    assert applied["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "ws/.dflash-ctl/compile-cache/gen-3f2a9c0d1b7e/inductor")
+    # the rollback: same script, the link now points at the other generation
+    (gens / "gen-91be04d2aa51" / "bin").mkdir()
+    os.rename(gens / "gen-3f2a9c0d1b7e" / "bin" / "python3", gens / "gen-91be04d2aa51" / "bin" / "python3")
+    os.unlink(plain.venv)
+    os.symlink(".venv-generations/gen-91be04d2aa51", plain.venv)
+    proc, dump = run_script(script, tmp_path, run_dir)
+    assert proc.returncode == 0, proc.stderr
+    assert dump["env"]["DFLASH_ENV_GENERATION"] == "91be04d2aa51"

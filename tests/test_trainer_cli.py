@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from _trainer_tiny import base_args, make_target, replace, tiny_setup
 from trainer import flags
@@ -152,17 +153,27 @@ def test_too_little_data_for_one_step_is_bad_input(env, tmp_path, capsys):
 
 
 def test_init_from_an_exported_drafter_equals_init_from_its_checkpoint(env, tmp_path):
-    """--init-from takes a checkpoint or an exported drafter/ (this trainer's or z-lab's
-    layout): same weights, same first steps."""
+    """--init-from takes a checkpoint or an exported drafter directory (this trainer's or
+    z-lab's layout). An fp32 export (`python -m trainer export --dtype fp32`) holds the
+    master weights: same first steps as the checkpoint. The bf16 step_N/drafter/ the trainer
+    writes loads the masters rounded to bf16, exactly."""
     import json
 
+    from trainer import checkpoint as ckpt_io
+    from trainer.export import export
+
+    fp32 = str(tmp_path / "fp32-export")
+    export(env["ckpt"], fp32, dtype="fp32")
     runs = {}
-    for name, path in (("ckpt", env["ckpt"]), ("export", os.path.join(env["ckpt"], "drafter"))):
+    for name, path in (("ckpt", env["ckpt"]), ("export", fp32)):
         out = str(tmp_path / name)
         assert main(base_args(env["target"], env["data"], out, "--init-from", path, "--max-steps", "2")) == 0
         events = [json.loads(line) for line in open(os.path.join(out, "events.jsonl"))]
         runs[name] = [e["loss"] for e in events if e["kind"] == "step"]
     assert runs["ckpt"] == runs["export"] and len(runs["ckpt"]) == 2
+    masters = ckpt_io.load(env["ckpt"])["model"]
+    rounded = ckpt_io.init_weights(os.path.join(env["ckpt"], "drafter"))
+    assert all(torch.equal(rounded[k].float(), v.to(torch.bfloat16).float()) for k, v in masters.items())
 
 
 def test_init_from_an_export_for_another_target_is_refused(env, capsys):

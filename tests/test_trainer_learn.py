@@ -9,6 +9,7 @@ import torch
 
 from _trainer_tiny import base_args, tiny_setup
 from _trainer_tiny import events as run_events
+from trainer import checkpoint as ckpt_io
 from trainer.__main__ import main
 from trainer.data import PreparedData
 from trainer.evaluate import greedy, prompts_from, speculative
@@ -30,7 +31,7 @@ def trained(tmp_path_factory):
                         "--block-size", str(B), "--max-anchors", "40", "--log-interval", "1", "--eval-prompts", "2"))
     assert rc == 0
     events = run_events(out)
-    drafter = Drafter.from_pretrained(os.path.join(out, f"step_{STEPS}", "drafter")).eval()
+    drafter = ckpt_io.load_drafter(os.path.join(out, f"step_{STEPS}")).eval()  # fp32 masters
     tgt = Target(target, drafter.config.target_layer_ids, "cpu", torch.float32)
     return {"events": events, "drafter": drafter, "target": tgt, "head": FrozenHead(tgt.embed, tgt.lm_head),
             "data": PreparedData(data)}

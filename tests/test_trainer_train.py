@@ -32,19 +32,41 @@ def weights(step_dir):
     return ckpt_io.load(step_dir)["model"]
 
 
-# Golden trajectory (torchtitan-style): loss of the first steps of this tiny config, recorded
-# with torch 2.13 CPU. A change in the model, loss, anchors, batching or schedule shows here.
-# Tolerance 1e-4 absolute: float-summation-order noise is ~1e-6.
+# Golden trajectories (torchtitan-style): the first steps of this tiny config, per drafter
+# step and position weights, recorded with torch 2.13 CPU by the code before the drafter step
+# went behind trainer/step.py (523d389): a change in the model, loss, anchors, batching,
+# schedule or either step's math shows here. Loss and gradient norm come from each step's
+# own run; ce/kl/cap and the per-slot accuracy from the reference step's (523d389's chunked
+# step did not report them; it reports them now and must agree). Tolerance 1e-4 absolute:
+# float-summation-order noise is ~1e-6.
 GOLDEN = [5.10528, 5.03646, 5.15007, 4.53941, 4.95593, 4.96279]
+GOLDEN_RUNS = {
+    "decay": {"loss": GOLDEN, "grad_norm": [4.1432, 3.4924, 6.2363, 5.1309, 4.636, 3.9169],
+              "ce": [5.77083, 5.70097, 5.8441, 5.13206, 5.62524, 5.62794],
+              "kl": [0.66766, 0.6047, 0.55093, 0.51524, 0.49687, 0.52783],
+              "cap": [0.99924, 0.99932, 0.99947, 0.9987, 0.99937, 0.99869],
+              "last_acc": [0.0833, 0.087, 0.0476, 0.0, 0.1053, 0.0, 0.0]},
+    "dpace": {"loss": [5.03055, 4.98425, 5.18272, 4.50639, 5.03293, 4.95183],
+              "grad_norm": [4.3797, 3.7297, 6.4849, 5.2038, 4.7592, 4.131],
+              "ce": [5.68306, 5.63885, 5.88187, 5.09302, 5.71356, 5.61552],
+              "kl": [0.66683, 0.60864, 0.55458, 0.51643, 0.5097, 0.52505],
+              "cap": [0.99924, 0.99932, 0.99947, 0.99859, 0.99941, 0.99877],
+              "last_acc": [0.0833, 0.0435, 0.0476, 0.0, 0.0526, 0.0, 0.0]},
+}
 
 
-def test_golden_loss_trajectory(tiny, tmp_path):
+@pytest.mark.parametrize("weights", ["decay", "dpace"])
+@pytest.mark.parametrize("step", ["reference", "chunked"])
+def test_golden_loss_trajectory(tiny, tmp_path, step, weights):
     out = str(tmp_path / "out")
     rc = main(base_args(tiny["target"], tiny["data"], out, "--from-scratch", "--max-steps", "6",
-                        "--use-soft-labels", "--cap-lambda", "0.1", "--noise-start", "0.05", "--noise-end", "0.01"))
+                        "--use-soft-labels", "--cap-lambda", "0.1", "--noise-start", "0.05", "--noise-end", "0.01",
+                        "--drafter-step", step, "--position-weights", weights))
     assert rc == 0
-    losses = [round(e["loss"], 5) for e in step_events(out)]
-    assert losses == pytest.approx(GOLDEN, abs=1e-4)
+    got, want = step_events(out), GOLDEN_RUNS[weights]
+    for name in ("loss", "grad_norm", "ce", "kl", "cap"):
+        assert [e[name] for e in got] == pytest.approx(want[name], abs=1e-4), name
+    assert got[-1]["acc"] == pytest.approx(want["last_acc"], abs=1e-4)
 
 
 def test_sigterm_then_resume_equals_straight_run(tiny, tmp_path):

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from controller.transport import CommandError, LocalRunner, TransportError, _MarkerGate, _Sink
+from controller.transport import CommandError, LocalRunner, TransportError, MarkerGate, _Sink
 
 
 def test_result_reports_ok_failed_code_and_tail():
@@ -80,7 +80,7 @@ def test_interrupted_stdin_stops_the_process_and_leaves_none(tmp_path):
 
 def test_marker_gate_drops_noise_before_the_marker_only():
     sink = _Sink(True, None, None)
-    gate = _MarkerGate(b"--m--", sink)
+    gate = MarkerGate(b"--m--", sink)
     for piece in (b"noise line\nmore --m-- not alone\n--", b"m--\nreal ", b"output\n--m--\n"):
         gate.feed(piece)
     gate.close()

@@ -6,6 +6,7 @@ operator's view matters (exit codes, one-line errors)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -18,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from controller import config as cfg
-from controller.bundle import build as build_bundle, ensure_bundle, remote_path, upload_argv
+from controller.agentcall import AgentCaller
+from controller.bundle import build as build_bundle, remote_path, upload_argv
 from controller.container import AgentError, Container, ContainerError
 from controller.pct import container_env, raw_exec_argv
 from controller.ssh import SSHRunner
@@ -242,7 +244,7 @@ def test_bad_config_is_one_line_not_a_traceback(tmp_path):
 # --- host keys, through the CLI --------------------------------------------------------------
 
 def config_with_known_hosts(tmp_path: Path, node, known: Path) -> Path:
-    conf = cfg.Config(nodes={"sim": node[1].model_copy(update={"known_hosts": str(known)})})
+    conf = cfg.Config(nodes={"sim": dataclasses.replace(node[1], known_hosts=str(known))})
     return cfg.save(conf, tmp_path / "config.toml")
 
 
@@ -360,15 +362,15 @@ def test_bundle_is_uploaded_once_and_importable(ct, runner, scratch, tmp_path):
         (tmp_root / pkg / "__init__.py").write_text(f"MARK = {TAG!r}\n")
     bundle = build_bundle(root=tmp_root)
     fresh = Container(runner, ct.node_name, ct.node, ct.ctid)
-    fresh.config = ct.config.model_copy(update={"workspace": scratch})
-    path = ensure_bundle(fresh, bundle)
-    assert path == remote_path(fresh, bundle.version) == f"{scratch}/.dflash-ctl/bundles/{bundle.version}"
+    fresh.config = dataclasses.replace(ct.config, workspace=scratch)
+    path = AgentCaller(fresh, bundle=bundle).ensure_bundle()
+    assert path == remote_path(scratch, bundle.version) == f"{scratch}/.dflash-ctl/bundles/{bundle.version}"
     assert fresh.read_file(f"{path}/VERSION") == bundle.version.encode() + b"\n"
     out = fresh.exec(["python3", "-c", "import agent, trainer; print(agent.MARK, trainer.MARK)"],
                      env={"PYTHONPATH": path}, check=True).stdout
     assert out == f"{TAG} {TAG}\n"
     stamp = fresh.exec(["stat", "-c", "%Y.%i", path], check=True).stdout
-    assert ensure_bundle(fresh, bundle) == path
+    assert AgentCaller(fresh, bundle=bundle).ensure_bundle() == path
     assert fresh.exec(["stat", "-c", "%Y.%i", path], check=True).stdout == stamp
     assert listing(fresh, f"{scratch}/.dflash-ctl/bundles") == [bundle.version]
 
@@ -398,15 +400,15 @@ def test_agent_call_parses_the_sentinel_payload_through_noise(ct, runner, scratc
     (root / "agent" / "protocol.py").write_bytes((REPO / "agent" / "protocol.py").read_bytes())
     (root / "trainer" / "__init__.py").write_text("")
     fresh = Container(runner, ct.node_name, ct.node, ct.ctid)
-    fresh.config = ct.config.model_copy(update={"workspace": scratch})
-    fresh._bundle = ensure_bundle(fresh, build_bundle(root=root))
+    fresh.config = dataclasses.replace(ct.config, workspace=scratch)
+    caller = AgentCaller(fresh, bundle=build_bundle(root=root))
     weird = ["it's", "$(id)", "a\nb", ""]
-    reply = fresh.agent_call("status", weird)
+    reply = caller.call("agent", ["status", *weird], check=True)
     assert reply["verb"] == "status" and reply["args"] == weird
     with pytest.raises(AgentError, match="agent fail in container 200 on node sim failed .*run r1 does not exist"):
-        fresh.agent_call("fail")
+        caller.call("agent", ["fail"], check=True)
     with pytest.raises(AgentError, match="(?s)gave no readable reply.*agent exploded"):
-        fresh.agent_call("crash")
+        caller.call("agent", ["crash"], check=True)
 
 
 def test_killed_bundle_upload_never_looks_complete(ct, scratch):
@@ -419,9 +421,10 @@ def test_killed_bundle_upload_never_looks_complete(ct, scratch):
 
 
 def test_this_checkouts_bundle_runs_the_agent_package(ct):
-    path = ct.ensure_bundle()
+    caller = AgentCaller(ct)
+    caller.ensure_bundle()
     out = ct.exec([ct.config.python, "-c", "import agent.protocol as p; print(p.PROTOCOL_VERSION)"],
-                  env=ct.agent_env(path), check=True).stdout
+                  env=caller.env(), check=True).stdout
     from agent.protocol import PROTOCOL_VERSION
 
     assert out.strip() == str(PROTOCOL_VERSION)
@@ -435,7 +438,7 @@ def test_hostile_start_script_uploaded_and_run_in_the_container_interprets_nothi
     fake_python = ("#!/usr/bin/python3\nimport json, os, sys\n"
                    "open(os.path.join(os.getcwd(), 'dump.json'), 'w').write("
                    "json.dumps({'argv': sys.argv[1:], 'env': dict(os.environ)}))\n")
-    container = ct.config.model_copy(update={"venv": f"{scratch}/venv"})
+    container = dataclasses.replace(ct.config, venv=f"{scratch}/venv")
     ct.exec(["mkdir", "-p", f"{scratch}/venv/bin"], check=True)
     ct.write_file(f"{scratch}/venv/bin/python3", fake_python, mode=0o755)
     run_dir = f"{scratch}/run 'x' $(touch {pwned})"

@@ -11,7 +11,7 @@ import pytest
 
 import _sshd
 from controller.config import NodeConfig
-from controller.ssh import SSHRunner, _retryable, resolve_target
+from controller.ssh import SSHRunner, resolve_target
 from controller.transport import CommandError, HostKeyError, TransportError
 
 
@@ -164,14 +164,29 @@ def test_ssh_config_alias_is_honoured(sshd, tmp_path, monkeypatch):
 def test_authentication_failure_is_clear_and_not_retried(sshd, tmp_path):
     stranger = tmp_path / "stranger"
     _sshd._keygen(stranger)
-    with SSHRunner.for_node("testnode", node(sshd, identity_file=str(stranger))) as r:
+    with _Counting(resolve_target("testnode", node(sshd, identity_file=str(stranger)))) as r:
         with pytest.raises(TransportError) as info:
             r.run(["true"])
     assert "authentication" in str(info.value) and "authorized_keys" in str(info.value)
-    # Retrying cannot fix a refused key or a bad host key; a dropped connection can.
-    assert not _retryable(paramiko.AuthenticationException("no"))
-    assert not _retryable(HostKeyError("changed"))
-    assert _retryable(ConnectionRefusedError())
+    assert r.hop_attempts == 1  # retrying cannot fix a refused key
+
+
+def test_a_refused_connection_is_retried_then_named(sshd, tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    with _Counting(resolve_target("testnode", node(sshd, port=closed)), attempts=3) as r:
+        with pytest.raises(TransportError, match=rf"cannot connect to node testnode at 127.0.0.1:{closed} after 3 "):
+            r.run(["true"])
+    assert r.hop_attempts == 3
+
+
+class _Counting(SSHRunner):
+    hop_attempts = 0
+
+    def _open_hop(self, t, sock):
+        self.hop_attempts += 1
+        return super()._open_hop(t, sock)
 
 
 def test_missing_key_file_is_named_not_retried(sshd, tmp_path):

@@ -1,4 +1,5 @@
-"""``python -m trainer``: train a DFlash drafter; ``prepare``, ``tiny``, ``synthetic`` and ``flags`` subcommands.
+"""``python -m trainer``: train a DFlash drafter; ``prepare``, ``tiny``, ``synthetic``, ``export`` and ``flags``
+subcommands.
 
 Bad input (flags, paths, an incompatible checkpoint, a missing start decision) is refused
 before anything is created: one line per problem on stderr, exit code 2 (EXIT_USAGE).
@@ -27,10 +28,20 @@ PROG = "python -m trainer"
 def validate(args) -> list[str]:
     """Every reason this run cannot start, one line each; touches nothing on disk."""
     problems = flags.check(vars(args))
+    if args.probe_capacity_mib is not None and not args.probe_capacity_mib > 0:
+        problems.append(f"--probe-capacity-mib {args.probe_capacity_mib:g}: give the memory to check against in MiB, "
+                        "a positive number (e.g. 91000 for a 96 GB GPU)")
     cuda = args.device == "cuda" or (args.device == "auto" and _cuda_available())
     # auto paths are fixed here, once, so every later reader (memory check, probe, events) sees one value
     args.drafter_step = flags.drafter_step_for(vars(args), cuda)
-    args.target_forward = flags.target_forward_for(vars(args), cuda)
+    target_cfg = None
+    if args.target_model and os.path.isfile(os.path.join(args.target_model, "config.json")):
+        try:
+            with open(os.path.join(args.target_model, "config.json")) as fh:
+                target_cfg = json.load(fh)
+        except (OSError, ValueError):
+            target_cfg = None  # refused below with the reason
+    args.target_forward = flags.target_forward_for(vars(args), cuda, target_cfg)
     if args.token_budget == "auto":
         # Resolved on the GPUs themselves (train.memory_check), from the memory model of the
         # chunked drafter step. CPU: refused rather than guessed — host RAM is shared with
@@ -59,14 +70,20 @@ def validate(args) -> list[str]:
         return problems
     # -- the start decision's checkpoint must fit this target, block size and (resume) data
     from trainer import checkpoint as ckpt_io
-    from trainer.model import DrafterConfig
-    from trainer.target import read_config, target_identity
+    from trainer import family
+    from trainer.target import target_identity
+    from trainer.train import drafter_config
 
     try:
-        dcfg = DrafterConfig.from_target(read_config(args.target_model), args.num_draft_layers, args.block_size,
-                                         args.mask_token_id, args.target_layer_ids)
-    except (KeyError, ValueError) as exc:
-        return [f"--target-model {args.target_model}: not a Qwen3-family config ({exc})"]
+        why = family.unsupported(family.read_config(args.target_model))
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        why = f"config.json is unreadable ({exc})"
+    if why:
+        return [f"--target-model {args.target_model}: {why}"]
+    try:
+        dcfg = drafter_config(args)
+    except ValueError as exc:  # a drafter flag that does not fit (it names itself), or the target's RoPE
+        return [str(exc) if str(exc).startswith("--") else f"--target-model {args.target_model}: {exc}"]
     L = dcfg.num_target_layers
     if any(not 0 <= i < L for i in dcfg.target_layer_ids):
         problems.append(f"--target-layer-ids {','.join(map(str, dcfg.target_layer_ids))}: the target has layers 0..{L - 1}")
@@ -116,7 +133,7 @@ def validate(args) -> list[str]:
         problems += ckpt_io.compatibility_problems(
             meta, block_size=args.block_size, num_draft_layers=args.num_draft_layers,
             target=target_identity(args.target_model), target_layer_ids=dcfg.target_layer_ids, flag=flag,
-            data_fingerprint=fingerprint)
+            data_fingerprint=fingerprint, drafter=dcfg.to_hf())
     return problems
 
 
@@ -158,6 +175,7 @@ SUBCOMMANDS = {
     "prepare": _subcommand("trainer.data"),
     "tiny": _subcommand("trainer.tiny"),
     "synthetic": _subcommand("trainer.synthetic"),
+    "export": _subcommand("trainer.export"),
     "flags": _flags_main,
 }
 
@@ -169,11 +187,20 @@ def main(argv: list[str] | None = None) -> int:
 
     # exits EXIT_USAGE with one line on a parse error
     args = flags.parse_args(argv, epilog=f"other commands: {', '.join(SUBCOMMANDS)} (`{PROG} NAME --help`)")
+    # before anything imports torch: the allocator reads its configuration when CUDA starts,
+    # and the compile cache's place must be known before the first compile
+    from trainer import runtime_env
+
+    runtime_env.apply()
     problems = validate(args)
     if problems:
         for p in problems:
             print(f"{PROG}: error: {p}", file=sys.stderr)
         return flags.EXIT_USAGE
+    if args.probe_first and not args.probe_memory and "RANK" not in os.environ:
+        rc, argv = probe_first(argv, args)
+        if rc != flags.EXIT_OK:
+            return rc
 
     from trainer.topology import world_size_for
 
@@ -203,6 +230,60 @@ def main(argv: list[str] | None = None) -> int:
         return run(args, topo)
     finally:
         topology.shutdown(topo)
+
+
+def probe_first(argv: list[str], args) -> tuple[int, list[str]]:
+    """--probe-first: run this command's --probe-memory (its own process, so what it held is
+    given back before training loads) and, when it fits, return the argv to train with —
+    --token-budget auto replaced by the budget the probe measured, so the run trains exactly
+    what was probed. (exit code, argv)."""
+    from trainer.train import ENV_PROBE_FIRST, run_dir_of
+    from agent.protocol import EVENTS
+
+    argv = [a for a in argv if a != "--probe-first"]
+    print(f"{PROG}: --probe-first: measuring this run's worst case for two optimizer steps before training", flush=True)
+    started = time.time()
+    rc = subprocess.run([sys.executable, "-m", "trainer", *argv, "--probe-memory"],
+                        env={**os.environ, ENV_PROBE_FIRST: "1"}).returncode
+    if rc != flags.EXIT_OK:
+        print(f"{PROG}: error: --probe-first: the memory probe exited {rc}"
+              + (" (it does not fit: see the line above)" if rc == flags.EXIT_USAGE else "") + "; not training",
+              file=sys.stderr, flush=True)
+        return rc, argv
+    if args.token_budget == "auto":
+        budgets = [e.get("budget") for e in _events(os.path.join(run_dir_of(args), EVENTS), started)
+                   if e.get("kind") == "probe" and "peak_mib" in e]
+        if budgets and all(b == budgets[0] for b in budgets):
+            argv = _with_budget(argv, int(budgets[0]))
+    return flags.EXIT_OK, argv
+
+
+def _with_budget(argv: list[str], budget: int) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--token-budget":
+            skip = True
+        elif not a.startswith("--token-budget="):
+            out.append(a)
+    return out + ["--token-budget", str(budget)]
+
+
+def _events(path: str, since: float) -> list[dict]:
+    out = []
+    try:
+        with open(path, encoding="utf-8") as fh:
+            for line in fh:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError:
+                    continue
+                if rec.get("ts", 0) >= since:
+                    out.append(rec)
+    except OSError:
+        pass
+    return out
 
 
 def relaunch(argv: list[str], world: int, args, launcher: list[str] | None = None) -> int:

@@ -1,6 +1,8 @@
 """Checkpoints: ``OUTPUT/step_N/`` holds
 
-* ``drafter/``       config.json + model.safetensors (inference export, z-lab layout)
+* ``drafter/``       the inference export, as ``python -m trainer export`` writes it
+                     (trainer/export.py: config.json for the serving stacks, bf16
+                     model.safetensors, modeling_dflash.py, README.md; world-readable)
 * ``meta.json``      the checkpoint's self-description (step, config, target identity,
                      data fingerprint, schedule): read by launch validation without
                      loading tensors
@@ -9,6 +11,8 @@
 
 ``checkpoint.pt`` is written last, to a temp name, fsynced and renamed: its presence means the
 step directory is complete, and a kill at any moment leaves earlier checkpoints untouched.
+:func:`prune` keeps the newest ``--keep-checkpoints`` of them (and every ``--keep-every``-th
+step); it runs only after a save completed and never removes the checkpoint just written.
 """
 
 from __future__ import annotations
@@ -16,8 +20,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import tempfile
+import uuid
 
 import numpy as np
 import torch
@@ -30,6 +36,7 @@ VERSION = 1
 CHECKPOINT = "checkpoint.pt"
 META = "meta.json"
 DRAFTER = "drafter"
+STEP_DIR = re.compile(r"step_(\d+)$")
 
 
 def step_dir(output_dir: str, step: int) -> str:
@@ -77,16 +84,18 @@ def set_rng_state(state: dict) -> None:
 def save(output_dir: str, step: int, drafter, meta: dict, state: dict) -> str:
     """Write step_N/ (drafter export, meta.json, then checkpoint.pt atomically); return the
     checkpoint.pt path. ``meta`` is JSON-able; ``state`` adds the tensors."""
+    from trainer import drafter_dir as export
+
     d = step_dir(output_dir, step)
     os.makedirs(d, exist_ok=True)
-    # drafter/ first, via a temp dir + rename, so a reader never sees half an export
-    tmp = tempfile.mkdtemp(prefix=".drafter-", dir=d)
-    drafter.save_pretrained(tmp)
-    final = os.path.join(d, DRAFTER)
-    if os.path.exists(final):
-        shutil.rmtree(final)
-    os.rename(tmp, final)
+    os.chmod(d, 0o755)  # a server running as another user must reach drafter/ inside
     meta = {"format": FORMAT, "version": VERSION, "step": step, **meta}
+    if "target_config" not in meta:  # what the export needs of the target, so it needs no target dir later
+        meta["target_config"] = export.target_facts((meta.get("config") or {}).get("target_model"))
+    # drafter/ first, written like `python -m trainer export` (temp dir + rename), so a
+    # reader never sees half an export
+    export.write_drafter_dir(os.path.join(d, DRAFTER), drafter.state_dict(), meta, replace=True,
+                             evals=export.read_evals(d))
     atomic_write_json(os.path.join(d, META), meta)
     path = os.path.join(d, CHECKPOINT)
     fd, tmp_pt = tempfile.mkstemp(prefix=".checkpoint-", suffix=".tmp", dir=d)
@@ -103,10 +112,73 @@ def save(output_dir: str, step: int, drafter, meta: dict, state: dict) -> str:
     return path
 
 
-def load(path: str, map_location="cpu") -> dict:
+def steps(output_dir: str) -> list[tuple[int, str, bool]]:
+    """(step, step directory, complete) for every OUTPUT/step_N, ascending by step."""
+    try:
+        names = os.listdir(output_dir)
+    except OSError:
+        return []
+    out = []
+    for name in names:
+        m = STEP_DIR.match(name)
+        path = os.path.join(output_dir, name)
+        if m and os.path.isdir(path):
+            out.append((int(m.group(1)), path, os.path.isfile(os.path.join(path, CHECKPOINT))))
+    return sorted(out)
+
+
+def prune(output_dir: str, saved_step: int, keep: int, keep_every: int = 0) -> list[int]:
+    """After step ``saved_step`` was saved completely: remove older checkpoints beyond the
+    newest ``keep`` (the one just saved counts; 0 keeps all) except every step that is a
+    multiple of ``keep_every``, and incomplete step directories older than it (a save that
+    died). Returns the removed steps.
+
+    Newer step directories (an earlier, longer run in the same output dir) are left alone,
+    and so is the one just saved, so the newest loadable checkpoint is never removed. A
+    directory is renamed away before it is deleted, so a crash mid-delete leaves nothing
+    that looks like a checkpoint."""
+    if keep <= 0:
+        return []
+    here = steps(output_dir)
+    if not any(s == saved_step and done for s, _, done in here):
+        return []  # the save did not complete: remove nothing
+    older = [(s, p, done) for s, p, done in here if s < saved_step]
+    kept_complete = [s for s, _, done in older if done][::-1][:keep - 1]
+    removed = []
+    for s, p, done in older:
+        if done and (s in kept_complete or (keep_every > 0 and s % keep_every == 0)):
+            continue
+        _remove(p)
+        removed.append(s)
+    for name in os.listdir(output_dir):  # leftovers of a crash in an earlier prune
+        if name.startswith(".pruned-step_"):
+            shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
+    return removed
+
+
+def _remove(path: str) -> None:
+    parent, name = os.path.split(path)
+    gone = os.path.join(parent, f".pruned-{name}-{uuid.uuid4().hex[:8]}")
+    os.rename(path, gone)
+    shutil.rmtree(gone, ignore_errors=True)
+
+
+def load(path: str, map_location="cpu", mmap: bool = False) -> dict:
+    """The whole checkpoint.pt. ``mmap`` maps the tensors instead of reading them (an export
+    of a 27B-width drafter needs its weights, not the optimizer state beside them)."""
     d = resolve(path)
     read_meta(d)
-    return torch.load(os.path.join(d, CHECKPOINT), map_location=map_location, weights_only=False)
+    return torch.load(os.path.join(d, CHECKPOINT), map_location=map_location, weights_only=False, mmap=mmap)
+
+
+def load_drafter(path: str, device="cpu"):
+    """The drafter of a checkpoint with its fp32 master weights (not the bf16 export)."""
+    from trainer.model import Drafter, DrafterConfig
+
+    ckpt = load(path, mmap=True)
+    drafter = Drafter(DrafterConfig.from_hf(ckpt["drafter_config"]))
+    drafter.load_state_dict(ckpt["model"])
+    return drafter.to(device)
 
 
 def is_export(path: str) -> bool:
@@ -132,9 +204,12 @@ def init_weights(path: str) -> dict:
 
 
 def compatibility_problems(meta: dict, *, block_size: int, num_draft_layers: int, target: dict,
-                           target_layer_ids: list[int], flag: str, data_fingerprint: str | None = None) -> list[str]:
+                           target_layer_ids: list[int], flag: str, data_fingerprint: str | None = None,
+                           drafter: dict | None = None) -> list[str]:
     """Why a checkpoint cannot start this run (one line each, naming the flag): the launch
-    preflight's rule, agent/ckptcompat.py."""
+    preflight's rule, agent/ckptcompat.py. ``drafter``: this run's drafter config
+    (DrafterConfig.to_hf), whose attention layout must match."""
     return ckptcompat.problems(meta, {"flag": flag, "path": meta.get("path"), "block_size": block_size,
                                       "num_draft_layers": num_draft_layers, "target": target,
-                                      "target_layer_ids": target_layer_ids, "data_fingerprint": data_fingerprint})
+                                      "target_layer_ids": target_layer_ids, "data_fingerprint": data_fingerprint,
+                                      "drafter": drafter})

@@ -23,8 +23,8 @@ matmuls per position (the minimum with a frozen head), no recompute, peak extra 
 The loss must be a sum of per-chunk terms, each a function of that chunk's per-position
 ce/kl only, with global normalisers fixed ahead (Σ weights, number of valid blocks). The
 DFlash objective is: weights depend on position and masks (decay) or on the block's own
-detached CE (D-PACE), and the CAP term is per block. ``dflash_loss_fn`` builds that
-function from the spec's formulas; the trainer's own loss module can pass its own.
+detached CE (D-PACE), and the CAP term is per block. trainer/loss.py's ``dflash_loss_fn``
+builds that function from the spec's formulas.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["chunked_head_loss", "dflash_loss_fn", "head_ce", "naive_head_loss", "position_weights"]
+__all__ = ["chunked_head_loss", "head_ce", "naive_head_loss"]
 
 LossFn = Callable[[torch.Tensor, Optional[torch.Tensor], slice], torch.Tensor]
 
@@ -201,51 +201,6 @@ def head_ce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, c
     return out
 
 
-def position_weights(block_size: int, gamma: float, valid: torch.Tensor) -> torch.Tensor:
-    """w_k = exp(−(k−1)/γ) · valid[.., k] for slots k = 1..B−1; valid [nb, B−1] (loss_mask at
-    a+k, in bounds, block kept)."""
-    k = torch.arange(1, block_size, device=valid.device, dtype=torch.float32)
-    return torch.exp(-(k - 1) / float(gamma)) * valid.float()
-
-
-def dflash_loss_fn(weights: torch.Tensor, *, kl_weight: float = 0.0, temperature: float = 1.0,
-                   cap_lambda: float = 0.0, block_valid: Optional[torch.Tensor] = None,
-                   denom: Optional[torch.Tensor] = None, n_valid_blocks: Optional[torch.Tensor] = None
-                   ) -> LossFn:
-    """The spec's objective as a per-chunk function (TRAINER_SPEC.md "Objective"):
-
-    L = (1 − kl_weight)·Σ w·ce / Σ w + kl_weight·Σ w·T²·kl / Σ w
-        + cap_lambda · mean over valid blocks of (1 − E/(B−1)), E = Σ_j Π_{k≤j} p_k,
-    with p_k = exp(−ce_k) at slots whose weight is > 0 and 0 elsewhere (an invalid slot ends
-    the accepted run). weights [nb, K]; normalisers are global (fixed before the chunks).
-    When kl is None (no soft labels) the first term has weight 1.
-    Normalisers stay tensors (no host sync)."""
-    if denom is None:
-        denom = weights.sum().clamp_min(1e-6)
-    if block_valid is None:
-        block_valid = (weights > 0).any(-1)
-    if n_valid_blocks is None:
-        n_valid_blocks = block_valid.sum().clamp_min(1)
-    T2 = float(temperature) ** 2
-
-    def fn(ce: torch.Tensor, kl: Optional[torch.Tensor], sl: slice) -> torch.Tensor:
-        w = weights[sl]
-        if kl is None:
-            loss = (w * ce).sum() / denom
-        else:
-            loss = ((1.0 - kl_weight) * (w * ce).sum() + kl_weight * T2 * (w * kl).sum()) / denom
-        if cap_lambda:
-            p = torch.exp(-ce) * (w > 0)
-            C = torch.cumprod(p, dim=-1)
-            E = C.sum(-1)
-            K = ce.shape[-1]
-            cap = ((1.0 - E / K) * block_valid[sl].float()).sum() / n_valid_blocks
-            loss = loss + cap_lambda * cap
-        return loss
-
-    return fn
-
-
 def naive_head_loss(hidden, weight, targets, loss_fn, *, teacher=None, teacher_is_logits=False,
                     temperature=1.0):
     """Reference: all logits at once, plain autograd. For tests and tiny CPU runs."""
@@ -275,6 +230,8 @@ def _selfcheck() -> float:  # pragma: no cover - quick manual check
     h = torch.randn(5, 7, 16, dtype=torch.float64, requires_grad=True)
     W = torch.randn(50, 16, dtype=torch.float64)
     t = torch.randint(0, 50, (5, 7))
+    from trainer.loss import dflash_loss_fn
+
     fn = dflash_loss_fn(torch.rand(5, 7, dtype=torch.float64))
     a = chunked_head_loss(h, W, t, fn, chunk_rows=14)[0]
     b = naive_head_loss(h, W, t, fn)

@@ -17,7 +17,8 @@ One round:
 Lossless: every committed token is the target's greedy choice after the committed prefix,
 so the output equals plain greedy decoding token for token (up to floating-point ties).
 
-Like evaluate.py, the target recomputes the whole prefix every round (no KV cache).
+The target recomputes the whole prefix every round (no cache). Dense (Qwen3) targets only:
+a hybrid target is refused with the reason (:func:`tree_refusal`).
 """
 
 from __future__ import annotations
@@ -108,10 +109,28 @@ def draft_logprobs(drafter, head, taps, seq: list[int], bonus: int, device) -> t
     return logits.float().log_softmax(-1)
 
 
+def tree_refusal(target) -> str | None:
+    """Why tree verification cannot be exact for this target, or None. One target pass over
+    the tree is exact only when every layer attends: a node then sees its ancestors through
+    the mask. Qwen3.5/3.6's Gated DeltaNet layers instead fold the tokens before a node into
+    one recurrent state in sequence order, so a node's state would hold its siblings and
+    their subtrees — no mask can branch it. Exact alternatives (one pass per root-to-leaf
+    path, or a state per node) cost a target pass or a state copy per branch: not built."""
+    if getattr(target, "hybrid", False):
+        return ("tree verification is not exact for a Qwen3.5/3.6 target: its Gated DeltaNet layers carry one "
+                "recurrent state in sequence order, which a tree attention mask cannot branch per node; use block "
+                "verification (trainer.evaluate.speculative, exact with the state rolled back to the accepted prefix)")
+    return None
+
+
 @torch.no_grad()
 def speculative_tree(target, drafter, head, prompt: list[int], max_new: int, budget: int, device="cpu"):
     """(tokens, accepted per target forward), as evaluate.speculative but with a tree of
-    ``budget`` drafted nodes verified per target forward."""
+    ``budget`` drafted nodes verified per target forward. Refused for a hybrid target
+    (:func:`tree_refusal`)."""
+    why = tree_refusal(target)
+    if why:
+        raise ValueError(why)
     mask_dtype = target.model.dtype
     seq = list(prompt)
     taps, logits = target.forward_logits(torch.tensor([seq], device=device))

@@ -7,8 +7,15 @@ is accepted, and the target's token after it becomes the next bonus. τ = mean t
 committed per target forward (the bonus included), so τ ≥ 1 always, and the output equals
 plain greedy decoding token for token.
 
-Simple on purpose: the target recomputes the whole prefix every round (no KV cache). That
-is fine for CPU tests and small held-out sets; it is not a serving benchmark.
+The target keeps a cache of the committed prefix (attention K/V, and for a Qwen3.5/3.6
+target the Gated DeltaNet layers' convolution and recurrent states), so a round costs the
+block, not the prefix. Verification runs on a copy of that cache; when only j < B-1 drafts
+are accepted, the kept cache is advanced by the committed tokens alone. Attention K/V could
+simply be cut back to the accepted length, but a recurrent state has folded every verified
+token in and cannot be: it is rolled back by restarting from the state before the round.
+So every committed token is the target's greedy choice after exactly the committed prefix,
+and the output equals plain greedy decoding token for token (tests: Qwen3 and both Qwen3.5
+layouts). Not a serving benchmark: batch 1, transformers' forward.
 """
 
 from __future__ import annotations
@@ -17,6 +24,10 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
+
+from trainer.hf_dflash import speculative_decode
+
+EVAL_MAX_NEW = 64  # new tokens per prompt of the evaluation at each save
 
 
 @torch.no_grad()
@@ -34,28 +45,18 @@ def speculative(target, drafter, head, prompt: list[int], max_new: int, device="
     B = drafter.config.block_size
     mask_id = drafter.config.mask_token_id
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if torch.device(device).type == "cuda" else nullcontext()
-    seq = list(prompt)
-    taps, logits = target.forward_logits(torch.tensor([seq], device=device))
-    bonus = int(logits[0, -1].argmax())
-    out: list[int] = []
-    per_forward: list[int] = []
-    while len(out) < max_new:
-        n = len(seq)  # the block's anchor (the bonus token) sits at position n
-        ids = torch.tensor([seq + [bonus]], device=device)
+
+    def draft(taps, n, bonus):
+        ids = torch.full((1, n + 1), bonus, device=device)  # embed_blocks reads only the anchor's token
         anchors = torch.tensor([[n]], device=device)
         keep = torch.ones(1, 1, dtype=torch.bool, device=device)
         with autocast:
-            h = drafter(taps[:, :n], head.embed_blocks(ids, anchors, B, mask_id), anchors, keep)
-            draft = F.linear(h[0, 1:], head.lm_head).argmax(-1).tolist()
-        taps, logits = target.forward_logits(torch.tensor([seq + [bonus] + draft], device=device))
-        pred = logits[0, n:n + B].argmax(-1).tolist()  # target's choice for positions n+1 .. n+B
-        j = 0
-        while j < B - 1 and draft[j] == pred[j]:
-            j += 1
-        seq += [bonus] + draft[:j]
-        out += [bonus] + draft[:j]
-        bonus = pred[j]
-        per_forward.append(j + 1)
+            h = drafter(taps, head.embed_blocks(ids, anchors, B, mask_id), anchors, keep)
+            return F.linear(h[0, 1:], head.lm_head).argmax(-1).tolist()
+
+    # one decode loop with the export's spec_generate (trainer/hf_dflash.py)
+    out, per_forward = speculative_decode(
+        lambda rows, c: target.forward_cached(torch.tensor(rows, device=device), c), draft, prompt, max_new)
     return out[:max_new], per_forward
 
 
@@ -70,7 +71,7 @@ def prompts_from(data, n: int, max_prompt: int = 256) -> list[list[int]]:
     return prompts
 
 
-def acceptance_length(target, drafter, head, data, n_prompts: int, device, max_new: int = 64) -> float:
+def acceptance_length(target, drafter, head, data, n_prompts: int, device, max_new: int = EVAL_MAX_NEW) -> float:
     was_training = drafter.training
     drafter.eval()
     counts: list[int] = []

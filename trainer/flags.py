@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
+from trainer import family  # standard library only, like this module
+
 # Exit codes are part of the trainer → agent contract (DESIGN.md); their home is
 # agent/protocol.py, which the agent reads without importing the trainer.
 from agent.protocol import EXIT_FAILURE, EXIT_OK, EXIT_STOPPED, EXIT_USAGE  # noqa: F401 (re-exported)
@@ -44,7 +46,7 @@ def format_gpus(gpus: Iterable[int]) -> str:
 
 
 def parse_token_budget(text: str) -> int | str:
-    """An int, or 'auto' (the largest budget that fits, found by the memory probe)."""
+    """An int, or 'auto' (the budget the memory plan picks on the GPUs: trainer/budget.py)."""
     if isinstance(text, int):
         return text
     if str(text).strip().lower() == "auto":
@@ -117,13 +119,13 @@ START_GROUP = "start"
 
 FLAGS: tuple[Flag, ...] = (
     # -- where things are
-    Flag("--target-model", "path", None, "local Hugging Face directory of the frozen Qwen3-family target", "paths", required=True, metavar="DIR"),
+    Flag("--target-model", "path", None, "local Hugging Face directory of the frozen target: Qwen3 (qwen3) or Qwen3.5/3.6 (qwen3_5 vision-language layout, or qwen3_5_text); only the language model is loaded", "paths", required=True, metavar="DIR"),
     Flag("--data-dir", "path", None, "prepared data (shards + meta.json from `python -m trainer prepare`)", "paths", required=True, metavar="DIR"),
     Flag("--output-dir", "path", None, "checkpoints go to OUTPUT/step_N/", "paths", required=True, metavar="DIR"),
     Flag("--run-dir", "path", None, "run directory for events.jsonl and heartbeats (default: $DFLASH_RUN_DIR, else the output dir)", "paths", metavar="DIR"),
     # -- GPU roles
     Flag("--target-gpus", "gpus", None, "GPUs running the frozen target forward (comma list); on CPU the ids name rank slots", "topology", required=True, metavar="IDS"),
-    Flag("--drafter-gpus", "gpus", None, "GPUs training the drafter with DDP; equal to --target-gpus means colocated", "topology", required=True, metavar="IDS"),
+    Flag("--drafter-gpus", "gpus", None, "GPUs training the drafter data-parallel (gradients averaged over them each step); equal to --target-gpus means colocated", "topology", required=True, metavar="IDS"),
     Flag("--device", "choice", "auto", "auto uses CUDA when available, else CPU with gloo", "topology", choices=("auto", "cuda", "cpu")),
     # -- one job across several containers/nodes (trainer/multinode.py; the controller sets these for a job)
     Flag("--nnodes", "int", 1, "containers (torchrun nodes) in this job; more than 1 needs --node-rank, --rdzv-endpoint and --job-layout, and --target-gpus/--drafter-gpus name this container's own GPUs", "job"),
@@ -147,7 +149,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--grad-clip", "float", 1.0, "global gradient-norm clip (0 disables)", "optim"),
     Flag("--seed", "int", 0, "seed for data order, anchors, noise and init", "optim"),
     # -- batching
-    Flag("--token-budget", "budget", 49152, "tokens per micro-batch, counted as padded length × batch; 'auto' (CUDA, --drafter-step chunked) = the largest multiple of --max-seq-len whose predicted peak (trainer/memory.py) plus allocator reserve (6 % drafter, 12 % target), CUDA context and a 2 GiB margin fits every rank's free GPU memory, the same for all ranks", "batching", metavar="N|auto"),
+    Flag("--token-budget", "budget", 49152, "tokens per micro-batch, counted as padded length × batch; 'auto' (CUDA, --drafter-step chunked) = among the multiples of --max-seq-len whose predicted reserved peak (trainer/memory.py) plus a 2 GiB margin fits every rank's free GPU memory, the smallest within 0.2 % of the best modelled tokens/s (trainer/budget.py; one line says why), the same for all ranks", "batching", metavar="N|auto"),
     Flag("--max-seq-len", "int", 8192, "sequences are truncated to this length", "batching"),
     Flag("--max-batch-size", "int", 64, "at most this many sequences per micro-batch", "batching"),
     # -- drafter
@@ -155,9 +157,12 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--max-anchors", "int", 1024, "anchors (blocks) sampled per sequence per step", "drafter"),
     Flag("--num-draft-layers", "int", 5, "decoder layers in the drafter", "drafter"),
     Flag("--target-layer-ids", "layers", None, "tapped target layers (default: evenly spaced, as in the reference drafter)", "drafter", metavar="IDS"),
-    Flag("--drafter-step", "choice", "auto", "drafter forward/backward: reference (whole micro-batch through autograd, per-slot metrics) or chunked (trainer/fast_drafter.py: anchor chunks, bounded activation memory, ~10× less memory per drafted position; with --position-weights dpace it first runs every chunk forward without gradient for the detached weights: extra compute, not yet measured on GPU); auto = chunked on CUDA, reference on CPU", "drafter", choices=("auto", "reference", "chunked")),
-    Flag("--target-forward", "choice", "auto", "target forward: hf (transformers, hooks on the tapped layers) or fast (trainer/fast_target.py over the same weights: fused GEMMs, cuDNN attention, stops after the last tapped layer); auto = fast on CUDA, hf on CPU", "drafter", choices=("auto", "hf", "fast")),
-    Flag("--mask-token-id", "int", None, "id used for the masked block slots (default: 151669 when the vocabulary has it, else the last id)", "drafter"),
+    Flag("--drafter-step", "choice", "auto", "drafter forward/backward (trainer/step.py): reference (model.py + loss.py, the whole micro-batch through autograd) or chunked (trainer/fast_drafter.py: anchor chunks, bounded activation memory, ~10× less memory per drafted position; with --position-weights dpace it first runs every chunk forward without gradient for the detached weights: extra compute, not yet measured on GPU); auto = chunked on CUDA, reference on CPU", "drafter", choices=("auto", "reference", "chunked")),
+    Flag("--target-forward", "choice", "auto", "target forward: hf (transformers, hooks on the tapped layers) or fast (over the same weights: fused GEMMs, cuDNN attention, stops after the last tapped layer; trainer/fast_target.py for Qwen3, trainer/fast_hybrid.py for Qwen3.5/3.6 with flash-linear-attention's Gated DeltaNet kernels); auto = fast on CUDA (for Qwen3.5/3.6 only when flash-linear-attention is importable), hf on CPU", "drafter", choices=("auto", "hf", "fast")),
+    Flag("--mask-token-id", "int", None, "id used for the masked block slots (default: the target config's mask_token_id, else the first id past its tokenizer — 151669 for Qwen3, 248070 for Qwen3.5/3.6 — else the family's default when the vocabulary has it, else the last id); checked against the vocabulary", "drafter"),
+    Flag("--drafter-layer-types", "str", "auto", "attention of each drafter layer, comma list of full/sliding (e.g. sliding,sliding,sliding,sliding,full); auto = the public drafters of the target's family: all full for Qwen3, sliding-window with the last layer full for Qwen3.5/3.6 (SpecForge's qwen3.6-27b-dflash.json)", "drafter", metavar="auto|LIST"),
+    Flag("--sliding-window", "int", family.SLIDING_WINDOW, "window of the drafter's sliding layers: a block slot at position p sees context from p - window + 1 on and the slots before it in its block (SpecForge's sliding DFlash mask)", "drafter"),
+    Flag("--drafter-attention", "str", "auto", "drafter query heads/KV heads/head dim, e.g. 32/8/128; auto = the target's own for Qwen3, 32/8/128 for Qwen3.5/3.6 (the public drafters)", "drafter", metavar="auto|Q/KV/D"),
     # -- objective
     Flag("--gamma", "float", 10.0, "position-decay constant: w_k = exp(-(k-1)/gamma)", "loss"),
     Flag("--position-weights", "choice", "decay", "per-slot loss weights: exponential decay (DFlash) or D-PACE (detached, confidence-based)", "loss", choices=("decay", "dpace")),
@@ -171,9 +176,13 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--noise-end", "float", 0.0, "noise amplitude at the last step (linear anneal)", "loss"),
     # -- outputs
     Flag("--save-interval", "int", 2000, "optimizer steps between checkpoints (a final one is always written)", "output"),
+    Flag("--keep-checkpoints", "int", 3, "keep the newest N checkpoints in --output-dir: an older one is removed only after a newer save completed, never the newest loadable one (0 keeps all); the launch preflight refuses a run whose retained checkpoints cannot fit the output disk", "output", metavar="N"),
+    Flag("--keep-every", "int", 0, "also keep every checkpoint whose step is a multiple of K, beyond --keep-checkpoints (0: none)", "output", metavar="K"),
     Flag("--log-interval", "int", 1, "optimizer steps between step events", "output"),
     Flag("--eval-prompts", "int", 0, "held-out prompts for acceptance-length evaluation at each save (0: off)", "output"),
-    Flag("--probe-memory", "bool", False, "run the worst-case step (the selected --drafter-step) on each role's device, report the measured peak per GPU beside the memory model's prediction, and exit", "output"),
+    Flag("--probe-memory", "bool", False, "run this run's worst case (full-length sequences at the resolved --token-budget, --max-anchors each, the selected --drafter-step) for two optimizer steps on each role's GPU, report the measured allocated and reserved peaks beside the memory model's prediction, and exit: 0 when every GPU holds the measured reserved peak plus a 2 GiB margin, 2 (one line per short GPU: role, need, shortfall) when not", "output"),
+    Flag("--probe-first", "bool", False, "before training, run --probe-memory's worst case in a separate process and train only if it fits (costs one more start-up and two steps; the compile cache it fills is reused)", "output"),
+    Flag("--probe-capacity-mib", "float", None, "the memory --probe-memory checks the measured need against, instead of the GPU's free memory: plan for a smaller GPU (on CPU the check runs only with it)", "output", metavar="MIB"),
     # -- experiment tracking
     Flag("--wandb-project", "str", None, "wandb project (no wandb logging when unset)", "wandb", metavar="NAME"),
     Flag("--wandb-run-name", "str", None, "wandb run name", "wandb", metavar="NAME"),
@@ -212,6 +221,9 @@ BOUNDS: dict[str, tuple[Any, Any]] = {
     "save_interval": (1, INT_MAX),
     "log_interval": (1, INT_MAX),
     "eval_prompts": (0, 1_000_000),
+    "sliding_window": (1, 1 << 20),
+    "keep_checkpoints": (0, INT_MAX),  # 0: keep all
+    "keep_every": (0, INT_MAX),  # 0: none kept for their step number alone
 }
 
 
@@ -266,12 +278,20 @@ def drafter_step_for(values: Mapping[str, Any], cuda: bool) -> str:
     return "chunked" if cuda else "reference"
 
 
-def target_forward_for(values: Mapping[str, Any], cuda: bool) -> str:
-    """--target-forward with auto resolved: the fast forward on CUDA, transformers' on CPU."""
+def target_forward_for(values: Mapping[str, Any], cuda: bool, target_config: Mapping[str, Any] | None = None,
+                       kernels: bool | None = None) -> str:
+    """--target-forward with auto resolved: the fast forward on CUDA, transformers' on CPU.
+    For a Qwen3.5/3.6 (hybrid) target the fast forward is proven equal to transformers' with
+    flash-linear-attention's kernels only (trainer/fast_hybrid.py), so auto picks it only when
+    they are importable (``kernels``, default: here)."""
     forward = values.get("target_forward") or "auto"
     if forward != "auto":
         return forward
-    return "fast" if cuda else "hf"
+    if not cuda:
+        return "hf"
+    if target_config is not None and family.unsupported(dict(target_config)) is None and family.is_hybrid(dict(target_config)):
+        return "fast" if (family.fast_forward_kernels() if kernels is None else kernels) else "hf"
+    return "fast"
 
 
 def start_decision(values: Mapping[str, Any]) -> list[str]:

@@ -23,10 +23,32 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Iterable
 
-__all__ = ["ModelShape", "QWEN3_8B", "QWEN3_27B_LIKE", "H200_BF16_PEAK",
+from trainer import family
+
+__all__ = ["ModelShape", "LinearAttention", "QWEN3_8B", "QWEN3_27B_LIKE", "H200_BF16_PEAK",
            "target_forward_flops", "drafter_step_flops", "mfu"]
 
 H200_BF16_PEAK = 989e12  # dense bf16, datasheet; the issue counts MFU against it
+
+
+@dataclass(frozen=True)
+class LinearAttention:
+    """The Gated DeltaNet widths of a hybrid target's linear-attention layers (Qwen3.5/3.6:
+    ``linear_*`` of its language model's config)."""
+
+    k_heads: int
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv_kernel: int = 4
+
+    @property
+    def key_dim(self) -> int:
+        return self.k_heads * self.k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.v_heads * self.v_dim
 
 
 @dataclass(frozen=True)
@@ -39,6 +61,11 @@ class ModelShape:
     intermediate: int
     vocab: int = 151936
     name: str = ""
+    family: str = "qwen3"  # the language model's model_type: which per-family terms trainer/memory.py uses
+    # a hybrid target's per-layer attention (family.LINEAR / family.FULL) and its Gated
+    # DeltaNet widths; () and None for a dense model (every layer full attention)
+    layer_types: tuple = ()
+    linear: LinearAttention | None = None
 
     @property
     def q_dim(self) -> int:
@@ -70,13 +97,25 @@ class ModelShape:
 
     @classmethod
     def from_hf_config(cls, cfg) -> "ModelShape":
-        """From a transformers config object or its dict (Qwen3 keys)."""
+        """From a transformers config object or its dict: the language model's numbers (a
+        vision-language Qwen3.5/3.6 config's ``text_config``), with its layer types and
+        Gated DeltaNet widths when it is a hybrid."""
+        if isinstance(cfg, dict):
+            cfg = family.text_config(cfg)
         g = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
         hidden = g("hidden_size")
         heads = g("num_attention_heads")
+        mt = str(g("model_type") or "qwen3")
+        hybrid = isinstance(cfg, dict) and family.is_hybrid(cfg)
+        linear = None
+        if hybrid:
+            linear = LinearAttention(int(g("linear_num_key_heads")), int(g("linear_num_value_heads")),
+                                     int(g("linear_key_head_dim")), int(g("linear_value_head_dim")),
+                                     int(g("linear_conv_kernel_dim", 4)))
         return cls(n_layers=g("num_hidden_layers"), hidden=hidden, n_heads=heads,
                    n_kv_heads=g("num_key_value_heads", heads), head_dim=g("head_dim") or hidden // heads,
-                   intermediate=g("intermediate_size"), vocab=g("vocab_size"), name=g("_name_or_path", "") or "")
+                   intermediate=g("intermediate_size"), vocab=g("vocab_size"), name=g("_name_or_path", "") or "",
+                   family=mt, layer_types=tuple(family.target_layer_types(cfg)) if hybrid else (), linear=linear)
 
 
 QWEN3_8B = ModelShape(36, 4096, 32, 8, 128, 12288, 151936, "Qwen3-8B")
@@ -162,3 +201,39 @@ def role_tok_s(shape: ModelShape, drafter: ModelShape, *, seq_len: int, anchors_
     d = drafter_step_flops(drafter, n_layers=n_layers, block_size=block_size, n_blocks=n, ctx_tokens=seq_len,
                            visible_ctx_pairs=n * block_size * seq_len // 2)["total"] / seq_len
     return target_mfu * peak / t, drafter_mfu * peak / d
+
+
+# Per optimizer step, besides the micro-batches: fused AdamW reads weights, gradients and both
+# moments and writes three of them back (28 B/param), the clip reads the gradients twice and
+# zeroing writes them (12 B/param), at the copy bandwidth measured on an H200 (4.24 TB/s);
+# plus the host's share (the step-end sync, events, heartbeats). 40 B/param and 5 ms give
+# 15 ms for the 1.05 B-parameter 8B-width drafter; the trainer's colocated steps measured
+# 8,898 tok/s at one 8,192-token sequence and 9,057 at 27: 17 ms per step, 9,064 tok/s.
+OPTIMIZER_BYTES_PER_PARAM = 40
+H200_COPY_BPS = 4.24e12
+STEP_HOST_S = 0.005
+
+
+def step_tok_s(shape: ModelShape, drafter: ModelShape, *, seq_len: int, batch: int, anchors_per_seq: int,
+               block_size: int, n_layers: int, drafter_params: int, grad_accum: int = 1, n_target: int = 1,
+               n_drafter: int = 1, colocated: bool = True, soft_labels: bool = False, target_last_layer: int | None = None,
+               target_mfu: float = 0.62, drafter_mfu: float = 0.53, peak: float = H200_BF16_PEAK,
+               copy_bps: float = H200_COPY_BPS) -> float:
+    """Modelled tokens/s of the whole run at micro-batches of ``batch`` full sequences: the
+    target forward and the drafter step at the MFU measured for them, plus the per-step cost
+    above, amortised over ``grad_accum`` micro-batches per drafter rank. Colocated ranks do
+    both in turn; split ranks overlap (the slower role sets the pace)."""
+    tokens = batch * seq_len
+    last = (shape.n_layers - 1) if soft_labels or target_last_layer is None else target_last_layer
+    t_target = target_forward_flops(shape, [seq_len] * batch, last_layer=last) / (target_mfu * peak)
+    n = min(anchors_per_seq, seq_len - 1)
+    t_drafter = drafter_step_flops(drafter, n_layers=n_layers, block_size=block_size, n_blocks=n * batch,
+                                   ctx_tokens=tokens, visible_ctx_pairs=n * batch * block_size * seq_len // 2,
+                                   teacher_positions=n * batch * (block_size - 1) if soft_labels else 0
+                                   )["total"] / (drafter_mfu * peak)
+    per_step = OPTIMIZER_BYTES_PER_PARAM * drafter_params / copy_bps + STEP_HOST_S
+    if colocated:
+        step = grad_accum * (t_target + t_drafter) + per_step
+    else:
+        step = max(grad_accum * t_drafter + per_step, grad_accum * n_drafter / max(1, n_target) * t_target)
+    return grad_accum * n_drafter * tokens / step

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 import torch
@@ -83,6 +84,7 @@ def valid_slots(anchors, keep, loss_mask, lengths, block_size) -> torch.Tensor:
 
 
 def decay_weights(valid: torch.Tensor, gamma: float) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) · valid[.., k] for slots k = 1..B-1 (the last dim of valid)."""
     K = valid.shape[-1]
     w = torch.exp(-torch.arange(K, device=valid.device, dtype=valid.dtype) / gamma)  # k-1 = 0..K-1
     return w * valid
@@ -196,3 +198,43 @@ def dflash_loss(c: LossConfig, block_out, lm_head, input_ids, loss_mask, lengths
     count = valid.sum((0, 1))
     acc = (ok * valid).sum((0, 1)) / count.clamp(min=1)
     return LossOut(loss, ce_loss.detach(), kl_loss.detach(), cap.detach(), acc.detach(), count.detach())
+
+
+def dflash_loss_fn(weights: torch.Tensor, *, kl_weight: float = 0.0, temperature: float = 1.0,
+                   cap_lambda: float = 0.0, block_valid: Optional[torch.Tensor] = None,
+                   denom: Optional[torch.Tensor] = None, n_valid_blocks: Optional[torch.Tensor] = None
+                   ):
+    """The spec's objective as a per-chunk function ``(ce [n, K], kl [n, K] | None, blocks:
+    slice) -> loss``, the form trainer/chunked_head.py differentiates chunk by chunk
+    (TRAINER_SPEC.md "Objective"; :func:`dflash_loss` is the whole-batch form):
+
+    L = (1 − kl_weight)·Σ w·ce / Σ w + kl_weight·Σ w·T²·kl / Σ w
+        + cap_lambda · mean over valid blocks of (1 − E/(B−1)), E = Σ_j Π_{k≤j} p_k,
+    with p_k = exp(−ce_k) at slots whose weight is > 0 and 0 elsewhere (an invalid slot ends
+    the accepted run). weights [nb, K]; normalisers are global (fixed before the chunks).
+    When kl is None (no soft labels) the first term has weight 1.
+    Normalisers stay tensors (no host sync)."""
+    if denom is None:
+        denom = weights.sum().clamp_min(1e-6)
+    if block_valid is None:
+        block_valid = (weights > 0).any(-1)
+    if n_valid_blocks is None:
+        n_valid_blocks = block_valid.sum().clamp_min(1)
+    T2 = float(temperature) ** 2
+
+    def fn(ce: torch.Tensor, kl: Optional[torch.Tensor], sl: slice) -> torch.Tensor:
+        w = weights[sl]
+        if kl is None:
+            loss = (w * ce).sum() / denom
+        else:
+            loss = ((1.0 - kl_weight) * (w * ce).sum() + kl_weight * T2 * (w * kl).sum()) / denom
+        if cap_lambda:
+            p = torch.exp(-ce) * (w > 0)
+            C = torch.cumprod(p, dim=-1)
+            E = C.sum(-1)
+            K = ce.shape[-1]
+            cap = ((1.0 - E / K) * block_valid[sl].float()).sum() / n_valid_blocks
+            loss = loss + cap_lambda * cap
+        return loss
+
+    return fn

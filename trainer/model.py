@@ -16,9 +16,16 @@ are used frozen and live outside this module (:class:`FrozenHead`), so they are 
 the optimizer nor in checkpoints. Parameter names follow z-lab's ``DFlashDraftModel``, so an
 exported ``drafter/`` directory loads in their inference code.
 
-Attention is pluggable: ``"sdpa"`` builds the explicit boolean mask (reference; CPU and
-tests), ``"flex"`` builds a flex_attention block mask (CUDA; the mask is never
-materialised and fully masked tiles are skipped).
+Two forward paths over the same parameters, one per drafter step (trainer/step.py):
+
+* :meth:`Drafter.forward`, the reference: the whole micro-batch as ``nn.Module`` calls
+  under the DFlash mask (flex_mask.py), ``"sdpa"`` with the explicit boolean mask (CPU and
+  tests) or ``"flex"`` with a flex_attention block mask (CUDA; never materialised, fully
+  masked tiles skipped);
+* :meth:`Drafter.context_kv` + :meth:`Drafter.block_forward`, the chunked step's pieces
+  (trainer/fast_drafter.py): the context path once, then blocks chunk by chunk through
+  fused q|k|v and gate|up GEMMs and the fused elementwise ops of fused_ops.py, with the
+  weights cast to the compute dtype per call (the fp32 master weights stay the parameters).
 """
 
 from __future__ import annotations
@@ -33,8 +40,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from agent import ckptcompat
+from trainer import family
+from trainer import fused_ops as fo
+from trainer.flex_mask import dense_dflash_mask, flex_attention_fn, make_dflash_block_mask
+# One implementation of the norm, RoPE and MLP: the export's modeling file (trainer/hf_dflash.py,
+# written into every drafter/ so transformers loads it without this package) must compute
+# exactly what the trainer computes, so the trainer uses its pieces.
+from trainer.hf_dflash import DFlashMLP as MLP
+from trainer.hf_dflash import DFlashRMSNorm as RMSNorm
+from trainer.hf_dflash import apply_rope, rope_cos_sin
 
-DEFAULT_MASK_TOKEN_ID = 151669  # Qwen3: a row the embedding has and the tokenizer never emits
+DEFAULT_MASK_TOKEN_ID = family.QWEN3_MASK_TOKEN_ID  # a drafter export that names none (z-lab's Qwen3 ones)
 
 
 # The reference drafter's tap choice, [L//2] for one layer, else evenly spaced 1..L-3: one
@@ -58,35 +74,68 @@ class DrafterConfig:
     block_size: int
     mask_token_id: int
     attention_bias: bool = False
+    # per drafter layer "full_attention" or "sliding_attention" (window ``sliding_window``,
+    # flex_mask.py's sliding rule); None = every layer full
+    layer_types: list[str] | None = None
+    sliding_window: int | None = None
     extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.layer_types is None:
+            self.layer_types = [family.FULL] * self.num_hidden_layers
+        self.layer_types = list(self.layer_types)
+        if family.SLIDING not in self.layer_types:
+            self.sliding_window = None
+
+    def window_of(self, layer_type: str) -> int | None:
+        return self.sliding_window if layer_type == family.SLIDING else None
 
     @classmethod
     def from_target(cls, target: dict, num_draft_layers: int, block_size: int,
-                    mask_token_id: int | None = None, target_layer_ids=None) -> "DrafterConfig":
-        """Width, heads and RoPE θ copied from the target's config.json (dict)."""
-        L = int(target["num_hidden_layers"])
-        vocab = int(target["vocab_size"])
+                    mask_token_id: int | None = None, target_layer_ids=None, *, target_dir: str | None = None,
+                    layer_types: str | None = None, attention: str | None = None,
+                    sliding_window: int = family.SLIDING_WINDOW) -> "DrafterConfig":
+        """The drafter for the target's config.json (dict; either layout of its family,
+        trainer/family.py): hidden and MLP widths, RoPE θ and vocabulary from the language
+        model; attention widths and per-layer types as the family's public drafters build
+        them unless ``attention`` ("Q/KV/D") or ``layer_types`` (full/sliding list) say
+        otherwise; the mask token from the flag, the config or the tokenizer."""
+        text = family.text_config(target)
+        L = int(text["num_hidden_layers"])
         ids = list(target_layer_ids) if target_layer_ids else build_target_layer_ids(L, num_draft_layers)
-        if mask_token_id is None:  # a target may name its reserved id (trainer/tiny.py does)
-            mask_token_id = target.get("mask_token_id")
-        if mask_token_id is None:
-            mask_token_id = DEFAULT_MASK_TOKEN_ID if vocab > DEFAULT_MASK_TOKEN_ID else vocab - 1
+        mask, _ = family.mask_token_id(target, target_dir, mask_token_id)
+        heads, kv_heads, head_dim = family.drafter_attention(target, attention)
+        types = family.drafter_layer_types(target, num_draft_layers, layer_types)
         return cls(
-            hidden_size=int(target["hidden_size"]),
-            intermediate_size=int(target["intermediate_size"]),
-            num_attention_heads=int(target["num_attention_heads"]),
-            num_key_value_heads=int(target.get("num_key_value_heads") or target["num_attention_heads"]),
-            head_dim=int(target.get("head_dim") or target["hidden_size"] // target["num_attention_heads"]),
-            rms_norm_eps=float(target.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta_of(target)),
-            vocab_size=vocab,
+            hidden_size=int(text["hidden_size"]),
+            intermediate_size=int(text["intermediate_size"]),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta_of(text)),
+            vocab_size=int(text["vocab_size"]),
             num_hidden_layers=int(num_draft_layers),
             num_target_layers=L,
             target_layer_ids=ids,
             block_size=int(block_size),
-            mask_token_id=int(mask_token_id),
-            attention_bias=bool(target.get("attention_bias", False)),
+            mask_token_id=int(mask),
+            attention_bias=bool(text.get("attention_bias", False)),
+            layer_types=types,
+            sliding_window=int(sliding_window),
         )
+
+    @classmethod
+    def for_shape(cls, shape, num_draft_layers: int, block_size: int, n_tapped: int | None = None,
+                  rope_theta: float = 1e6) -> "DrafterConfig":
+        """A drafter of a benchmark shape (trainer/flops.py ``ModelShape``) without a target
+        directory: the probe's measured run and bench/gpu."""
+        n_tapped = num_draft_layers if n_tapped is None else n_tapped
+        return cls(hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_attention_heads=shape.n_heads,
+                   num_key_value_heads=shape.n_kv_heads, head_dim=shape.head_dim, rms_norm_eps=1e-6,
+                   rope_theta=float(rope_theta), vocab_size=shape.vocab, num_hidden_layers=num_draft_layers,
+                   num_target_layers=shape.n_layers, target_layer_ids=build_target_layer_ids(shape.n_layers, n_tapped),
+                   block_size=block_size, mask_token_id=shape.vocab - 1)
 
     def to_hf(self) -> dict:
         """config.json in the layout of z-lab's released drafters (Qwen3 config + dflash_config)."""
@@ -107,6 +156,11 @@ class DrafterConfig:
             "attention_bias": self.attention_bias,
             "hidden_act": "silu",
             "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            # the per-layer attention of SpecForge's and z-lab's drafter configs (Qwen3Config keys)
+            "layer_types": list(self.layer_types),
+            "sliding_window": self.sliding_window,
+            "use_sliding_window": self.sliding_window is not None,
+            "max_window_layers": self.num_hidden_layers,
             **self.extra,
         }
 
@@ -122,6 +176,8 @@ class DrafterConfig:
             target_layer_ids=list(fl.get("target_layer_ids") or build_target_layer_ids(d["num_target_layers"], d["num_hidden_layers"])),
             block_size=d["block_size"], mask_token_id=fl.get("mask_token_id", DEFAULT_MASK_TOKEN_ID),
             attention_bias=d.get("attention_bias", False),
+            layer_types=d.get("layer_types"),
+            sliding_window=d.get("sliding_window") if d.get("use_sliding_window", d.get("sliding_window") is not None) else None,
         )
 
 
@@ -135,36 +191,6 @@ def rope_theta_of(cfg: dict) -> float:
 
 
 # --------------------------------------------------------------------------- layers
-
-
-class RMSNorm(nn.Module):
-    """Qwen3RMSNorm: statistics in fp32, weight applied in the input dtype."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float):
-    """cos/sin [b, N, head_dim] (fp32) at absolute integer positions [b, N] (Qwen3 default RoPE)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim))
-    freqs = positions.float().unsqueeze(-1) * inv_freq
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos(), emb.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [b, heads, N, D]; cos/sin [b, N, D]."""
-    cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 class Attention(nn.Module):
@@ -188,7 +214,7 @@ class Attention(nn.Module):
         v = self.v_proj(kv_in).view(b, kv_in.shape[1], -1, hd).transpose(1, 2)
         q, k = apply_rope(q, *rope_q), apply_rope(k, *rope_k)
         if impl == "flex":
-            out = _flex_attention()(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+            out = flex_attention_fn(q.device.type, dynamic=True)(q, k, v, block_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
         else:
             rep = q.shape[1] // k.shape[1]
             if rep > 1:  # GQA by repetition: plain SDPA everywhere (enable_gqa is newer than some torch builds)
@@ -196,79 +222,71 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.o_proj(out.transpose(1, 2).reshape(b, q_len, -1))
 
+    # -- the chunked step's pieces: fused GEMMs, weights cast to ``dtype`` per call
+    def context_kv(self, ctx, cos, sin, dtype):
+        """k, v [b, nkv, S, hd] of the context states ctx [b, S, H] (k-norm + RoPE at the
+        positions of cos/sin)."""
+        c = self.c
+        w, bias = _fused((self.k_proj, self.v_proj), dtype)
+        return fo.kv_prep(_mm(ctx, w, bias), _cast(self.k_norm.weight, dtype), cos, sin,
+                          c.num_key_value_heads, c.head_dim, c.rms_norm_eps)
 
-class MLP(nn.Module):
-    def __init__(self, c: DrafterConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def block_attention(self, h, ctx_kv, cos, sin, attend, dtype):
+        """Attention output [1, Q, H] of normed block states h [1, Q, H]: q from the block,
+        k/v = [context k/v | block k/v]; ``attend(q, k, v)`` applies the DFlash mask."""
+        c = self.c
+        Q = h.shape[1]
+        w, bias = _fused((self.q_proj, self.k_proj, self.v_proj), dtype)
+        q, k, v = fo.qkv_prep(_mm(h, w, bias), _cast(self.q_norm.weight, dtype), _cast(self.k_norm.weight, dtype),
+                              cos, sin, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps)
+        kc, vc = ctx_kv
+        o = attend(q, torch.cat([kc.to(dtype), k], dim=2), torch.cat([vc.to(dtype), v], dim=2))
+        wo, bo = _fused((self.o_proj,), dtype)
+        return _mm(o.transpose(1, 2).reshape(1, Q, -1), wo, bo)
 
 
 class Layer(nn.Module):
-    def __init__(self, c: DrafterConfig):
+    def __init__(self, c: DrafterConfig, layer_type: str = family.FULL):
         super().__init__()
+        self.layer_type = layer_type  # picks the mask: full or sliding-window (flex_mask.py)
         self.self_attn = Attention(c)
         self.mlp = MLP(c)
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_q, rope_k, mask, impl):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask, impl)
+    def forward(self, x, ctx, rope_q, rope_k, masks, impl):
+        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, masks[self.layer_type], impl)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-
-# --------------------------------------------------------------------------- masks
-
-
-def dense_block_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
-    """Boolean [b, 1, N·B, S + N·B]: True where a query may attend.
-
-    Query row r belongs to block i = r // B (anchor a_i). Context column j is visible iff
-    j < a_i and the block is kept; block column S + c is visible iff c // B == i. A padded
-    block (keep False) sees only itself, so no row is fully masked (SDPA would give NaN).
-    """
-    b, n = anchors.shape
-    dev = anchors.device
-    q_blk = torch.arange(n * block_size, device=dev) // block_size  # [Q]
-    a_q = anchors[:, q_blk]  # [b, Q]
-    keep_q = keep[:, q_blk]
-    ctx_ok = (torch.arange(ctx_len, device=dev)[None, None, :] < a_q[:, :, None]) & keep_q[:, :, None]
-    own = (q_blk[:, None] == q_blk[None, :]).expand(b, -1, -1)
-    return torch.cat([ctx_ok, own], dim=2).unsqueeze(1)
+    def block_forward(self, x, ctx_kv, cos, sin, attends, dtype):
+        """The chunked step's layer: x [1, Q, H] → [1, Q, H], the residual add fused with the
+        post-attention norm; ``attends[layer type](q, k, v)`` applies the layer's mask."""
+        attend = attends[self.layer_type]
+        eps = self.input_layernorm.eps
+        h = fo.norm(x, _cast(self.input_layernorm.weight, dtype), eps)
+        o = self.self_attn.block_attention(h, ctx_kv, cos, sin, attend, dtype)
+        x, h = fo.add_norm(x, o, _cast(self.post_attention_layernorm.weight, dtype), eps)
+        m = self.mlp
+        wgu = torch.cat([_cast(m.gate_proj.weight, dtype), _cast(m.up_proj.weight, dtype)])
+        return x + fo.silu_mul(h @ wgu.t()) @ _cast(m.down_proj.weight, dtype).t()
 
 
-def flex_block_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int):
-    """The same rule as :func:`dense_block_mask` as a flex_attention BlockMask (never dense)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    B, S = block_size, ctx_len
-
-    def mask_mod(bi, h, q_idx, kv_idx):
-        blk = q_idx // B
-        ctx_ok = (kv_idx < S) & (kv_idx < anchors[bi, blk]) & keep[bi, blk]
-        own = (kv_idx >= S) & ((kv_idx - S) // B == blk)
-        return ctx_ok | own
-
-    b, n = anchors.shape
-    return create_block_mask(mask_mod, b, None, n * B, S + n * B, device=anchors.device,
-                             _compile=anchors.device.type == "cuda")
+def _cast(p: torch.Tensor, dtype) -> torch.Tensor:
+    return p if p.dtype == dtype else p.to(dtype)
 
 
-_FLEX = None
+def _fused(linears, dtype):
+    """The weights of ``linears`` stacked along their outputs (one GEMM), and their biases
+    (None when the layers have none), in ``dtype``."""
+    w = torch.cat([_cast(m.weight, dtype) for m in linears]) if len(linears) > 1 else _cast(linears[0].weight, dtype)
+    if linears[0].bias is None:
+        return w, None
+    return w, torch.cat([_cast(m.bias, dtype) for m in linears])
 
 
-def _flex_attention():
-    # Compiled once on CUDA (the fused block-sparse kernel); eager elsewhere (tests only).
-    global _FLEX
-    if _FLEX is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _FLEX = torch.compile(flex_attention, dynamic=True) if torch.cuda.is_available() else flex_attention
-    return _FLEX
+def _mm(x, w, bias):
+    y = x @ w.t()
+    return y if bias is None else y + bias
 
 
 # --------------------------------------------------------------------------- the drafter
@@ -281,7 +299,7 @@ class Drafter(nn.Module):
         n = len(c.target_layer_ids)
         self.fc = nn.Linear(n * c.hidden_size, c.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.layers = nn.ModuleList([Layer(c) for _ in range(c.num_hidden_layers)])
+        self.layers = nn.ModuleList([Layer(c, t) for t in c.layer_types])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.apply(self._init)
 
@@ -307,16 +325,33 @@ class Drafter(nn.Module):
         blk_pos = (anchors[:, :, None] + torch.arange(B, device=taps.device)).reshape(b, n * B)
         rope_q = rope_cos_sin(blk_pos, c.head_dim, c.rope_theta)
         rope_k = rope_cos_sin(torch.cat([ctx_pos, blk_pos], dim=1), c.head_dim, c.rope_theta)
-        if attn_impl == "flex":
-            mask = flex_block_mask(anchors, keep, S, B)
-        elif attn_impl == "sdpa":
-            mask = dense_block_mask(anchors, keep, S, B)
-        else:
+        if attn_impl not in ("sdpa", "flex"):
             raise ValueError(f"attention implementation {attn_impl!r}: expected 'sdpa' or 'flex'")
+        masks = {}  # one mask per layer type present (full, sliding-window)
+        for t in set(c.layer_types):
+            w = c.window_of(t)
+            masks[t] = (make_dflash_block_mask(anchors, S, B, keep, window=w) if attn_impl == "flex"
+                        else dense_dflash_mask(anchors, S, B, keep, window=w).unsqueeze(1))
         x = block_embeds
         for layer in self.layers:
-            x = layer(x, ctx, rope_q, rope_k, mask, attn_impl)
+            x = layer(x, ctx, rope_q, rope_k, masks, attn_impl)
         return self.norm(x)
+
+    # -- the chunked step (trainer/fast_drafter.py): context once, blocks chunk by chunk
+    def context_kv(self, taps: torch.Tensor, cos, sin, dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The context path with autograd: ctx = hidden_norm(fc(taps)), then per layer the
+        context (k, v) [b, nkv, S, hd] in ``dtype``."""
+        ctx = fo.norm(taps.to(dtype) @ _cast(self.fc.weight, dtype).t(), _cast(self.hidden_norm.weight, dtype),
+                      self.hidden_norm.eps)
+        return [layer.self_attn.context_kv(ctx, cos, sin, dtype) for layer in self.layers]
+
+    def block_forward(self, x: torch.Tensor, ctx_kv, cos, sin, attends, dtype) -> torch.Tensor:
+        """Embedded blocks x [1, Q, H] → final-normed states [1, Q, H]; ctx_kv: per layer the
+        context (k, v) [1, nkv, S, hd]; ``attends[layer type](q, k, v)`` applies the DFlash
+        mask of that layer type."""
+        for layer, kv in zip(self.layers, ctx_kv):
+            x = layer.block_forward(x, kv, cos, sin, attends, dtype)
+        return fo.norm(x, _cast(self.norm.weight, dtype), self.norm.eps)
 
     # -- inference export (z-lab layout)
     def save_pretrained(self, directory: str) -> None:
@@ -366,18 +401,17 @@ class FrozenHead:
 
         from trainer import synthetic
 
-        with open(os.path.join(target_dir, "config.json")) as fh:
-            cfg = json.load(fh)
+        cfg = family.read_config(target_dir)
         marker = synthetic.random_marker(target_dir)
         if marker is not None:  # a synthetic target: the same two seeded tensors as its target ranks make
-            return cls(*synthetic.random_head(cfg, int(marker.get("seed", 0)), device, dtype))
+            return cls(*synthetic.random_head(family.text_config(cfg), int(marker.get("seed", 0)), device, dtype))
         index = os.path.join(target_dir, "model.safetensors.index.json")
         if os.path.exists(index):
             with open(index) as fh:
                 weight_map = json.load(fh)["weight_map"]
         else:
             weight_map = None
-        names = {"embed": "model.embed_tokens.weight", "lm_head": "lm_head.weight"}
+        names = {"embed": family.weight_prefix(cfg) + "embed_tokens.weight", "lm_head": "lm_head.weight"}
         if cfg.get("tie_word_embeddings") or (weight_map is not None and names["lm_head"] not in weight_map):
             names["lm_head"] = names["embed"]
         out = {}

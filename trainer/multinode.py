@@ -177,7 +177,7 @@ def init(args, device_type: str):
     import torch
     import torch.distributed as dist
 
-    from trainer.jobtopology import JobTopology
+    from trainer.topology import Topology
 
     values = vars(args)
     n_target, n_drafter, colocated = totals(values)
@@ -193,7 +193,7 @@ def init(args, device_type: str):
     # to Topology); this rank's own GPU is its container's.
     slots_t = tuple(range(n_target))
     slots_d = slots_t if colocated else tuple(range(n_target, n_target + n_drafter))
-    topo = JobTopology(rank, world_size(values), slots_t, slots_d, device_type, local_gpu=gpu)
+    topo = Topology(rank, world_size(values), slots_t, slots_d, device_type, local_gpu=gpu)
     if device_type == "cuda":
         torch.cuda.set_device(topo.device)
     ifname = interface_towards(str(args.rdzv_endpoint).rsplit(":", 1)[0].strip("[]"))

@@ -1,9 +1,11 @@
 """A random-weight target of a real shape and a dataset of random tokens, for benchmarks.
 
-``python -m trainer synthetic --shape qwen3-27b-like --out DIR [--samples N] [--max-len L]``
+``python -m trainer synthetic --shape qwen3.6-27b --out DIR [--samples N] [--max-len L]``
 writes
 
-- ``DIR/target``: ``config.json`` of a Qwen3 model with the shape's numbers and a marker,
+- ``DIR/target``: ``config.json`` with the shape's numbers (a Qwen3 model, or for
+  ``qwen3.6-27b`` the public Qwen3.6-27B language model as a text-only ``qwen3_5_text``
+  target: hybrid Gated DeltaNet + gated attention, vocabulary 248,320) and a marker,
   ``random-weights.json``. No weight files: the trainer makes the weights on the GPU when it
   loads such a target (seconds for 27B parameters, where writing and reading 54 GB of
   safetensors would take minutes). The embedding and LM head come from a seeded generator on
@@ -14,7 +16,7 @@ writes
   case), the loss mask on everything after the first 10 % ("prompt") of each sample.
 
 Throughput and memory of the trainer depend on shapes only, so these stand in for a real
-27B target and its regenerated data without a download; acceptance lengths mean nothing here.
+target and its regenerated data without a download; acceptance lengths mean nothing here.
 """
 
 from __future__ import annotations
@@ -29,21 +31,36 @@ from typing import Sequence
 import numpy as np
 
 from trainer import data as data_mod
+from trainer import family
 from trainer.flags import EXIT_OK, EXIT_USAGE, UsageParser
 from trainer.flops import QWEN3_8B, QWEN3_27B_LIKE, ModelShape
 
 MARKER = "random-weights.json"
 SHAPES = {
     "qwen3-8b": QWEN3_8B,
+    # Qwen3-32B's dense widths at 54 layers: a stand-in used before the real 27B target
+    # (Qwen3.6-27B, below) could be loaded; kept for the figures measured on it
     "qwen3-27b-like": QWEN3_27B_LIKE,
     # CPU tests: the same code path at a size a 2-core machine trains in seconds
     "small": ModelShape(4, 128, 4, 2, 32, 256, 1024, "small"),
 }
+HYBRID_SHAPES = {
+    "qwen3.6-27b": family.QWEN3_6_27B_TEXT,
+    # CPU tests: the hybrid pattern (3 Gated DeltaNet layers, then full attention) tiny
+    "small-hybrid": {**family.QWEN3_6_27B_TEXT, "num_hidden_layers": 8, "hidden_size": 128, "intermediate_size": 256,
+                     "vocab_size": 1024, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+                     "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+                     "linear_value_head_dim": 32, "layer_types": family.QWEN3_6_27B_TEXT["layer_types"][:8]},
+}
 INIT_STD = 0.02
 
 
-def hf_config(shape: ModelShape) -> dict:
-    """config.json of a Qwen3ForCausalLM with these numbers (the trainer reads it as any target)."""
+def hf_config(shape) -> dict:
+    """config.json of a Qwen3ForCausalLM with these numbers, or of a hybrid shape (a
+    text-only Qwen3.5 config), as the trainer reads any target."""
+    if isinstance(shape, dict):
+        # the drafter's mask token: the last id, which the random data never contains
+        return {**shape, "initializer_range": INIT_STD, "mask_token_id": shape["vocab_size"] - 1}
     return {
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3",
         "num_hidden_layers": shape.n_layers, "hidden_size": shape.hidden,
@@ -94,7 +111,7 @@ def build_random_model(target_dir: str, device, dtype):
         torch.manual_seed(seed)
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    embed, lm_head = random_head(config.to_dict(), seed, device, dtype)
+    embed, lm_head = random_head(family.text_config(config.to_dict()), seed, device, dtype)
     with torch.no_grad():
         model.get_input_embeddings().weight.copy_(embed)
         model.get_output_embeddings().weight.copy_(lm_head)
@@ -104,14 +121,15 @@ def build_random_model(target_dir: str, device, dtype):
 def write_synthetic(out_dir: str, shape_name: str, samples: int, max_len: int, min_len: int | None = None,
                     seed: int = 0) -> dict:
     """Write DIR/target and DIR/data; return a summary. Raises DataError on bad input."""
-    if shape_name not in SHAPES:
-        raise data_mod.DataError(f"--shape {shape_name}: unknown; choose one of {', '.join(SHAPES)}")
+    if shape_name not in SHAPES and shape_name not in HYBRID_SHAPES:
+        raise data_mod.DataError(f"--shape {shape_name}: unknown; choose one of {', '.join({**SHAPES, **HYBRID_SHAPES})}")
     min_len = max_len if min_len is None else min_len
     if samples < 1:
         raise data_mod.DataError(f"--samples {samples} must be >= 1")
     if not 2 <= min_len <= max_len:
         raise data_mod.DataError(f"--min-len {min_len} and --max-len {max_len}: need 2 <= min-len <= max-len")
-    shape = SHAPES[shape_name]
+    config = hf_config(SHAPES.get(shape_name) or HYBRID_SHAPES[shape_name])
+    vocab = int(config["vocab_size"])
     out_dir = os.path.abspath(out_dir)
     target_dir, data_dir = os.path.join(out_dir, "target"), os.path.join(out_dir, "data")
     for path in (target_dir, data_dir):
@@ -121,7 +139,7 @@ def write_synthetic(out_dir: str, shape_name: str, samples: int, max_len: int, m
     tmp = tempfile.mkdtemp(prefix=".synthetic.partial-", dir=out_dir)
     try:
         os.makedirs(os.path.join(tmp, "target"))
-        for name, body in (("config.json", hf_config(shape)),
+        for name, body in (("config.json", config),
                            (MARKER, {"seed": seed, "shape": shape_name,
                                      "note": "random weights made on load by the trainer (trainer/synthetic.py); "
                                              "for throughput and memory benchmarks only"})):
@@ -133,7 +151,7 @@ def write_synthetic(out_dir: str, shape_name: str, samples: int, max_len: int, m
         with open(jsonl, "w", encoding="utf-8") as fh:
             for _ in range(samples):
                 n = int(rng.integers(min_len, max_len + 1))
-                ids = rng.integers(0, shape.vocab - 1, size=n)  # the last id stays free for the mask token
+                ids = rng.integers(0, vocab - 1, size=n)  # the last id stays free for the mask token
                 mask = np.ones(n, dtype=np.int64)
                 mask[: max(1, n // 10)] = 0
                 fh.write(json.dumps({"input_ids": ids.tolist(), "loss_mask": mask.tolist()}) + "\n")
@@ -152,7 +170,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = UsageParser(prog="python -m trainer synthetic",
                 description="Write a random-weight target of a real shape (weights made on load) and a "
                             "prepared dataset of random tokens, for throughput and memory benchmarks.")
-    p.add_argument("--shape", required=True, choices=sorted(SHAPES))
+    p.add_argument("--shape", required=True, choices=sorted({**SHAPES, **HYBRID_SHAPES}))
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--samples", type=int, default=256)
     p.add_argument("--max-len", type=int, default=8192)

@@ -1,4 +1,5 @@
-"""The frozen target: load a Qwen3-family model from a local directory and run the forward
+"""The frozen target: load a supported model (trainer/family.py: Qwen3, or Qwen3.5/3.6 in
+either layout — only its language model) from a local directory and run the forward
 that produces what the drafter needs — the tapped decoder-layer outputs and, for soft
 labels, the final (normed) hidden state. Never the full sequence × vocab logits: the
 teacher logits are formed from the final hidden state through the shared lm_head, only at
@@ -14,23 +15,30 @@ import os
 import torch
 
 from agent import ckptcompat
+from trainer import family
+from trainer.hf_dflash import cache_kwarg
 
 
-def read_config(target_dir: str) -> dict:
-    with open(os.path.join(target_dir, "config.json")) as fh:
-        return json.load(fh)
+read_config = family.read_config
 
 
 def target_identity(target_dir: str) -> dict:
-    """What a checkpoint records about its target (agent/ckptcompat.py's rule)."""
-    return ckptcompat.target_identity(read_config(target_dir))
+    """What a checkpoint records about its target (agent/ckptcompat.py's rule), with the
+    language model's numbers (Qwen3.5's VL layout nests them)."""
+    cfg = read_config(target_dir)
+    return ckptcompat.target_identity(cfg, family.text_config(cfg))
 
 
 class Target:
     """The frozen target on one device.
 
+    A Qwen3.5/3.6 target in the vision-language layout loads as its language model only
+    (transformers maps ``model.language_model.*`` onto Qwen3_5ForCausalLM and skips the
+    vision tower), so the vision weights never reach the device.
+
     ``forward="hf"`` runs the transformers model with forward hooks on the tapped layers;
-    ``forward="fast"`` runs trainer/fast_target.py's forward over the same weights (fused
+    ``forward="fast"`` runs trainer/fast_target.py's forward (Qwen3) or
+    trainer/fast_hybrid.py's (Qwen3.5/3.6) over the same weights (fused
     q|k|v and gate|up GEMMs whose tensors the transformers layers then view, so memory is not
     doubled; stops after the last tapped layer unless the final state is wanted). The
     transformers model stays for ``forward_logits`` (evaluation).
@@ -59,16 +67,21 @@ class Target:
         for i in self.layer_ids:  # the transformers forward (evaluation, tree verification) taps through these
             self.model.model.layers[i].register_forward_hook(self._hook(i))
         self.fast = None
-        if forward == "fast":
+        self.hybrid = family.is_hybrid(read_config(target_dir))
+        if forward == "fast" and self.hybrid:
+            from trainer.fast_hybrid import FastHybridTarget
+
+            self.fast = FastHybridTarget.from_hf(self.model.model, self.layer_ids, keep_all_layers=True, share_weights=True)
+        elif forward == "fast":
             from trainer.fast_target import FastTarget
 
             self.fast = FastTarget.from_hf(self.model.model, self.layer_ids, keep_all_layers=True, share_weights=True,
                                            attn_backend="cudnn" if device.type == "cuda" else "math")
-            if device.type == "cuda":
-                # the unfused q/k/v and gate/up tensors just freed stay in the caching
-                # allocator otherwise: 34 GB of a 27B target, shown as used by nvidia-smi and
-                # the agent (103 GB per target GPU measured where ~70 GB was allocated)
-                torch.cuda.empty_cache()
+        if self.fast is not None and device.type == "cuda":
+            # the unfused q/k/v and gate/up tensors just freed stay in the caching
+            # allocator otherwise: 34 GB of a 27B target, shown as used by nvidia-smi and
+            # the agent (103 GB per target GPU measured where ~70 GB was allocated)
+            torch.cuda.empty_cache()
 
     def _hook(self, i):
         def fn(module, inputs, output):
@@ -96,6 +109,18 @@ class Target:
         taps = torch.cat([self._taps[i] for i in self.layer_ids], dim=-1)
         self._taps.clear()
         return taps, (out.last_hidden_state if want_final else None)
+
+    @torch.no_grad()
+    def forward_cached(self, input_ids: torch.Tensor, cache):
+        """(taps [b, n, n·H], logits [b, n, V], cache) of ``input_ids`` after the prefix held
+        by ``cache`` (None: an empty prefix) — the transformers forward with its cache, which
+        it updates in place (evaluation: block verification)."""
+        self._taps.clear()
+        out = self.model(input_ids=input_ids, use_cache=True, **({cache_kwarg(self.model): cache} if cache is not None else {}))
+        taps = torch.cat([self._taps[i] for i in self.layer_ids], dim=-1)
+        self._taps.clear()
+        new = getattr(out, "cache", None)  # not `or`: a cache object may define __len__
+        return taps, out.logits, new if new is not None else out.past_key_values
 
     @torch.no_grad()
     def forward_logits(self, input_ids: torch.Tensor):

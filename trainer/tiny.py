@@ -17,7 +17,6 @@ No download; CPU only; deterministic for a seed on a given torch/transformers bu
 
 from __future__ import annotations
 
-import inspect
 import json
 import os
 import shutil
@@ -78,17 +77,13 @@ def build_target(seed: int):
     return model.eval()
 
 
-def _cache_kw(model) -> str:
-    # transformers renamed past_key_values → cache (5.2x); the GPU machine runs 5.17.
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def greedy_continue(model, prompts: np.ndarray, steps: int) -> np.ndarray:
     """Greedy continuation (KV cache, mask token suppressed) of equal-length prompts."""
     import torch
 
-    kw = _cache_kw(model)
+    from trainer.hf_dflash import cache_kwarg
+
+    kw = cache_kwarg(model)
     out_tokens = []
     with torch.no_grad():
         out = model(input_ids=torch.from_numpy(prompts.astype(np.int64)), use_cache=True, logits_to_keep=1)

@@ -42,6 +42,9 @@ class Topology:
     drafter_gpus: tuple[int, ...]
     device_type: str  # "cuda" | "cpu"
     drafter_group: object = field(default=None, repr=False)
+    # A rank of a job across containers (trainer/multinode.py): the GPU lists above are
+    # global rank slots, and this rank's own GPU is its container's.
+    local_gpu: int | None = None
 
     @property
     def colocated(self) -> bool:
@@ -83,6 +86,8 @@ class Topology:
 
     @property
     def gpu(self) -> int:
+        if self.local_gpu is not None:
+            return self.local_gpu
         if self.is_target:
             return self.target_gpus[self.rank]
         return self.drafter_gpus[self.rank - self.drafter_ranks[0]]
@@ -103,6 +108,10 @@ class Topology:
     def consumer(self, j: int) -> int:
         """Rank training on local micro-batch j of a step."""
         return self.drafter_ranks[j % self.n_drafter]
+
+    def consumed_here(self, per_step: int) -> list[int]:
+        """The local micro-batch indices of a step this (drafter) rank trains on."""
+        return [j for j in range(per_step) if self.consumer(j) == self.rank]
 
 
 def world_size_for(target_gpus, drafter_gpus) -> int:
@@ -186,9 +195,10 @@ def drafter_sum(topo: Topology, t: torch.Tensor) -> torch.Tensor:
 
 
 def average_gradients(topo: Topology, module) -> None:
-    """Mean of the drafter ranks' gradients, in one flat all-reduce: for the chunked drafter
-    step, which runs its own backward passes outside a module forward, so DDP's hooks
-    cannot do it."""
+    """Mean of the drafter ranks' gradients, in one flat all-reduce after the step's last
+    backward. Both drafter steps use it: the chunked one runs its own backward passes outside
+    a module forward, where DDP's hooks cannot see them, and one rule for both is simpler
+    than DDP for one and this for the other."""
     if topo.n_drafter == 1:
         return
     params = list(module.parameters())
@@ -206,7 +216,7 @@ def average_gradients(topo: Topology, module) -> None:
 
 
 def broadcast_parameters(topo: Topology, module) -> None:
-    """Start every drafter rank from the first one's weights (what DDP does at wrap time)."""
+    """Start every drafter rank from the first one's weights."""
     if topo.n_drafter == 1:
         return
     for p in module.parameters():

@@ -17,25 +17,26 @@ import signal
 import sys
 import time
 import traceback
-from contextlib import nullcontext
+from dataclasses import dataclass
 
-import numpy as np
 import torch
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from agent.protocol import ENV_RUN_DIR
 from trainer import checkpoint as ckpt_io
-from trainer import fast_drafter
+from trainer import runtime_env
+from trainer import topology as topo_mod
 from trainer.data import PreparedData, make_batches
+from trainer.evaluate import acceptance_length
 from trainer.flags import EXIT_OK, EXIT_STOPPED
-from trainer.loss import LossConfig, dflash_loss, key, sample_anchors
+from trainer.loss import key, sample_anchors
 from trainer.model import Drafter, DrafterConfig, FrozenHead
+from trainer.step import StepStats, make_step
 from trainer.target import Target, read_config, target_identity
 from trainer.telemetry import Events, Heartbeat, make_logger
-from trainer import topology as topo_mod
 from trainer.topology import MicroBatch, assemble, recv_microbatch, send_microbatch
 
 FINAL_LR_RATIO = 0.1  # cosine decays to 10 % of peak (TRAINER_SPEC.md)
+ENV_PROBE_FIRST = "DFLASH_PROBE_FIRST"  # set by --probe-first for its probe process: the run goes on after it
 
 _STOP = {"requested": False}
 
@@ -65,17 +66,22 @@ def noise_amplitude(step: int, start: float, end: float, total: int) -> float:
 
 
 def add_noise(taps: torch.Tensor, amp: float, kind: str, seed_key: int) -> torch.Tensor:
-    """U(-a, a) or N(0, a²) on the tapped target states, from a generator keyed by the
-    micro-batch, on the tensor's own device (no host round trip)."""
+    """U(-a, a) or N(0, a²) added in place to the tapped target states (the caller's buffer,
+    which nothing reads after the drafter step), from a generator keyed by the micro-batch,
+    on the tensor's own device (no host round trip). Drawn one sequence at a time, so the
+    noise costs one sequence's buffer, not a second copy of the micro-batch's taps (which
+    grows with the token budget: 17 GiB at 450,560 tokens for Qwen3-8B)."""
     if amp <= 0:
         return taps
     g = torch.Generator(device=taps.device)
     g.manual_seed(seed_key)
-    if kind == "uniform":
-        noise = torch.rand(taps.shape, generator=g, device=taps.device, dtype=taps.dtype).mul_(2).sub_(1)
-    else:
-        noise = torch.randn(taps.shape, generator=g, device=taps.device, dtype=taps.dtype)
-    return taps + noise.mul_(amp)
+    draw = torch.rand if kind == "uniform" else torch.randn
+    for row in taps:
+        noise = draw(row.shape, generator=g, device=taps.device, dtype=taps.dtype)
+        if kind == "uniform":
+            noise.mul_(2).sub_(1)
+        row.add_(noise.mul_(amp))
+    return taps
 
 
 # --------------------------------------------------------------------------- data
@@ -111,12 +117,39 @@ def mem_peak_mib(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def mem_reserved_mib(device) -> float | None:
+    """What the caching allocator has held at most (what an OOM is about); None on CPU."""
+    return torch.cuda.max_memory_reserved(device) / 2**20 if device.type == "cuda" else None
+
+
+def compile_stats() -> dict:
+    """torch.compile's work in this process so far: seconds in Dynamo/Inductor compiles and
+    the Inductor cache's hits and misses (trainer/runtime_env.py keeps the cache across
+    launches). Zero when nothing was compiled (CPU runs compile nothing)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return {"compile_s": 0.0, "compile_cache_hits": 0, "compile_cache_misses": 0}
+    inductor = utils.counters.get("inductor", {})
+    return {"compile_s": round(sum(utils.compilation_time_metrics.get("_compile.compile_inner", [])), 2),
+            "compile_cache_hits": int(inductor.get("fxgraph_cache_hit", 0)),
+            "compile_cache_misses": int(inductor.get("fxgraph_cache_miss", 0))}
+
+
+def drafter_config(args) -> DrafterConfig:
+    """The drafter these flags build for the target of --target-model."""
+    return DrafterConfig.from_target(read_config(args.target_model), args.num_draft_layers, args.block_size,
+                                     args.mask_token_id, args.target_layer_ids, target_dir=args.target_model,
+                                     layer_types=args.drafter_layer_types, attention=args.drafter_attention,
+                                     sliding_window=args.sliding_window)
+
+
 def build_drafter(args, dcfg: DrafterConfig, target, dev, dtype):
     """The drafter (fp32 master weights, init keyed by --seed), the frozen shared head (the
     target's own tensors when colocated, else read from its safetensors) and AdamW with
     weight decay on matrices only."""
     torch.manual_seed(args.seed)
-    drafter = Drafter(dcfg).to(dev)
+    with torch.device(dev):  # made where it trains: a 27B target's drafter is 1.7 B parameters
+        drafter = Drafter(dcfg)
     head = FrozenHead(target.embed, target.lm_head) if target else FrozenHead.from_target_dir(args.target_model, dev, dtype)
     matrices = [p for p in drafter.parameters() if p.dim() >= 2]
     vectors = [p for p in drafter.parameters() if p.dim() < 2]
@@ -182,39 +215,44 @@ def _rank_values(args, topo) -> dict:
 
 def memory_check(args, topo, events: Events) -> int | None:
     """CUDA only, before any model is loaded: resolve --token-budget auto and check this
-    rank's predicted peak against its GPU's free memory (trainer/probe.plan_run: the memory
-    model plus allocator reserve and a 2 GiB margin). All ranks agree — the budget is the
-    minimum over ranks, a refusal anywhere stops every rank — so nothing trains unless every
-    GPU fits. Returns EXIT_USAGE when refused (one line naming GPU, role and shortfall, an
-    error event "memory_refused"), else None."""
+    rank's predicted reserved peak against its GPU's free memory (trainer/budget.plan_run:
+    the memory model of trainer/memory.py for the allocator this process runs with, and a
+    2 GiB margin). All ranks agree — the budget is the minimum over ranks, a refusal
+    anywhere stops every rank — so nothing trains unless every GPU fits. Returns EXIT_USAGE
+    when refused (one line naming GPU, role and shortfall, an error event
+    "memory_refused"), else None."""
     if topo.device.type != "cuda":
         return None
-    from trainer import probe as plan_mod
+    from trainer.budget import plan_run
     from trainer.flags import EXIT_USAGE
 
     values = _rank_values(args, topo)
     free = _gpu_free_mib(topo.device)
+    cfg = read_config(args.target_model)
     # this process already holds its CUDA context: it is out of the free figure
-    p = plan_mod.plan_run(values, {topo.gpu: free}, read_config(args.target_model), context_mib=0)
+    kw = dict(context_mib=0, alloc_conf=os.environ.get(runtime_env.ENV_ALLOC, ""))
+    p = plan_run(values, {topo.gpu: free}, cfg, **kw)
     if p["auto"]:
         mine = int(p["token_budget"]) if not p["refusals"] else 0
         budget = -int(topo_mod.all_reduce_max(topo, -float(mine)))  # the smallest over ranks
         if budget and not p["refusals"]:
+            reason = p["auto_reason"] if budget == mine else f"{budget}: the smallest of the ranks' choices"
             args.token_budget = budget
-            p = plan_mod.plan_run({**values, "token_budget": budget}, {topo.gpu: free},
-                                  read_config(args.target_model), context_mib=0)
-            p["auto"] = True
+            p = plan_run({**values, "token_budget": budget}, {topo.gpu: free}, cfg, **kw)
+            p["auto"], p["auto_reason"] = True, reason
     row = p["gpus"].get(topo.gpu, {})
     refused = topo_mod.all_reduce_max(topo, 1.0 if p["refusals"] else 0.0) > 0
     if p["auto"] and not refused:
-        events.emit("probe", phase="plan", budget=args.token_budget, auto=True, predicted_peak_mib=row.get("peak_mib"),
+        events.emit("probe", phase="plan", budget=args.token_budget, auto=True, reason=p["auto_reason"],
+                    predicted_peak_mib=row.get("peak_mib"), predicted_reserved_mib=row.get("reserved_mib"),
                     need_mib=row.get("need_mib"), free_mib=round(free, 1), margin_mib=p["margin_mib"],
-                    per_rank_budget=p.get("auto_per_gpu", {}).get(topo.gpu))
+                    allocator=p["allocator"])
         if topo.is_log_rank:
-            print(f"token budget auto: {args.token_budget} (largest multiple of --max-seq-len whose predicted need "
-                  f"+ {p['margin_mib'] / 1024:.0f} GiB margin fits every rank's GPU; GPU {topo.gpu} "
-                  f"predicted peak {row.get('peak_mib', 0) / 1024:.1f} GiB)", flush=True)
-    for note in p["notes"]:
+            print(f"token budget auto: {p['auto_reason']}; GPU {topo.gpu} predicted reserved peak "
+                  f"{row.get('reserved_mib', 0) / 1024:.1f} GiB of {free / 1024:.1f} GiB free", flush=True)
+    from trainer import family
+
+    for note in p["notes"] + (family.kernel_notes(read_config(args.target_model)) if topo.is_target else []):
         print(f"python -m trainer: note: {note}", flush=True)
     if not refused:
         return None
@@ -230,177 +268,178 @@ def memory_check(args, topo, events: Events) -> int | None:
     return EXIT_USAGE
 
 
-def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
-    dev = topo.device
-    cuda = dev.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32  # target + shipped states; drafter master weights fp32
-    log = topo.is_log_rank
-    if log:
-        events.emit("phase", phase="loading")
+@dataclass
+class Start:
+    """Where this run starts (the explicit start decision) and where it ends."""
 
-    tcfg = read_config(args.target_model)
-    dcfg = DrafterConfig.from_target(tcfg, args.num_draft_layers, args.block_size, args.mask_token_id, args.target_layer_ids)
-    data = PreparedData(args.data_dir)
-    stream = micro_batch_stream(data, args)
-    per_step = args.grad_accum * topo.n_drafter  # micro-batches per optimizer step (topology.py)
+    step: int  # optimizer steps already done
+    position: int  # index of the next micro-batch in the stream
+    schedule: dict  # the learning-rate schedule, fixed by the run that started from scratch
+    last_step: int
+    total_steps: int
+    resume: dict | None  # the loaded checkpoint of --resume-from
 
-    # -- where this run starts: the explicit start decision
+
+def start_point(args, n_micro: int, per_step: int) -> Start:
     resume = ckpt_io.load(args.resume_from) if args.resume_from else None
     if resume is not None:
         step0, mb0, schedule = resume["step"], resume["data_position"], resume["schedule"]
     else:
-        total = args.schedule_steps or len(stream) // per_step
+        total = args.schedule_steps or n_micro // per_step
         step0, mb0 = 0, 0
         schedule = {"kind": "warmup_cosine", "total_steps": total, "peak_lr": args.lr,
                     "warmup_steps": int(math.ceil(args.warmup_ratio * total)), "final_ratio": FINAL_LR_RATIO}
-    total_steps = step0 + (len(stream) - mb0) // per_step
-    last_step = min(total_steps, args.max_steps) if args.max_steps else total_steps
+    total_steps = step0 + (n_micro - mb0) // per_step
+    last = min(total_steps, args.max_steps) if args.max_steps else total_steps
+    return Start(step0, mb0, schedule, last, total_steps, resume)
 
-    # -- models: the frozen target on target ranks, the drafter + optimizer on drafter ranks
+
+def restore(args, start: Start, drafter, opt) -> None:
+    """--init-from: the weights; --resume-from: weights, optimizer and RNG state."""
+    if args.init_from:
+        drafter.load_state_dict(ckpt_io.init_weights(args.init_from))
+    if start.resume is not None:
+        drafter.load_state_dict(start.resume["model"])
+        opt.load_state_dict(start.resume["optimizer"])
+        ckpt_io.set_rng_state(start.resume["rng"])
+
+
+def ship(target, data, stream, base: int, per_step: int, args, topo, ahead: dict, more: bool) -> None:
+    """Target rank of a split run: produce this rank's micro-batches of the step at ``base``
+    and send each to its drafter rank; then make its first micro-batch of the next step now,
+    while the drafters train on this step's last ones. The step-end agreement holds every
+    rank until the drafters finish, and without this each step began with the drafters idle
+    for a whole target forward (1.9 s of an 18 s step measured for Qwen3-8B on H200s).
+    Anchors and noise are keyed by sample and micro-batch, so results do not change."""
+    dev = topo.device
+    for j in range(per_step):
+        if topo.producer(base + j) == topo.rank:
+            mb = ahead.pop(base + j, None) or produce(target, data, stream, base + j, args, dev)
+            send_microbatch(mb, topo.consumer(j))
+            del mb  # the send keeps its buffers until it completes (trainer/memory.py: two resident)
+    nxt = [base + per_step + j for j in range(per_step) if topo.producer(base + per_step + j) == topo.rank]
+    if more and nxt:
+        ahead[nxt[0]] = produce(target, data, stream, nxt[0], args, dev)
+
+
+def optimizer_step(opt, drafter, step: int, schedule: dict, grad_clip: float):
+    """Learning rate of ``step``, global-norm clip, AdamW step; returns (lr, grad norm)."""
+    lr = lr_at(step, schedule["peak_lr"], schedule["total_steps"], schedule["warmup_steps"])
+    for group in opt.param_groups:
+        group["lr"] = lr
+    grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return lr, grad_norm
+
+
+def step_line(m: dict) -> str:
+    return (f"step {m['step']}/{m['total_steps']} | loss {m['loss']:.4f} ce {m['ce']:.4f} kl {m['kl']:.4f} "
+            f"cap {m['cap']:.4f} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f} | {m['tokens_per_s']:.0f} tok/s | "
+            f"acc@1 {m['acc'][0]} | wait {m['wait_s']:.2f}s")
+
+
+def save_checkpoint(args, events, step: int, position: int, stream, drafter, opt, meta: dict) -> str:
+    epoch = stream[position][0] if position < len(stream) else args.epochs
+    state = {"model": drafter.state_dict(), "optimizer": opt.state_dict(), "data_position": position, "epoch": epoch}
+    path = ckpt_io.save(args.output_dir, step, drafter, {**meta, "data_position": position, "epoch": epoch}, state)
+    # older checkpoints go only now that this one is complete (--keep-checkpoints)
+    pruned = ckpt_io.prune(args.output_dir, step, args.keep_checkpoints, args.keep_every)
+    events.emit("checkpoint", step=step, path=path, pruned=pruned)
+    return path
+
+
+def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
+    dev, log = topo.device, topo.is_log_rank
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # target + shipped states; drafter weights fp32
+    if log:
+        events.emit("phase", phase="loading")
+    dcfg = drafter_config(args)
+    data = PreparedData(args.data_dir)
+    stream = micro_batch_stream(data, args)
+    per_step = args.grad_accum * topo.n_drafter  # micro-batches per optimizer step (topology.py)
+    start = start_point(args, len(stream), per_step)
+
+    # -- models: the frozen target on target ranks; the drafter, its step and AdamW on drafter ranks
     target = Target(args.target_model, dcfg.target_layer_ids, dev, dtype, args.target_forward) if topo.is_target else None
-    drafter = model = opt = head = None
+    drafter = head = opt = drafter_step = None
     if topo.is_drafter:
         drafter, head, opt = build_drafter(args, dcfg, target, dev, dtype)
-        if args.init_from:
-            drafter.load_state_dict(ckpt_io.init_weights(args.init_from))
-        if resume is not None:
-            drafter.load_state_dict(resume["model"])
-            opt.load_state_dict(resume["optimizer"])
-            ckpt_io.set_rng_state(resume["rng"])
-        if args.drafter_step == "chunked" or topo.n_drafter == 1:
-            model = drafter  # the chunked step averages gradients itself (topology.average_gradients)
-            topo_mod.broadcast_parameters(topo, drafter)
-        else:
-            model = DDP(drafter, process_group=topo.drafter_group, device_ids=[dev] if cuda else None,
-                        broadcast_buffers=False)
-    lcfg = LossConfig(block_size=args.block_size, gamma=args.gamma, position_weights=args.position_weights,
-                      dpace_alpha=args.dpace_alpha, use_soft_labels=args.use_soft_labels, kl_weight=args.kl_weight,
-                      kl_temperature=args.kl_temperature, cap_lambda=args.cap_lambda)
-    attn_impl = "flex" if cuda else "sdpa"
-    chunked = args.drafter_step == "chunked"
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext()
+        restore(args, start, drafter, opt)
+        topo_mod.broadcast_parameters(topo, drafter)
+        drafter_step = make_step(args, drafter, head, dcfg)
     wandb = make_logger(log, args.wandb_project, args.wandb_run_name, args.wandb_mode, run_dir, vars(args))
     meta = {"config": vars(args), "drafter_config": dcfg.to_hf(), "target": target_identity(args.target_model),
-            "data_fingerprint": data.fingerprint, "schedule": schedule,
+            "data_fingerprint": data.fingerprint, "schedule": start.schedule,
             "world": {"drafter_ranks": topo.n_drafter, "grad_accum": args.grad_accum}}
-
     if log:
         events.emit("phase", phase="training")
-        print(f"training: {topo.world} rank(s) ({topo.role}), steps {step0}→{last_step} of {total_steps}, "
-              f"{per_step} micro-batches/step, schedule {schedule['total_steps']} steps", flush=True)
-    hb.beat(step0)
-    stopped = False
-    step = step0
-    ahead: dict[int, MicroBatch] = {}  # target ranks: micro-batches made before their step
-    while step < last_step:
+        print(f"training: {topo.world} rank(s) ({topo.role}), steps {start.step}→{start.last_step} of "
+              f"{start.total_steps}, {per_step} micro-batches/step, schedule {start.schedule['total_steps']} steps",
+              flush=True)
+    hb.beat(start.step)
+    step, stopped, ahead = start.step, False, {}
+    while step < start.last_step:
         t0 = time.time()
-        base = mb0 + (step - step0) * per_step
-        # -- target role (split): produce this step's micro-batches and ship them
+        base = start.position + (step - start.step) * per_step
+        # -- target role (split): make this step's micro-batches and ship them
         if topo.is_target and not topo.colocated:
-            for j in range(per_step):
-                if topo.producer(base + j) == topo.rank:
-                    mb = ahead.pop(base + j, None) or produce(target, data, stream, base + j, args, dev)
-                    send_microbatch(mb, topo.consumer(j))
-            # This rank's first micro-batch of the next step, made now, while the drafters train
-            # on this step's last ones: the step-end agreement below holds every rank until the
-            # drafters finish, and without this each step began with the drafters idle for a
-            # whole target forward (1.9 s of an 18 s step measured for Qwen3-8B on H200s).
-            # Anchors and noise are keyed by sample and micro-batch, so results do not change.
-            if step + 1 < last_step:
-                nxt = [base + per_step + j for j in range(per_step) if topo.producer(base + per_step + j) == topo.rank]
-                if nxt:
-                    ahead[nxt[0]] = produce(target, data, stream, nxt[0], args, dev)
-        # -- drafter role: forward/backward each micro-batch, then one optimizer step
+            ship(target, data, stream, base, per_step, args, topo, ahead, more=step + 1 < start.last_step)
+        # -- drafter role: the step on each micro-batch, gradients averaged over ranks, one optimizer step
         if topo.is_drafter:
-            mine = [j for j in range(per_step) if topo.consumer(j) == topo.rank]
-            amp = noise_amplitude(step, args.noise_start, args.noise_end, schedule["total_steps"])
-            K = args.block_size - 1
-            sums = torch.zeros(6 + 2 * K, device=dev)  # loss ce kl cap tokens wait | acc·count[K] count[K]
-            wait = 0.0  # host-side; metrics stay on the device until a log step (no host syncs in the step)
-            for i, j in enumerate(mine):
+            amp = noise_amplitude(step, args.noise_start, args.noise_end, start.schedule["total_steps"])
+            stats = StepStats.zero(args.block_size, dev)
+            for j in topo.consumed_here(per_step):
                 tw = time.time()
                 mb = produce(target, data, stream, base + j, args, dev) if topo.colocated else recv_microbatch(topo.producer(base + j), dev)
-                wait += time.time() - tw
-                taps = add_noise(mb.taps, amp, args.noise_type, key(args.seed, "noise", mb.index))
-                sums[4] += mb.lengths.sum()
-                if chunked:
-                    # anchor chunks through the drafter and the head, backward per chunk: bounded
-                    # activation memory; casts per chunk itself (no autocast)
-                    r = fast_drafter.step_backward(
-                        drafter, head.embed, head.lm_head, mb.input_ids, taps, mb.loss_mask, mb.lengths, mb.anchors,
-                        mb.keep, block_size=args.block_size, mask_token_id=dcfg.mask_token_id, gamma=args.gamma,
-                        position_weights=args.position_weights, dpace_alpha=args.dpace_alpha,
-                        kl_weight=args.kl_weight if args.use_soft_labels else 0.0, temperature=args.kl_temperature,
-                        cap_lambda=args.cap_lambda, teacher_final=mb.final, loss_scale=1.0 / len(mine), attn=attn_impl,
-                        dtype=torch.bfloat16 if cuda else torch.float32)
-                    sums[0] += r["loss"] / len(mine)
-                    sums[6] += r["correct"]  # all slots together: the chunked step has no per-slot split
-                    sums[6 + K] += r["valid"]
-                    continue
-                sync = nullcontext() if (i == len(mine) - 1 or model is drafter) else model.no_sync()
-                with sync:
-                    with autocast:
-                        blocks = head.embed_blocks(mb.input_ids, mb.anchors, args.block_size, dcfg.mask_token_id)
-                        out = model(taps, blocks, mb.anchors, mb.keep, attn_impl)
-                        lo = dflash_loss(lcfg, out, head.lm_head, mb.input_ids, mb.loss_mask, mb.lengths,
-                                         mb.anchors, mb.keep, mb.final)
-                    (lo.loss / len(mine)).backward()
-                sums[:4] += torch.stack([lo.loss.detach(), lo.ce, lo.kl, lo.cap]) / len(mine)
-                sums[6:6 + K] += lo.acc * lo.acc_count
-                sums[6 + K:] += lo.acc_count
-            if chunked:
-                topo_mod.average_gradients(topo, drafter)
-            lr = lr_at(step, schedule["peak_lr"], schedule["total_steps"], schedule["warmup_steps"])
-            for group in opt.param_groups:
-                group["lr"] = lr
-            grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), args.grad_clip if args.grad_clip > 0 else float("inf"))
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+                stats.wait_s += time.time() - tw
+                stats += drafter_step(mb, add_noise(mb.taps, amp, args.noise_type, key(args.seed, "noise", mb.index)))
+                # its taps and final state go before the next micro-batch's are made: held
+                # over, they sat beside the next target forward (trainer/memory.py counts one)
+                del mb
+            topo_mod.average_gradients(topo, drafter)
+            lr, grad_norm = optimizer_step(opt, drafter, step, start.schedule, args.grad_clip)
         step += 1
 
         # -- all ranks agree whether to stop after this step (SIGTERM may reach them apart)
         stopped = topo_mod.all_reduce_max(topo, 1.0 if _STOP["requested"] else 0.0) > 0
-        finishing = stopped or step == last_step
+        finishing = stopped or step == start.last_step
 
         # -- log: one step event, one wandb row, one human line
         if topo.is_drafter and (step % args.log_interval == 0 or finishing):
-            sums[5] = wait
-            topo_mod.drafter_sum(topo, sums)
-            s = sums.tolist()
-            D = topo.n_drafter
-            dt = time.time() - t0
-            counts = s[6 + K:]
-            acc = [round(a / c, 4) if c else None for a, c in zip(s[6:6 + K], counts)]
-            split = (lambda v: None) if chunked else (lambda v: v / D)  # noqa: E731  (chunked: total loss only)
-            if chunked:
-                acc = acc[:1]  # one accuracy over all slots
-            metrics = {"step": step, "total_steps": last_step, "epoch": stream[min(base, len(stream) - 1)][0],
-                       "loss": s[0] / D, "ce": split(s[1]), "kl": split(s[2]), "cap": split(s[3]), "lr": lr,
-                       "grad_norm": float(grad_norm), "tokens": int(s[4]), "tokens_per_s": s[4] / dt,
-                       "drafted_per_s": sum(counts) / dt, "acc": acc, "mem_peak_mib": mem_peak_mib(dev), "wait_s": s[5] / D}
+            metrics = {"step": step, "total_steps": start.last_step, "epoch": stream[min(base, len(stream) - 1)][0],
+                       **stats.reduce(topo).to_metrics(time.time() - t0), "lr": lr, "grad_norm": float(grad_norm),
+                       "mem_peak_mib": mem_peak_mib(dev), "mem_reserved_mib": mem_reserved_mib(dev),
+                       **compile_stats()}  # compile_s: cumulative, so the first step event holds the launch's compiles
+            if step == start.step + 1:  # what this launch runs with (trainer/runtime_env.py)
+                metrics["compile_cache"] = os.environ.get(runtime_env.ENV_INDUCTOR)
+                metrics["alloc_conf"] = os.environ.get(runtime_env.ENV_ALLOC)
             if log:
                 events.emit("step", **metrics)
                 wandb.log({k: v for k, v in metrics.items() if k not in ("step", "total_steps")}, step=step)
-                terms = "" if chunked else f" ce {metrics['ce']:.4f} kl {metrics['kl']:.4f} cap {metrics['cap']:.4f}"
-                print(f"step {step}/{last_step} | loss {metrics['loss']:.4f}{terms} | lr {lr:.2e} | gnorm {metrics['grad_norm']:.3f} | "
-                      f"{metrics['tokens_per_s']:.0f} tok/s | acc@1 {acc[0]} | wait {metrics['wait_s']:.2f}s", flush=True)
+                print(step_line(metrics), flush=True)
+                if "compile_cache" in metrics:
+                    print(f"compile: {metrics['compile_s']:.1f} s in the first step ({metrics['compile_cache_hits']} "
+                          f"cache hits, {metrics['compile_cache_misses']} misses; cache {metrics['compile_cache']})",
+                          flush=True)
         hb.beat(step)
 
-        # -- checkpoint (the log rank writes; everyone waits so nobody exits mid-save)
+        # -- checkpoint and evaluation (the log rank; everyone waits so nobody exits mid-save)
         if step % args.save_interval == 0 or finishing:
             if log:
                 events.emit("phase", phase="saving")
-                nxt = mb0 + (step - step0) * per_step
-                state = {"model": drafter.state_dict(), "optimizer": opt.state_dict(), "data_position": nxt,
-                         "epoch": stream[nxt][0] if nxt < len(stream) else args.epochs}
-                path = ckpt_io.save(args.output_dir, step, drafter,
-                                    {**meta, "data_position": nxt, "epoch": state["epoch"]}, state)
-                events.emit("checkpoint", step=step, path=path)
+                path = save_checkpoint(args, events, step, start.position + (step - start.step) * per_step, stream,
+                                       drafter, opt, meta)
                 if args.eval_prompts > 0 and target is not None:
-                    from trainer.evaluate import acceptance_length
+                    from trainer.evaluate import EVAL_MAX_NEW, acceptance_length
+                    from trainer.drafter_dir import record_eval
 
                     events.emit("phase", phase="evaluating")
                     tau = acceptance_length(target, drafter, head, data, args.eval_prompts, dev)
+                    record_eval(os.path.dirname(path), block={  # the export's model card shows it
+                        "tau": tau, "prompts": args.eval_prompts, "max_new_tokens": EVAL_MAX_NEW, "device": dev.type,
+                        "dtype": str(next(drafter.parameters()).dtype).replace("torch.", ""),
+                        "by": "trainer/evaluate.py at save"})
                     events.emit("eval", step=step, tau=tau)
                     print(f"eval step {step}: tau {tau:.3f}", flush=True)
                 events.emit("phase", phase="training")
@@ -409,7 +448,7 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
             break
 
     wandb.finish()
-    if stopped and step < last_step:
+    if stopped and step < start.last_step:
         if log:
             events.emit("phase", phase="stopping")
         hb.beat(step, "stopped")
@@ -420,17 +459,33 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
     return EXIT_OK
 
 
+def _probe_capacity_mib(args, dev) -> float | None:
+    """What the probe's measured need must fit: --probe-capacity-mib, else the GPU's free
+    memory now (this process's context already out of it); None on CPU without the flag."""
+    if args.probe_capacity_mib is not None:
+        return float(args.probe_capacity_mib)
+    return _gpu_free_mib(dev) if dev.type == "cuda" else None
+
+
 def probe(args, topo, events: Events, hb: Heartbeat) -> int:
-    """--probe-memory: run the worst-case micro-batch on each role's device — the full token
-    budget at --max-seq-len, --max-anchors per sequence, soft labels if on — through the
-    target forward (target ranks) and two forward + backward + optimizer steps (drafter ranks;
-    split ranks use random states of the right shape, nothing is sent). One probe event per
-    rank with its peak; nothing is trained or saved."""
+    """--probe-memory: this run's worst case, measured. Every rank builds what training
+    builds (target, drafter, AdamW) and runs two optimizer steps — AdamW's state exists only
+    from the first one's end, so the second is the steady state the model predicts — of
+    full-length sequences at the resolved --token-budget with --max-anchors each, the way
+    train() runs them: colocated ranks the target forward then the drafter step; split
+    drafter ranks random states of the received shape; split target ranks two micro-batches
+    resident, as while one is still being sent. One probe event per rank (allocated and
+    reserved peaks beside the prediction); exit 2 on every rank when any rank's reserved
+    peak + margin exceeds its capacity (budget.probe_refusal), else 0. Nothing is trained
+    or saved."""
+    from trainer.budget import MARGIN_MIB, largest_fitting_batch, plan_run, probe_refusal
+    from trainer.flags import EXIT_USAGE
+
     dev = topo.device
     cuda = dev.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    dcfg = DrafterConfig.from_target(read_config(args.target_model), args.num_draft_layers, args.block_size,
-                                     args.mask_token_id, args.target_layer_ids)
+    capacity = _probe_capacity_mib(args, dev)
+    dcfg = drafter_config(args)
     b, S = max(1, min(args.max_batch_size, args.token_budget // args.max_seq_len)), args.max_seq_len
     n = min(args.max_anchors, S - 1)
     g = torch.Generator().manual_seed(args.seed)
@@ -442,56 +497,67 @@ def probe(args, topo, events: Events, hb: Heartbeat) -> int:
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
     target = Target(args.target_model, dcfg.target_layer_ids, dev, dtype, args.target_forward) if topo.is_target else None
-    taps = final = None
-    if target is not None:
-        taps, final = target.forward(ids, want_final=args.use_soft_labels)
+    drafter = head = opt = drafter_step = None
     if topo.is_drafter:
-        if taps is None:
-            taps = torch.randn(b, S, len(dcfg.target_layer_ids) * dcfg.hidden_size, device=dev, dtype=dtype)
-            final = torch.randn(b, S, dcfg.hidden_size, device=dev, dtype=dtype) if args.use_soft_labels else None
         drafter, head, opt = build_drafter(args, dcfg, target, dev, dtype)
-        lcfg = LossConfig(block_size=args.block_size, gamma=args.gamma, position_weights=args.position_weights,
-                          dpace_alpha=args.dpace_alpha, use_soft_labels=args.use_soft_labels, kl_weight=args.kl_weight,
-                          kl_temperature=args.kl_temperature, cap_lambda=args.cap_lambda)
-        for _ in range(2):  # AdamW creates its state in the first step, after that step's peak
-            if args.drafter_step == "chunked":  # the step the run would take, so its peak is the one predicted
-                fast_drafter.step_backward(
-                    drafter, head.embed, head.lm_head, ids, taps, loss_mask, lengths, anchors, keep,
-                    block_size=args.block_size, mask_token_id=dcfg.mask_token_id, gamma=args.gamma,
-                    position_weights=args.position_weights, dpace_alpha=args.dpace_alpha,
-                    kl_weight=args.kl_weight if args.use_soft_labels else 0.0, temperature=args.kl_temperature,
-                    cap_lambda=args.cap_lambda, teacher_final=final, attn="flex" if cuda else "sdpa",
-                    dtype=torch.bfloat16 if cuda else torch.float32)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                continue
-            with torch.autocast("cuda", dtype=torch.bfloat16) if cuda else nullcontext():
-                out = drafter(taps, head.embed_blocks(ids, anchors, args.block_size, dcfg.mask_token_id), anchors, keep,
-                              "flex" if cuda else "sdpa")
-                lo = dflash_loss(lcfg, out, head.lm_head, ids, loss_mask, lengths, anchors, keep, final)
-            lo.loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    peak = mem_peak_mib(dev)
-    total = torch.cuda.get_device_properties(dev).total_memory / 2**20 if cuda else None
-    fits = peak < 0.9 * total if total else True  # 10 % margin for fragmentation and the allocator
-    # The memory model's prediction for this rank (CUDA, bf16): exact for the chunked drafter
-    # step and the target, a lower bound for the reference drafter step. None on CPU (fp32,
-    # and the peak there is the process's RSS).
-    predicted = exact = None
+        drafter_step = make_step(args, drafter, head, dcfg)  # the step the run would take
+    schedule = {"peak_lr": args.lr, "total_steps": 2, "warmup_steps": 0}
+    F = len(dcfg.target_layer_ids) * dcfg.hidden_size
+    held = None  # split target: the micro-batch still being sent while the next is made
+    for step in range(2):
+        if target is not None:
+            taps, final = target.forward(ids, want_final=args.use_soft_labels)
+        else:
+            taps = torch.randn(b, S, F, device=dev, dtype=dtype)
+            final = torch.randn(b, S, dcfg.hidden_size, device=dev, dtype=dtype) if args.use_soft_labels else None
+        if drafter is None:
+            held = (taps, final)
+            continue
+        mb = MicroBatch(step, 0, torch.arange(b, device=dev), ids, loss_mask, lengths, anchors, keep, taps, final)
+        del taps, final
+        amp = max(args.noise_start, args.noise_end)
+        drafter_step(mb, add_noise(mb.taps, amp, args.noise_type, key(args.seed, "noise", step)))
+        del mb
+        topo_mod.average_gradients(topo, drafter)
+        optimizer_step(opt, drafter, step, schedule, args.grad_clip)
     if cuda:
-        from trainer import probe as plan_mod
-
-        row = plan_mod.plan_run(_rank_values(args, topo), None, read_config(args.target_model))["gpus"][topo.gpu]
-        predicted, exact = row["peak_mib"], row["exact"]
-    events.emit("probe", peak_mib=round(peak, 1), total_mib=total, fits=fits, budget=args.token_budget,
-                batch=[b, S], anchors=n, drafter_step=args.drafter_step, predicted_peak_mib=predicted,
-                predicted_exact=exact)
-    pred = "" if predicted is None else (f", predicted {'at least ' if not exact else ''}{predicted:.0f} MiB "
-                                         f"({100 * (predicted - peak) / peak:+.1f} %)")
-    print(f"probe rank {topo.rank} ({topo.role}, gpu {topo.gpu}): peak {peak:.0f} MiB"
-          + (f" of {total:.0f} MiB" if total else "") + pred + f" for {b}×{S} tokens, {n} anchors/seq: "
-          + ("fits" if fits else "does NOT fit"), flush=True)
-    hb.beat(0, "done")
+        torch.cuda.synchronize(dev)
+    del held
+    peak = mem_peak_mib(dev)
+    reserved = mem_reserved_mib(dev)
+    measured = reserved if cuda else peak  # CPU: the process's peak RSS
+    values = _rank_values(args, topo)
+    cfg = read_config(args.target_model)
+    predicted = reserved_pred = exact = None
+    alloc_conf = os.environ.get(runtime_env.ENV_ALLOC, "")
+    if cuda:  # the memory model describes the CUDA paths (bf16; none on CPU)
+        row = plan_run(values, None, cfg, alloc_conf=alloc_conf)["gpus"][topo.gpu]
+        predicted, reserved_pred, exact = row["peak_mib"], row["reserved_mib"], row["exact"]
+    fits_b = 0
+    if capacity is not None and cuda:
+        role = {"both": "colocated"}.get(topo.role, topo.role)
+        fits_b = largest_fitting_batch(values, cfg, role, capacity * 2**20, context_mib=0, alloc_conf=alloc_conf)
+    verdict = probe_refusal(topo.gpu, {"both": "colocated"}.get(topo.role, topo.role), measured, capacity,
+                            fits_budget=fits_b * S if fits_b else None)
+    refused = topo_mod.all_reduce_max(topo, 1.0 if verdict["line"] else 0.0) > 0
+    events.emit("probe", peak_mib=round(peak, 1), reserved_mib=None if reserved is None else round(reserved, 1),
+                capacity_mib=capacity, need_mib=verdict["need_mib"], short_mib=verdict["short_mib"],
+                fits=verdict["line"] is None, budget=args.token_budget, batch=[b, S], anchors=n, steps=2,
+                drafter_step=args.drafter_step, predicted_peak_mib=predicted, predicted_reserved_mib=reserved_pred,
+                predicted_exact=exact, margin_mib=MARGIN_MIB)
+    pred = "" if reserved_pred is None else (
+        f", predicted {'at least ' if not exact else ''}{reserved_pred:.0f} MiB reserved "
+        f"({100 * (reserved_pred - reserved) / reserved:+.1f} %)")
+    what = f"reserved {reserved:.0f} MiB (allocated {peak:.0f})" if cuda else f"peak RSS {peak:.0f} MiB"
+    verdict_text = ("fits" if verdict["line"] is None else "does NOT fit") if capacity is not None else "not checked"
+    print(f"probe rank {topo.rank} ({topo.role}, gpu {topo.gpu}): two optimizer steps of {b}×{S} tokens, {n} anchors/seq: "
+          f"{what}{pred}; needs {verdict['need_mib']:.0f} MiB with the margin"
+          + (f" of {capacity:.0f} MiB: {verdict_text}" if capacity is not None else ": not checked (no capacity)"),
+          flush=True)
+    if verdict["line"]:
+        print(f"python -m trainer: error: {verdict['line']}", file=sys.stderr, flush=True)
+        events.emit("error", error="memory_refused", message=verdict["line"], phase="probe",
+                    need_mib=verdict["need_mib"], short_mib=verdict["short_mib"], budget=args.token_budget)
+    hb.beat(0, "failed" if refused else ("loading" if os.environ.get(ENV_PROBE_FIRST) else "done"))
     topo_mod.barrier(topo)
-    return EXIT_OK
+    return EXIT_USAGE if refused else EXIT_OK

@@ -241,8 +241,9 @@ def drafter_run(shape, *, budget, block, n_anchors, chunk_anchors, head_rows, n_
     L = 8192
     b = budget // L
     reset_peak()
-    d = fd.MiniDrafter(shape.hidden, shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.intermediate,
-                       n_layers, n_layers, block_size=block, device="cuda")
+    from trainer.model import Drafter, DrafterConfig
+
+    d = Drafter(DrafterConfig.for_shape(shape, n_layers, block)).to("cuda")
     embed = torch.randn(shape.vocab, shape.hidden, device="cuda", dtype=torch.bfloat16) * 0.02
     head = torch.randn(shape.vocab, shape.hidden, device="cuda", dtype=torch.bfloat16) * 0.02
     decay = [p for n, p in d.named_parameters() if p.dim() >= 2]

@@ -53,10 +53,9 @@ def batch(shape, b, L, n_anchors, step, dev):
 
 
 def build_drafter(shape, a, dev):
-    from trainer import fast_drafter as fd
+    from trainer.model import Drafter, DrafterConfig
 
-    d = fd.MiniDrafter(shape.hidden, shape.n_heads, shape.n_kv_heads, shape.head_dim, shape.intermediate,
-                       a.num_draft_layers, a.num_draft_layers, block_size=a.block_size, device=dev)
+    d = Drafter(DrafterConfig.for_shape(shape, a.num_draft_layers, a.block_size)).to(dev)
     embed = torch.randn(shape.vocab, shape.hidden, device=dev, dtype=torch.bfloat16) * 0.02
     head = torch.randn(shape.vocab, shape.hidden, device=dev, dtype=torch.bfloat16) * 0.02
     decay = [p for p in d.parameters() if p.dim() >= 2]

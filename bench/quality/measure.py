@@ -9,6 +9,7 @@ Every speculative output is compared with the greedy one, token for token, on ev
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -111,3 +112,45 @@ def tree_pass_error(target, prompt: list[int], vocab: int, device, budget: int =
         _, ref = target.forward_logits(torch.tensor([prompt + [bonus] + path[::-1]], device=device))
         worst = max(worst, float((logits[0, n + i] - ref[0, -1]).abs().max()))
     return worst
+
+
+@torch.no_grad()
+def served(export_dir: str, target, prompts, refs: dict, max_new: int, device, block: dict | None = None) -> dict:
+    """τ and losslessness through the export's own modeling file: ``AutoModel.from_pretrained(
+    export_dir, trust_remote_code=True, dtype="auto")`` and its ``spec_generate`` against the
+    evaluation target's transformers model, on the same prompts. ``equal_to_block``: the same
+    committed tokens and target forwards per prompt as block verification (``block``)."""
+    from transformers import AutoModel
+
+    dr = AutoModel.from_pretrained(export_dir, trust_remote_code=True, dtype="auto").to(device).eval()
+    counts: list[int] = []
+    per_prompt: list[list[int]] = []
+    mismatches: list[dict] = []
+    for i, p in enumerate(prompts):
+        r = dr.spec_generate(target.model, torch.tensor([p], device=device), max_new, return_stats=True)
+        out, ref = r.output_ids[0, len(p):].tolist(), refs["outputs"][i]
+        counts += r.acceptance_lengths
+        per_prompt.append([sum(r.acceptance_lengths), len(r.acceptance_lengths)])
+        if out != ref:
+            first = next((j for j, (a, b) in enumerate(zip(out, ref)) if a != b), min(len(out), len(ref)))
+            mismatches.append({"prompt": i, "first_diff": first})
+    return {"tau": sum(counts) / max(1, len(counts)), "lossless": not mismatches, "mismatches": mismatches,
+            "prompts": len(prompts), "per_prompt": per_prompt, "dtype": str(dr.dtype).replace("torch.", ""),
+            "equal_to_block": None if block is None else per_prompt == block.get("per_prompt")}
+
+
+def served_all(step_dir: str, work: str, target, prompts, refs: dict, max_new: int, device, block: dict) -> dict:
+    """The final checkpoint exported twice — fp32 (the evaluator's numbers: on CPU its τ must
+    equal block verification's) and bf16 (the default export, what a server runs) — and each
+    decoded by ``served``."""
+    import shutil
+
+    from trainer.export import export
+
+    out = {}
+    for dtype in ("fp32", "bf16"):
+        d = os.path.join(work, dtype)
+        shutil.rmtree(d, ignore_errors=True)
+        export(step_dir, d, dtype=dtype)
+        out[dtype] = served(d, target, prompts, refs, max_new, device, block)
+    return out

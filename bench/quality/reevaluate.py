@@ -85,7 +85,7 @@ def main(argv=None) -> int:
     os.makedirs(out, exist_ok=True)
     t0 = time.time()
 
-    from trainer.model import Drafter
+    from trainer.checkpoint import load_drafter
 
     split = corpus.load_split(s["corpus_bytes"])
     prompts = distill.eval_prompts(split["held_out"], args.prompts, s["distill"]["prompt_len"])
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
 
     for name, v_out in trained.items():
         step, path = variants.checkpoints(v_out)[-1]
-        dr = Drafter.from_pretrained(path, device).eval()
+        dr = load_drafter(path, device).eval()
         orig = source["variants"][name]
         fin = {"step": step, "block": measure.decode_all("block", target, dr, head, prompts, refs, max_new, device),
                "tree": {}}

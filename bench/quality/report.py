@@ -12,17 +12,18 @@ def _f(v, fmt="{:.2f}"):
 
 def table(results: dict) -> str:
     budgets = results["config"]["tree_budgets"]
-    head = ["variant", "steps", "τ block"] + [f"τ tree {b}" for b in budgets] + \
+    head = ["variant", "steps", "τ block", "τ served fp32", "τ served bf16"] + [f"τ tree {b}" for b in budgets] + \
            ["speedup block"] + [f"speedup tree {b}" for b in budgets] + ["lossless", "final loss"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for name, v in results["variants"].items():
         fin = v.get("final") or {}
         blk = fin.get("block") or {}
         trees = fin.get("tree") or {}
-        checked = [blk] + [trees.get(str(b)) for b in budgets]
+        served = fin.get("served") or {}
+        checked = [blk] + [trees.get(str(b)) for b in budgets] + list(served.values())
         checked = [c for c in checked if c]
         lossless = "—"
-        if checked:  # "yes (4×12)": 4 decoders (block + 3 tree budgets) × 12 prompts, all equal to greedy
+        if checked:  # "yes (6×12)": 6 decoders (block, 3 tree budgets, 2 served) × 12 prompts, all equal to greedy
             verdict = "yes" if all(c["lossless"] for c in checked) else "NO"
             lossless = f"{verdict} ({len(checked)}×{blk.get('prompts', 0)})"
         if v.get("error") or fin.get("tree_errors"):
@@ -30,6 +31,8 @@ def table(results: dict) -> str:
         elif v.get("skipped"):
             lossless = f"skipped ({v['skipped']})"
         row = [name, str(v.get("steps", "—")), _f(blk.get("tau"))]
+        row += [_f((served.get(k) or {}).get("tau")) + ("" if k == "bf16" or (served.get(k) or {}).get("equal_to_block") in (None, True)
+                                                          else " (≠ block)") for k in ("fp32", "bf16")]
         row += [_f((trees.get(str(b)) or {}).get("tau")) for b in budgets]
         row += [_f(blk.get("speedup"), "{:.2f}×")]
         row += [_f((trees.get(str(b)) or {}).get("speedup"), "{:.2f}×") for b in budgets]

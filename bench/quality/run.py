@@ -173,7 +173,7 @@ def train_and_evaluate(name: str, argv: list[str], v_out: str, v: dict, c: dict)
     """Train one variant with the trainer, then: τ at every checkpoint (the curve, on the curve
     prompts) and, for the final checkpoint, block τ, speedup and losslessness on all prompts.
     Fills ``v``; returns the final drafter (for the tree phase)."""
-    from trainer.model import Drafter
+    from trainer.checkpoint import load_drafter
 
     target, head, device, ev = c["target"], c["head"], c["device"], c["ev"]
     log(f"{name}: {v['command']}")
@@ -190,15 +190,21 @@ def train_and_evaluate(name: str, argv: list[str], v_out: str, v: dict, c: dict)
     v["curve"] = [[0, c["tau0"]]]
     ckpts = variants.checkpoints(v_out)
     for step, path in ckpts[:-1]:
-        dr = Drafter.from_pretrained(path, device).eval()
+        dr = load_drafter(path, device).eval()
         v["curve"].append([step, measure.block_tau(target, dr, head, c["curve_prompts"], ev["curve_max_new"], device)])
     final_step, final_path = ckpts[-1]
-    dr = Drafter.from_pretrained(final_path, device).eval()
+    dr = load_drafter(final_path, device).eval()
     blk = measure.decode_all("block", target, dr, head, c["prompts"], c["refs"], ev["max_new"], device)
     v["curve"].append([final_step, measure.block_tau(target, dr, head, c["curve_prompts"], ev["curve_max_new"], device)])
-    v["final"] = {"step": final_step, "block": blk, "tree": {}}
+    v["final"] = {"step": final_step, "block": blk, "tree": {}, "path": final_path}
+    # the served path: the final checkpoint exported (python -m trainer export) and decoded by
+    # the export's own modeling file through AutoModel + trust_remote_code (docs/export.md)
+    v["final"]["served"] = measure.served_all(final_path, os.path.join(v_out, "served"), target, c["prompts"],
+                                              c["refs"], ev["max_new"], device, blk)
+    served = v["final"]["served"]
     log(f"{name}: loss {v['final_loss']:.3f}, τ block {blk['tau']:.2f}, speedup {blk['speedup']:.2f}×, "
-        f"lossless {blk['lossless']}, {time.time() - t0:.0f} s")
+        f"lossless {blk['lossless']}; served τ fp32 {served['fp32']['tau']:.2f} (= block: "
+        f"{served['fp32']['equal_to_block']}), bf16 {served['bf16']['tau']:.2f}, {time.time() - t0:.0f} s")
     return dr
 
 
@@ -373,6 +379,14 @@ def main(argv=None) -> int:
             slowest = max(slowest, tr["seconds"])  # larger budgets cost more: keep the worst seen
             log(f"{name}: tree {budget}: τ {tr['tau']:.2f}, speedup {tr['speedup']:.2f}×, lossless {tr['lossless']}")
             save()
+    from trainer.drafter_dir import record_eval
+
+    for name, v in results["variants"].items():  # the model card of each final checkpoint shows what was measured
+        fin = v.get("final")
+        if fin and fin.get("path"):
+            rec = lambda d: {"tau": d["tau"], "prompts": d["prompts"], "max_new_tokens": ev["max_new"],  # noqa: E731
+                             "device": device.type, "dtype": "float32", "by": "bench/quality"}
+            record_eval(fin["path"], block=rec(fin["block"]), tree={b: rec(t) for b, t in fin["tree"].items()})
     results["timings"]["total_s"] = round(clock.elapsed(), 1)
     save()
 
@@ -381,7 +395,7 @@ def main(argv=None) -> int:
         fh.write(md + "\n")
     plotted = report.plot(results, os.path.join(out, "tau_vs_steps.png"))
     ok = all(c["lossless"] for v in results["variants"].values() if v.get("final")
-             for c in [v["final"]["block"], *v["final"]["tree"].values()])
+             for c in [v["final"]["block"], *v["final"]["tree"].values(), *(v["final"].get("served") or {}).values()])
     failed = [n for n, v in results["variants"].items() if v.get("error") or (v.get("final") or {}).get("tree_errors")]
     skipped = [n for n, v in results["variants"].items() if v.get("skipped")]
     log(f"target {results['target']['params'] / 1e6:.1f}M params, {results['target']['steps']} steps, held-out "

@@ -32,6 +32,7 @@ def trainer_argv(variant: str, target_dir: str, data_dir: str, out_dir: str, d: 
             "--max-batch-size", str(d["max_batch_size"]), "--block-size", str(d["block_size"]),
             "--max-anchors", str(d["max_anchors"]), "--num-draft-layers", str(d["layers"]),
             "--save-interval", str(d["save_interval"]), "--log-interval", str(d["log_interval"]),
+            "--keep-checkpoints", "0",  # every checkpoint: the τ-vs-steps curve evaluates each
             # one implementation for every variant, the reference step: per-slot metrics, the CPU path
             "--drafter-step", "reference", "--target-forward", "hf"]
     if d.get("target_layer_ids"):
@@ -53,9 +54,11 @@ def command_line(argv: list[str]) -> str:
 
 
 def checkpoints(out_dir: str) -> list[tuple[int, str]]:
-    """(step, step_N/drafter) for every saved step, ascending."""
+    """(step, step_N directory) for every complete checkpoint, ascending. Drafters are loaded
+    from checkpoint.pt (fp32 masters, trainer.checkpoint.load_drafter): step_N/drafter/ is
+    the bf16 export."""
     out = []
     for name in os.listdir(out_dir):
-        if name.startswith("step_") and os.path.isdir(os.path.join(out_dir, name, "drafter")):
-            out.append((int(name[5:]), os.path.join(out_dir, name, "drafter")))
+        if name.startswith("step_") and os.path.isfile(os.path.join(out_dir, name, "checkpoint.pt")):
+            out.append((int(name[5:]), os.path.join(out_dir, name)))
     return sorted(out)

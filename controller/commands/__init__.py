@@ -1,14 +1,28 @@
-"""Command groups of `ctl`. Each module exposes ``register(app)``; add new ones to GROUPS."""
+"""Command groups of `ctl`. Each module exposes ``register(app)``; COMMANDS says which module
+holds each top-level command, so `ctl exec` imports the exec module and not the launch
+machinery (start-up time is most of a short command: bench/exec_roundtrip.py)."""
 
 from __future__ import annotations
 
 import importlib
+from typing import Optional
 
 import typer
 
-GROUPS: list[str] = ["remote", "sim", "envs", "rollback", "run"]
+# top-level command → the module under controller/commands/ that registers it
+COMMANDS: dict[str, str] = {
+    "exec": "remote",
+    "env": "envs",
+    "launch": "run", "tail": "run", "status": "run", "runs": "run",
+    "kill-and-rollback": "rollback", "history": "rollback",
+    "sim": "sim",
+    "export": "export",
+}
 
 
-def register_all(app: typer.Typer) -> None:
-    for name in GROUPS:
+def register(app: typer.Typer, command: Optional[str] = None) -> None:
+    """Register the module of ``command``, or every module when it is None or unknown
+    (`ctl --help`, a typo: then typer lists them all)."""
+    names = [COMMANDS[command]] if command in COMMANDS else sorted(set(COMMANDS.values()))
+    for name in names:
         importlib.import_module(f"controller.commands.{name}").register(app)

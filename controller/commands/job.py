@@ -9,12 +9,10 @@ from typing import Optional
 import typer
 
 from controller import config as cfg
-from controller import job as J
-from controller.commands.remote import EXIT_CONFIG, EXIT_TRANSPORT, fail
-
-EXIT_FAILED = 1
-EXIT_REFUSED = 3
-EXIT_NOT_DONE = 4
+from controller import job
+from controller.commands.remote import EXIT_CONFIG, EXIT_FAILED, EXIT_NOT_DONE, EXIT_REFUSED, EXIT_TRANSPORT, fail
+from controller.jobview import ContainerStream, last_launch_path, remember
+from controller.session import open_containers
 
 
 def is_job(containers: list[str]) -> bool:
@@ -51,28 +49,26 @@ def launch(containers: list[str], run_config, start: dict, *, node: Optional[str
     from controller.transport import TransportError
 
     try:
-        members = J.plan(containers, target_gpus, drafter_gpus, _default_node(ctl_config, node))
-    except J.JobError as exc:
+        members = job.plan(containers, target_gpus, drafter_gpus, _default_node(ctl_config, node))
+    except job.JobError as exc:
         raise fail(str(exc), EXIT_CONFIG) from None
     say = (lambda line: typer.echo(line, err=True)) if json_out else typer.echo
     try:
-        with J.open_containers(members, ctl_config, trust_new_host_key) as cts:
-            result = J.launch(cts, members, run_config, start, say=say, accept_drift=accept_drift,
-                              wandb_key=wandb_key, dist_timeout=dist_timeout, share_gpus=share_gpus)
-    except (J.JobError, RunConfigError, RenderError, cfg.ConfigError) as exc:
+        with open_containers(members, ctl_config, trust_new_host_key) as cts:
+            result = job.launch(cts, members, run_config, start, say=say, accept_drift=accept_drift,
+                                wandb_key=wandb_key, dist_timeout=dist_timeout, share_gpus=share_gpus)
+    except (job.JobError, RunConfigError, RenderError, cfg.ConfigError) as exc:
         raise fail(str(exc), EXIT_CONFIG) from None
     except LaunchRefused as exc:
         raise fail(f"job refused — nothing was started:\n  {exc}", EXIT_REFUSED) from None
     except TransportError as exc:
         raise fail(str(exc), EXIT_TRANSPORT) from None
-    J.save_record(ctl_config, result)
-    from controller.commands.run import remember
-
+    job.save_record(ctl_config, result)
     remember(ctl_config, members[0].node, members[0].ctid, result.run_id)
     labels = [m.label for m in members]
     if json_out:
         typer.echo(json.dumps({"run_id": result.run_id, "job": True, "containers": labels, "endpoint": result.endpoint,
-                               "layout": J.layout(members), "starts": result.starts, "timings": result.timings},
+                               "layout": job.layout(members), "starts": result.starts, "timings": result.timings},
                               sort_keys=True))
     else:
         typer.echo(f"job {result.run_id} started in {', '.join(labels)} (rendezvous {result.endpoint}, "
@@ -84,22 +80,21 @@ def launch(containers: list[str], run_config, start: dict, *, node: Optional[str
     return 0
 
 
-def tail(members: list[J.Member], run_id: str, *, ctl_config: Optional[str], follow: bool, raw: bool, since: int,
+def tail(members: list[job.Member], run_id: str, *, ctl_config: Optional[str], follow: bool, raw: bool, since: int,
          trust_new_host_key: bool = False) -> int:
     from controller.agentcall import AgentCaller
-    from controller.commands.run import ContainerStream
     from controller import jobview
 
-    def stop(m: J.Member) -> None:
-        with J.open_containers([m], ctl_config) as (ct,):
-            J.stop_member(ct, run_id)
+    def stop(m: job.Member) -> None:
+        with open_containers([m], ctl_config) as (ct,):
+            job.stop_member(ct, run_id)
 
-    with J.open_containers(members, ctl_config, trust_new_host_key, per_member=True) as cts:
+    with open_containers(members, ctl_config, trust_new_host_key, per_member=True) as cts:
         callers = [AgentCaller(ct) for ct in cts]
         sources = [ContainerStream(ct, c) for ct, c in zip(cts, callers)]
         jobview.merged(members, sources, run_id, typer.echo, follow=follow, raw=raw, stop=stop, since=since)
         replies = jobview.statuses(members, callers, run_id)
-    verdict = J.job_verdict(replies)
+    verdict = job.job_verdict(replies)
     if not follow:
         return 0
     root = verdict["root_cause"]
@@ -115,36 +110,34 @@ def tail(members: list[J.Member], run_id: str, *, ctl_config: Optional[str], fol
     return EXIT_NOT_DONE
 
 
-def status(members: list[J.Member], run_id: str, *, ctl_config: Optional[str], json_out: bool,
+def status(members: list[job.Member], run_id: str, *, ctl_config: Optional[str], json_out: bool,
            trust_new_host_key: bool = False) -> int:
     from controller.agentcall import AgentCaller
     from controller import jobview
 
-    with J.open_containers(members, ctl_config, trust_new_host_key) as cts:
+    with open_containers(members, ctl_config, trust_new_host_key) as cts:
         replies = jobview.statuses(members, [AgentCaller(ct) for ct in cts], run_id)
     if json_out:
-        typer.echo(json.dumps({"run_id": run_id, "job": J.job_verdict(replies),
+        typer.echo(json.dumps({"run_id": run_id, "job": job.job_verdict(replies),
                                "containers": {m.label: r for m, r in replies}}, sort_keys=True, indent=1))
     else:
-        for line in J.render_job_status(run_id, replies):
+        for line in job.render_job_status(run_id, replies):
             typer.echo(line)
     return 0
 
 
 def find(run: Optional[str], containers: Optional[list[str]], node: Optional[str],
-         ctl_config: Optional[str]) -> Optional[tuple[list[J.Member], str]]:
+         ctl_config: Optional[str]) -> Optional[tuple[list[job.Member], str]]:
     """The job a tail/status names: by --run (its local record), or the last launch's."""
     run_id = run
     if run_id is None and not containers:
-        from controller.commands.run import _last_path
-
         try:
-            run_id = json.loads(_last_path(ctl_config).read_text()).get("run_id")
+            run_id = json.loads(last_launch_path(ctl_config).read_text()).get("run_id")
         except (OSError, ValueError):
             return None
     if not run_id:
         return None
-    members = J.load_record(ctl_config, run_id)
+    members = job.load_record(ctl_config, run_id)
     if members is None:
         return None
     if containers and not is_job(containers):
@@ -152,7 +145,7 @@ def find(run: Optional[str], containers: Optional[list[str]], node: Optional[str
     return members, run_id
 
 
-def kill_and_rollback(members: list[J.Member], run_id: str, *, to: str, grace: float, dry_run: bool, yes: bool,
+def kill_and_rollback(members: list[job.Member], run_id: str, *, to: str, grace: float, dry_run: bool, yes: bool,
                       ctl_config: Optional[str], trust_new_host_key: bool = False) -> int:
     """`ctl kill-and-rollback` of a job: every container's plan first (all or nothing is
     refused), one confirmation, then each container in turn. The first graceful stop stops
@@ -163,7 +156,7 @@ def kill_and_rollback(members: list[J.Member], run_id: str, *, to: str, grace: f
     from controller import envgen_client as eg
     from controller import rollback as rb
 
-    with J.open_containers(members, ctl_config, trust_new_host_key) as cts:
+    with open_containers(members, ctl_config, trust_new_host_key) as cts:
         plans = []
         for m, ct in zip(members, cts):
             try:

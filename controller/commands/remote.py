@@ -16,14 +16,19 @@ import typer
 
 from controller import config as cfg
 from controller.container import Container, ContainerError
-from controller.transport import CommandError, TransportError, open_runner
+from controller.session import open_runner
+from controller.transport import CommandError, TransportError
 
 # When set, `ctl` writes {"ssh_connections": N} here on exit (bench/exec_roundtrip.py, tests).
 ENV_STATS = "DFLASH_CTL_STATS"
 
-# Exit codes of ctl itself (a remote command's own code passes through unchanged).
+# Exit codes of ctl itself (a remote command's own code passes through unchanged); the one
+# home of them, every command module imports these.
 EXIT_CONFIG = 2
 EXIT_CONTAINER = 1
+EXIT_FAILED = 1  # a followed run failed
+EXIT_REFUSED = 3  # a launch or rollback refused: nothing was started or changed
+EXIT_NOT_DONE = 4  # the run stopped, or its agent is gone, before it completed
 EXIT_TRANSPORT = 255  # like ssh(1): could not reach the node
 
 ContainerOpt = typer.Option(..., "--container", "-c", help="container id (Proxmox VMID), e.g. 200")
@@ -59,7 +64,7 @@ def container_session(container: int, node: Optional[str], config_path: Optional
     except TransportError as exc:
         raise fail(str(exc), EXIT_TRANSPORT) from None
     except ContainerError as exc:
-        raise fail(str(exc), EXIT_CONTAINER) from None
+        raise fail(str(exc), getattr(exc, "exit_code", EXIT_CONTAINER)) from None
     except CommandError as exc:
         raise fail(str(exc), exc.result.returncode or 1) from None
     except KeyboardInterrupt:

@@ -13,10 +13,8 @@ import typer
 from controller import envgen_client as eg
 from controller import rollback as rb
 from controller.commands import remote
-from controller.commands.remote import ConfigOpt, ContainerOpt, NodeOpt, TrustOpt, container_session
-
-EXIT_REFUSED = 3
-EXIT_ABORTED = 4
+from controller.commands.remote import EXIT_NOT_DONE as EXIT_ABORTED
+from controller.commands.remote import EXIT_REFUSED, ConfigOpt, ContainerOpt, NodeOpt, TrustOpt, container_session
 
 
 def kill_and_rollback_command(

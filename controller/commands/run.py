@@ -22,11 +22,13 @@ from typing import List, Optional
 
 import typer
 
-from agent.protocol import EXIT_AGENT_GONE, RunStatus
+from agent.protocol import RunStatus
 from controller import config as cfg
-from controller import runconfig as R
-from controller.commands.remote import EXIT_CONFIG, TrustOpt, container_session, fail
+from controller import runconfig
+from controller.commands.remote import (EXIT_CONFIG, EXIT_FAILED, EXIT_NOT_DONE, EXIT_REFUSED, TrustOpt,
+                                       container_session, fail)
 from controller.container import Container
+from controller.jobview import ContainerStream, last_launch_path, remember
 
 def _help(flag: str) -> str:
     """The trainer's own words for a flag (trainer/flags.py), plus that it overrides the file."""
@@ -35,10 +37,6 @@ def _help(flag: str) -> str:
     return f"{BY_NAME[flag].help} (overrides the run config)"
 
 
-EXIT_FAILED = 1
-EXIT_REFUSED = 3
-EXIT_NOT_DONE = 4
-LAST_LAUNCH = "last-launch.json"
 
 NodeOpt = typer.Option(None, "--node", "-n", help="node name from the controller config (default: default_node)")
 CtlConfigOpt = typer.Option(None, "--ctl-config", help="controller config (default: $DFLASH_CTL_CONFIG, else "
@@ -47,77 +45,14 @@ ContainerOpt = typer.Option(None, "--container", "-c", help="container id (defau
 RunOpt = typer.Option(None, "--run", "-r", help="run id (default: the latest run in the container)")
 
 
-# --- where: remembered last launch ------------------------------------------------------------
-
-def _last_path(ctl_config: Optional[str]) -> Path:
-    return cfg.config_path(ctl_config).parent / LAST_LAUNCH
-
-
-def remember(ctl_config: Optional[str], node: str, container: str, run_id: str) -> None:
-    from agent.protocol import atomic_write_json
-
-    path = _last_path(ctl_config)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_json(str(path), {"node": node, "container": container, "run_id": run_id, "ts": time.time()})
-    except OSError:
-        pass  # a convenience only; never fail a launch over it
-
-
 def _where(container: Optional[int], node: Optional[str], ctl_config: Optional[str]) -> tuple[int, Optional[str]]:
     if container is not None:
         return container, node
     try:
-        last = json.loads(_last_path(ctl_config).read_text())
+        last = json.loads(last_launch_path(ctl_config).read_text())
         return int(last["container"]), node or last.get("node")
     except (OSError, ValueError, KeyError):
         raise fail("no --container given and no earlier launch to default to: pass --container ID", EXIT_CONFIG)
-
-
-# --- stream source over the product's exec path ------------------------------------------------
-
-class ContainerStream:
-    """tail.StreamSource for one container: `agent follow` live, `agent.runview stream` once."""
-
-    def __init__(self, ct: Container, caller):
-        self.ct = ct
-        self.caller = caller
-        self.workspace = ct.config.workspace
-
-    def follow(self, run_id: str, after: int, on_line, *, once: bool) -> int:
-        if once:
-            module, args = "agent.runview", ["stream", "--workspace", self.workspace, "--run", run_id, "--from", after]
-        else:
-            module, args = "agent", ["follow", "--workspace", self.workspace, "--run", run_id, "--from", after]
-        result = self.caller.run(module, args, capture=False, on_stdout=on_line)
-        if result.failed and result.returncode != EXIT_AGENT_GONE:
-            tail = result.tail("stderr", 3)
-            if "no run directory" in tail:
-                raise fail(f"no run {run_id!r} in container {self.ct.ctid}: `ctl runs --container "
-                           f"{self.ct.ctid}` lists them", EXIT_CONFIG)
-        return result.returncode
-
-    def state(self, run_id: str) -> dict:
-        reply = self.caller.call("agent.runview", ["status", "--workspace", self.workspace, "--run", run_id])
-        return reply.get("status") or {}
-
-    def revive(self, run_id: str) -> bool:
-        """The run's agent is gone: start one that re-attaches (the stream goes on from where
-        it was, nothing lost or repeated); False when the run's --revive is 0 or it failed."""
-        from controller.agentcall import AgentCallError
-
-        run_dir = posixpath.join(self.workspace, "runs", run_id)
-        try:
-            reply = self.caller.call("agent", ["start", "--run-dir", run_dir, "--reattach", "--auto", "--by", "ctl tail"],
-                                     what="re-attaching an agent")
-        except AgentCallError as exc:
-            reply = {"error": str(exc)}
-        if not reply.get("ok"):
-            typer.echo(f"ctl: the agent of run {run_id} is gone and no new one started: {reply.get('error')}", err=True)
-            return False
-        typer.echo(f"ctl: the agent of run {run_id} was gone; agent pid {reply.get('agent_pid')} supervises it "
-                   "now, following on", err=True)
-        return True
 
 
 def _exit_for(state: Optional[str]) -> int:
@@ -201,30 +136,31 @@ def launch_command(
                                        "`ctl kill-and-rollback --to snapshot:ctl-<run>` restores it)"),
 ) -> None:
     """Preflight, drift check and start of a training run in a container: one SSH connection."""
-    from controller.launch import Launcher, LaunchRefused
+    from controller.agentcall import AgentCaller
+    from controller.launch import LaunchRefused
     from controller.render import RenderError
 
     from controller.commands import job as job_cmd
 
     # Several containers (or none, and the config's [[job.containers]]): one job (controller/job.py).
-    job = job_cmd.is_job(container) or not container
+    is_job = job_cmd.is_job(container) or not container
     # Everything that can be checked here is, before any connection is opened.
     try:
-        start = R.start_decision(from_scratch, resume_from, init_from)
-        run_config = R.load(config, overrides={"target_model": target_model, "data_dir": data_dir,
+        start = runconfig.start_decision(from_scratch, resume_from, init_from)
+        run_config = runconfig.load(config, overrides={"target_model": target_model, "data_dir": data_dir,
                                                "output_dir": output_dir,
-                                               "target_gpus": None if job else target_gpus,
-                                               "drafter_gpus": None if job else drafter_gpus,
+                                               "target_gpus": None if is_job else target_gpus,
+                                               "drafter_gpus": None if is_job else drafter_gpus,
                                                "wandb_run_name": wandb_run_name},
                             sets=sets)
         wandb_key = run_config.wandb.read_key()
-    except R.RunConfigError as exc:
+    except runconfig.RunConfigError as exc:
         raise fail(str(exc), EXIT_CONFIG) from None
     if not container:
         if run_config.job is None:
             raise fail("--container is required (or a [[job.containers]] table in the run config)", EXIT_CONFIG)
         container, target_gpus, drafter_gpus = job_cmd.from_config(run_config.job)
-    if job:
+    if is_job:
         raise typer.Exit(job_cmd.launch(container, run_config, start, node=node, target_gpus=target_gpus,
                                         drafter_gpus=drafter_gpus, accept_drift=accept_drift, follow=follow,
                                         json_out=json_out, wandb_key=wandb_key, ctl_config=ctl_config,
@@ -235,29 +171,17 @@ def launch_command(
     say = (lambda line: typer.echo(line, err=True)) if json_out else typer.echo
     with container_session(container, node, ctl_config, trust_new_host_key) as ct:
         try:
-            launcher = Launcher(ct, run_config, start, accept_drift=accept_drift, say=say, wandb_key=wandb_key,
-                                share_gpus=share_gpus)
-            if snapshot:  # kill-and-rollback's snapshot path (controller/snapshots.py)
-                from controller.snapshots import launch_snapshot, undo_launch_snapshot
-
-                snap = launch_snapshot(ct, launcher.run_id, say)
-                try:
-                    result = launcher.run()
-                except BaseException:
-                    # A refused or failed launch leaves the container as it found it: no
-                    # stray ctl-<run> snapshot of a run that never started.
-                    undo_launch_snapshot(ct, snap, say)
-                    raise
-            else:
-                result = launcher.run()
-        except (R.RunConfigError, RenderError) as exc:
+            result = _launch_one(ct, run_config, start, snapshot=snapshot, say=say, accept_drift=accept_drift,
+                                 wandb_key=wandb_key, share_gpus=share_gpus)
+        except (runconfig.RunConfigError, RenderError) as exc:
             raise fail(str(exc), EXIT_CONFIG) from None
         except LaunchRefused as exc:
             raise fail(f"launch refused — nothing was started:\n  {exc}", EXIT_REFUSED) from None
         remember(ctl_config, ct.node_name, ct.ctid, result.run_id)
-        first = result.start_reply
+        first = result.starts[0]
         if json_out:
-            typer.echo(json.dumps({"run_id": result.run_id, "run_dir": result.run_dir, "container": ct.ctid,
+            typer.echo(json.dumps({"run_id": result.run_id, "run_dir": f"{ct.config.workspace}/runs/{result.run_id}",
+                                   "container": ct.ctid,
                                    "node": ct.node_name, "start": first, "round_trips": result.round_trips,
                                    "timings": result.timings}, sort_keys=True))
         else:
@@ -267,8 +191,33 @@ def launch_command(
             typer.echo(f"  follow: ctl tail --container {ct.ctid} --run {result.run_id} --follow")
         code = 0
         if follow:
-            code = _follow(ct, launcher.caller, result.run_id, 0, True, False)
+            code = _follow(ct, AgentCaller(ct), result.run_id, 0, True, False)
     raise typer.Exit(code)
+
+
+def _launch_one(ct: Container, run_config, start: dict, *, snapshot: bool, say, accept_drift: bool,
+                wandb_key: Optional[str], share_gpus: bool = False):
+    """A job of one member (controller/job.py: the one launch path), with kill-and-rollback's
+    snapshot first when asked (controller/snapshots.py)."""
+    from controller.job import Member, launch
+
+    member = Member(ct.node_name, ct.ctid)
+    if not snapshot:
+        return launch([ct], [member], run_config, start, say=say, accept_drift=accept_drift, wandb_key=wandb_key,
+                      share_gpus=share_gpus)
+    from controller.launch import new_run_id
+    from controller.snapshots import launch_snapshot, undo_launch_snapshot
+
+    run_id = new_run_id(run_config.name)
+    snap = launch_snapshot(ct, run_id, say)
+    try:
+        return launch([ct], [member], run_config, start, say=say, accept_drift=accept_drift,
+                      wandb_key=wandb_key, run_id=run_id, share_gpus=share_gpus)
+    except BaseException:
+        # A refused or failed launch leaves the container as it found it: no stray
+        # ctl-<run> snapshot of a run that never started.
+        undo_launch_snapshot(ct, snap, say)
+        raise
 
 
 def _resolve_run(ct: Container, caller, run: Optional[str]) -> dict:

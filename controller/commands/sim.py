@@ -22,7 +22,7 @@ def register(app: typer.Typer) -> None:
     app.add_typer(group, name="sim")
 
 
-def _node(name: str, ctids: Optional[str]):
+def _node(name: str, ctids: Optional[str], pve: Optional[str] = None):
     from sim.node import SimNode
 
     ids = None
@@ -32,7 +32,7 @@ def _node(name: str, ctids: Optional[str]):
         except ValueError:
             _fail(f"--ctids {ctids!r}: give two container ids, e.g. --ctids 300,301")
     try:
-        return SimNode(name, ctids=ids)
+        return SimNode(name, ctids=ids, pve=pve)
     except ValueError as exc:
         _fail(str(exc))
 
@@ -66,17 +66,21 @@ def up(
     config_file: Optional[str] = typer.Option(None, "--config", help="controller config file to update"),
     tiny: bool = typer.Option(True, "--tiny/--no-tiny", help="provision /workspace/tiny/{target,data} in each "
                                                              "container (`python -m trainer tiny`, once)"),
+    pve: Optional[str] = typer.Option(None, "--pve", metavar="VERSION",
+                                      help="the Proxmox VE release whose pct to emulate: 7.4, 8.1, 8.2 or 9.1 "
+                                           "(default: as before for this node, else 9.1); docs/sim.md lists "
+                                           "what differs"),
 ) -> None:
     """Bring the node up (idempotent). The first run on a machine builds the rootfs cache."""
     from sim.proc import SimError
 
-    node = _node(name, ctids)
+    node = _node(name, ctids, pve)
     try:
         info = node.up(progress=_progress)
         path = write_node_entry(name, node.node_config(), config_file)
     except (SimError, cfg.ConfigError) as exc:
         _fail(str(exc))
-    console.print(f"[green]sim node {name} up[/green] in {info['seconds']} s"
+    console.print(f"[green]sim node {name} up[/green] (Proxmox VE {node.pve}) in {info['seconds']} s"
                   f"{' (cold: built the rootfs cache)' if info['cold'] else ''}; "
                   f"containers {', '.join(info['containers'])}; config: {path}")
     if tiny:  # as a real node already holds its model and data (issue 5: controller/provision.py)
@@ -109,7 +113,7 @@ def status(
         typer.echo(json.dumps(st, indent=1, sort_keys=True))
         return
     sshd = st["sshd"]
-    typer.echo(f"node {st['name']} ({st['state_dir']})")
+    typer.echo(f"node {st['name']} ({st['state_dir']}), emulating Proxmox VE {st['pve']}")
     typer.echo(f"  sshd: {'running' if sshd['running'] else 'stopped'}"
                + (f" on 127.0.0.1:{sshd['port']} (pid {sshd['pid']})" if sshd["running"] else ""))
     typer.echo(f"  btrfs storage: {'mounted' if st['storage']['btrfs_mounted'] else 'not mounted'}")
@@ -119,6 +123,27 @@ def status(
         typer.echo(f"  CT {ctid}: {c['state']} ({c['storage']}{snaps}){addr}")
     if not (sshd["running"] and all(c["state"] == "running" for c in st["containers"].values())):
         raise typer.Exit(3)
+
+
+@group.command("gpu")
+def gpu(
+    container: int = typer.Option(..., "--container", "-c", help="container id on the sim node"),
+    state: str = typer.Option(..., "--state", help="none | ok | no-devices | no-cgroup | mismatch (sim/gpu.py)"),
+    gpus: int = typer.Option(1, "--gpus", min=1, max=8, help="GPUs the node passes through"),
+    free_mib: int = typer.Option(143000, "--free-mib", min=0, help="free memory each GPU reports"),
+    name: str = typer.Option("sim", "--name"),
+) -> None:
+    """Make a container see its GPUs as LXC gives them, or lose them the ways it does (the
+    sim has no GPU: nvidia-smi is emulated; device nodes and cgroup rules are real). Restarts
+    the container."""
+    from sim.proc import SimError
+
+    node = _node(name, None)
+    try:
+        node.set_gpu(container, state, gpus=gpus, free_mib=free_mib, progress=_progress)
+    except (SimError, ValueError) as exc:
+        _fail(str(exc))
+    console.print(f"container {container} on sim node {name}: GPU state {state}")
 
 
 @group.command("down")

@@ -1,0 +1,70 @@
+"""The process environment the trainer needs before torch initialises CUDA: the caching
+allocator's configuration and a persistent compile cache. Standard library only (the
+controller renders the same values into the start script; ``python -m trainer`` applies them
+itself when they are unset, so a hand-started run gets them too).
+
+Allocator. ``expandable_segments:True``: one mapped address range per stream that grows in
+pages, so a freed block of any size can be reused by any later request that fits and free
+pages are unmapped again when the GPU runs short. The default allocator keeps one segment
+per large request; at a 450,560-token budget it held 26 GiB reserved but unallocated and
+died at step 2 on an H200, where the same run with expandable segments trained (issue 14).
+trainer/memory.py models both (``ALLOCATORS``).
+
+Compile cache. torch.compile's Inductor and Triton caches default to /tmp, which a container
+restart empties: every relaunch then recompiled for 60-120 s. They are kept under
+``DFLASH_COMPILE_CACHE`` (the start script sets ``<workspace>/.dflash-ctl/compile-cache``;
+by hand: ``~/.cache/dflash-ctl/compile-cache``), in one directory per env generation, so a
+rollback to another torch never loads kernels built by this one. The generation is
+``DFLASH_ENV_GENERATION`` when the start script found the venv to be a generation link
+(agent/envgen.py), else the same fingerprint id computed from this interpreter's packages.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import MutableMapping
+
+ENV_ALLOC = "PYTORCH_CUDA_ALLOC_CONF"
+ALLOC_CONF = "expandable_segments:True"
+ENV_CACHE_ROOT = "DFLASH_COMPILE_CACHE"
+ENV_GENERATION = "DFLASH_ENV_GENERATION"
+ENV_INDUCTOR = "TORCHINDUCTOR_CACHE_DIR"
+ENV_TRITON = "TRITON_CACHE_DIR"
+WORKSPACE_CACHE = ".dflash-ctl/compile-cache"  # under the container's workspace (controller/render.py)
+_GEN_ID = re.compile(r"^[0-9a-f]{6,64}$")
+
+
+def interpreter_generation() -> str:
+    """This interpreter's env fingerprint id (agent/envfp.py: python version, installed
+    distributions and torch build) — the id its venv generation has."""
+    from agent import envfp
+
+    return envfp.collect()["id"]
+
+
+def env_generation(environ: MutableMapping[str, str] = os.environ) -> str:
+    gen = environ.get(ENV_GENERATION, "").strip()
+    return gen if _GEN_ID.match(gen) else interpreter_generation()
+
+
+def cache_root(environ: MutableMapping[str, str] = os.environ) -> str:
+    root = environ.get(ENV_CACHE_ROOT, "").strip()
+    if root:
+        return root
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(environ.get("HOME") or os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "dflash-ctl", "compile-cache")
+
+
+def apply(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
+    """Set what is unset (an operator's own value always wins); returns what was set. Call
+    before torch is imported."""
+    done = {}
+    if ENV_ALLOC not in environ:
+        environ[ENV_ALLOC] = done[ENV_ALLOC] = ALLOC_CONF
+    if ENV_INDUCTOR not in environ or ENV_TRITON not in environ:
+        gen_dir = os.path.join(cache_root(environ), "gen-" + env_generation(environ))
+        for key, sub in ((ENV_INDUCTOR, "inductor"), (ENV_TRITON, "triton")):
+            if key not in environ:
+                environ[key] = done[key] = os.path.join(gen_dir, sub)
+    return done
