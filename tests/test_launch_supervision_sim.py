@@ -60,7 +60,7 @@ def node(sim_node, env):
     from controller import config as cfg
     from controller.container import Container
     from controller.provision import provision_tiny
-    from controller.transport import open_runner
+    from controller.session import open_runner
 
     name, conf = cfg.load(env["DFLASH_CTL_CONFIG"]).node()
     with open_runner(name, conf) as runner:
