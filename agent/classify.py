@@ -15,7 +15,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from agent.protocol import TRAINER_EXIT_STOPPED
+from agent.protocol import EXIT_STOPPED, FailureKind
 
 # --- per-line rank --------------------------------------------------------------------------
 # torch ≥ 2.2 prefixes worker lines with "[rank3]:"; torchrun --tee/-t with "[default3]:"
@@ -93,7 +93,7 @@ _TRACEBACK = "Traceback (most recent call last)"
 class Failure:
     """One classified failure. ``reason`` is the one line printed first."""
 
-    kind: str  # agent.protocol.FAILURE_KINDS
+    kind: FailureKind
     reason: str
     rank: int | None = None
     gpu: int | None = None
@@ -102,8 +102,17 @@ class Failure:
     evidence: list[str] = field(default_factory=list)
     details: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        self.kind = FailureKind(self.kind)  # a misspelt kind is a bug: raise here, not downstream
+
     def to_json(self) -> dict:
-        return asdict(self)
+        return dict(asdict(self), kind=self.kind.value)
+
+
+# A rank that lost its connection to a peer (or heard nothing from it) reports the peer's
+# failure, not its own: seen in one container, the peer's own failure is the root cause
+# (issue 18: kill -9 of drafter rank 6 was reported as rank 5's lost connection, noticed first).
+_CONSEQUENCES = (FailureKind.PEER_FAILURE, FailureKind.NETWORK_FAILURE)
 
 
 def root_cause(failures: list[Failure]) -> Failure | None:
@@ -117,11 +126,13 @@ def root_cause(failures: list[Failure]) -> Failure | None:
     A rank that exited with the trainer's "stopped on request" code or by SIGTERM was told
     to stop — by its launcher or its peers reacting to the real failure — so it is ranked
     after every failure that was not such a reaction, however early it was noticed (seen
-    under load: the survivors' exit 75 was polled before the SIGKILLed rank's death)."""
+    under load: the survivors' exit 75 was polled before the SIGKILLed rank's death). A lost
+    peer comes after the peer's own failure and before those reactions."""
     def key(f: Failure):
-        collateral = f.details.get("exit_code") == TRAINER_EXIT_STOPPED or f.details.get("signal") == signal.SIGTERM
+        collateral = f.details.get("exit_code") == EXIT_STOPPED or f.details.get("signal") == signal.SIGTERM
         penalty = 1.0 if f.details.get("status_unknown") else 0.0
-        return (1 if collateral else 0, f.ts + penalty, f.details.get("last_heartbeat") or f.ts)
+        return (2 if collateral else 1 if f.kind in _CONSEQUENCES else 0, f.ts + penalty,
+                f.details.get("last_heartbeat") or f.ts)
     return min(failures, key=key) if failures else None
 
 
@@ -166,7 +177,7 @@ class LineClassifier:
                 gpu = info["gpu"]
                 if gpu is None and gpu_of_rank and rank in gpu_of_rank:
                     gpu = gpu_of_rank[rank]
-                return Failure("cuda_oom", _with_rank(oom_reason(info, gpu), rank), rank, gpu, None, ts,
+                return Failure(FailureKind.CUDA_OOM, _with_rank(oom_reason(info, gpu), rank), rank, gpu, None, ts,
                                self._evidence(rank), info)
         if ("imeout" in body or "timing out" in body or "timed out" in body or "stuck" in body) \
                 and _NCCL.search(body):
@@ -179,7 +190,8 @@ class LineClassifier:
                 details["timeout_ms"] = int(m.group(1))
             gpu = (gpu_of_rank or {}).get(rank)
             op = f" in {details['op']}" if "op" in details else ""
-            return Failure("nccl_timeout", _with_rank(f"NCCL collective timeout{op}", rank), rank, gpu, None, ts,
+            return Failure(FailureKind.NCCL_TIMEOUT, _with_rank(f"NCCL collective timeout{op}", rank), rank, gpu,
+                           None, ts,
                            self._evidence(rank) or [line], details)
         return None
 
@@ -215,17 +227,17 @@ _NET_DOWN = re.compile(r"Timed out waiting \d+ ?ms for (?:send|recv)|No route to
 _PEER_ADDR = re.compile(r"\[([0-9a-fA-F.:]+)\]:(\d+)")
 
 
-def classify_comm(message: str) -> tuple[str, dict] | None:
-    """("peer_failure" | "network_failure", details) for a communication error, else None."""
+def classify_comm(message: str) -> tuple[FailureKind, dict] | None:
+    """(PEER_FAILURE | NETWORK_FAILURE, details) for a communication error, else None."""
     addr = _PEER_ADDR.search(message)
     details = {"peer": addr.group(1)} if addr else {}
     if _PEER_LOST.search(message):
-        return "peer_failure", details
+        return FailureKind.PEER_FAILURE, details
     if _NET_DOWN.search(message):
         m = re.search(r"Timed out waiting (\d+) ?ms for (send|recv)", message)
         if m:
             details.update(timeout_ms=int(m.group(1)), op=m.group(2))
-        return "network_failure", details
+        return FailureKind.NETWORK_FAILURE, details
     return None
 
 
@@ -241,14 +253,16 @@ def classify_event(event: dict, ts: float | None = None) -> Failure | None:
     if error == "cuda_oom":
         info = parse_cuda_oom(message) or {"gpu": gpu}
         g = info.get("gpu") if info.get("gpu") is not None else gpu
-        return Failure("cuda_oom", _with_rank(oom_reason(info, gpu), rank), rank, g, event.get("pid"), ts, evidence, info)
+        return Failure(FailureKind.CUDA_OOM, _with_rank(oom_reason(info, gpu), rank), rank, g, event.get("pid"), ts,
+                       evidence, info)
     if error == "nccl_timeout":
-        return Failure("nccl_timeout", _with_rank("NCCL collective timeout", rank), rank, gpu, event.get("pid"), ts, evidence)
+        return Failure(FailureKind.NCCL_TIMEOUT, _with_rank("NCCL collective timeout", rank), rank, gpu,
+                       event.get("pid"), ts, evidence)
     comm = classify_comm(message)
     if comm is not None:
         kind, details = comm
         peer = f" (peer {details['peer']})" if details.get("peer") else ""
-        if kind == "peer_failure":
+        if kind == FailureKind.PEER_FAILURE:
             reason = (f"peer failure: lost the connection to another rank{peer}; the root cause is in the "
                       "container of that rank")
         else:
@@ -256,29 +270,31 @@ def classify_event(event: dict, ts: float | None = None) -> Failure | None:
             wait = f" after {details['timeout_ms'] / 1000:.0f} s" if details.get("timeout_ms") else ""
             reason = f"network failure: no answer from another rank{peer}{op}{wait} (link down or peer unreachable)"
         return Failure(kind, _with_rank(reason, rank), rank, gpu, event.get("pid"), ts, evidence, details)
-    return Failure("rank_exit", _with_rank(f"exception: {message[:200]}", rank), rank, gpu, event.get("pid"), ts, evidence)
+    return Failure(FailureKind.RANK_EXIT, _with_rank(f"exception: {message[:200]}", rank), rank, gpu,
+                   event.get("pid"), ts, evidence)
 
 
 def exit_failure(rank: int | None, pid: int | None, gpu: int | None, status: dict | None,
                  had_traceback: bool, evidence: list[str], oom_kills: int = 0,
-                 what: str | None = None) -> Failure:
+                 what: str | None = None, slot: str = "GPU") -> Failure:
     """A process (a rank, or the whole job) that ended badly.
 
     SIGKILL with no Python traceback is the host OOM killer's signature (research §6:
     torchelastic leaves no error file for a signalled worker); a cgroup oom_kill increase
-    confirms it.
+    confirms it. ``slot``: what ``gpu`` names ("GPU", or "rank slot" on CPU).
     """
     who = what or (f"rank {rank}" if rank is not None else "the job")
-    where = ", ".join(x for x in (f"pid {pid}" if pid else "", f"GPU {gpu}" if gpu is not None else "") if x)
+    where = ", ".join(x for x in (f"pid {pid}" if pid else "", f"{slot} {gpu}" if gpu is not None else "") if x)
     who_full = f"{who} ({where})" if where else who
     status = status or {}
     sig = status.get("signal")
     if oom_kills > 0:
         reason = f"host OOM kill: {who_full} killed (cgroup oom_kill counter +{oom_kills})"
-        return Failure("host_oom", reason, rank, gpu, pid, evidence=evidence, details=dict(status, oom_kills=oom_kills))
+        return Failure(FailureKind.HOST_OOM, reason, rank, gpu, pid, evidence=evidence,
+                       details=dict(status, oom_kills=oom_kills))
     if sig == 9 and not had_traceback:
         reason = f"host OOM kill (suspected): {who_full} killed by SIGKILL with no traceback"
-        return Failure("host_oom", reason, rank, gpu, pid, evidence=evidence, details=dict(status))
+        return Failure(FailureKind.HOST_OOM, reason, rank, gpu, pid, evidence=evidence, details=dict(status))
     if sig:
         reason = f"{who_full} killed by {status.get('signal_name') or sig}"
     elif status.get("exit_code") is not None:
@@ -286,7 +302,7 @@ def exit_failure(rank: int | None, pid: int | None, gpu: int | None, status: dic
     else:
         reason = f"{who_full} exited (status unknown: not our child)"
         status = dict(status, status_unknown=True)
-    return Failure("rank_exit" if rank is not None else "job_exit", reason, rank, gpu, pid,
+    return Failure(FailureKind.RANK_EXIT if rank is not None else FailureKind.JOB_EXIT, reason, rank, gpu, pid,
                    evidence=evidence, details=dict(status))
 
 
@@ -300,10 +316,6 @@ class StallMonitor:
         self.timeout = timeout
         self.last: dict[int, tuple] = {}
         self.changed_at: dict[int, float] = {}
-
-    def reset(self) -> None:
-        self.last.clear()
-        self.changed_at.clear()
 
     def update(self, heartbeats: dict[int, dict], now: float) -> None:
         for rank, hb in heartbeats.items():
@@ -324,7 +336,7 @@ class StallMonitor:
                 why = "while other ranks progress" if moving else "(all ranks silent)"
                 reason = (f"rank {rank} stalled: no heartbeat progress for {quiet:.0f} s at step "
                           f"{hb.get('step')} {why}")
-                out.append(Failure("rank_stall", reason, rank, hb.get("gpu"), hb.get("pid"),
+                out.append(Failure(FailureKind.RANK_STALL, reason, rank, hb.get("gpu"), hb.get("pid"),
                                    details={"silent_s": round(quiet, 1), "step": hb.get("step"),
                                             "moving_ranks": sorted(moving)}))
         return out
@@ -340,10 +352,6 @@ class ThroughputMonitor:
         self.baseline, self.fraction, self.warmup, self.window = baseline, fraction, warmup, window
         self.seen: dict[Any, int] = {}
         self.values: dict[Any, deque] = {}
-
-    def reset(self) -> None:
-        self.seen.clear()
-        self.values.clear()
 
     def current(self) -> float | None:
         full = [v for v in self.values.values() if len(v) >= self.window]
@@ -371,7 +379,7 @@ class ThroughputMonitor:
             drop = 1 - now / self.baseline
             reason = (f"throughput regression: {now:,.0f} tokens/s vs baseline {self.baseline:,.0f} "
                       f"(-{drop:.0%}, allowed -{self.fraction:.0%})")
-            return Failure("throughput_regression", reason, None, None, None,
+            return Failure(FailureKind.THROUGHPUT_REGRESSION, reason, None, None, None,
                            details={"tokens_per_s": now, "baseline": self.baseline, "fraction": self.fraction,
                                     "step": event.get("step")})
         return None

@@ -9,16 +9,18 @@ import os
 import sys
 import time
 
-from agent import protocol as P
+from agent import protocol
+from agent.options import Options
+from agent.protocol import RunResult, RunStatus
 from agent.rundir import RunDir, agent_live_or_none, agent_alive, read_json, resolve
 
 
 def _print(obj: dict) -> None:
-    sys.stdout.write(P.wrap_payload(obj))
+    sys.stdout.write(protocol.wrap_payload(obj))
     sys.stdout.flush()
 
 
-def _fail(message: str, code: int = 2, **extra) -> int:
+def _fail(message: str, code: int = protocol.EXIT_USAGE, **extra) -> int:
     _print({"ok": False, "error": message, **extra})
     print(f"agent: {message}", file=sys.stderr)
     return code
@@ -33,7 +35,7 @@ def _split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
 
 def _run_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--run", help="run id (under <workspace>/runs/)")
-    p.add_argument("--workspace", help=f"default ${P.ENV_WORKSPACE} or {P.DEFAULT_WORKSPACE}")
+    p.add_argument("--workspace", help=f"default ${protocol.ENV_WORKSPACE} or {protocol.DEFAULT_WORKSPACE}")
     p.add_argument("--run-dir", help="the run directory itself (instead of --run/--workspace)")
 
 
@@ -44,14 +46,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--run-dir", required=True)
     s.add_argument("--run-id")
     s.add_argument("--cwd", help="working directory of the job (default: the current one)")
-    s.add_argument("--gpu-interval", type=float, default=10.0)
-    s.add_argument("--stall-timeout", type=float, default=300.0, help="seconds without heartbeat progress (0: off)")
-    s.add_argument("--baseline-tokens-per-s", type=float)
-    s.add_argument("--regression-fraction", type=float, default=0.3)
-    s.add_argument("--max-restarts", type=int, default=0)
-    s.add_argument("--kill-grace", type=float, default=10.0, help="SIGTERM→SIGKILL wait when a failed run is stopped")
-    s.add_argument("--settle", type=float, default=1.5, help="seconds of evidence gathering after a first failure")
+    Options.add_arguments(s)
     s.add_argument("--reattach", action="store_true", help="re-attach to the live job of an existing run dir")
+    s.add_argument("--by", help="who re-attaches (recorded in status.json; default: agent start)")
+    s.add_argument("--why", help="why it re-attaches (recorded in status.json)")
+    s.add_argument("--auto", action="store_true",
+                   help="an automatic re-attach (by ctl): refused when the run's --revive is 0")
     f = sub.add_parser("follow", help="print the stream from a seq, live, until the run ends")
     _run_args(f)
     f.add_argument("--from", dest="from_seq", type=int, default=0, help="print records with seq > FROM")
@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--run-dir", required=True)
     d.add_argument("--ready-fd", type=int)
     d.add_argument("--reattach", action="store_true")
+    d.add_argument("--by")
+    d.add_argument("--why")
     m = sub.add_parser("_monitor")
     m.add_argument("--run-dir", required=True)
     return parser
@@ -80,8 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     head, tail = _split_argv(argv)
     args = build_parser().parse_args(head)
-    handler = globals()[f"cmd_{args.verb.lstrip('_')}"]
-    return handler(args, tail) or 0
+    return VERBS[args.verb](args, tail) or 0
+
+
+def _result(rd: RunDir) -> dict | None:
+    res = RunResult.load(rd.result)
+    return res.to_json() if res else None
 
 
 def _rd(args) -> RunDir:
@@ -95,16 +101,21 @@ def cmd_start(args, job_argv: list[str]) -> int:
     rd = RunDir(args.run_dir)
     existing = read_json(rd.spec)
     if existing:
+        st = RunStatus.load(rd.status)
         if agent_alive(rd):
-            st = read_json(rd.status) or {}
-            _print({"ok": True, "run_id": existing["run_id"], "run_dir": rd.path, "state": st.get("state"),
-                    "already_supervised": True, "seq": st.get("seq")})
+            _print({"ok": True, "run_id": existing["run_id"], "run_dir": rd.path,
+                    "state": st.state.value if st.state else None, "already_supervised": True, "seq": st.seq})
             return 0
-        st = read_json(rd.status) or {}
-        if st.get("state") and P.RunState(st["state"]).is_terminal():
-            return _fail(f"run {existing['run_id']} in {rd.path} already ended ({st['state']}); "
+        if st.terminal:
+            return _fail(f"run {existing['run_id']} in {rd.path} already ended ({st.state.value}); "
                          "start a new run in a new --run-dir")
-        reply = daemon.launch(rd, reattach=True)
+        if args.auto:
+            reply = daemon.revive_if_gone(rd, args.by or "agent start --auto", args.why)
+            if reply is None:
+                return _fail(f"automatic re-attach is off for run {existing['run_id']} (--revive 0); re-attach by "
+                             f"hand: python3 -m agent start --run-dir {rd.path} --reattach", protocol.EXIT_FAILURE)
+            return _reply(reply)
+        reply = daemon.launch(rd, reattach=True, by=args.by or "agent start", why=args.why)
         return _reply(reply)
     if args.reattach:
         return _fail(f"nothing to re-attach to: {rd.spec} does not exist")
@@ -114,13 +125,10 @@ def cmd_start(args, job_argv: list[str]) -> int:
     spec = {
         "run_id": args.run_id or os.path.basename(rd.path), "argv": job_argv,
         "cwd": os.path.abspath(args.cwd or os.getcwd()), "created": time.time(),
-        "protocol": P.PROTOCOL_VERSION,
-        "options": {"gpu_interval": args.gpu_interval, "stall_timeout": args.stall_timeout,
-                    "baseline_tokens_per_s": args.baseline_tokens_per_s,
-                    "regression_fraction": args.regression_fraction, "max_restarts": args.max_restarts,
-                    "kill_grace": args.kill_grace, "settle_s": args.settle},
+        "protocol": protocol.PROTOCOL_VERSION,
+        "options": Options.from_args(args).to_json(),
     }
-    P.atomic_write_json(rd.spec, spec)
+    protocol.atomic_write_json(rd.spec, spec)
     return _reply(daemon.launch(rd, reattach=False))
 
 
@@ -128,7 +136,8 @@ def _reply(reply: dict) -> int:
     if reply.get("ok"):
         _print(reply)
         return 0
-    return _fail(reply.get("error", "agent failed to start"), 1, **{k: v for k, v in reply.items() if k not in ("ok", "error")})
+    return _fail(reply.get("error", "agent failed to start"), protocol.EXIT_FAILURE,
+                 **{k: v for k, v in reply.items() if k not in ("ok", "error")})
 
 
 def cmd_follow(args, _tail) -> int:
@@ -137,9 +146,9 @@ def cmd_follow(args, _tail) -> int:
     rd = _rd(args)
     if not os.path.isdir(rd.path):
         print(f"agent follow: no run directory {rd.path}", file=sys.stderr)
-        return 2
+        return protocol.EXIT_USAGE
     try:
-        return follow(rd.path, args.from_seq, sys.stdout.buffer, lambda: agent_alive(rd), once=args.once)
+        return follow(rd.path, args.from_seq, sys.stdout.buffer, _supervised(rd), once=args.once)
     except (BrokenPipeError, KeyboardInterrupt):
         try:
             sys.stdout = None  # the reader went away: nothing more to say
@@ -148,29 +157,53 @@ def cmd_follow(args, _tail) -> int:
         return 0
 
 
+# How long `follow` waits for the job's monitor to bring a dead agent back (--revive) before
+# it says the agent is gone (exit 3).
+REVIVAL_WAIT_S = 30.0
+
+
+def _supervised(rd: RunDir):
+    """For `follow`: is an agent writing the stream, or about to be? The job's monitor starts
+    a new one --revive seconds after a death, so while the monitor lives the stream goes on."""
+    revive = Options.from_spec(read_json(rd.spec) or {}).revive
+    gone_since: float | None = None
+
+    def alive() -> bool:
+        nonlocal gone_since
+        if agent_alive(rd):
+            gone_since = None
+            return True
+        if revive <= 0 or not agent_live_or_none(rd.job_pid):
+            return False
+        gone_since = gone_since or time.monotonic()
+        return time.monotonic() - gone_since < revive + REVIVAL_WAIT_S
+    return alive
+
+
 def cmd_status(args, _tail) -> int:
     rd = _rd(args)
     if not os.path.isdir(rd.path):
         return _fail(f"no run directory {rd.path}")
     out = {"ok": True, "run_dir": rd.path, "run_id": rd.run_id, "agent_alive": agent_alive(rd),
-           "status": read_json(rd.status), "result": read_json(rd.result)}
+           "status": RunStatus.load(rd.status).to_json() if os.path.exists(rd.status) else None,
+           "result": _result(rd)}
     job = agent_live_or_none(rd.job_pid)
     out["job_alive"] = job
     return _print(out) or 0
 
 
 def cmd_list(args, _tail) -> int:
-    ws = args.workspace or os.environ.get(P.ENV_WORKSPACE) or P.DEFAULT_WORKSPACE
+    ws = args.workspace or os.environ.get(protocol.ENV_WORKSPACE) or protocol.DEFAULT_WORKSPACE
     base = os.path.join(ws, "runs")
     runs = []
     for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
         rd = RunDir(os.path.join(base, name))
         if not os.path.exists(rd.spec):
             continue
-        st = read_json(rd.status) or {}
-        res = read_json(rd.result) or {}
-        runs.append({"run_id": rd.run_id, "run_dir": rd.path, "state": st.get("state"),
-                     "step": st.get("step"), "updated": st.get("updated"), "reason": res.get("reason"),
+        st = RunStatus.load(rd.status)
+        res = RunResult.load(rd.result)
+        runs.append({"run_id": rd.run_id, "run_dir": rd.path, "state": st.state.value if st.state else None,
+                     "step": st.step, "updated": st.updated, "reason": res.reason if res else None,
                      "agent_alive": agent_alive(rd)})
     return _print({"ok": True, "workspace": ws, "runs": runs}) or 0
 
@@ -182,12 +215,18 @@ def cmd_gpus(args, _tail) -> int:
 
 
 def cmd_fingerprint(args, _tail) -> int:
-    from agent.fingerprint import fingerprint
+    import shutil
 
-    fp = fingerprint(args.python)
+    from agent import envfp, gpus
+
+    python = args.python or shutil.which("python3") or sys.executable
+    try:
+        fp = dict(envfp.of_python(python), driver=gpus.driver_version())
+    except envfp.FingerprintError as exc:
+        return _fail(str(exc), protocol.EXIT_FAILURE)
     if args.write:
-        P.atomic_write_json(args.write, fp)
-    return _print({"ok": "error" not in fp, **fp}) or 0
+        protocol.atomic_write_json(args.write, fp)
+    return _print({"ok": True, **fp}) or 0
 
 
 def cmd_stop(args, _tail) -> int:
@@ -195,42 +234,49 @@ def cmd_stop(args, _tail) -> int:
     spec = read_json(rd.spec)
     if not spec:
         return _fail(f"no run at {rd.path}")
-    st = read_json(rd.status) or {}
-    if st.get("state") and P.RunState(st["state"]).is_terminal():
-        return _print({"ok": True, "already_ended": True, "state": st["state"], "result": read_json(rd.result)}) or 0
-    P.atomic_write_json(rd.stop_request, {"ts": time.time(), "grace": args.grace, "by": f"agent stop (pid {os.getpid()})"})
+    st = RunStatus.load(rd.status)
+    if st.terminal:
+        return _print({"ok": True, "already_ended": True, "state": st.state.value, "result": _result(rd)}) or 0
+    protocol.atomic_write_json(rd.stop_request, {"ts": time.time(), "grace": args.grace,
+                                                 "by": f"agent stop (pid {os.getpid()})"})
     from agent.rundir import Lock
     from agent.supervisor import Supervisor
 
     deadline = time.monotonic() + args.grace + 60
     while time.monotonic() < deadline:
-        res = read_json(rd.result)
-        st = read_json(rd.status) or {}
-        if res and st.get("state") and P.RunState(st["state"]).is_terminal():
-            return _print({"ok": True, "state": st["state"], "by": "agent", "result": res}) or 0
+        res = _result(rd)
+        st = RunStatus.load(rd.status)
+        if res and st.terminal:
+            return _print({"ok": True, "state": st.state.value, "by": "agent", "result": res}) or 0
         if not agent_alive(rd):
             # No agent (never was, or it died mid-stop): take its place for the stop; holding
             # the lock makes us the one writer of the stream.
             lock = Lock(rd.agent_lock)
             if lock.acquire(timeout=1.0):
                 try:
-                    Supervisor(rd, spec, reattach=True, lock=lock).run()
+                    Supervisor(rd, spec, reattach=True, lock=lock, by="agent stop",
+                               why="a stop was requested and no agent was running").run()
                 finally:
                     lock.release()
-                st = read_json(rd.status) or {}
-                return _print({"ok": True, "state": st.get("state"), "by": "stop (no agent was running)",
-                               "result": read_json(rd.result)}) or 0
+                st = RunStatus.load(rd.status)
+                return _print({"ok": True, "state": st.state.value if st.state else None,
+                               "by": "stop (no agent was running)", "result": _result(rd)}) or 0
         time.sleep(0.1)
-    return _fail(f"the agent of {rd.path} did not finish stopping within {args.grace + 60:.0f} s", 1)
+    return _fail(f"the agent of {rd.path} did not finish stopping within {args.grace + 60:.0f} s",
+                 protocol.EXIT_FAILURE)
 
 
 def cmd_daemon(args, _tail) -> int:
     from agent import daemon
 
-    return daemon.main(args.run_dir, args.ready_fd, args.reattach)
+    return daemon.main(args.run_dir, args.ready_fd, args.reattach, args.by, args.why)
 
 
 def cmd_monitor(args, tail) -> int:
     from agent import monitor
 
     return monitor.main(args.run_dir, tail)
+
+
+VERBS = {"start": cmd_start, "follow": cmd_follow, "status": cmd_status, "list": cmd_list, "gpus": cmd_gpus,
+         "fingerprint": cmd_fingerprint, "stop": cmd_stop, "_daemon": cmd_daemon, "_monitor": cmd_monitor}

@@ -18,11 +18,16 @@ import time
 from agent import procs
 from agent.protocol import atomic_write_json
 from agent.rundir import Lock, RunDir, read_json
-from agent.supervisor import AgentExit, Supervisor, agent_env
+from agent.job import agent_env
 
 
-def launch(rd: RunDir, reattach: bool, timeout: float = 60.0) -> dict:
-    """Start the daemon for ``rd``; its first report ({"ok": ...}) or an error record."""
+def launch(rd: RunDir, reattach: bool, timeout: float = 60.0, *, by: str | None = None, why: str | None = None,
+           wait: bool = True, env: dict | None = None) -> dict:
+    """Start the daemon for ``rd``; its first report ({"ok": ...}) or an error record.
+
+    ``by``/``why``: who re-attaches and why (recorded in status.json's ``reattaches``).
+    ``wait=False``: return once the daemon is detached, without its report (the job's
+    monitor, which must go back to reaping). ``env``: the daemon's environment."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # first child
@@ -44,11 +49,15 @@ def launch(rd: RunDir, reattach: bool, timeout: float = 60.0) -> dict:
             argv = [sys.executable, "-m", "agent", "_daemon", "--run-dir", rd.path, "--ready-fd", str(w)]
             if reattach:
                 argv.append("--reattach")
-            os.execve(sys.executable, argv, agent_env())
+            argv += [*(["--by", by] if by else []), *(["--why", why] if why else [])]
+            os.execve(sys.executable, argv, env or agent_env())
         except BaseException:  # noqa: BLE001 - never return into the caller's code in a child
             os._exit(127)
     os.close(w)
     os.waitpid(pid, 0)
+    if not wait:
+        os.close(r)
+        return {"ok": True, "detached": True}
     data = b""
     deadline = time.monotonic() + timeout
     try:
@@ -78,11 +87,31 @@ def launch(rd: RunDir, reattach: bool, timeout: float = 60.0) -> dict:
     return json.loads(data.splitlines()[0])
 
 
+def revive_if_gone(rd: RunDir, by: str, why: str | None = None) -> dict | None:
+    """An automatic re-attach (`ctl status`, `ctl tail`): when the run has not ended and no
+    agent holds its lock, start one that re-attaches, and return its report; None when an
+    agent is there, the run has ended, or the run's --revive is 0 (re-attach by hand)."""
+    from agent.options import Options
+    from agent.protocol import RunStatus
+    from agent.rundir import agent_alive
+
+    spec = read_json(rd.spec)
+    if not spec or agent_alive(rd) or RunStatus.load(rd.status).terminal or Options.from_spec(spec).revive <= 0:
+        return None
+    previous = (read_json(rd.agent_pid) or {}).get("pid")
+    return launch(rd, reattach=True, by=by, why=why or f"{by} found no agent supervising the run "
+                                                      f"(its last agent was pid {previous})")
+
+
 def _raise_exit(signum, frame):  # noqa: ARG001
+    from agent.supervisor import AgentExit
+
     raise AgentExit(f"signal {signum}")
 
 
-def main(run_dir: str, ready_fd: int | None, reattach: bool) -> int:
+def main(run_dir: str, ready_fd: int | None, reattach: bool, by: str | None = None, why: str | None = None) -> int:
+    from agent.supervisor import AgentExit, Supervisor
+
     rd = RunDir(run_dir)
 
     def ready(obj: dict) -> None:
@@ -91,6 +120,8 @@ def main(run_dir: str, ready_fd: int | None, reattach: bool) -> int:
             return
         try:
             os.write(ready_fd, (json.dumps(obj) + "\n").encode())
+        except BrokenPipeError:
+            pass  # started by one who does not wait for the report (the job's monitor)
         finally:
             os.close(ready_fd)
             ready_fd = None
@@ -108,7 +139,7 @@ def main(run_dir: str, ready_fd: int | None, reattach: bool) -> int:
         ready({"ok": False, "error": f"{rd.spec} is missing or unreadable"})
         return 1
     atomic_write_json(rd.agent_pid, procs.Identity.of(os.getpid(), marker=spec["run_id"]).to_json())
-    sup = Supervisor(rd, spec, reattach=reattach, lock=lock)
+    sup = Supervisor(rd, spec, reattach=reattach, lock=lock, by=by, why=why)
 
     def started(s: Supervisor) -> None:
         ready({"ok": True, "run_id": s.run_id, "run_dir": rd.path, "agent_pid": os.getpid(),

@@ -40,7 +40,6 @@ import ctypes
 import ctypes.util
 import errno
 import fcntl
-import hashlib
 import json
 import os
 import re
@@ -52,7 +51,8 @@ import time
 import uuid
 from typing import Any, Optional
 
-from agent.protocol import atomic_write_json, wrap_payload
+from agent import envfp
+from agent.protocol import ENVGEN_EXIT_FAILED, ENVGEN_EXIT_REFUSED, atomic_write_json, wrap_payload
 
 GEN_PREFIX = "gen-"
 BUILD_PREFIX = ".build-"
@@ -73,11 +73,6 @@ FAULT_POINTS = (
     "switch:after-link",       # temp link created, not yet renamed over the venv path
     "remove:after-trash",      # generation moved to .trash-*, not yet deleted
 )
-
-# Exit codes of the CLI: the controller tells a refusal (nothing changed, operator must act)
-# from a failure (something went wrong while acting; the journal says what is left).
-EXIT_REFUSED = 2
-EXIT_FAILED = 1
 
 
 class EnvGenError(Exception):
@@ -221,55 +216,16 @@ def _exchange(a: str, b: str) -> bool:
 
 # --- fingerprint ------------------------------------------------------------------------
 
-# Run by the generation's own python (-I: ignore PYTHON* variables and the user site), so
-# it sees exactly that venv's site-packages. Reads torch's build from torch/version.py as
-# text instead of importing torch (seconds, and a broken torch must still be fingerprinted).
-_FINGERPRINT_SRC = r"""
-import importlib.metadata as md, json, os, platform, re, sys
-pk = {}
-for d in md.distributions():
-    name = d.metadata["Name"]
-    if name:
-        pk[re.sub(r"[-_.]+", "-", name).lower()] = d.version
-torch = None
-for entry in sys.path:
-    vf = os.path.join(entry, "torch", "version.py")
-    if os.path.isfile(vf):
-        text = open(vf, encoding="utf-8", errors="replace").read()
-        def grab(key):
-            m = re.search(r"^" + key + r"\s*(?::[^=\n]*)?=\s*['\"]?([^'\"\n]*)['\"]?\s*$", text, re.M)
-            v = m.group(1).strip() if m else None
-            return None if v in (None, "", "None") else v
-        cuda, hip = grab("cuda"), grab("hip")
-        torch = {"version": grab("__version__"), "cuda": cuda, "hip": hip,
-                 "build": ("cu" + cuda.replace(".", "")) if cuda else ("rocm" + hip) if hip else "cpu"}
-        break
-print(json.dumps({"python": platform.python_version(), "prefix": sys.prefix, "packages": pk, "torch": torch}))
-"""
-
-
 def fingerprint(venv_dir: str) -> dict:
-    """{"id", "python", "packages", "torch"} of the venv at ``venv_dir`` (may be a build dir)."""
+    """{"id", "python", "packages", "torch"} of the venv at ``venv_dir`` (may be a build dir),
+    taken by that venv's own python (agent/envfp.py)."""
     python = os.path.join(venv_dir, "bin", "python3")
     if not os.path.exists(python):
         raise EnvGenError(f"{venv_dir} has no bin/python3: not a venv (or a broken one)")
-    proc = subprocess.run([python, "-I", "-c", _FINGERPRINT_SRC], capture_output=True, text=True,
-                          stdin=subprocess.DEVNULL)
-    if proc.returncode != 0:
-        raise EnvGenError(f"cannot fingerprint {venv_dir}: its python exited {proc.returncode}: "
-                          f"{proc.stderr.strip()[-800:]}")
-    data = json.loads(proc.stdout.strip().splitlines()[-1])
-    data.pop("prefix", None)
-    data["id"] = fingerprint_id(data)
-    return data
-
-
-def fingerprint_id(fp: dict) -> str:
-    """12 hex digits of the sha256 of the package set: same packages + build → same id."""
-    torch = fp.get("torch") or {}
-    key = {"python": fp.get("python"), "packages": dict(sorted(fp.get("packages", {}).items())),
-           "torch_build": torch.get("build")}
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+    try:
+        return envfp.core(envfp.of_python(python))
+    except envfp.FingerprintError as exc:
+        raise EnvGenError(f"cannot fingerprint {venv_dir}: {exc}") from None
 
 
 # --- version ordering and diff (stdlib; enough of PEP 440 to say up or down) ------------
@@ -694,7 +650,7 @@ def op_diff(store: Store, a: str, b: str) -> dict:
 
 def op_match(store: Store, packages: dict) -> dict:
     """Which generation holds exactly this package set (e.g. a known-good run's)."""
-    want = {re.sub(r"[-_.]+", "-", k).lower(): v for k, v in packages.items()}
+    want = {envfp.canonical_name(k): v for k, v in packages.items()}
     hits = []
     for gid in store.generations():
         have = _read_meta(store, gid).get("fingerprint", {}).get("packages")
@@ -823,7 +779,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except EnvGenError as exc:
         sys.stdout.write(wrap_payload({"ok": False, "kind": exc.kind, "error": str(exc)}))
         sys.stdout.flush()
-        return EXIT_REFUSED if isinstance(exc, Refused) else EXIT_FAILED
+        # the controller tells a refusal (nothing changed, operator must act) from a failure
+        # (something went wrong while acting; the journal says what is left)
+        return ENVGEN_EXIT_REFUSED if isinstance(exc, Refused) else ENVGEN_EXIT_FAILED
     body = dict(body)
     body["ok"] = True
     sys.stdout.write(wrap_payload(body))

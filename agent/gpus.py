@@ -1,16 +1,26 @@
-"""GPU samples through NVML (nvidia-ml-py's ``pynvml``), when it is importable.
+"""GPU samples: NVML (nvidia-ml-py's ``pynvml``) when it is importable and a driver answers,
+else ``nvidia-smi``; one record shape either way. The supervisor's periodic samples, the
+`gpus` verbs and the launch preflight all take theirs from :func:`sample`.
 
-Like gpustat, every NVML call is wrapped on its own: an unsupported field becomes None, a
-lost GPU becomes an ``{"index": i, "state": "invalid", "error": …}`` record, and the sample
-as a whole never raises (research §5). Without NVML or a driver the answer is
-``{"gpus": [], "state": "no GPU", "reason": …}``.
+Like gpustat's ``safenvml``, every NVML call is wrapped on its own, catching NVML's own
+errors only: an unsupported field becomes None and its error is kept in the record's
+``errors`` (field → "NVMLError_NotSupported: …"), a lost GPU becomes an ``{"index": i,
+"state": "invalid", "error": …}`` record. Any other exception is a bug of ours and is raised
+(research §5; review: a misspelt attribute must not pass for "unsupported"). Without a GPU
+the answer is ``{"gpus": [], "state": "no GPU", "reason": …}``.
 
-PIDs that NVML reports are host PIDs inside an LXC container (research §1.3, canonical/lxd#9755);
-they are reported as NVML gives them, not matched to container processes.
+A record: index, state, uuid, name, utilization_gpu_pct, utilization_memory_pct,
+memory_used_mib, memory_total_mib, memory_free_mib, temperature_gpu_c, power_draw_w,
+power_limit_w, processes [{pid, used_memory_mib}] (units in the names, nvidia-smi's query
+names). PIDs that NVML reports are host PIDs inside an LXC container (research §1.3,
+canonical/lxd#9755); they are reported as NVML gives them.
 """
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
 import time
 from typing import Any, Callable
 
@@ -20,79 +30,134 @@ except Exception:  # noqa: BLE001 - any import failure means "no NVML"
     _nv = None
 
 _initialised = False
-_init_error: str | None = None
+_MIB = 2**20
 
 
-def _safe(fn: Callable, *args) -> Any:
+def _nvml_error() -> type[BaseException] | tuple:
+    return getattr(_nv, "NVMLError", ())
+
+
+def _call(errors: dict, name: str, fn: Callable, *args) -> Any:
+    """``fn(*args)``; on an NVML error None, with the error kept under ``name``."""
     try:
         value = fn(*args)
-    except Exception:  # noqa: BLE001 - NVMLError_NotSupported and friends
+    except _nvml_error() as exc:
+        errors[name] = f"{type(exc).__name__}: {exc}"
         return None
-    if isinstance(value, bytes):
-        value = value.decode("utf-8", "replace")
-    return value
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
 def _init() -> str | None:
     """None when NVML is ready, else the reason it is not."""
-    global _initialised, _init_error
+    global _initialised
     if _nv is None:
         return "nvidia-ml-py (pynvml) is not installed"
     if _initialised:
         return None
     try:
         _nv.nvmlInit()
-    except Exception as exc:  # noqa: BLE001 - NVMLError_LibraryNotFound, DriverNotLoaded, ...
-        _init_error = f"NVML unavailable: {type(exc).__name__}: {exc}"
-        return _init_error
+    except _nvml_error() as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        return f"NVML unavailable: {type(exc).__name__}: {exc}"
     _initialised = True
     return None
 
 
 def _device(i: int) -> dict:
     nv = _nv
-    handle = _safe(nv.nvmlDeviceGetHandleByIndex, i)
+    errors: dict[str, str] = {}
+    handle = _call(errors, "handle", nv.nvmlDeviceGetHandleByIndex, i)
     if handle is None:
         return {"index": i, "state": "invalid", "error": "handle unavailable (GPU lost?)"}
     rec: dict[str, Any] = {"index": i, "state": "ok"}
-    rec["uuid"] = _safe(nv.nvmlDeviceGetUUID, handle)
-    rec["name"] = _safe(nv.nvmlDeviceGetName, handle)
-    util = _safe(nv.nvmlDeviceGetUtilizationRates, handle)
-    rec["utilization_gpu_pct"] = getattr(util, "gpu", None)
-    rec["utilization_memory_pct"] = getattr(util, "memory", None)
-    mem = _safe(nv.nvmlDeviceGetMemoryInfo, handle)
-    rec["memory_used_mib"] = round(mem.used / 2**20) if mem is not None else None
-    rec["memory_total_mib"] = round(mem.total / 2**20) if mem is not None else None
-    rec["temperature_gpu_c"] = _safe(nv.nvmlDeviceGetTemperature, handle, getattr(nv, "NVML_TEMPERATURE_GPU", 0))
-    power = _safe(nv.nvmlDeviceGetPowerUsage, handle)
+    rec["uuid"] = _call(errors, "uuid", nv.nvmlDeviceGetUUID, handle)
+    rec["name"] = _call(errors, "name", nv.nvmlDeviceGetName, handle)
+    util = _call(errors, "utilization", nv.nvmlDeviceGetUtilizationRates, handle)
+    rec["utilization_gpu_pct"] = util.gpu if util is not None else None
+    rec["utilization_memory_pct"] = util.memory if util is not None else None
+    mem = _call(errors, "memory", nv.nvmlDeviceGetMemoryInfo, handle)
+    rec["memory_used_mib"] = round(mem.used / _MIB) if mem is not None else None
+    rec["memory_total_mib"] = round(mem.total / _MIB) if mem is not None else None
+    rec["memory_free_mib"] = round((mem.total - mem.used) / _MIB) if mem is not None else None
+    rec["temperature_gpu_c"] = _call(errors, "temperature_gpu_c", nv.nvmlDeviceGetTemperature, handle,
+                                     nv.NVML_TEMPERATURE_GPU)
+    power = _call(errors, "power_draw_w", nv.nvmlDeviceGetPowerUsage, handle)
     rec["power_draw_w"] = round(power / 1000, 1) if power is not None else None
-    limit = _safe(nv.nvmlDeviceGetEnforcedPowerLimit, handle)
+    limit = _call(errors, "power_limit_w", nv.nvmlDeviceGetEnforcedPowerLimit, handle)
     rec["power_limit_w"] = round(limit / 1000, 1) if limit is not None else None
     procs = []
-    for getter in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
-        fn = getattr(nv, getter, None)
-        for p in (_safe(fn, handle) if fn else None) or []:
-            used = getattr(p, "usedGpuMemory", None)
-            procs.append({"pid": getattr(p, "pid", None),
-                          "used_memory_mib": round(used / 2**20) if isinstance(used, int) else None})
+    for name, fn in (("compute_processes", nv.nvmlDeviceGetComputeRunningProcesses),
+                     ("graphics_processes", nv.nvmlDeviceGetGraphicsRunningProcesses)):
+        for p in _call(errors, name, fn, handle) or []:
+            used = p.usedGpuMemory
+            procs.append({"pid": p.pid, "used_memory_mib": round(used / _MIB) if isinstance(used, int) else None})
     rec["processes"] = procs
+    if errors:
+        rec["errors"] = errors
     return rec
 
 
+def _nvml_sample(ts: float) -> dict:
+    errors: dict[str, str] = {}
+    count = _call(errors, "count", _nv.nvmlDeviceGetCount)
+    if not count:
+        return {"ts": ts, "gpus": [], "state": "no GPU", "source": "nvml",
+                "reason": errors.get("count") or "NVML reports 0 devices"}
+    driver = _call(errors, "driver", _nv.nvmlSystemGetDriverVersion)
+    return {"ts": ts, "state": "ok", "source": "nvml", "driver": driver, "gpus": [_device(i) for i in range(count)]}
+
+
+_SMI_FIELDS = ("index", "uuid", "name", "utilization.gpu", "utilization.memory", "memory.used", "memory.total",
+               "memory.free", "temperature.gpu", "power.draw", "power.limit", "driver_version")
+_SMI_KEYS = ("index", "uuid", "name", "utilization_gpu_pct", "utilization_memory_pct", "memory_used_mib",
+             "memory_total_mib", "memory_free_mib", "temperature_gpu_c", "power_draw_w", "power_limit_w", "driver")
+
+
+def _smi_value(key: str, text: str) -> Any:
+    if key in ("uuid", "name", "driver"):
+        return text
+    if not re.fullmatch(r"[0-9.]+", text):  # "[N/A]", "[Not Supported]"
+        return None
+    value = float(text)
+    return value if key.startswith("power") else int(round(value))
+
+
+def _smi_sample(ts: float, why_not_nvml: str) -> dict:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return {"ts": ts, "gpus": [], "state": "no GPU", "source": None,
+                "reason": f"{why_not_nvml}; no nvidia-smi either: no GPU is visible"}
+    try:
+        out = subprocess.run([exe, f"--query-gpu={','.join(_SMI_FIELDS)}", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"ts": ts, "gpus": [], "state": "no GPU", "source": "nvidia-smi", "reason": f"nvidia-smi failed: {exc}"}
+    if out.returncode != 0:
+        return {"ts": ts, "gpus": [], "state": "no GPU", "source": "nvidia-smi",
+                "reason": f"nvidia-smi failed: {out.stderr.strip()[-300:]}"}
+    rows, driver = [], None
+    for line in out.stdout.strip().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != len(_SMI_KEYS):
+            continue
+        rec = {k: _smi_value(k, v) for k, v in zip(_SMI_KEYS, parts)}
+        driver = rec.pop("driver")
+        rows.append({"state": "ok", **rec, "processes": []})
+    if not rows:
+        return {"ts": ts, "gpus": [], "state": "no GPU", "source": "nvidia-smi", "reason": "nvidia-smi lists no GPU"}
+    return {"ts": ts, "state": "ok", "source": "nvidia-smi", "driver": driver, "gpus": rows}
+
+
 def sample() -> dict:
-    """One sample of every GPU; never raises."""
+    """One sample of every GPU: NVML's, else nvidia-smi's, else "no GPU" with the reason."""
     ts = time.time()
     reason = _init()
-    if reason is not None:
-        return {"ts": ts, "gpus": [], "state": "no GPU", "reason": reason}
-    count = _safe(_nv.nvmlDeviceGetCount)
-    if not count:
-        return {"ts": ts, "gpus": [], "state": "no GPU", "reason": "NVML reports 0 devices"}
-    driver = _safe(_nv.nvmlSystemGetDriverVersion)
-    return {"ts": ts, "state": "ok", "driver": driver, "gpus": [_device(i) for i in range(count)]}
+    if reason is None:
+        got = _nvml_sample(ts)
+        if got["gpus"]:
+            return got
+        reason = got["reason"]
+    return _smi_sample(ts, reason)
 
 
 def driver_version() -> str | None:
-    if _init() is not None:
-        return None
-    return _safe(_nv.nvmlSystemGetDriverVersion)
+    return sample().get("driver")

@@ -140,14 +140,13 @@ def update(workspace: str, now: Optional[float] = None) -> dict:
 
 def _finished(run: str) -> bool:
     """The run reached a terminal state (status.json says so, or result.json exists)."""
-    from agent.protocol import RESULT, STATUS, RunState
+    from agent.protocol import RESULT, STATUS, RunStatus
 
     if os.path.exists(os.path.join(run, RESULT)):
         return True
     try:
-        with open(os.path.join(run, STATUS), encoding="utf-8") as fh:
-            return RunState(json.load(fh).get("state")).is_terminal()
-    except (OSError, ValueError, TypeError):
+        return RunStatus.load(os.path.join(run, STATUS)).terminal
+    except ValueError:
         return False
 
 

@@ -24,18 +24,17 @@ about what that python holds.
 
 from __future__ import annotations
 
-import ast
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
 import time
 from typing import Any, Optional
 
-from agent import gpuview, knowngood
-from agent.protocol import read_json_doc, atomic_write, wrap_payload
+from agent import ckptcompat, envfp, gpuview, knowngood
+from agent import gpus as nvml_gpus
+from agent.protocol import FINGERPRINT, atomic_write, atomic_write_json, read_json_doc, wrap_payload
 
 GIB = 1 << 30
 CHECKPOINT_FILE = "checkpoint.pt"
@@ -49,100 +48,14 @@ def python_info() -> dict:
             "prefix": sys.prefix, "venv": sys.prefix if in_venv else None}
 
 
-def packages() -> dict[str, str]:
-    """{canonical name: version} of every distribution this python can import."""
-    from importlib import metadata
-
-    out: dict[str, str] = {}
-    for dist in metadata.distributions():
-        name = dist.metadata.get("Name")
-        if name:
-            out.setdefault(re.sub(r"[-_.]+", "-", name).lower(), dist.version)
-    return dict(sorted(out.items()))
-
-
-def torch_info(pkgs: dict[str, str]) -> dict:
-    """torch's version and CUDA build without importing it (torch/version.py is plain)."""
-    import importlib.util
-
-    info: dict[str, Any] = {"version": pkgs.get("torch"), "cuda": None, "location": None}
-    try:
-        spec = importlib.util.find_spec("torch")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.origin:
-        return info
-    info["location"] = os.path.dirname(spec.origin)
-    try:
-        with open(os.path.join(info["location"], "version.py"), encoding="utf-8") as fh:
-            tree = ast.parse(fh.read())
-        for node in tree.body:
-            target = node.targets[0] if isinstance(node, ast.Assign) else getattr(node, "target", None)
-            if isinstance(target, ast.Name) and target.id in ("__version__", "cuda", "hip") and node.value is not None:
-                try:
-                    value = ast.literal_eval(node.value)
-                except ValueError:
-                    continue
-                info["version" if target.id == "__version__" else target.id] = value
-    except (OSError, SyntaxError):
-        pass
-    return info
-
-
 def gpus() -> dict:
-    """Visible GPUs with memory, utilisation and temperature: the agent's NVML sampler
-    (agent/gpus.py) when it sees GPUs, else nvidia-smi, else none with the reason."""
-    reason = None
-    try:
-        from agent import gpus as nvml
-
-        sample = nvml.sample()
-        if sample.get("gpus"):
-            rows = []
-            for g in sample["gpus"]:
-                g = dict(g)
-                g.pop("processes", None)
-                if g.get("memory_total_mib") is not None and g.get("memory_used_mib") is not None:
-                    g["memory_free_mib"] = g["memory_total_mib"] - g["memory_used_mib"]
-                rows.append(g)
-            return {"gpus": rows, "driver": sample.get("driver"), "source": "nvml"}
-        reason = sample.get("reason")
-    except ImportError:
-        pass
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return {"gpus": [], "driver": None,
-                "reason": reason or "no nvidia-smi in this container: no GPU is visible"}
-    fields = "index,name,uuid,memory.total,memory.used,memory.free,utilization.gpu,temperature.gpu,driver_version"
-    try:
-        out = subprocess.run([exe, f"--query-gpu={fields}", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20)
-    except (OSError, subprocess.TimeoutExpired) as exc:
-        return {"gpus": [], "driver": None, "reason": f"nvidia-smi failed: {exc}"}
-    if out.returncode != 0:
-        return {"gpus": [], "driver": None, "reason": f"nvidia-smi failed: {out.stderr.strip()[-300:]}"}
-    rows, driver = [], None
-    for line in out.stdout.strip().splitlines():
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) < 9:
-            continue
-        num = lambda v: float(v) if re.fullmatch(r"[0-9.]+", v) else None  # noqa: E731 ("[N/A]")
-        rows.append({"index": int(parts[0]), "name": parts[1], "uuid": parts[2], "state": "ok",
-                     "memory_total_mib": num(parts[3]), "memory_used_mib": num(parts[4]),
-                     "memory_free_mib": num(parts[5]), "utilization_gpu_pct": num(parts[6]),
-                     "temperature_gpu_c": num(parts[7])})
-        driver = parts[8]
-    return {"gpus": rows, "driver": driver, "source": "nvidia-smi"}
+    """Visible GPUs with memory, utilisation and temperature (agent/gpus.py's sample)."""
+    return nvml_gpus.sample()
 
 
-def fingerprint(pkgs: Optional[dict] = None, gpu: Optional[dict] = None) -> dict:
-    """What env drift compares: interpreter, torch + CUDA build, driver, every package."""
-    pkgs = packages() if pkgs is None else pkgs
-    t = torch_info(pkgs)
-    py = python_info()
-    return {"python": py["version"], "executable": py["executable"], "venv": py["venv"],
-            "torch": {"version": t["version"], "cuda": t["cuda"]},
-            "driver": (gpu or {}).get("driver"), "packages": pkgs}
+def fingerprint(gpu: Optional[dict] = None) -> dict:
+    """What env drift compares: this interpreter's fingerprint (agent/envfp.py) and the driver."""
+    return dict(envfp.collect(), driver=(gpu or {}).get("driver"))
 
 
 # --- paths -------------------------------------------------------------------------------------
@@ -181,7 +94,8 @@ def model_info(target_model: Optional[str]) -> tuple[dict, list[str]]:
                                        "Hugging Face model directory"]
     keep = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
             "vocab_size", "head_dim", "intermediate_size", "tie_word_embeddings")
-    return {"dir": target_model, "config": {k: cfg.get(k) for k in keep if k in cfg}}, []
+    return {"dir": target_model, "config": {k: cfg.get(k) for k in keep if k in cfg},
+            "identity": ckptcompat.target_identity(cfg)}, []
 
 
 def _checkpoint_dir(path: str) -> Optional[str]:
@@ -194,12 +108,12 @@ def _checkpoint_dir(path: str) -> Optional[str]:
 
 
 def checkpoint_info(start: dict, flags: dict, model: dict, data: dict) -> tuple[dict, list[str], list[str]]:
-    """Present, complete, and compatible with this launch: the drafter's shape (block size,
-    draft layers), the target it was trained against, and for a resume the same data.
+    """Present, complete, and compatible with this launch (agent/ckptcompat.py: the
+    drafter's shape, the target and its taps, for a resume the same data).
 
     Reads the checkpoint's own meta.json (trainer/checkpoint.py writes it beside
-    checkpoint.pt for exactly this: no tensors loaded). The trainer checks again when it
-    loads; this catches the same mistakes before a run directory exists.
+    checkpoint.pt for exactly this: no tensors loaded). The trainer asks the same question
+    when it loads; this asks it before a run directory exists.
     """
     kind, path = start.get("kind"), start.get("path")
     if kind not in ("resume", "init") or not path:
@@ -219,28 +133,12 @@ def checkpoint_info(start: dict, flags: dict, model: dict, data: dict) -> tuple[
         return info, [f"{flag} {path}: no readable meta.json of a dflash trainer checkpoint beside "
                       f"{CHECKPOINT_FILE}; name a complete OUTPUT/step_N directory written by this trainer"], []
     info["step"] = meta.get("step")
-    errors: list[str] = []
-    cfg = meta.get("drafter_config") or {}
-    for key, dest, name in (("block_size", "block_size", "--block-size"),
-                            ("num_hidden_layers", "num_draft_layers", "--num-draft-layers")):
-        have, want = cfg.get(key), flags.get(dest)
-        if have is not None and want is not None and int(have) != int(want):
-            errors.append(f"{flag} {path}: the checkpoint was trained with {name} {have}, this launch says "
-                          f"{want}; set {name} {have} or start --from-scratch")
-    theirs, ours = meta.get("target") or {}, model.get("config") or {}
-    diff = [k for k in ("model_type", "num_hidden_layers", "hidden_size", "vocab_size")
-            if theirs.get(k) is not None and ours.get(k) is not None and theirs.get(k) != ours.get(k)]
-    if diff:
-        what = ", ".join(f"{k} {theirs.get(k)} vs {ours.get(k)}" for k in diff)
-        errors.append(f"{flag} {path}: trained against another target ({what}); point --target-model at the "
-                      "checkpoint's target or start --from-scratch")
-    if kind == "resume":
-        have, want = meta.get("data_fingerprint"), (data.get("stats") or {}).get("fingerprint")
-        if have and want and have != want:
-            errors.append(f"--resume-from {path}: trained on other data (fingerprint {str(have)[:12]}, --data-dir "
-                          f"has {str(want)[:12]}); resuming continues that data's order — use --init-from to keep "
-                          "only the weights")
-    return info, errors, []
+    target = model.get("identity") or model.get("config") or {}
+    launch = {"flag": flag, "path": path, "block_size": flags.get("block_size"),
+              "num_draft_layers": flags.get("num_draft_layers"), "target": target,
+              "target_layer_ids": flags.get("target_layer_ids") or None,
+              "data_fingerprint": (data.get("stats") or {}).get("fingerprint") if kind == "resume" else None}
+    return info, ckptcompat.problems(meta, launch), []
 
 
 def disk_info(path: Optional[str]) -> dict:
@@ -257,42 +155,59 @@ def disk_info(path: Optional[str]) -> dict:
 
 
 def active_runs(workspace: str) -> list[dict]:
-    """Runs whose agent is alive and whose state is not terminal, with their GPU roles (from
-    the launch record ctl wrote; a run started otherwise shows no roles)."""
-    from agent.protocol import RunState
-    from agent.rundir import RunDir, agent_alive, read_json
+    """Live runs: not ended, and supervised or with their job still running (a run whose agent
+    died still holds its GPUs), with their GPU roles from the launch record ctl wrote (a run
+    started otherwise shows none)."""
+    from agent.protocol import RunStatus
+    from agent.rundir import RunDir, agent_alive, agent_live_or_none, read_json
 
     base = os.path.join(workspace, "runs")
     out = []
-    for name in os.listdir(base) if os.path.isdir(base) else []:
+    for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
         rd = RunDir(os.path.join(base, name))
-        state = (read_json(rd.status) or {}).get("state")
         try:
-            if state is None or RunState(state).is_terminal() or not agent_alive(rd):
-                continue
-        except ValueError:
+            st = RunStatus.load(rd.status)
+        except ValueError:  # a state this agent does not know
+            continue
+        if st.state is None or st.terminal or not (agent_alive(rd) or agent_live_or_none(rd.job_pid)):
             continue
         rec = read_json(knowngood.launch_record_path(workspace, name)) or {}
         gpus = rec.get("gpus") or {}
-        out.append({"run_id": name, "state": state, "gpus": list(gpus.get("target", [])) + list(gpus.get("drafter", []))})
+        out.append({"run_id": name, "state": st.state.value,
+                    "gpus": sorted(set(gpus.get("target", [])) | set(gpus.get("drafter", [])))})
     return out
+
+
+def busy(workspace: str, wanted: list[int], use_cuda: bool) -> list[str]:
+    """One line per live run holding any of ``wanted`` (GPUs, or rank slots on CPU): two runs
+    on one GPU each plan for its whole memory — the shortfall of the story, made on purpose."""
+    slot = "GPU" if use_cuda else "rank slot"
+    lines = []
+    for other in active_runs(workspace):
+        shared = sorted(set(other["gpus"]) & set(wanted))
+        if shared:
+            lines.append(f"run {other['run_id']} is live ({other['state']}) in this container on "
+                         f"{slot}{'s' if len(shared) > 1 else ''} {','.join(map(str, shared))}: stop it first "
+                         f"(`ctl kill-and-rollback --run {other['run_id']}`), give this run other GPUs, or pass "
+                         "--share-gpus to start it anyway")
+    return lines
 
 
 # --- the check ---------------------------------------------------------------------------------
 
 def check(req: dict) -> dict:
     """The whole preflight. ``req`` keys: workspace, run_id, flags (trainer values by dest),
-    start {kind, path}, config (name)."""
+    start {kind, path}, config (name), share_gpus (start although a live run holds a GPU)."""
     workspace = req.get("workspace") or "/workspace"
     flags = req.get("flags") or {}
     errors: list[str] = []
     warnings: list[str] = []
 
-    pkgs = packages()
     gpu = gpus()
-    fp = fingerprint(pkgs, gpu)
+    fp = fingerprint(gpu)
+    pkgs = fp["packages"]
     py = python_info()
-    torch = torch_info(pkgs)
+    torch = fp["torch"] or {"version": None, "cuda": None}
     if torch["version"] is None:
         errors.append(f"torch is not installed for {py['executable']}: install it into the container's venv "
                       f"({py['prefix']}) — ctl does not install torch")
@@ -331,15 +246,11 @@ def check(req: dict) -> dict:
 
     disk = disk_info(flags.get("output_dir"))
 
-    for other in active_runs(workspace):
-        shared = sorted(set(other.get("gpus") or []) & set(roles["target"] + roles["drafter"]))
-        if not shared:
-            continue
-        where = f"GPU {','.join(map(str, shared))}" if use_cuda else f"rank slot {','.join(map(str, shared))}"
-        message = (f"run {other['run_id']} is still {other['state']} on {where} in this container: stop it first "
-                   "(`ctl kill-and-rollback`) or give this run other GPUs")
-        # Two runs on one GPU is the OOM of the story; on CPU slots they only compete for cores.
-        (errors if use_cuda else warnings).append(message)
+    held = busy(workspace, roles["target"] + roles["drafter"], use_cuda)
+    if req.get("share_gpus"):
+        warnings += [line.split(": stop it first")[0] + ": shared, as --share-gpus asks" for line in held]
+    else:
+        errors += held
     for g in gpu["gpus"] if use_cuda else []:
         used = g.get("memory_used_mib")
         if g["index"] in roles["target"] + roles["drafter"] and isinstance(used, (int, float)) and used > 1024:
@@ -384,6 +295,9 @@ def commit(req: dict) -> dict:
         os.mkdir(run_dir, 0o755)
         created_dir = True
         atomic_write(os.path.join(run_dir, "start.sh"), req["script"], 0o644)
+        fp = (req.get("record") or {}).get("fingerprint")
+        if fp:  # the run's environment, as the preflight saw it (DESIGN.md: run directory)
+            atomic_write_json(os.path.join(run_dir, FINGERPRINT), fp)
         if req.get("secret"):
             os.makedirs(os.path.dirname(secrets_file), mode=0o700, exist_ok=True)
             os.chmod(os.path.dirname(secrets_file), 0o700)

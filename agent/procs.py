@@ -122,12 +122,12 @@ class Identity:
         return st["exit_code"]
 
 
-def set_child_subreaper() -> bool:
+def set_child_subreaper(on: bool = True) -> bool:
     """Orphaned descendants are re-parented to us instead of init, so none escapes the
     tree we sweep at stop (skypilot PR#9672, ray PR#42992: research §4.3, §4.7)."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1 if on else 0, 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
 

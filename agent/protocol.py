@@ -11,6 +11,7 @@ import enum
 import json
 import os
 import tempfile
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterator
 
 PROTOCOL_VERSION = 1
@@ -67,9 +68,6 @@ ENV_RUN_DIR = "DFLASH_RUN_DIR"  # the agent passes the run directory to the job 
 JOB_STDOUT = "job.stdout"
 JOB_STDERR = "job.stderr"
 JOB_PID = "job.pid"  # {"pid","starttime","boot_id","marker"}: the job monitor (PID-reuse guard)
-# The trainer's "stopped on request after a checkpoint" exit code (trainer/flags.py
-# EXIT_STOPPED), repeated here because the agent never imports the trainer.
-TRAINER_EXIT_STOPPED = 75
 JOB_EXIT = "job.exit.json"  # written by the job monitor when the job's top process exits
 AGENT_PID = "agent.pid"  # same shape, for the supervising agent
 AGENT_LOCK = "agent.lock"  # flock held by the one process allowed to append to stream.jsonl
@@ -89,17 +87,34 @@ DEFAULT_WORKSPACE = "/workspace"
 # record of a finished run is a "status" record whose payload state is terminal.
 FIRST_SEQ = 1
 
+# --- exit codes: every part's, in one place (trainer/flags.py re-exports the trainer's) ------
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2  # bad input, nothing written (trainer, agent verbs)
+EXIT_STOPPED = 75  # the trainer stopped on request after a checkpoint (EX_TEMPFAIL: resumable)
+# `agent follow`: the agent is gone and the run has not finished, so the stream would never
+# end (research §4.8, ray#57002): re-attach, then follow again.
+EXIT_AGENT_GONE = 3
+EXIT_SPAWN_FAILED = 127  # the job monitor could not start the job's command (the shell's code)
+# `python3 -m agent.envgen`: a refusal (nothing changed) is told apart from a failure.
+ENVGEN_EXIT_FAILED = 1
+ENVGEN_EXIT_REFUSED = 2
+
 
 class RunState(str, enum.Enum):
-    """Life of a run::
+    """Life of a run. Every allowed change, one line per state (agent/state.py's
+    TRANSITIONS is this table; tests/test_agent_units.py holds the two to each other)::
 
-        STARTING ──▶ RUNNING ──▶ STOPPING ──▶ STOPPED
-            │           │  ▲                     (stopped on request, after checkpoint)
-            │           │  └── RESTARTING (--max-restarts budget left)
-            │           ├──▶ COMPLETED   (job exited 0)
-            └───────────┴──▶ FAILED      (named reason in result.json)
+        STARTING   → RUNNING | STOPPING | COMPLETED | FAILED
+        RUNNING    → RESTARTING | STOPPING | COMPLETED | FAILED
+        RESTARTING → RUNNING | STOPPING | FAILED
+        STOPPING   → STOPPED | COMPLETED | FAILED
 
-    A store refuses to leave a terminal state.
+    RESTARTING: a failure with --max-restarts budget left. STOPPING: a stop was requested
+    (or the trainer exited EXIT_STOPPED); it still ends COMPLETED if the job finished first,
+    FAILED if the stop itself went wrong. COMPLETED: the job exited 0. FAILED: a named reason
+    in result.json. STOPPED: on request, after a checkpoint. A store refuses to leave a
+    terminal state.
     """
 
     STARTING = "starting"
@@ -132,17 +147,182 @@ class StreamKind(str, enum.Enum):
 #   eval        step, tau
 #   error       error (cuda_oom|exception|nccl_timeout), message, traceback
 #   probe       peak_mib per role/gpu, fits, budget
-EVENT_KINDS = ("phase", "step", "checkpoint", "eval", "error", "probe")
+#   launch      (the launching parent, rank null) rdzv_endpoint, nproc, ranks [{rank, role, gpu}]: the
+#               ranks this container will run, before torchrun starts them (the start-up deadline
+#               names the ones that never heartbeat)
+EVENT_KINDS = ("phase", "step", "checkpoint", "eval", "error", "probe", "launch")
 
 # Agent events (stream kind "event", payload key "kind" = "agent.<name>"): the agent's own
-# observations, next to the trainer's events. "agent.failure" carries "failure" (one of
-# FAILURE_KINDS), "rank", "gpu", "reason" (one line, printed first), "evidence" (log lines).
+# observations, next to the trainer's events. "agent.failure" carries "failure" (a
+# FailureKind), "rank", "gpu", "reason" (one line, printed first), "evidence" (log lines).
 AGENT_EVENT_KINDS = ("agent.started", "agent.reattached", "agent.failure", "agent.stop_requested",
                      "agent.stop", "agent.restart", "agent.job_exit")
-FAILURE_KINDS = ("cuda_oom", "host_oom", "rank_exit", "rank_stall", "nccl_timeout",
-                 "throughput_regression", "job_exit",
-                 # a job across containers (agent/classify.py classify_comm)
-                 "peer_failure", "network_failure")
+
+
+class FailureKind(str, enum.Enum):
+    """What a classified failure was (agent/classify.py names them, docs/agent.md explains)."""
+
+    CUDA_OOM = "cuda_oom"
+    HOST_OOM = "host_oom"
+    RANK_EXIT = "rank_exit"
+    RANK_STALL = "rank_stall"
+    NCCL_TIMEOUT = "nccl_timeout"
+    THROUGHPUT_REGRESSION = "throughput_regression"
+    JOB_EXIT = "job_exit"
+    # a job across containers (agent/classify.py classify_comm)
+    PEER_FAILURE = "peer_failure"
+    NETWORK_FAILURE = "network_failure"
+    STARTUP_TIMEOUT = "startup_timeout"  # a rank sent no heartbeat within --startup-timeout
+
+
+# --- status.json and result.json --------------------------------------------------------------
+# One typed record per file: the agent writes them only through to_json(), and every reader
+# (the agent re-attaching, `agent list`, the controller's status, tail and job views) reads them
+# only through from_json(). Unknown keys are ignored and missing ones take their defaults, so
+# a reader of a newer or older agent's file still gets a record.
+
+def _pick(cls, doc: Any) -> dict:
+    doc = doc if isinstance(doc, dict) else {}
+    return {f.name: doc[f.name] for f in fields(cls) if f.name in doc}
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint the trainer announced (a ``checkpoint`` event): its step and path."""
+
+    step: int
+    path: str
+
+    def to_json(self) -> dict:
+        return {"step": self.step, "path": self.path}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> "Checkpoint | None":
+        if not isinstance(doc, dict) or not doc.get("path"):
+            return None
+        return cls(int(doc.get("step") or 0), str(doc["path"]))
+
+
+@dataclass
+class RankHealth:
+    """One rank as its heartbeats show it. ``health``: ok | dead | done | not started (planned
+    by the trainer's launch event, no heartbeat yet)."""
+
+    step: int | None = None
+    pid: int | None = None
+    gpu: int | None = None
+    role: str | None = None
+    heartbeat_age_s: float | None = None
+    health: str = "ok"
+
+
+@dataclass
+class RunStatus:
+    """status.json: the run as the agent sees it now, rewritten atomically (about once a
+    second and at every state change); its copy is the payload of the stream's status
+    records. Field names carry their units."""
+
+    run_id: str | None = None
+    run_dir: str | None = None
+    state: RunState | None = None
+    updated: float | None = None  # time.time() of this write
+    seq: int = 0  # the stream's last seq at this write
+    restarts: int = 0
+    agent_pid: int | None = None
+    job_pid: int | None = None  # the job monitor's pid (job.pid)
+    argv: list[str] | None = None  # the current attempt's job argv
+    phase: str | None = None  # the trainer's last phase event
+    step: int | None = None
+    total: int | None = None  # total optimizer steps
+    epoch: float | None = None
+    loss: float | None = None
+    lr: float | None = None
+    tokens_per_s: float | None = None  # the last step event's
+    steady_tokens_per_s: float | None = None  # median of the last steps (classify.ThroughputMonitor)
+    ranks: dict[int, RankHealth] = field(default_factory=dict)
+    launch: dict | None = None  # the trainer's launch event: rdzv_endpoint, nproc, ranks planned
+    gpus: list[dict] | None = None  # the last agent/gpus.py sample's records
+    gpu_state: str | None = None  # "ok" | "no GPU" | "error"
+    gpu_reason: str | None = None  # why there is no GPU sample
+    checkpoint: Checkpoint | None = None  # the latest the trainer announced
+    exit: dict | None = None  # the job's exit status (job.exit.json), once it ended
+    last_error: str | None = None  # the last failure's one-line reason
+    reason: str | None = None  # why the run ended, once it has
+    failures_history: list[dict] = field(default_factory=list)  # per failed attempt: root cause, failures
+    # Every time an agent took over a run whose agent was gone: {ts, by, why, agent_pid,
+    # previous_agent_pid, seq} (agent/daemon.py: the job's monitor, `ctl status`, `ctl tail`).
+    reattaches: list[dict] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        doc = asdict(self)
+        doc["state"] = self.state.value if self.state else None
+        doc["ranks"] = {str(r): asdict(h) for r, h in sorted(self.ranks.items())}
+        doc["checkpoint"] = self.checkpoint.to_json() if self.checkpoint else None
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: Any) -> "RunStatus":
+        kw = _pick(cls, doc)
+        if kw.get("state") is not None:
+            kw["state"] = RunState(kw["state"])
+        kw["ranks"] = {int(r): RankHealth(**_pick(RankHealth, h)) for r, h in (kw.get("ranks") or {}).items()}
+        kw["checkpoint"] = Checkpoint.from_json(kw.get("checkpoint"))
+        kw["failures_history"] = list(kw.get("failures_history") or [])
+        kw["reattaches"] = list(kw.get("reattaches") or [])
+        return cls(**kw)
+
+    @property
+    def terminal(self) -> bool:
+        return self.state is not None and self.state.is_terminal()
+
+    @classmethod
+    def load(cls, path: str) -> "RunStatus":
+        """The status.json at ``path``; an empty record when there is none (yet)."""
+        return cls.from_json(read_json_doc(path))
+
+    def save(self, path: str) -> None:
+        atomic_write_json(path, self.to_json())
+
+
+@dataclass
+class RunResult:
+    """result.json: how a run ended, written once, just before the terminal status."""
+
+    run_id: str | None = None
+    state: RunState | None = None
+    ended: float | None = None
+    reason: str | None = None  # one line: "completed", "stopped on request", or the root cause's
+    root_cause: dict | None = None  # the Failure (agent/classify.py) that ended it
+    exit: dict | None = None
+    restarts: int = 0
+    stop: dict | None = None  # the stop report: signals, pids, survivors, graceful
+    failures_history: list[dict] = field(default_factory=list)
+    checkpoint: Checkpoint | None = None
+
+    def to_json(self) -> dict:
+        doc = asdict(self)
+        doc["state"] = self.state.value if self.state else None
+        doc["checkpoint"] = self.checkpoint.to_json() if self.checkpoint else None
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: Any) -> "RunResult | None":
+        if not isinstance(doc, dict):
+            return None
+        kw = _pick(cls, doc)
+        if kw.get("state") is not None:
+            kw["state"] = RunState(kw["state"])
+        kw["checkpoint"] = Checkpoint.from_json(kw.get("checkpoint"))
+        kw["failures_history"] = list(kw.get("failures_history") or [])
+        return cls(**kw)
+
+    @classmethod
+    def load(cls, path: str) -> "RunResult | None":
+        """The result.json at ``path``; None while the run has not ended."""
+        return cls.from_json(read_json_doc(path))
+
+    def save(self, path: str) -> None:
+        atomic_write_json(path, self.to_json())
 
 
 def atomic_write(path: str, data: str | bytes, mode: int = 0o644) -> None:

@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Optional
 
-from agent import protocol as P
+from agent import protocol
 from agent.protocol import read_json_doc, wrap_payload
 
 HISTORY = ".dflash-ctl/history.jsonl"
@@ -57,7 +57,7 @@ def append_history(workspace: str, record: dict) -> dict:
 
 
 def read_history(workspace: str, run: Optional[str] = None, limit: int = 0) -> list[dict]:
-    out = [rec for _, rec in P.read_json_lines(history_path(workspace))
+    out = [rec for _, rec in protocol.read_json_lines(history_path(workspace))
            if run is None or rec.get("run") == run]
     return out[-limit:] if limit else out
 
@@ -75,9 +75,9 @@ def survivors(workspace: str, run: str) -> list[dict]:
     from agent import procs  # the agent's own process helpers (PID table, env marker)
 
     run_dir = os.path.join(workspace, "runs", run)
-    roots = [p for p in (_pid_of(os.path.join(run_dir, P.JOB_PID)),
-                         _pid_of(os.path.join(run_dir, P.AGENT_PID))) if p]
-    pids = procs.descendants(roots, marker={P.ENV_RUN_ID: run}) | {
+    roots = [p for p in (_pid_of(os.path.join(run_dir, protocol.JOB_PID)),
+                         _pid_of(os.path.join(run_dir, protocol.AGENT_PID))) if p]
+    pids = procs.descendants(roots, marker={protocol.ENV_RUN_ID: run}) | {
         p for p in roots if (st := procs.stat(p)) is not None and st["state"] not in ("Z", "X")}
     return [{"pid": pid, "cmdline": " ".join(procs.cmdline(pid))[:300]} for pid in sorted(pids)]
 
@@ -94,12 +94,11 @@ def _runs(workspace: str) -> list[tuple[str, bool]]:
         return []
     out = []
     for name in names:
-        status = _read(os.path.join(root, name, P.STATUS)) or {}
         try:
-            live = not P.RunState(status.get("state")).is_terminal()
-        except ValueError:
-            live = False
-        out.append((name, live))
+            st = protocol.RunStatus.load(os.path.join(root, name, protocol.STATUS))
+        except ValueError:  # a state this agent does not know
+            st = protocol.RunStatus()
+        out.append((name, st.state is not None and not st.terminal))
     return out
 
 
@@ -120,19 +119,20 @@ def run_info(workspace: str, run: str) -> dict:
     """State, spec, launch record and last checkpoint of one run (what the report needs)."""
     run_dir = os.path.join(workspace, "runs", run)
     info: dict = {"run": run, "run_dir": run_dir, "exists": os.path.isdir(run_dir)}
-    info["status"] = _read(os.path.join(run_dir, P.STATUS))
-    info["result"] = _read(os.path.join(run_dir, P.RESULT))
-    info["spec"] = _read(os.path.join(run_dir, P.SPEC))
+    status, result = protocol.RunStatus.load(os.path.join(run_dir, protocol.STATUS)), protocol.RunResult.load(os.path.join(run_dir, protocol.RESULT))
+    info["status"] = status.to_json() if status.state else None
+    info["result"] = result.to_json() if result else None
+    info["spec"] = _read(os.path.join(run_dir, protocol.SPEC))
     info["launch"] = _read(os.path.join(workspace, ".dflash-ctl", "launches", f"{run}.json"))
     last = None
-    for _, rec in P.read_json_lines(os.path.join(run_dir, P.EVENTS)):
+    for _, rec in protocol.read_json_lines(os.path.join(run_dir, protocol.EVENTS)):
         if rec.get("kind") == "checkpoint" and rec.get("path"):
             last = {"step": rec.get("step"), "path": rec["path"]}
     if last is not None:
         path = last["path"] if os.path.isabs(last["path"]) else os.path.join(run_dir, last["path"])
         last["exists"] = os.path.exists(path)
     info["checkpoint"] = last
-    info["started_from"] = started_from(os.path.join(run_dir, P.START_SCRIPT))
+    info["started_from"] = started_from(os.path.join(run_dir, protocol.START_SCRIPT))
     return info
 
 
@@ -165,7 +165,7 @@ def started_from(start_script: str) -> Optional[dict]:
 
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m agent.recovery")
-    p.add_argument("--workspace", default=os.environ.get(P.ENV_WORKSPACE) or P.DEFAULT_WORKSPACE)
+    p.add_argument("--workspace", default=os.environ.get(protocol.ENV_WORKSPACE) or protocol.DEFAULT_WORKSPACE)
     sub = p.add_subparsers(dest="verb", required=True)
     s = sub.add_parser("survivors")
     s.add_argument("--run", required=True)

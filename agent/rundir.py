@@ -7,7 +7,7 @@ import json
 import os
 import time
 
-from agent import protocol as P
+from agent import protocol
 
 
 class RunDir:
@@ -16,11 +16,11 @@ class RunDir:
 
     def __getattr__(self, name: str) -> str:
         # rd.status → <dir>/status.json, using the protocol's file names
-        table = {"spec": P.SPEC, "status": P.STATUS, "stream": P.STREAM, "output_log": P.OUTPUT_LOG,
-                 "result": P.RESULT, "events": P.EVENTS, "heartbeat_dir": P.HEARTBEAT_DIR,
-                 "job_stdout": P.JOB_STDOUT, "job_stderr": P.JOB_STDERR, "job_pid": P.JOB_PID,
-                 "job_exit": P.JOB_EXIT, "agent_pid": P.AGENT_PID, "agent_lock": P.AGENT_LOCK,
-                 "agent_log": P.AGENT_LOG, "stop_request": P.STOP_REQUEST, "fingerprint": P.FINGERPRINT}
+        table = {"spec": protocol.SPEC, "status": protocol.STATUS, "stream": protocol.STREAM, "output_log": protocol.OUTPUT_LOG,
+                 "result": protocol.RESULT, "events": protocol.EVENTS, "heartbeat_dir": protocol.HEARTBEAT_DIR,
+                 "job_stdout": protocol.JOB_STDOUT, "job_stderr": protocol.JOB_STDERR, "job_pid": protocol.JOB_PID,
+                 "job_exit": protocol.JOB_EXIT, "agent_pid": protocol.AGENT_PID, "agent_lock": protocol.AGENT_LOCK,
+                 "agent_log": protocol.AGENT_LOG, "stop_request": protocol.STOP_REQUEST, "fingerprint": protocol.FINGERPRINT}
         if name in table:
             return os.path.join(self.path, table[name])
         raise AttributeError(name)
@@ -46,7 +46,7 @@ def resolve(run: str | None = None, workspace: str | None = None, run_dir: str |
         return RunDir(run_dir)
     if not run:
         raise ValueError("name the run: --run ID (with --workspace W) or --run-dir DIR")
-    ws = workspace or os.environ.get(P.ENV_WORKSPACE) or P.DEFAULT_WORKSPACE
+    ws = workspace or os.environ.get(protocol.ENV_WORKSPACE) or protocol.DEFAULT_WORKSPACE
     return RunDir(os.path.join(ws, "runs", run))
 
 

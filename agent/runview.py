@@ -4,13 +4,15 @@ answered in one call (one round trip):
     python3 -m agent.runview status --workspace W [--run ID]   # the run (default: latest)
     python3 -m agent.runview stream --workspace W --run ID --from SEQ   # what exists now
 
-``status`` resolves "the latest run" itself (so the operator's default costs no extra
+``status`` re-attaches an agent to a run that has none (agent/daemon.py revive_if_gone),
+resolves "the latest run" itself (so the operator's default costs no extra
 listing round trip), returns the agent's status.json and result.json, whether the agent and
 the job are alive, the run's launch record and the known-good baseline for its config
 (updated first: a run that reached steady state since the last look becomes the baseline).
 ``stream`` is ``agent follow`` that stops at the current end instead of waiting for more.
 
-Standard library only; it reads what the agent writes and never writes into a run.
+Standard library only; apart from starting an agent for an unsupervised run, it reads what
+the agent writes and never writes into a run.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import sys
 from typing import Optional
 
 from agent import knowngood
-from agent.protocol import DEFAULT_WORKSPACE, ENV_WORKSPACE, SPEC, wrap_payload
+from agent.daemon import revive_if_gone
+from agent.protocol import DEFAULT_WORKSPACE, ENV_WORKSPACE, SPEC, RunResult, RunStatus, wrap_payload
 from agent.rundir import RunDir, agent_alive, agent_live_or_none, read_json
 
 
@@ -48,6 +51,8 @@ def status(workspace: str, run: Optional[str] = None) -> dict:
     if not os.path.exists(rd.spec):
         known = ", ".join(r["run_id"] for r in all_runs[-5:]) or "none"
         return {"ok": False, "error": f"no run {run!r} in {workspace}/runs (latest: {known}); `ctl runs` lists them"}
+    # Nobody supervises a run whose agent died: the one who looks brings one back (issue 18).
+    revived = revive_if_gone(rd, "ctl status")
     try:
         known_good = knowngood.update(workspace)
     except OSError:
@@ -56,10 +61,11 @@ def status(workspace: str, run: Optional[str] = None) -> dict:
     config = launch.get("config")
     baseline = ((known_good.get("configs") or {}).get(config) or {}) if config else {}
     spec = read_json(rd.spec) or {}
+    result = RunResult.load(rd.result)
     return {"ok": True, "run_id": run, "run_dir": rd.path, "latest": all_runs[-1]["run_id"] == run,
             "spec": {k: spec.get(k) for k in ("run_id", "created", "argv", "cwd", "options")},
-            "status": read_json(rd.status) or {}, "result": read_json(rd.result),
-            "agent_alive": agent_alive(rd), "job_alive": agent_live_or_none(rd.job_pid),
+            "status": RunStatus.load(rd.status).to_json(), "result": result.to_json() if result else None,
+            "agent_alive": agent_alive(rd), "job_alive": agent_live_or_none(rd.job_pid), "revived": revived,
             "config": config, "start": launch.get("start"), "gpus": launch.get("gpus"),
             "baseline": {"run_id": baseline.get("run_id"), "steady": baseline.get("steady")} if baseline else None,
             "known_good_run": (known_good.get("env") or {}).get("run_id")}

@@ -6,15 +6,15 @@ from typing import Callable
 
 from agent.protocol import RunState
 
-S = RunState
+# The table in RunState's docstring, as data (a test holds the two to each other).
 TRANSITIONS: dict[RunState, frozenset[RunState]] = {
-    S.STARTING: frozenset({S.RUNNING, S.STOPPING, S.FAILED, S.COMPLETED}),
-    S.RUNNING: frozenset({S.RESTARTING, S.STOPPING, S.COMPLETED, S.FAILED}),
-    S.RESTARTING: frozenset({S.RUNNING, S.STOPPING, S.FAILED}),
-    S.STOPPING: frozenset({S.STOPPED, S.FAILED, S.COMPLETED}),
-    S.COMPLETED: frozenset(),
-    S.FAILED: frozenset(),
-    S.STOPPED: frozenset(),
+    RunState.STARTING: frozenset({RunState.RUNNING, RunState.STOPPING, RunState.COMPLETED, RunState.FAILED}),
+    RunState.RUNNING: frozenset({RunState.RESTARTING, RunState.STOPPING, RunState.COMPLETED, RunState.FAILED}),
+    RunState.RESTARTING: frozenset({RunState.RUNNING, RunState.STOPPING, RunState.FAILED}),
+    RunState.STOPPING: frozenset({RunState.STOPPED, RunState.COMPLETED, RunState.FAILED}),
+    RunState.COMPLETED: frozenset(),
+    RunState.FAILED: frozenset(),
+    RunState.STOPPED: frozenset(),
 }
 
 

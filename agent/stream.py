@@ -22,7 +22,7 @@ import sys
 import time
 from typing import Callable, IO, Iterable
 
-from agent.protocol import RunState, STREAM, STREAM_INDEX, atomic_write_json
+from agent.protocol import EXIT_AGENT_GONE, EXIT_OK, RunState, STREAM, STREAM_INDEX, atomic_write_json
 
 
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode  # built once: 2× faster
@@ -149,15 +149,16 @@ def follow(run_dir: str, after: int, out: IO[bytes], agent_alive: Callable[[], b
            poll: float = 0.1, dead_check: float = 2.0, once: bool = False) -> int:
     """Print records with seq > ``after`` until the run's terminal status record.
 
-    Returns 0 at the end of a finished run, 3 when the agent is gone and the run is not
-    finished (the stream would never end: say so rather than hang; research §4.8, ray#57002).
+    Returns EXIT_OK at the end of a finished run, EXIT_AGENT_GONE when the agent is gone and
+    the run is not finished (the stream would never end: say so rather than hang; research
+    §4.8, ray#57002).
     """
     path = os.path.join(run_dir, STREAM)
     deadline = time.monotonic() + 30
     while not os.path.exists(path):
         if time.monotonic() > deadline and not agent_alive():
             print(f"agent follow: {path} does not exist and no agent is running", file=sys.stderr)
-            return 3
+            return EXIT_AGENT_GONE
         time.sleep(poll)
     buf = b""
     last_seq = after
@@ -194,7 +195,7 @@ def follow(run_dir: str, after: int, out: IO[bytes], agent_alive: Callable[[], b
                     out.flush()
                 continue
             if terminal or once:
-                return 0
+                return EXIT_OK
             now = time.monotonic()
             if now - last_check >= dead_check:
                 last_check = now
@@ -207,5 +208,5 @@ def follow(run_dir: str, after: int, out: IO[bytes], agent_alive: Callable[[], b
                     print(f"agent follow: the agent of {run_dir} is not running and the run has not "
                           "finished; re-attach with `python3 -m agent start --run-dir DIR --reattach`",
                           file=sys.stderr)
-                    return 3
+                    return EXIT_AGENT_GONE
             time.sleep(poll)

@@ -9,9 +9,10 @@ dir's meta.json), so every rule is unit-tested without a container.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
+
+from agent import envfp
 
 ERROR = "error"  # refuse, whatever the operator accepts
 DRIFT = "drift"  # refuse unless --accept-drift
@@ -43,71 +44,14 @@ class Finding:
 
 # --- environment ---------------------------------------------------------------------------
 
-def _canon(name: str) -> str:
-    """PEP 503 name normalisation, so 'Typing_Extensions' and 'typing-extensions' match."""
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def _packages(raw: Any) -> dict[str, str]:
-    """{name: version} from a dict, a list of 'name==version' lines, or pip-freeze text."""
-    if raw is None:
-        return {}
-    if isinstance(raw, Mapping):
-        return {_canon(k): str(v) for k, v in raw.items()}
-    if isinstance(raw, str):
-        raw = raw.splitlines()
-    out: dict[str, str] = {}
-    for item in raw:
-        if isinstance(item, Mapping):  # [{"name":…, "version":…}]
-            out[_canon(item["name"])] = str(item.get("version"))
-            continue
-        line = str(item).strip()
-        if not line or line.startswith("#"):
-            continue
-        for sep in ("==", " @ ", "==="):
-            if sep in line:
-                name, version = line.split(sep, 1)
-                out[_canon(name.strip())] = version.strip()
-                break
-        else:
-            out[_canon(line)] = "?"
-    return out
-
-
-def _first(d: Mapping[str, Any], *paths: str) -> Any:
-    """The first present value among dotted paths ('torch.cuda', 'torch_cuda', …)."""
-    for path in paths:
-        cur: Any = d
-        for part in path.split("."):
-            if isinstance(cur, Mapping) and part in cur:
-                cur = cur[part]
-            else:
-                cur = None
-                break
-        if cur not in (None, ""):
-            return cur
-    return None
-
-
 def normalize_fingerprint(fp: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The fields drift compares, from the agent's fingerprint document."""
+    """The fields drift compares, from an environment fingerprint (agent/envfp.py: the launch
+    preflight records one per run, the known-good record keeps its run's)."""
     fp = fp or {}
-    packages = _packages(_first(fp, "packages", "pip_freeze", "pip.packages", "freeze"))
-    torch_version = _first(fp, "torch.version", "torch_version", "torch")
-    if isinstance(torch_version, Mapping):
-        torch_version = None
-    if torch_version is None and "torch" in packages:
-        torch_version = packages["torch"]
-    python = _first(fp, "python.version", "python_version", "python")
-    if isinstance(python, Mapping):
-        python = None
-    return {
-        "python": _str(python),
-        "torch": _str(torch_version),
-        "cuda": _str(_first(fp, "torch.cuda", "torch_cuda", "cuda_build", "torch.cuda_build", "cuda")),
-        "driver": _str(_first(fp, "driver", "nvidia_driver", "gpu.driver", "driver_version")),
-        "packages": packages,
-    }
+    torch = fp.get("torch") or {}
+    packages = {envfp.canonical_name(k): str(v) for k, v in (fp.get("packages") or {}).items()}
+    return {"python": _str(fp.get("python")), "torch": _str(torch.get("version") or packages.get("torch")),
+            "cuda": _str(torch.get("cuda")), "driver": _str(fp.get("driver")), "packages": packages}
 
 
 def _str(v: Any) -> Optional[str]:
@@ -146,6 +90,21 @@ DATA_KEYS = {
     "mean_length": ("mean_length", "mean_len", "length_mean", "lengths.mean", "length.mean"),
     "loss_fraction": ("loss_token_fraction", "loss_fraction", "loss_tokens_fraction", "loss_mask_fraction"),
 }
+
+
+def _first(d: Mapping[str, Any], *paths: str) -> Any:
+    """The first present value among dotted paths ('length.mean', 'mean_length', …)."""
+    for path in paths:
+        cur: Any = d
+        for part in path.split("."):
+            if isinstance(cur, Mapping) and part in cur:
+                cur = cur[part]
+            else:
+                cur = None
+                break
+        if cur not in (None, ""):
+            return cur
+    return None
 
 
 def normalize_data_stats(meta: Mapping[str, Any] | None) -> dict[str, Optional[float]]:

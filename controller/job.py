@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+from agent.protocol import FailureKind, RunResult, RunState, RunStatus
 from controller import config as cfg
 from controller.container import Container
 from trainer import flags
@@ -179,11 +180,12 @@ def rendezvous_endpoint(ct: Container, say: Callable[[str], None]) -> str:
 def launch(cts: list[Container], members: list[Member], run_config, start: dict, *, say: Callable[[str], None] = print,
            accept_drift: bool = False, wandb_key: Optional[str] = None, dist_timeout: Optional[int] = None,
            endpoint: Optional[str] = None, agent_options: Optional[dict] = None,
-           run_id: Optional[str] = None) -> JobResult:
+           run_id: Optional[str] = None, share_gpus: bool = False) -> JobResult:
     """Preflight and assess every container, then start each; nothing starts unless all pass.
 
     The one launch path: a single-container launch is a job of one member, which keeps the
-    run config's own roles and needs no rendezvous."""
+    run config's own roles and needs no rendezvous. ``share_gpus``: start although a live run
+    holds some of the GPUs (the preflight refuses it otherwise)."""
     from controller.launch import Assessment, Launcher, new_run_id
 
     t0 = time.monotonic()
@@ -197,7 +199,8 @@ def launch(cts: list[Container], members: list[Member], run_config, start: dict,
     for i, (ct, m) in enumerate(zip(cts, members)):
         prefix = "" if single else f"[{m.label}] "
         launcher = Launcher(ct, run_config, start, accept_drift=accept_drift, say=lambda line, p=prefix: say(p + line),
-                            wandb_key=wandb_key, run_id=run_id, agent_options=dict(agent_options or {}))
+                            wandb_key=wandb_key, run_id=run_id, agent_options=dict(agent_options or {}),
+                            share_gpus=share_gpus)
         if not single:
             # The container's own roles and its place in the job (trainer/multinode.py).
             launcher.values.update(job_values(m, i, members, endpoint, run_id, dist_timeout))
@@ -275,13 +278,12 @@ def load_record(ctl_config: Optional[str], run_id: str) -> Optional[list[Member]
 # --- status across containers ---------------------------------------------------------------------
 
 def member_failure(reply: dict) -> Optional[dict]:
-    res = reply.get("result") or {}
-    cause = res.get("root_cause")
-    if isinstance(cause, dict):
-        return cause
-    st = reply.get("status") or {}
-    if st.get("state") == "failed":
-        return {"kind": "job_exit", "reason": st.get("reason") or st.get("last_error"), "ts": st.get("updated")}
+    res = RunResult.from_json(reply.get("result"))
+    if res and res.root_cause:
+        return res.root_cause
+    st = RunStatus.from_json(reply.get("status"))
+    if st.state == RunState.FAILED:
+        return {"kind": FailureKind.JOB_EXIT.value, "reason": st.reason or st.last_error, "ts": st.updated}
     return None
 
 
@@ -291,13 +293,14 @@ def job_verdict(replies: list[tuple[Member, dict]]) -> dict:
     State: failed if any container failed; running while any runs; completed when all did.
     Root cause: the earliest failure that is not a peer/network consequence; else the
     earliest network failure, else the earliest peer failure."""
-    states = [((r.get("status") or {}).get("state") or "unknown") for _, r in replies]
+    known = [RunStatus.from_json(r.get("status")).state for _, r in replies]
+    states = [s.value if s else "unknown" for s in known]
     failures = [(m, f) for m, r in replies if (f := member_failure(r))]
-    if any(s == "failed" for s in states):
+    if RunState.FAILED in known:
         state = "failed"
-    elif states and all(s == "completed" for s in states):
+    elif known and all(s == RunState.COMPLETED for s in known):
         state = "completed"
-    elif any(s in ("running", "starting", "restarting", "stopping", "pending") for s in states):
+    elif any(s is not None and not s.is_terminal() for s in known):
         state = "running"
     else:
         state = states[0] if len(set(states)) == 1 else "mixed"

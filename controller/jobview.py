@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
+from agent.protocol import RunState, RunStatus
 from controller import config as cfg
 from controller.container import Container, ContainerError
 from controller.job import Member
@@ -84,6 +85,26 @@ class ContainerStream:
     def state(self, run_id: str) -> dict:
         reply = self.caller.call("agent.runview", ["status", "--workspace", self.workspace, "--run", run_id])
         return reply.get("status") or {}
+
+    def revive(self, run_id: str) -> bool:
+        """The run's agent is gone: start one that re-attaches (the stream goes on from where
+        it was, nothing lost or repeated); False when the run's --revive is 0 or it failed."""
+        import sys
+
+        from controller.agentcall import AgentCallError
+
+        run_dir = f"{self.workspace}/runs/{run_id}"
+        try:
+            reply = self.caller.call("agent", ["start", "--run-dir", run_dir, "--reattach", "--auto", "--by", "ctl tail"],
+                                     what="re-attaching an agent")
+        except AgentCallError as exc:
+            reply = {"error": str(exc)}
+        if not reply.get("ok"):
+            print(f"ctl: the agent of run {run_id} is gone and no new one started: {reply.get('error')}", file=sys.stderr)
+            return False
+        print(f"ctl: the agent of run {run_id} was gone; agent pid {reply.get('agent_pid')} supervises it now, "
+              "following on", file=sys.stderr)
+        return True
 
 
 HOLD_S = 1.0
@@ -187,7 +208,8 @@ def merged(members: list[Member], sources: list, run_id: str, write: Callable[[s
             last_ts[label] = max(last_ts[label], float(ts))
             last_seen[label] = time.monotonic()
             payload = rec.get("payload") or {}
-            if rec.get("kind") == "status" and payload.get("state") == "failed" and failed_at is None:
+            if rec.get("kind") == "status" and failed_at is None and \
+                    RunStatus.from_json(payload).state == RunState.FAILED:
                 failed_at = time.monotonic()
         now = time.monotonic()
         marks = [last_ts[l] if not follow or now - last_seen[l] < HOLD_S else max(last_ts[l], time.time() - HOLD_S)

@@ -68,7 +68,7 @@ class Launcher:
 
     def __init__(self, container: Container, config: RunConfig, start: dict, *, accept_drift: bool = False,
                  say: Callable[[str], None] = print, wandb_key: Optional[str] = None,
-                 run_id: Optional[str] = None, agent_options: Optional[dict] = None):
+                 run_id: Optional[str] = None, agent_options: Optional[dict] = None, share_gpus: bool = False):
         self.ct = container
         self.config = config
         self.start = start
@@ -84,7 +84,8 @@ class Launcher:
             raise RunConfigError("\n  ".join(problems))
         self.caller = AgentCaller(container, say)
         self.bundle_path = self.caller.bundle_path
-        self.agent_options = dict(agent_options or {})
+        self.agent_options = {**config.supervision.agent_options(), **(agent_options or {})}
+        self.share_gpus = share_gpus  # start although a live run in the container holds these GPUs
 
     def _call(self, module_argv: list[str], request: dict, what: str) -> dict:
         try:
@@ -100,7 +101,7 @@ class Launcher:
     def preflight(self) -> dict:
         request = {"workspace": self.workspace, "run_id": self.run_id, "config": self.config.name,
                    "flags": {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.values.items()},
-                   "start": start_kind(self.start)}
+                   "start": start_kind(self.start), "share_gpus": self.share_gpus}
         return self._call(["agent.preflight", "check"], request, "the launch preflight")
 
     def report(self, pf: dict) -> tuple[list[str], list[drift.Finding]]:
@@ -294,8 +295,7 @@ def start_argv(ct: Container, run_dir: str, run_id: str, options: dict) -> list[
     """The agent's start command, run by the commit step inside the container. The job is
     ``bash start.sh`` in the run directory (DESIGN.md: run directory), written there by the
     commit step just before."""
+    from agent.options import Options
+
     argv = [ct.config.python, "-m", "agent", "start", "--run-dir", run_dir, "--run-id", run_id, "--cwd", run_dir]
-    for key, value in sorted(options.items()):
-        if value is not None:
-            argv += [f"--{key.replace('_', '-')}", str(value)]
-    return argv + ["--", "bash", posixpath.join(run_dir, "start.sh")]
+    return argv + Options.argv(options) + ["--", "bash", posixpath.join(run_dir, "start.sh")]

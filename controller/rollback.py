@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from agent.protocol import RunResult, RunStatus
 from controller import envgen_client as eg
 from controller.agentcall import AgentCaller
 from controller import snapshots as snaps
@@ -129,19 +130,6 @@ def known_good(ct: Container) -> Optional[dict]:
     return env if env and env.get("fingerprint") else None
 
 
-def _packages_of(fp: dict) -> dict:
-    """Package set of a fingerprint in either format: agent.envgen's {name: version} or
-    agent.fingerprint's ["name==version", …]."""
-    pk = fp.get("packages") or {}
-    if isinstance(pk, dict):
-        return pk
-    out = {}
-    for item in pk:
-        name, _, version = str(item).partition("==")
-        out[name] = version
-    return out
-
-
 def known_good_generation(ct: Container) -> tuple[dict, Optional[str]]:
     """(known-good record, the generation holding its exact package set or None)."""
     env = known_good(ct)
@@ -150,7 +138,7 @@ def known_good_generation(ct: Container) -> tuple[dict, Optional[str]]:
             f"container {ct.ctid} has no known-good run yet (a run becomes known-good when it reaches steady "
             f"state), so there is no last-good environment; name the target: --to env:GENERATION "
             f"(`ctl env list --container {ct.ctid}`) or --to snapshot:NAME")
-    packages = _packages_of(env["fingerprint"])
+    packages = env["fingerprint"].get("packages") or {}  # agent/envfp.py: {name: version}
     hits = eg.envgen(ct, "match", stdin=json.dumps(packages).encode())["matches"]
     return env, (hits[0] if hits else None)
 
@@ -226,8 +214,9 @@ def make_plan(ct: Container, run: Optional[str], to: str, grace: float) -> Plan:
         raise RollbackRefused(f"{len(live_runs)} runs are live in container {ct.ctid} ({', '.join(live_runs)}): "
                               f"name the one to stop with --run; nothing changed")
     run = info.get("run")
-    state = ((info.get("status") or {}).get("state")) if run else None
-    live = bool(run) and state not in ("completed", "failed", "stopped")
+    status = RunStatus.from_json(info.get("status"))
+    state = status.state.value if run and status.state else None
+    live = bool(run) and not status.terminal
     target = resolve_target(ct, to)
     before = current_fingerprint(ct)
     diff = None
@@ -326,8 +315,8 @@ def stop_run(ct: Container, plan: Plan, say: Callable[[str], None]) -> dict:
         except ContainerError as exc:
             reply = {"error": str(exc)}
         out["agent"] = reply
-        result = reply.get("result") or {}
-        out["how"] = (f"ended {reply.get('state')}" + (f" ({result.get('reason')})" if result.get("reason") else "")
+        result = RunResult.from_json(reply.get("result"))
+        out["how"] = (f"ended {reply.get('state')}" + (f" ({result.reason})" if result and result.reason else "")
                       if "error" not in reply else f"agent stop failed: {reply['error']}")
     deadline = time.monotonic() + SURVIVOR_WAIT_S
     while True:

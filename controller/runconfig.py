@@ -29,6 +29,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr
                       create_model, field_validator, model_validator)
 from typing_extensions import Annotated
 
+from agent.options import Options as AgentOptions
 from trainer import flags
 
 
@@ -171,7 +172,37 @@ class BaselineSection(BaseModel):
     # A run whose steady tokens/s falls more than this below the known-good run of its config
     # is stopped by the agent with a named reason (the story: 20 → 5.4 Ktok/s, nobody told).
     # 0 hands the agent no baseline (e.g. CPU runs on a shared machine, whose rate swings 3×).
-    regression_fraction: float = Field(0.3, alias="regression-fraction", ge=0, lt=1)
+    regression_fraction: float = Field(AgentOptions.regression_fraction, alias="regression-fraction", ge=0, lt=1)
+
+
+# Agent options the [baseline] table decides (controller/launch.py hands the agent the
+# known-good rate with it): not settable twice.
+_BASELINE_OPTIONS = ("baseline_tokens_per_s", "regression_fraction")
+
+
+class _Supervision(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+    def agent_options(self) -> dict[str, Any]:
+        """{option: value} for `agent start` (agent/options.py names)."""
+        return self.model_dump()
+
+
+def _supervision_model() -> type[BaseModel]:
+    """``[supervision]``: the agent's start options (agent/options.py), with its defaults and
+    words, e.g. ``startup-timeout = 1800`` for a target that imports slowly."""
+    from dataclasses import fields as dc_fields
+
+    fields: dict[str, Any] = {}
+    for f in dc_fields(AgentOptions):
+        if f.name in _BASELINE_OPTIONS:
+            continue
+        fields[f.name] = (f.metadata["type"], Field(f.default, alias=f.name.replace("_", "-"), ge=0,
+                                                    description=f.metadata["help"]))
+    return create_model("SupervisionSection", __base__=_Supervision, **fields)
+
+
+SupervisionSection = _supervision_model()
 
 
 class JobContainer(BaseModel):
@@ -206,6 +237,7 @@ class RunConfig(BaseModel):
     _source_file: Optional[str] = PrivateAttr(default=None)
     wandb: WandbSection = Field(default_factory=WandbSection)
     baseline: BaselineSection = Field(default_factory=BaselineSection)
+    supervision: SupervisionSection = Field(default_factory=SupervisionSection)  # type: ignore[valid-type]
     job: Optional[JobSection] = None
 
     @field_validator("trainer", mode="before")
@@ -257,8 +289,9 @@ def _set_override(data: dict[str, Any], key: str, value: Any) -> None:
     key = key.strip().lstrip("-")
     if "." in key:
         table, sub = key.split(".", 1)
-        if table not in ("trainer", "wandb", "baseline"):
-            raise RunConfigError(f"--set {key}: unknown table {table!r}; use trainer.KEY, wandb.KEY or baseline.KEY")
+        if table not in ("trainer", "wandb", "baseline", "supervision"):
+            raise RunConfigError(f"--set {key}: unknown table {table!r}; use trainer.KEY, wandb.KEY, baseline.KEY "
+                                 "or supervision.KEY")
         section = data.setdefault(table, {})
     else:
         table, sub = "trainer", key
@@ -363,9 +396,10 @@ def format_errors(exc: ValidationError, source: str) -> str:
 
 
 def _known_keys(table: str) -> list[str]:
-    model = {"trainer": TrainerSection, "wandb": WandbSection, "baseline": BaselineSection}.get(table)
+    model = {"trainer": TrainerSection, "wandb": WandbSection, "baseline": BaselineSection,
+             "supervision": SupervisionSection}.get(table)
     if model is None:
-        return ["name", "trainer", "wandb", "baseline", "job"]
+        return ["name", "trainer", "wandb", "baseline", "supervision", "job"]
     return [(f.alias or n) for n, f in model.model_fields.items()]
 
 

@@ -7,6 +7,7 @@ import re
 import time
 from typing import Any, Optional
 
+from agent.protocol import RunResult, RunState, RunStatus
 from controller.tail import fmt_rate
 
 
@@ -15,13 +16,15 @@ def _run_started(reply: dict) -> Optional[float]:
     return float(created) if isinstance(created, (int, float)) else None
 
 
-def eta_seconds(status: dict, started: Optional[float], now: Optional[float] = None) -> Optional[float]:
+def eta_seconds(status: RunStatus | dict, started: Optional[float], now: Optional[float] = None) -> Optional[float]:
     """Remaining time from the average step time so far (includes start-up: a fair upper bound
-    early on, accurate later)."""
-    step, total = status.get("step"), status.get("total")
+    early on, accurate later). ``status``: the record, or its status.json document."""
+    if not isinstance(status, RunStatus):
+        status = RunStatus.from_json(status)
+    step, total = status.step, status.total
     if not isinstance(step, (int, float)) or not isinstance(total, (int, float)) or step <= 0 or not started:
         return None
-    elapsed = (status.get("updated") or now or time.time()) - started
+    elapsed = (status.updated or now or time.time()) - started
     if elapsed <= 0:
         return None
     return max(0.0, (total - step) * elapsed / step)
@@ -37,25 +40,27 @@ def fmt_duration(seconds: Optional[float]) -> str:
 
 
 def render_status(reply: dict, ctid: str, node: str) -> list[str]:
-    st = reply.get("status") or {}
-    res = reply.get("result") or {}
-    state = st.get("state") or ("ended" if res else "unknown")
+    st = RunStatus.from_json(reply.get("status"))
+    res = RunResult.from_json(reply.get("result"))
+    state = st.state.value if st.state else ("ended" if res else "unknown")
+    terminal = st.terminal
     lines = [f"run      {reply.get('run_id')}  (container {ctid} on node {node}"
              + (", latest" if reply.get("latest") else "") + ")"]
     reason = _reason(st, res)
-    if state == "failed" and reason:
+    if st.state == RunState.FAILED and reason:
         lines.append(f"FAILED   {reason}")
-    phase = f", phase {st['phase']}" if st.get("phase") else ""
-    alive = "" if _terminal(state) else (" — agent alive" if reply.get("agent_alive") else " — AGENT NOT RUNNING")
+        lines += [f"         | {line}" for line in ((res.root_cause or {}).get("evidence") or [])[-EVIDENCE_LINES:]]
+    phase = f", phase {st.phase}" if st.phase else ""
+    alive = "" if terminal else (" — agent alive" if reply.get("agent_alive") else " — AGENT NOT RUNNING")
     lines.append(f"state    {state}{phase}{alive}")
-    step, total = st.get("step"), st.get("total")
-    if step is not None:
-        pct = f" ({100 * step / total:.0f} %)" if total else ""
-        eta = "" if _terminal(state) else f", ETA {fmt_duration(eta_seconds(st, _run_started(reply)))}"
-        lines.append(f"step     {step}" + (f"/{total}" if total else "") + pct + eta)
-    if st.get("loss") is not None:
-        lines.append(f"loss     {st['loss']:.4f}" + (f"  (lr {st['lr']:.2e})" if isinstance(st.get("lr"), (int, float)) else ""))
-    rate = st.get("steady_tokens_per_s") or st.get("tokens_per_s")
+    lines += _supervision(st, reply.get("revived"), now=time.time())
+    if st.step is not None:
+        pct = f" ({100 * st.step / st.total:.0f} %)" if st.total else ""
+        eta = "" if terminal else f", ETA {fmt_duration(eta_seconds(st, _run_started(reply)))}"
+        lines.append(f"step     {st.step}" + (f"/{st.total}" if st.total else "") + pct + eta)
+    if st.loss is not None:
+        lines.append(f"loss     {st.loss:.4f}" + (f"  (lr {st.lr:.2e})" if isinstance(st.lr, (int, float)) else ""))
+    rate = st.steady_tokens_per_s or st.tokens_per_s
     if rate is not None:
         baseline = reply.get("baseline") or {}
         base = (baseline.get("steady") or {}).get("tokens_per_s")
@@ -66,26 +71,43 @@ def render_status(reply: dict, ctid: str, node: str) -> list[str]:
         else:
             vs = " (no baseline for this config yet)"
         lines.append(f"tok/s    {fmt_rate(rate)}{vs}")
-    for rank, r in sorted((st.get("ranks") or {}).items(), key=lambda kv: int(kv[0])):
-        cpu = st.get("gpu_state") == "no GPU"
-        where = (f"rank slot {r['gpu']} (CPU)" if cpu else f"GPU {r['gpu']}") if r.get("gpu") is not None else "CPU"
-        lines.append(f"rank {rank}   {r.get('role') or '?'} on {where}: {r.get('health')}, step {r.get('step')}, "
-                     f"heartbeat {r.get('heartbeat_age_s')} s ago")
-    roles = _roles(reply)
-    gpus = st.get("gpus") or []
-    if gpus:
-        for g in gpus:
+    cpu = st.gpu_state == "no GPU"
+    for rank, r in sorted(st.ranks.items()):
+        where = (f"rank slot {r.gpu} (CPU)" if cpu else f"GPU {r.gpu}") if r.gpu is not None else "CPU"
+        lines.append(f"rank {rank}   {r.role or '?'} on {where}: {r.health}, step {r.step}, "
+                     f"heartbeat {r.heartbeat_age_s} s ago")
+    roles = _roles(reply, st)
+    if st.gpus:
+        for g in st.gpus:
             mem = g.get("memory_used_mib"), g.get("memory_total_mib")
             role = "+".join(r for r, ids in roles.items() if g.get("index") in ids) or "unused"
             lines.append(f"GPU {g.get('index')}    {role}: util {g.get('utilization_gpu_pct', '—')} %, mem "
                          f"{_gib(mem[0])}/{_gib(mem[1])} GiB, {g.get('temperature_gpu_c', '—')} °C")
-    elif st.get("gpu_state") or st.get("gpu_reason"):
-        lines.append(f"GPUs     none ({st.get('gpu_reason') or st.get('gpu_state')})")
-    if st.get("checkpoint"):
-        ck = st["checkpoint"]
-        lines.append(f"ckpt     step {ck[0]}: {ck[1]}" if isinstance(ck, list) and len(ck) == 2 else f"ckpt     {ck}")
-    if state != "failed" and reason and _terminal(state):
+    elif st.gpu_state or st.gpu_reason:
+        lines.append(f"GPUs     none ({st.gpu_reason or st.gpu_state})")
+    if st.checkpoint:
+        lines.append(f"ckpt     step {st.checkpoint.step}: {st.checkpoint.path}")
+    if st.state != RunState.FAILED and reason and terminal:
         lines.append(f"result   {reason}")
+    return lines
+
+
+EVIDENCE_LINES = 5  # of the root cause's evidence (its rank's last output lines) under FAILED
+
+
+def _supervision(st: RunStatus, revived: Optional[dict], now: float) -> list[str]:
+    """When and why an agent took over this run after its agent was gone (issue 18)."""
+    lines = []
+    if revived and revived.get("ok"):
+        lines.append(f"agent    none was supervising this run: ctl status started one (pid {revived.get('agent_pid')})")
+    elif revived:
+        lines.append(f"agent    none is supervising this run and none could be started: {revived.get('error')}")
+    if st.reattaches:
+        last = st.reattaches[-1]
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(last.get("ts") or now))
+        times = f" ({len(st.reattaches)} times)" if len(st.reattaches) > 1 else ""
+        lines.append(f"agent    re-attached{times}: last at {when} ({fmt_duration(now - (last.get('ts') or now))} "
+                     f"ago) by {last.get('by')}: {last.get('why')}")
     return lines
 
 
@@ -93,13 +115,9 @@ def _gib(mib: Any) -> str:
     return f"{mib / 1024:.1f}" if isinstance(mib, (int, float)) else "—"
 
 
-def _terminal(state: str) -> bool:
-    return state in ("completed", "failed", "stopped")
-
-
-def _reason(st: dict, res: dict) -> Optional[str]:
-    cause = res.get("root_cause") or {}
-    reason = cause.get("reason") or res.get("reason") or st.get("reason") or st.get("last_error")
+def _reason(st: RunStatus, res: Optional[RunResult]) -> Optional[str]:
+    cause = (res.root_cause if res else None) or {}
+    reason = cause.get("reason") or (res.reason if res else None) or st.reason or st.last_error
     if cause.get("kind") and reason and cause["kind"] not in reason:
         reason = f"{cause['kind']}: {reason}"
     return reason
@@ -108,11 +126,11 @@ def _reason(st: dict, res: dict) -> Optional[str]:
 _GPU_FLAG = re.compile(r"--(target|drafter)-gpus$")
 
 
-def _roles(reply: dict) -> dict[str, list[int]]:
+def _roles(reply: dict, st: RunStatus) -> dict[str, list[int]]:
     """GPU roles from the launch record, else from the job argv when it is the trainer's own."""
     if isinstance(reply.get("gpus"), dict):
         return {k: list(v) for k, v in reply["gpus"].items()}
-    argv = list(((reply.get("status") or {}).get("argv")) or (reply.get("spec") or {}).get("argv") or [])
+    argv = list(st.argv or (reply.get("spec") or {}).get("argv") or [])
     out: dict[str, list[int]] = {}
     for i, tok in enumerate(argv[:-1]):
         m = _GPU_FLAG.match(tok)
@@ -129,9 +147,9 @@ def render_runs(reply: dict, ctid: str) -> list[str]:
     for r in runs:
         step = "" if r.get("step") is None else str(r["step"])
         state = r.get("state") or "?"
-        if not r.get("agent_alive") and state not in ("completed", "failed", "stopped"):
+        if not r.get("agent_alive") and not (r.get("state") and RunState(r["state"]).is_terminal()):
             state += "*"
         lines.append(f"{r['run_id']:<36} {state:<10} {step:>6}  {r.get('reason') or ''}")
     if any(l.split()[1].endswith("*") for l in lines[1:] if len(l.split()) > 1):
-        lines.append("* no agent is supervising this unfinished run: re-attach with the agent's start --reattach")
+        lines.append("* no agent is supervising this unfinished run: `ctl status --run ID` starts one that re-attaches")
     return lines

@@ -18,11 +18,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
-from agent.protocol import RunState
+from agent.protocol import EXIT_AGENT_GONE, RunState
 from controller.transport import TransportError
 
 # Agent follow's documented exit code when the agent is gone and the run has not finished.
-FOLLOW_AGENT_GONE = 3
+FOLLOW_AGENT_GONE = EXIT_AGENT_GONE
+MAX_REVIVALS = 5  # agents one tail starts before it gives up on a run whose agents keep dying
 
 
 class StreamSource(Protocol):
@@ -34,6 +35,9 @@ class StreamSource(Protocol):
 
     def state(self, run_id: str) -> dict:
         """The run's status document (``state`` key at least)."""
+
+    # Optional: ``revive(run_id) -> bool`` starts a new agent for a run whose agent is gone
+    # (True: one is supervising now, follow again). Sources without it end the tail there.
 
 
 @dataclass
@@ -60,6 +64,7 @@ def tail(source: StreamSource, run_id: str, on_record: Callable[[dict], None], *
     last = since
     reconnects = 0
     consecutive = 0
+    revivals = 0
     gaps: list[tuple[int, int]] = []
 
     def handle(line: str) -> None:
@@ -98,7 +103,12 @@ def tail(source: StreamSource, run_id: str, on_record: Callable[[dict], None], *
             if not follow or _terminal(state):
                 return TailResult(last, state, reconnects, gaps=gaps, status=status)
             if rc == FOLLOW_AGENT_GONE:
-                # The agent is gone and the run is not finished: the stream would never end.
+                # The agent is gone and the run is not finished: the stream would never end,
+                # unless a new agent takes over (the job's monitor usually got there first).
+                revive = getattr(source, "revive", None)
+                if revive is not None and revivals < MAX_REVIVALS and revive(run_id):
+                    revivals += 1
+                    continue
                 return TailResult(last, state, reconnects, gaps=gaps, status=status)
             sleep(backoff(0))  # follow ended early without a terminal state: ask again
     except KeyboardInterrupt:

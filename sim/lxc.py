@@ -1,8 +1,9 @@
 """Real LXC containers under a private LXC path (``lxc-* -P <lxcpath>``).
 
 Privileged containers with no network: ``lxc.net.0.type = empty`` because the default veth
-wants a bridge that does not exist here, and ``lxc.init.cmd = /bin/sleep infinity`` because
-minbase has no init system (research/sim-node.md)."""
+wants a bridge that does not exist here (sim/net.py adds its own link), and an
+``lxc.init.cmd`` of ours because minbase has no init system (research/sim-node.md;
+sim/ctsetup.py)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,12 @@ STOP_TIMEOUT_S = 10
 
 
 def write_config(lxcpath: Path, name: str, *, rootfs: Path, hostname: str,
-                 mounts: Sequence[tuple[Path, str, str]] = (), extra: Sequence[str] = ()) -> Path:
+                 mounts: Sequence[tuple[Path, str, str]] = (), extra: Sequence[str] = (),
+                 init: str = "/bin/sleep infinity") -> Path:
     """Write ``<lxcpath>/<name>/config``. ``mounts``: (host dir, path in rootfs, "ro"|"rw");
-    ``extra``: more raw config lines (sim/net.py's start-host hook)."""
+    ``extra``: more raw config lines (sim/net.py's start-host hook, sim/ctsetup.py's pre-start
+    hook and init mount); ``init``: PID 1 (a node's containers get sim/ctsetup.py's, which
+    reaps orphans; a throwaway build container keeps ``sleep``)."""
     if rootfs.resolve() != rootfs:
         raise SimError(f"container {name}: rootfs path {rootfs} contains a symlink; LXC refuses it")
     lines = [
@@ -28,7 +32,7 @@ def write_config(lxcpath: Path, name: str, *, rootfs: Path, hostname: str,
         f"lxc.uts.name = {hostname}",
         f"lxc.rootfs.path = dir:{rootfs}",
         "lxc.net.0.type = empty",
-        "lxc.init.cmd = /bin/sleep infinity",
+        f"lxc.init.cmd = {init}",
         "lxc.apparmor.profile = unconfined",
         "lxc.tty.max = 0",
         # Proxmox always sets this (src/PVE/LXC.pm); it shows in a --clear-env exec.

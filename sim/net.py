@@ -49,7 +49,7 @@ ip -n "$netns" link add "$veth" type veth peer name eth0 netns "$pid"
 ip -n "$netns" link set "$veth" master "$bridge" up
 nsenter -t "$pid" -n ip addr add "$addr" dev eth0
 nsenter -t "$pid" -n ip link set eth0 up
-# Loopback too: a real container's init brings lo up; the sim's (sleep) does not, and a
+# Loopback too: a real container's init brings lo up; the sim's (sim/ctsetup.py) does not, and a
 # process connecting to its own eth0 address goes through lo (torchrun's store on node rank 0).
 nsenter -t "$pid" -n ip link set lo up
 """

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 from agent.protocol import atomic_write
 from sim import bastion as bastion_mod
-from sim import gpu, lxc, net, rootfs, storage, users
+from sim import ctsetup, gpu, lxc, net, rootfs, storage, users
 from sim.layout import BTRFS_STORAGE, DIR_STORAGE, NodePaths
 from sim.pct import DEFAULT_PVE, PVE_RELEASES
 from sim.proc import Progress, SimError, is_root, quiet, require_tools, run
@@ -48,6 +48,13 @@ swap: 512
 lxc.apparmor.profile: unconfined
 lxc.net.0.type: empty
 """
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode("utf-8", "replace").split("\0")
+    except OSError:
+        return []
 
 
 class SimNode:
@@ -101,6 +108,7 @@ class SimNode:
         was_mounted = storage.mount_source(self.paths.btrfs_mount) is not None
         storage.ensure_btrfs(self.paths.btrfs_image, self.paths.btrfs_mount, progress)
         net.ensure_network()  # the containers' bridge (sim/net.py)
+        ctsetup.ensure_scripts()  # /etc/hosts, /etc/hostname and the init at every start
         containers = state.get("containers", {})
         for ctid in self.ctids:
             containers[str(ctid)] = self._ensure_container(ctid, cache, containers.get(str(ctid), {}), progress)
@@ -318,15 +326,25 @@ class SimNode:
             self._create_rootfs(ctid, where, root, cache, progress)
             self.paths.pve_conf(ctid).unlink(missing_ok=True)  # its snapshots went with the old rootfs
         address = net.address_of(self.name, ctid)
+        hostname = f"{self.name}-ct{ctid}"
         gpu_lines, _ = gpu.lxc_lines(self.paths.root, ctid)
-        lxc.write_config(self.paths.lxcpath, name, rootfs=root, hostname=f"{self.name}-ct{ctid}",
-                         extra=[net.hook_line(address), *gpu_lines])
+        lxc.write_config(self.paths.lxcpath, name, rootfs=root, hostname=hostname, init=ctsetup.INIT_IN_CT,
+                         extra=[net.hook_line(address), *ctsetup.config_lines(root, hostname, address), *gpu_lines])
         conf = self.paths.pve_conf(ctid)
         if not conf.exists():
-            atomic_write(str(conf), PVE_CONF.format(hostname=f"{self.name}-ct{ctid}", storage=where, ctid=ctid))
-        if not lxc.running(self.paths.lxcpath, name):
+            atomic_write(str(conf), PVE_CONF.format(hostname=hostname, storage=where, ctid=ctid))
+        pid = lxc.init_pid(self.paths.lxcpath, name) if lxc.running(self.paths.lxcpath, name) else None
+        if pid and ctsetup.INIT_IN_CT not in " ".join(_cmdline(pid)):
+            # started by an older sim with `sleep` as PID 1, which never reaps: restart it under
+            # the reaping init (its files stay; what ran in it was the last session's)
+            progress(f"restarting container {ctid} under the sim's init")
+            lxc.stop(self.paths.lxcpath, name)
+            pid = None
+        if pid is None:
             progress(f"starting container {ctid}")
             lxc.start(self.paths.lxcpath, name, logfile=self.paths.log / f"lxc-{ctid}.log")
+        else:
+            ctsetup.apply_now(root, hostname, address)  # the hook ran at its start; bring it up to date
         pid = lxc.init_pid(self.paths.lxcpath, name)
         if pid and not net.has_link(pid):  # started before the sim had a network
             progress(f"attaching container {ctid} to the sim network as {address}")

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from agent.protocol import extract_payload
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -151,3 +153,11 @@ def no_run_pids(run_dir, timeout: float = 10.0) -> bool:
         return True
     except AssertionError:
         return False
+
+
+@pytest.fixture
+def run_dir(tmp_path):
+    """A run directory under a workspace; nothing of its run outlives the test."""
+    d = tmp_path / "ws" / "runs" / "r1"
+    yield str(d)
+    kill_all(str(d))

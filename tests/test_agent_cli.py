@@ -13,21 +13,28 @@ def test_gpus_without_a_gpu_says_no_gpu_and_why():
     assert "NVML" in reply["reason"] or "pynvml" in reply["reason"]
 
 
-def test_fingerprint_runs_the_venv_python_in_a_subprocess(tmp_path):
+def test_fingerprint_is_taken_by_the_python_it_describes_in_the_one_shape(tmp_path):
+    # agent/envfp.py's shape, the same the launch preflight records and envgen names
+    # generations by: {name: version} packages, torch from its version.py, a 12-hex id
+    import json
+
+    from agent import envfp
+
     out = tmp_path / "fp.json"
     reply = payload("fingerprint", "--python", PY, "--write", str(out))
-    assert reply["python"].endswith("python") or "python" in reply["python"]
-    assert reply["python_version"].count(".") == 2
-    assert any(p.startswith("pytest==") for p in reply["packages"])
-    assert len(reply["packages_sha256"]) == 64
-    assert "torch" in reply  # a version, or None with torch_error
-    assert out.exists()
+    assert reply["executable"] == PY or os.path.samefile(reply["executable"], PY)
+    assert reply["python"].count(".") == 2
+    assert reply["packages"]["pytest"] and all(k == envfp.canonical_name(k) for k in reply["packages"])
+    assert len(reply["id"]) == 12 and reply["id"] == envfp.fingerprint_id(reply)
+    assert reply["torch"] is None or set(reply["torch"]) == {"version", "cuda", "hip", "build"}
+    assert "driver" in reply
+    assert json.loads(out.read_text()) == {k: v for k, v in reply.items() if k not in ("ok", "protocol")}
 
 
 def test_agent_process_never_imports_torch(tmp_path):
     import subprocess
     from tests._agent_util import env, REPO
-    code = ("import sys, agent.cli, agent.supervisor, agent.fingerprint, agent.gpus, agent.daemon;"
+    code = ("import sys, agent.cli, agent.supervisor, agent.envfp, agent.gpus, agent.daemon;"
             "print('torch' in sys.modules, 'pydantic' in sys.modules)")
     out = subprocess.run([PY, "-c", code], capture_output=True, text=True, env=env(), cwd=REPO).stdout
     assert out.strip() == "False False"

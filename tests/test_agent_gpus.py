@@ -1,10 +1,13 @@
 """GPU sampling. This machine has no GPU, so the real path is the "no GPU" answer; the
 per-call isolation (gpustat's safenvml habit) is checked against a stand-in NVML module
-whose calls fail the way real drivers do (NotSupported on one field, a lost GPU)."""
+whose calls fail the way real drivers do (NotSupported on one field, a lost GPU), with
+pynvml's own error hierarchy (every NVML error derives from ``NVMLError``)."""
 
 from __future__ import annotations
 
 import types
+
+import pytest
 
 from agent import gpus
 
@@ -14,7 +17,11 @@ def test_no_gpu_is_a_clear_answer_never_a_crash():
     assert s["state"] == "no GPU" and s["gpus"] == [] and s["reason"]
 
 
-class _NotSupported(Exception):
+class _NVMLError(Exception):
+    pass
+
+
+class _NotSupported(_NVMLError):
     pass
 
 
@@ -30,7 +37,7 @@ def _fake_nvml(lost_index: int):
         raise _NotSupported("Not Supported")
 
     nv = types.SimpleNamespace(
-        nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 3, nvmlSystemGetDriverVersion=lambda: b"570.86",
+        NVMLError=_NVMLError, nvmlInit=lambda: None, nvmlDeviceGetCount=lambda: 3, nvmlSystemGetDriverVersion=lambda: b"570.86",
         nvmlDeviceGetHandleByIndex=handle, nvmlDeviceGetUUID=lambda h: f"GPU-{h}", nvmlDeviceGetName=lambda h: b"H200",
         nvmlDeviceGetUtilizationRates=lambda h: types.SimpleNamespace(gpu=97, memory=40),
         nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(used=70000 * mib, total=143771 * mib),
@@ -54,3 +61,22 @@ def test_each_nvml_call_fails_on_its_own(monkeypatch):
     assert g0["processes"] == [{"pid": 4242, "used_memory_mib": 69000}]
     assert g1 == {"index": 1, "state": "invalid", "error": "handle unavailable (GPU lost?)"}
     assert g2["uuid"] == "GPU-2"
+
+
+def test_an_unsupported_field_keeps_its_nvml_error_in_the_record(monkeypatch):
+    monkeypatch.setattr(gpus, "_nv", _fake_nvml(lost_index=1))
+    monkeypatch.setattr(gpus, "_initialised", False)
+    g0 = gpus.sample()["gpus"][0]
+    assert g0["errors"] == {"power_draw_w": "_NotSupported: Not Supported",
+                            "graphics_processes": "_NotSupported: Not Supported"}
+
+
+def test_a_bug_of_ours_is_raised_not_reported_as_unsupported(monkeypatch):
+    # review: `_safe` swallowed every exception, so a misspelt attribute looked like a field
+    # the GPU does not support; only NVML's own errors mean that
+    nv = _fake_nvml(lost_index=9)
+    nv.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(usd=1, total=2)  # no .used
+    monkeypatch.setattr(gpus, "_nv", nv)
+    monkeypatch.setattr(gpus, "_initialised", False)
+    with pytest.raises(AttributeError):
+        gpus.sample()

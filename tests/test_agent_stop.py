@@ -63,7 +63,8 @@ def test_stop_escalates_to_sigkill_when_sigterm_is_ignored_and_says_so(run_dir):
 
 
 def test_stop_works_when_the_agent_is_dead(run_dir):
-    start(run_dir, [PY, FAKE, "--ranks", "2", "--grandchildren", "--step-time", "0.2"])
+    # --revive 0: no new agent from the job's monitor, so the stop itself takes the agent's place
+    start(run_dir, [PY, FAKE, "--ranks", "2", "--grandchildren", "--step-time", "0.2"], "--revive", "0")
     wait_for(lambda: len(heartbeats(run_dir)) == 2, 30, what="two ranks")
     os.kill(agent_pid(run_dir), signal.SIGKILL)
     reply = payload("stop", "--run-dir", run_dir, "--grace", "5")

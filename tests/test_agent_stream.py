@@ -68,8 +68,14 @@ def test_follower_killed_at_20_random_points_reassembles_the_exact_stream(run_di
     assert lines == [f"line {i}" for i in range(12000)]
 
 
+# The tests of a run with no agent turn the job monitor's revival off (--revive 0): they
+# exercise what happens while nobody supervises, which the monitor otherwise ends within a
+# second (tests/test_agent_revive.py).
+NO_REVIVAL = ("--revive", "0")
+
+
 def test_agent_kill9_and_reattach_three_times_loses_and_repeats_no_line(run_dir):
-    start(run_dir, [PY, PRINTER, "15000", "1500"])  # ~10 s of output
+    start(run_dir, [PY, PRINTER, "15000", "1500"], *NO_REVIVAL)  # ~10 s of output
     for round_ in range(3):
         time.sleep(1.0)
         pid = agent_pid(run_dir)
@@ -168,7 +174,7 @@ def test_follow_of_a_finished_run_prints_everything_then_exits_0(run_dir):
 
 
 def test_follow_says_so_and_exits_3_when_the_agent_is_gone_and_the_run_is_not_finished(run_dir):
-    start(run_dir, [PY, FAKE, "--ranks", "0", "--step-time", "0.2"])
+    start(run_dir, [PY, FAKE, "--ranks", "0", "--step-time", "0.2"], *NO_REVIVAL)
     wait_for(lambda: status(run_dir).get("state") == "running", 30)
     os.kill(agent_pid(run_dir), signal.SIGKILL)
     proc = subprocess.run([PY, "-m", "agent", "follow", "--run-dir", run_dir, "--from", "0"],
@@ -180,7 +186,7 @@ def test_follow_says_so_and_exits_3_when_the_agent_is_gone_and_the_run_is_not_fi
 def test_a_job_that_failed_while_no_agent_ran_is_finalized_on_reattach(run_dir):
     from tests._agent_util import heartbeats
 
-    start(run_dir, [PY, FAKE, "--ranks", "0", "--step-time", "0.1"])
+    start(run_dir, [PY, FAKE, "--ranks", "0", "--step-time", "0.1"], *NO_REVIVAL)
     hb = wait_for(lambda: heartbeats(run_dir).get(0), 30, what="rank 0")
     os.kill(agent_pid(run_dir), signal.SIGKILL)
     os.kill(hb["pid"], signal.SIGKILL)  # the job dies while nobody watches

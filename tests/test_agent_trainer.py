@@ -48,7 +48,7 @@ def test_real_trainer_runs_to_completion_under_the_agent(tiny, run_dir, tmp_path
     assert st["step"] == 6 and st["ranks"]["0"]["health"] == "done"
     kinds = {r["payload"].get("kind") for r in records(run_dir) if r["kind"] == "event"}
     assert {"phase", "step", "checkpoint"} <= kinds
-    assert res["checkpoint"].endswith(os.path.join("step_6", "checkpoint.pt"))
+    assert res["checkpoint"]["step"] == 6 and res["checkpoint"]["path"].endswith(os.path.join("step_6", "checkpoint.pt"))
     assert no_run_pids(run_dir)
 
 
@@ -61,5 +61,5 @@ def test_stop_makes_the_real_trainer_save_and_exit_75(tiny, run_dir, tmp_path):
     res = reply["result"]
     assert res["exit"]["exit_code"] == 75, res
     assert res["stop"]["graceful"] is True and res["stop"]["survivors"] == []
-    assert res["checkpoint"] and os.path.exists(res["checkpoint"])
+    assert res["checkpoint"] and os.path.exists(res["checkpoint"]["path"])
     assert no_run_pids(run_dir)

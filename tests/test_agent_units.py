@@ -164,3 +164,58 @@ def test_line_tail_hands_out_complete_lines_only(tmp_path):
     assert t.read(final=True) == [("three", 13)]
     t2 = LineTail(str(p), offset=4)
     assert [l for l, _ in t2.read(final=True)] == ["two", "three"]
+
+
+def test_the_run_state_diagram_lists_every_allowed_transition_and_no_other():
+    import re
+
+    from agent.state import TRANSITIONS
+
+    drawn = set()
+    for line in RunState.__doc__.splitlines():
+        m = re.match(r"^\s*([A-Z]+)\s*→\s*([A-Z |]+)$", line)
+        if m:
+            drawn |= {(m.group(1), to.strip()) for to in m.group(2).split("|")}
+    allowed = {(a.name, b.name) for a, targets in TRANSITIONS.items() for b in targets}
+    assert drawn == allowed
+    assert all(not TRANSITIONS[s] for s in RunState if s.is_terminal())
+
+
+def test_status_and_result_round_trip_through_their_types_with_one_checkpoint_shape(tmp_path):
+    from agent.protocol import Checkpoint, RankHealth, RunResult, RunStatus
+
+    st = RunStatus(run_id="r", state=RunState.RUNNING, step=3, ranks={2: RankHealth(step=3, gpu=2)},
+                   checkpoint=Checkpoint(3, "/o/step_3/checkpoint.pt"))
+    st.save(str(tmp_path / "status.json"))
+    doc = json.loads((tmp_path / "status.json").read_text())
+    assert doc["state"] == "running" and doc["ranks"]["2"]["gpu"] == 2
+    assert RunStatus.load(str(tmp_path / "status.json")) == st
+    res = RunResult(run_id="r", state=RunState.COMPLETED, checkpoint=st.checkpoint)
+    assert res.to_json()["checkpoint"] == doc["checkpoint"] == {"step": 3, "path": "/o/step_3/checkpoint.pt"}
+    assert RunResult.from_json(res.to_json()) == res
+    # a reader of another agent version's file: unknown keys ignored, missing ones defaulted
+    assert RunStatus.from_json({"state": "failed", "added_later": 1}).terminal
+    assert RunStatus.load(str(tmp_path / "none.json")) == RunStatus()
+
+
+def test_a_failure_kind_outside_the_protocol_is_refused():
+    with pytest.raises(ValueError):
+        Failure("cuda_oomm", "misspelt")
+    assert Failure("cuda_oom", "x").to_json()["kind"] == "cuda_oom"
+
+
+def test_agent_start_flags_come_from_the_options_table():
+    from dataclasses import fields
+
+    from agent.cli import build_parser
+    from agent.options import Options
+
+    start = build_parser()._subparsers._group_actions[0].choices["start"]
+    args = start.parse_args(["--run-dir", "d"])
+    assert Options.from_args(args) == Options()  # every default from one place
+    assert {f.name for f in fields(Options)} <= set(vars(args))
+    argv = Options.argv({"settle": 3.0, "baseline_tokens_per_s": None, "max_restarts": 2})
+    assert argv == ["--max-restarts", "2", "--settle", "3.0"]
+    assert Options.from_args(start.parse_args(["--run-dir", "d", *argv])) == Options(settle=3.0, max_restarts=2)
+    with pytest.raises(ValueError, match="settle_s"):
+        Options.argv({"settle_s": 1})

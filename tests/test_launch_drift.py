@@ -37,7 +37,17 @@ def test_no_baseline_no_findings_and_same_env_no_findings():
 
 
 def test_package_names_are_compared_canonically():
-    assert D.env_drift({"packages": ["Typing_Extensions==4.0"]}, {"packages": {"typing-extensions": "4.0"}}) == []
+    assert D.env_drift({"packages": {"Typing_Extensions": "4.0"}}, {"packages": {"typing-extensions": "4.0"}}) == []
+
+
+def test_drift_reads_the_fingerprint_the_preflight_records():
+    # agent/envfp.py's shape, as the launch preflight writes it into the launch record
+    from agent import envfp
+
+    here = dict(envfp.collect(), driver="570.1")
+    assert D.env_drift(here, here) == []
+    older = dict(here, python="3.10.0", packages={**here["packages"], "six": "0.1"})
+    assert {f.subject for f in D.env_drift(older, here)} >= {"python", "package six"}
 
 
 def test_the_story_data_drift_reports_mean_length_and_loss_fraction_both_sides():

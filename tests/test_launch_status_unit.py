@@ -47,3 +47,26 @@ def test_runs_marks_unfinished_runs_without_an_agent():
     lines = render_runs({"runs": [{"run_id": "a", "state": "completed", "step": 24, "agent_alive": False},
                                   {"run_id": "b", "state": "running", "step": 3, "agent_alive": False}]}, "200")
     assert lines[2].split()[1] == "running*" and "re-attach" in lines[-1]
+
+
+def test_status_says_when_who_and_why_an_agent_took_over_and_shows_ranks_not_started():
+    r = reply(reattaches=[{"ts": 1000.0, "by": "the job's monitor (pid 41)", "why": "its agent (pid 40) died",
+                           "agent_pid": 52, "previous_agent_pid": 40, "seq": 9}],
+              gpu_state="no GPU", gpus=[],
+              ranks={"0": {"role": "target", "gpu": 0, "health": "ok", "step": 5, "heartbeat_age_s": 0.5},
+                     "1": {"role": "drafter", "gpu": 1, "health": "not started"}})
+    text = "\n".join(render_status(r, "200", "pve1"))
+    assert "agent    re-attached: last at " in text and "by the job's monitor (pid 41): its agent (pid 40) died" in text
+    assert "rank 1   drafter on rank slot 1 (CPU): not started" in text
+    r["revived"] = {"ok": True, "agent_pid": 77}
+    assert "ctl status started one (pid 77)" in "\n".join(render_status(r, "200", "pve1"))
+
+
+def test_a_start_up_failure_shows_its_reason_then_the_ranks_last_lines():
+    r = reply(state="failed")
+    r["result"] = {"state": "failed", "reason": "start-up deadline: rank 1 (drafter on rank slot 0) sent no heartbeat",
+                   "root_cause": {"kind": "startup_timeout", "reason": "start-up deadline: rank 1 (drafter on rank "
+                                  "slot 0) sent no heartbeat", "evidence": [f"line {i}" for i in range(9)]}}
+    lines = render_status(r, "200", "pve1")
+    assert lines[1].startswith("FAILED   startup_timeout: start-up deadline: rank 1")
+    assert lines[2:7] == [f"         | line {i}" for i in range(4, 9)]

@@ -82,3 +82,42 @@ def test_printer_shows_logs_failures_and_a_periodic_status_line():
     assert status and "step 1/5" in status[0] and "1.5K tok/s" in status[0]
     assert 1 < len(status) < 5  # periodic, not one per step
     assert "!! FAILURE rank_exit: rank 1 (GPU 6) exited with SIGKILL" in lines
+
+
+def test_a_follow_that_ends_because_the_agent_is_gone_revives_it_and_goes_on():
+    from controller.tail import FOLLOW_AGENT_GONE
+
+    class AgentDiesOnce(Scripted):
+        revived = 0
+
+        def follow(self, run_id, after, on_line, *, once):
+            if after < 5:
+                for rec in self.records[after:5]:
+                    on_line(json.dumps(rec))
+                return FOLLOW_AGENT_GONE  # the agent died; the run goes on without one
+            for rec in self.records[after:]:
+                on_line(json.dumps(rec))
+            return 0
+
+        def state(self, run_id):
+            return {"state": "running" if self.revived == 0 else "completed"}
+
+        def revive(self, run_id):
+            self.revived += 1
+            return True
+
+    src = AgentDiesOnce(9, per_call=0)
+    seen = []
+    result = tail(src, "r1", seen.append, sleep=lambda s: None)
+    assert src.revived == 1 and [r["seq"] for r in seen] == list(range(1, 10)) and result.state == "completed"
+
+
+def test_without_a_way_to_revive_the_tail_ends_and_says_the_state():
+    from controller.tail import FOLLOW_AGENT_GONE
+
+    class AgentGone(Scripted):
+        def follow(self, run_id, after, on_line, *, once):
+            return FOLLOW_AGENT_GONE
+
+    result = tail(AgentGone(3, 1, terminal_state="running"), "r1", lambda r: None, sleep=lambda s: None)
+    assert result.state == "running"

@@ -47,7 +47,7 @@ CASES = {
                        "no config.json there"),
     "no start decision": (lambda e: base_args(e["target"], e["data"], e["new"]), "no start decision"),
     "checkpoint with another block size": (lambda e: replace(base_args(e["target"], e["data"], e["new"], "--resume-from", e["ckpt"]),
-                                                             "--block-size", "4"), "checkpoint block size 8 != --block-size 4"),
+                                                             "--block-size", "4"), "the checkpoint was trained with --block-size 8, this launch says 4"),
     "checkpoint of another target": (lambda e: base_args(e["other"], e["data"], e["new"], "--init-from", e["ckpt"]),
                                      "trained against another target (num_hidden_layers 6 vs 8"),
     "resume holding out other samples": (lambda e: base_args(e["target"], e["data"], e["new"], "--resume-from", e["ckpt"],

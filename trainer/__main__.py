@@ -5,9 +5,10 @@ Bad input (flags, paths, an incompatible checkpoint, a missing start decision) i
 before anything is created: one line per problem on stderr, exit code 2 (EXIT_USAGE).
 
 Started without torchrun's environment (no RANK) and needing more than one process, the
-trainer re-launches itself under ``python -m torch.distributed.run --standalone`` (c10d
-rendezvous) and stays as a thin parent: it forwards SIGTERM to its own worker processes and
-exits EXIT_STOPPED when every rank stopped after its checkpoint.
+trainer re-launches itself under ``python -m torch.distributed.run`` (static rendezvous on
+127.0.0.1 and a free port, never a name: trainer/topology.py) and stays as a thin parent: it
+forwards SIGTERM to its own worker processes and exits EXIT_STOPPED when every rank stopped
+after its checkpoint.
 """
 
 from __future__ import annotations
@@ -286,24 +287,40 @@ def _events(path: str, since: float) -> list[dict]:
 
 
 def relaunch(argv: list[str], world: int, args, launcher: list[str] | None = None) -> int:
-    """Run ``world`` workers under torchrun (c10d rendezvous on a free local port) and wait.
-    For a job across containers, ``launcher`` holds torchrun's multi-node arguments
-    (trainer/multinode.py) and ``world`` is this container's share of the ranks.
+    """Run ``world`` workers under torchrun (static rendezvous on 127.0.0.1 and a free port:
+    trainer/topology.py) and wait. For a job across containers, ``launcher`` holds torchrun's
+    multi-node arguments (trainer/multinode.py) and ``world`` is this container's share of
+    the ranks. First a ``launch`` event names the ranks and the rendezvous, so the agent can
+    say which ranks never started (agent/observe.py: the start-up deadline).
 
     torchrun runs in its own session, so a signal meant for this trainer does not make
     torchrun's agent tear the workers down mid-save; on SIGTERM we signal our workers
     (the pids in their heartbeats, checked to be torchrun's children) and they stop together
     after a checkpoint."""
+    from trainer import topology
+    from trainer.telemetry import Events
     from trainer.train import run_dir_of
-    from agent.protocol import HEARTBEAT_DIR
+    from agent.protocol import ENV_RUN_ID, HEARTBEAT_DIR
 
-    cmd = [sys.executable, "-m", "torch.distributed.run",
-           *(launcher or ["--standalone", f"--nproc-per-node={world}"]), "-m", "trainer", *argv]
+    run_id = os.environ.get(ENV_RUN_ID) or "dflash"
+    launcher = launcher or topology.torchrun_args(world, run_id)
+    job = multinode.is_job(vars(args))
+    plan = topology.rank_plan(args.target_gpus, args.drafter_gpus, multinode.rank_base(vars(args)) if job else 0)
+    run_dir = run_dir_of(args)
+    os.makedirs(run_dir, exist_ok=True)
+    events = Events(run_dir, None, "launcher", None)
+    events.emit("launch", rdzv_endpoint=launcher[launcher.index("--rdzv-endpoint") + 1], nproc=world,
+                device="cuda" if args.device == "cuda" or (args.device == "auto" and _cuda_available()) else "cpu",
+                ranks=plan)
+    events.close()
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "trainer", *argv]
+    print(f"{PROG}: starting {world} rank{'s' if world > 1 else ''} under torch.distributed.run, rendezvous "
+          f"{launcher[launcher.index('--rdzv-endpoint') + 1]}", flush=True)
     started = time.time()
     stop = {"requested": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("requested", True))
     proc = subprocess.Popen(cmd, start_new_session=True)
-    hb_dir = os.path.join(run_dir_of(args), HEARTBEAT_DIR)
+    hb_dir = os.path.join(run_dir, HEARTBEAT_DIR)
     signalled: set[int] = set()
     while proc.poll() is None:
         if stop["requested"]:

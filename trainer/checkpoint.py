@@ -28,6 +28,7 @@ import uuid
 import numpy as np
 import torch
 
+from agent import ckptcompat
 from agent.protocol import atomic_write_json
 
 FORMAT = "dflash-trainer-checkpoint"
@@ -205,60 +206,10 @@ def init_weights(path: str) -> dict:
 def compatibility_problems(meta: dict, *, block_size: int, num_draft_layers: int, target: dict,
                            target_layer_ids: list[int], flag: str, data_fingerprint: str | None = None,
                            drafter: dict | None = None) -> list[str]:
-    """Why a checkpoint cannot start this run (one line each, naming the flag). ``drafter``:
-    this run's drafter config (DrafterConfig.to_hf), whose attention layout must match."""
-    problems = []
-    where = meta.get("path", "the checkpoint")
-    cfg = meta.get("drafter_config", {})
-    if drafter is not None and cfg.get("num_hidden_layers") == num_draft_layers:
-        problems += _layout_problems(cfg, drafter, flag, where)
-    if cfg.get("block_size") != block_size:
-        problems.append(f"{flag} {where}: checkpoint block size {cfg.get('block_size')} != --block-size {block_size}; "
-                        f"use --block-size {cfg.get('block_size')} or another checkpoint")
-    if cfg.get("num_hidden_layers") != num_draft_layers:
-        problems.append(f"{flag} {where}: checkpoint has {cfg.get('num_hidden_layers')} draft layers, "
-                        f"--num-draft-layers is {num_draft_layers}")
-    theirs = meta.get("target")
-    if theirs is None:  # an export: compare what its config.json says about the target
-        theirs = {"hidden_size": cfg.get("hidden_size"), "num_hidden_layers": cfg.get("num_target_layers"),
-                  "vocab_size": cfg.get("vocab_size"), "model_type": target.get("model_type"),
-                  "config_sha256": target.get("config_sha256")}
-        if any(theirs[k] != target.get(k) for k in ("hidden_size", "num_hidden_layers", "vocab_size")):
-            theirs["config_sha256"] = None
-    if theirs.get("config_sha256") != target.get("config_sha256"):
-        diff = [k for k in ("model_type", "num_hidden_layers", "hidden_size", "vocab_size") if theirs.get(k) != target.get(k)]
-        what = ", ".join(f"{k} {theirs.get(k)} vs {target.get(k)}" for k in diff) or "its config.json differs"
-        problems.append(f"{flag} {where}: trained against another target ({what}); "
-                        "point --target-model at the checkpoint's target or start --from-scratch")
-    else:  # same target: the taps must match too (for another target, the line above says it all)
-        ids = (cfg.get("dflash_config") or {}).get("target_layer_ids")
-        if ids is not None and list(ids) != list(target_layer_ids):
-            problems.append(f"{flag} {where}: checkpoint taps target layers {ids}, this run taps {list(target_layer_ids)}; "
-                            f"use --target-layer-ids {','.join(map(str, ids))}")
-    if data_fingerprint is not None and meta.get("data_fingerprint") != data_fingerprint:
-        problems.append(f"{flag} {where}: checkpoint was trained on other data (fingerprint "
-                        f"{str(meta.get('data_fingerprint'))[:12]} vs {data_fingerprint[:12]}); resuming needs the same "
-                        "--data-dir to continue its data order — use --init-from to start on new data")
-    return problems
-
-
-def _layout_problems(theirs: dict, ours: dict, flag: str, where: str) -> list[str]:
-    """The drafter's per-layer attention and widths: the same parameter shapes could hide
-    another layer layout (a sliding layer trained as full), other widths fail to load."""
-    out = []
-    n = int(theirs.get("num_hidden_layers") or 0)
-    t_types = theirs.get("layer_types") or ["full_attention"] * n  # exports from before layer_types: all full
-    t_window = theirs.get("sliding_window") if "sliding_attention" in t_types else None
-    o_window = ours.get("sliding_window") if "sliding_attention" in ours.get("layer_types", []) else None
-    if list(t_types) != list(ours.get("layer_types", [])) or t_window != o_window:
-        short = ",".join("sliding" if t == "sliding_attention" else "full" for t in t_types)
-        out.append(f"{flag} {where}: checkpoint's drafter layers are {short} (sliding window {t_window}), this run's "
-                   f"{','.join('sliding' if t == 'sliding_attention' else 'full' for t in ours.get('layer_types', []))} "
-                   f"(window {o_window}); use --drafter-layer-types {short}"
-                   + (f" --sliding-window {t_window}" if t_window else ""))
-    widths = ("num_attention_heads", "num_key_value_heads", "head_dim")
-    if any(theirs.get(k) != ours.get(k) for k in widths) and all(theirs.get(k) for k in widths):
-        q, kv, d = (theirs[k] for k in widths)
-        out.append(f"{flag} {where}: checkpoint's drafter attention is {q}/{kv}/{d}, this run's "
-                   f"{'/'.join(str(ours.get(k)) for k in widths)}; use --drafter-attention {q}/{kv}/{d}")
-    return out
+    """Why a checkpoint cannot start this run (one line each, naming the flag): the launch
+    preflight's rule, agent/ckptcompat.py. ``drafter``: this run's drafter config
+    (DrafterConfig.to_hf), whose attention layout must match."""
+    return ckptcompat.problems(meta, {"flag": flag, "path": meta.get("path"), "block_size": block_size,
+                                      "num_draft_layers": num_draft_layers, "target": target,
+                                      "target_layer_ids": target_layer_ids, "data_fingerprint": data_fingerprint,
+                                      "drafter": drafter})

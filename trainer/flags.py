@@ -18,11 +18,9 @@ from typing import Any, Callable, Iterable, Mapping
 
 from trainer import family  # standard library only, like this module
 
-# Exit codes are part of the trainer → agent contract (DESIGN.md).
-EXIT_OK = 0
-EXIT_FAILURE = 1
-EXIT_USAGE = 2  # bad input, nothing written
-EXIT_STOPPED = 75  # stopped on request after a checkpoint (EX_TEMPFAIL: resumable)
+# Exit codes are part of the trainer → agent contract (DESIGN.md); their home is
+# agent/protocol.py, which the agent reads without importing the trainer.
+from agent.protocol import EXIT_FAILURE, EXIT_OK, EXIT_STOPPED, EXIT_USAGE  # noqa: F401 (re-exported)
 
 
 def parse_gpus(text: str) -> tuple[int, ...]:

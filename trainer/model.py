@@ -39,6 +39,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from agent import ckptcompat
 from trainer import family
 from trainer import fused_ops as fo
 from trainer.flex_mask import dense_dflash_mask, flex_attention_fn, make_dflash_block_mask
@@ -52,12 +53,9 @@ from trainer.hf_dflash import apply_rope, rope_cos_sin
 DEFAULT_MASK_TOKEN_ID = family.QWEN3_MASK_TOKEN_ID  # a drafter export that names none (z-lab's Qwen3 ones)
 
 
-def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
-    """The reference drafter's tap choice: [L//2] for one layer, else evenly spaced 1..L-3."""
-    L, n = num_target_layers, num_draft_layers
-    if n == 1:
-        return [L // 2]
-    return [int(round(1 + i * (L - 4) / (n - 1))) for i in range(n)]
+# The reference drafter's tap choice, [L//2] for one layer, else evenly spaced 1..L-3: one
+# rule with the checkpoint compatibility check that the launch preflight runs without torch.
+build_target_layer_ids = ckptcompat.default_target_layer_ids
 
 
 @dataclass

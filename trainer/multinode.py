@@ -127,6 +127,12 @@ def local_nproc(values: Mapping[str, Any]) -> int:
     return len(t) if t == d else len(t) + len(d)
 
 
+def rank_base(values: Mapping[str, Any]) -> int:
+    """This container's first global rank: the ranks of the containers before it."""
+    layout = parse_layout(values.get("job_layout"))
+    return sum(t if c else t + d for t, d, c in layout[:int(values.get("node_rank") or 0)])
+
+
 def torchrun_args(values: Mapping[str, Any]) -> list[str]:
     """torch.distributed.run's arguments for this container of the job."""
     return ["--nnodes", str(values["nnodes"]), "--node-rank", str(values["node_rank"]),

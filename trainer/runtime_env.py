@@ -22,7 +22,6 @@ rollback to another torch never loads kernels built by this one. The generation 
 from __future__ import annotations
 
 import os
-import platform
 import re
 from typing import MutableMapping
 
@@ -37,15 +36,11 @@ _GEN_ID = re.compile(r"^[0-9a-f]{6,64}$")
 
 
 def interpreter_generation() -> str:
-    """This interpreter's env fingerprint id: agent.envgen.fingerprint_id over its python
-    version, installed distributions and torch build — the id its venv generation has."""
-    from agent import envgen, preflight
+    """This interpreter's env fingerprint id (agent/envfp.py: python version, installed
+    distributions and torch build) — the id its venv generation has."""
+    from agent import envfp
 
-    pkgs = preflight.packages()
-    cuda = preflight.torch_info(pkgs).get("cuda")
-    build = ("cu" + str(cuda).replace(".", "")) if cuda else ("cpu" if "torch" in pkgs else None)
-    return envgen.fingerprint_id({"python": platform.python_version(), "packages": pkgs,
-                                  "torch": {"build": build} if build else None})
+    return envfp.collect()["id"]
 
 
 def env_generation(environ: MutableMapping[str, str] = os.environ) -> str:

@@ -8,37 +8,25 @@ drafted positions (loss.py).
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
 
 import torch
 
+from agent import ckptcompat
 from trainer import family
 from trainer.hf_dflash import cache_kwarg
-
-# Keys of config.json that do not change what the target computes.
-_IDENTITY_IGNORE = {"_name_or_path", "transformers_version", "torch_dtype", "dtype", "architectures",
-                    "use_cache", "output_hidden_states", "return_dict", "id2label", "label2id"}
 
 
 read_config = family.read_config
 
 
 def target_identity(target_dir: str) -> dict:
-    """What a checkpoint records about its target; two targets with the same architecture
-    numbers and the same config hash are the same target as far as the drafter cares."""
+    """What a checkpoint records about its target (agent/ckptcompat.py's rule), with the
+    language model's numbers (Qwen3.5's VL layout nests them)."""
     cfg = read_config(target_dir)
-    text = family.text_config(cfg)  # the language model's numbers (Qwen3.5's VL layout nests them)
-    body = json.dumps({k: v for k, v in sorted(cfg.items()) if k not in _IDENTITY_IGNORE}, sort_keys=True)
-    return {
-        "model_type": cfg.get("model_type"),
-        "num_hidden_layers": text.get("num_hidden_layers"),
-        "hidden_size": text.get("hidden_size"),
-        "vocab_size": text.get("vocab_size"),
-        "config_sha256": hashlib.sha256(body.encode()).hexdigest(),
-    }
+    return ckptcompat.target_identity(cfg, family.text_config(cfg))
 
 
 class Target:

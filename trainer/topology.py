@@ -1,6 +1,6 @@
 """Who does what: one process per GPU, target ranks → drafter ranks.
 
-Ranks (torch.distributed, started by torchrun's c10d rendezvous)::
+Ranks (torch.distributed, started by torchrun's static rendezvous on 127.0.0.1)::
 
     split      (--target-gpus ≠ --drafter-gpus): ranks 0..T-1 run the frozen target on
                target_gpus[i]; ranks T..T+D-1 train the drafter on drafter_gpus[j], DDP
@@ -118,6 +118,41 @@ def world_size_for(target_gpus, drafter_gpus) -> int:
     return len(target_gpus) if tuple(target_gpus) == tuple(drafter_gpus) else len(target_gpus) + len(drafter_gpus)
 
 
+def rank_plan(target_gpus, drafter_gpus, base: int = 0) -> list[dict]:
+    """The ranks of one container as the agent's launch event lists them: {rank, role, gpu}
+    in local-rank order (``base``: the container's first global rank, for a job)."""
+    t, d = tuple(target_gpus), tuple(drafter_gpus)
+    if t == d:
+        return [{"rank": base + i, "role": "both", "gpu": g} for i, g in enumerate(t)]
+    return ([{"rank": base + i, "role": "target", "gpu": g} for i, g in enumerate(t)]
+            + [{"rank": base + len(t) + j, "role": "drafter", "gpu": g} for j, g in enumerate(d)])
+
+
+# A single container's ranks meet on the loopback address, never on a name: a container
+# without /etc/hosts resolves neither `localhost` nor its own hostname, and torchrun's
+# --standalone (c10d on localhost, then the hostname for the workers' store) hung there for
+# minutes (issue 18). gloo picks its interface from the hostname too, so it is told `lo`.
+LOOPBACK = "127.0.0.1"
+LOOPBACK_IFNAME = "lo"
+
+
+def free_port(host: str = LOOPBACK) -> int:
+    """A port free on ``host`` now (the kernel's pick; torchrun binds it a moment later)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def torchrun_args(world: int, run_id: str, port: int | None = None) -> list[str]:
+    """torch.distributed.run's arguments for the ranks of one container: the static
+    rendezvous (one node, node rank 0) on the loopback address and a free port."""
+    return ["--nnodes", "1", "--node-rank", "0", "--rdzv-backend", "static",
+            "--rdzv-endpoint", f"{LOOPBACK}:{port or free_port()}", "--rdzv-id", run_id, "--max-restarts", "0",
+            f"--nproc-per-node={world}"]
+
+
 def init(target_gpus, drafter_gpus, device_type: str, timeout_s: float | None = None) -> Topology:
     """Join the process group torchrun set up (env://), or run alone when world size is 1.
     ``timeout_s`` (--dist-timeout): how long any op waits for a peer (torch's default if None)."""
@@ -127,6 +162,8 @@ def init(target_gpus, drafter_gpus, device_type: str, timeout_s: float | None = 
     if device_type == "cuda":
         torch.cuda.set_device(topo.device)
     if world > 1:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", LOOPBACK_IFNAME)
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", LOOPBACK_IFNAME)  # its bootstrap; data goes GPU to GPU
         backend = "nccl" if device_type == "cuda" else "gloo"
         kw = {"device_id": topo.device} if device_type == "cuda" else {}
         timeout = {"timeout": timedelta(seconds=timeout_s)} if timeout_s else {}

@@ -191,10 +191,12 @@ def remove_command(gen: str = typer.Argument(...), container: int = OptContainer
 
 
 def _refuse_if_live(ct) -> None:
+    from agent.protocol import RunStatus
+
     info = eg.recovery(ct, "run-info")
-    state = (info.get("status") or {}).get("state")
-    if info.get("run") and state and state not in ("completed", "failed", "stopped"):
-        raise remote.fail(f"run {info['run']} is {state} in container {ct.ctid}: changing its venv under it would "
+    status = RunStatus.from_json(info.get("status"))
+    if info.get("run") and status.state and not status.terminal:
+        raise remote.fail(f"run {info['run']} is {status.state.value} in container {ct.ctid}: changing its venv under it would "
                           f"mix package versions; stop it first (`ctl kill-and-rollback` or `ctl stop`), "
                           f"or pass --force", EXIT_REFUSED)
 

@@ -41,7 +41,8 @@ def _default_node(ctl_config: Optional[str], node: Optional[str]) -> Optional[st
 
 def launch(containers: list[str], run_config, start: dict, *, node: Optional[str], target_gpus: Optional[str],
            drafter_gpus: Optional[str], accept_drift: bool, follow: bool, json_out: bool, wandb_key: Optional[str],
-           ctl_config: Optional[str], trust_new_host_key: bool, dist_timeout: Optional[int] = None) -> int:
+           ctl_config: Optional[str], trust_new_host_key: bool, dist_timeout: Optional[int] = None,
+           share_gpus: bool = False) -> int:
     from controller.launch import LaunchRefused
     from controller.render import RenderError
     from controller.runconfig import RunConfigError
@@ -55,7 +56,7 @@ def launch(containers: list[str], run_config, start: dict, *, node: Optional[str
     try:
         with open_containers(members, ctl_config, trust_new_host_key) as cts:
             result = job.launch(cts, members, run_config, start, say=say, accept_drift=accept_drift,
-                              wandb_key=wandb_key, dist_timeout=dist_timeout)
+                                wandb_key=wandb_key, dist_timeout=dist_timeout, share_gpus=share_gpus)
     except (job.JobError, RunConfigError, RenderError, cfg.ConfigError) as exc:
         raise fail(str(exc), EXIT_CONFIG) from None
     except LaunchRefused as exc:

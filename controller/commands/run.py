@@ -15,12 +15,14 @@ refused (preflight or drift; nothing was started), 4 the run stopped or its agen
 from __future__ import annotations
 
 import json
+import posixpath
 import time
 from pathlib import Path
 from typing import List, Optional
 
 import typer
 
+from agent.protocol import RunStatus
 from controller import config as cfg
 from controller import runconfig
 from controller.commands.remote import (EXIT_CONFIG, EXIT_FAILED, EXIT_NOT_DONE, EXIT_REFUSED, TrustOpt,
@@ -85,13 +87,13 @@ def _follow(ct: Container, caller, run_id: str, since: int, follow: bool, raw: b
     if not follow:
         return 0
     state = result.state
-    status = result.status or {}
+    status = RunStatus.from_json(result.status)
     if state == "failed":
-        typer.echo(f"ctl: run {run_id} FAILED: {status.get('reason') or status.get('last_error')}", err=True)
+        typer.echo(f"ctl: run {run_id} FAILED: {status.reason or status.last_error}", err=True)
     elif state == "completed":
         # With --json, stdout carries only records: the verdict goes to stderr.
-        typer.echo(f"ctl: run {run_id} completed" + (f"; last checkpoint {status['checkpoint'][1]}"
-                                                     if isinstance(status.get("checkpoint"), list) else ""), err=raw)
+        typer.echo(f"ctl: run {run_id} completed" + (f"; last checkpoint {status.checkpoint.path}"
+                                                     if status.checkpoint else ""), err=raw)
     else:
         typer.echo(f"ctl: the stream of run {run_id} ended while the run is {state or 'unknown'}: its agent is not "
                    "running; see `ctl status`", err=True)
@@ -113,6 +115,9 @@ def launch_command(
                                             help="weights only; fresh optimizer and schedule"),
     accept_drift: bool = typer.Option(False, "--accept-drift",
                                       help="launch although env or data drifted from the known-good run"),
+    share_gpus: bool = typer.Option(False, "--share-gpus",
+                                    help="start although a live run in the container holds some of these GPUs (or "
+                                         "CPU rank slots); without it such a launch is refused (exit 3)"),
     follow: bool = typer.Option(False, "--follow", "-f", help="go on to tail the run until it ends"),
     node: Optional[str] = NodeOpt,
     target_model: Optional[str] = typer.Option(None, "--target-model", metavar="DIR", help=_help("--target-model")),
@@ -159,7 +164,7 @@ def launch_command(
         raise typer.Exit(job_cmd.launch(container, run_config, start, node=node, target_gpus=target_gpus,
                                         drafter_gpus=drafter_gpus, accept_drift=accept_drift, follow=follow,
                                         json_out=json_out, wandb_key=wandb_key, ctl_config=ctl_config,
-                                        trust_new_host_key=trust_new_host_key))
+                                        trust_new_host_key=trust_new_host_key, share_gpus=share_gpus))
     if not container[0].isdigit():
         raise fail(f"--container {container[0]!r}: give a container id, e.g. 200", EXIT_CONFIG)
     container = int(container[0])
@@ -167,7 +172,7 @@ def launch_command(
     with container_session(container, node, ctl_config, trust_new_host_key) as ct:
         try:
             result = _launch_one(ct, run_config, start, snapshot=snapshot, say=say, accept_drift=accept_drift,
-                                 wandb_key=wandb_key)
+                                 wandb_key=wandb_key, share_gpus=share_gpus)
         except (runconfig.RunConfigError, RenderError) as exc:
             raise fail(str(exc), EXIT_CONFIG) from None
         except LaunchRefused as exc:
@@ -191,14 +196,15 @@ def launch_command(
 
 
 def _launch_one(ct: Container, run_config, start: dict, *, snapshot: bool, say, accept_drift: bool,
-                wandb_key: Optional[str]):
+                wandb_key: Optional[str], share_gpus: bool = False):
     """A job of one member (controller/job.py: the one launch path), with kill-and-rollback's
     snapshot first when asked (controller/snapshots.py)."""
     from controller.job import Member, launch
 
     member = Member(ct.node_name, ct.ctid)
     if not snapshot:
-        return launch([ct], [member], run_config, start, say=say, accept_drift=accept_drift, wandb_key=wandb_key)
+        return launch([ct], [member], run_config, start, say=say, accept_drift=accept_drift, wandb_key=wandb_key,
+                      share_gpus=share_gpus)
     from controller.launch import new_run_id
     from controller.snapshots import launch_snapshot, undo_launch_snapshot
 
@@ -206,7 +212,7 @@ def _launch_one(ct: Container, run_config, start: dict, *, snapshot: bool, say, 
     snap = launch_snapshot(ct, run_id, say)
     try:
         return launch([ct], [member], run_config, start, say=say, accept_drift=accept_drift,
-                        wandb_key=wandb_key, run_id=run_id)
+                      wandb_key=wandb_key, run_id=run_id, share_gpus=share_gpus)
     except BaseException:
         # A refused or failed launch leaves the container as it found it: no stray
         # ctl-<run> snapshot of a run that never started.

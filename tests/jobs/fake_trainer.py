@@ -57,6 +57,9 @@ def parse(argv=None):
     p.add_argument("--from-scratch", action="store_true")
     p.add_argument("--resume-from", default=None)
     p.add_argument("--init-from", default=None)
+    p.add_argument("--rdzv-endpoint", default=None,
+                   help="launcher: announce the ranks and this rendezvous in a launch event, as the trainer does")
+    p.add_argument("--never-start", default="", help="ranks (comma list) that wait for a rendezvous that never comes")
     return p.parse_args(argv)
 
 
@@ -112,6 +115,11 @@ def worker(args, rank: int) -> int:
     signal.signal(signal.SIGTERM, signal.SIG_IGN if args.ignore_term else on_term)
     if args.grandchildren:
         leave_sleeper()
+    if str(rank) in args.never_start.split(","):
+        print(f"[rank{rank}]: waiting for the rendezvous at {args.rdzv_endpoint}", flush=True)
+        while not stop["flag"]:
+            time.sleep(0.1)
+        return EXIT_STOPPED
     emit({"kind": "phase", "rank": rank, "gpu": rank, "phase": "training", "resumed_from": args.resume_from})
     print(f"[rank{rank}]: starting at step {step} (resume={args.resume_from})", flush=True)
     faults = not (args.fail_until_resumed and resumed)
@@ -151,6 +159,9 @@ def worker(args, rank: int) -> int:
 
 
 def launcher(args, argv) -> int:
+    if args.rdzv_endpoint:
+        emit({"kind": "launch", "rank": None, "rdzv_endpoint": args.rdzv_endpoint, "nproc": args.ranks,
+              "device": "cpu", "ranks": [{"rank": r, "role": "drafter", "gpu": r} for r in range(args.ranks)]})
     children = {}
     for r in range(args.ranks):
         children[r] = subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv, "--rank", str(r)],
