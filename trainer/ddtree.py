@@ -140,7 +140,7 @@ def draft_tree(drafter, head, taps, seq: list[int], bonus: int, budget: int, dev
     candidates, each child's log-prob its softmax share of the selector's scores S(parent, ·)
     (hf_dflash.selector_scores) after its parent's token (the root's: the bonus), so the
     tree's first path is the selector's greedy walk (docs/dflash2.md)."""
-    sel = drafter.selector
+    sel = getattr(drafter, "selector", None)
     if sel is None:
         return build_tree(draft_logprobs(drafter, head, taps, seq, bonus, device), budget)
     h = draft_states(drafter, head, taps, seq, bonus, device)

@@ -3,7 +3,7 @@
 Each round: the drafter drafts a block from the committed prefix's tapped target states
 (the block is [bonus, MASK × (B-1)] at the next position; each slot's argmax, or for a
 DFlash2 drafter its path selector's walk from the bonus through each slot's top-k: the
-drafter's ``propose``, the export's modeling file's too), the target verifies the whole
+hf_dflash.propose, as the export's modeling file drafts), the target verifies the whole
 block in one forward, the longest prefix of drafts equal to the target's own greedy choice
 is accepted, and the target's token after it becomes the next bonus. τ = mean tokens
 committed per target forward (the bonus included), so τ ≥ 1 always, and the output equals
@@ -27,7 +27,7 @@ from contextlib import nullcontext
 
 import torch
 
-from trainer.hf_dflash import accept
+from trainer.hf_dflash import accept, propose
 
 EVAL_MAX_NEW = 64  # new tokens per prompt of the evaluation at each save
 
@@ -59,7 +59,7 @@ def speculative(target, drafter, head, prompt: list[int], max_new: int, device="
         keep = torch.ones(1, 1, dtype=torch.bool, device=device)
         with autocast:
             h = drafter(taps, head.embed_blocks(ids, anchors, B, mask_id), anchors, keep)
-            draft = drafter.propose(h[0, 1:], head.lm_head, bonus)
+            draft = propose(h[0, 1:], head.lm_head, bonus, getattr(drafter, "selector", None))
         before = copy.deepcopy(cache)  # the committed prefix's state, for the roll-back
         block_taps, logits, cache = target.forward_cached(torch.tensor([[bonus] + draft], device=device), cache)
         # target's choice for positions n+1 .. n+B; the export's spec_generate verifies alike
