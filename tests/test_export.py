@@ -42,10 +42,10 @@ def trainer(*argv, umask=None):
     return subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True)
 
 
-def documented_fields() -> list[tuple[str, str]]:
-    """(field, consumers) of every row of docs/export.md's config.json table."""
+def documented_fields(doc: str = "export.md") -> list[tuple[str, str]]:
+    """(field, consumers) of every row of docs/``doc``'s config.json table."""
     rows = []
-    for line in (ROOT / "docs" / "export.md").read_text().splitlines():
+    for line in (ROOT / "docs" / doc).read_text().splitlines():
         m = re.match(r"\| `([a-z_.A-Z]+)` \| [^|]+ \| (.+) \|$", line)
         if m:
             rows.append((m.group(1), m.group(2)))
@@ -200,3 +200,75 @@ def test_sliding_layers_are_written_generically_and_masked_as_documented():
     assert win[0, :6].tolist() == [False, False, False, False, True, True]
     assert win[3, :6].tolist() == [False] * 6
     assert win[:, 6:].tolist() == torch.ones(4, 4, dtype=torch.bool).tril().tolist()
+
+
+# -- DFlash2 (docs/dflash2.md): the fields and tensor names its loaders read, and a reload
+
+@pytest.fixture(scope="module")
+def run2(tmp_path_factory, run):
+    out = str(tmp_path_factory.mktemp("export-dflash2") / "out")
+    p = trainer(*base_args(run["target"], run["data"], out, "--from-scratch", "--max-steps", "3",
+                           "--drafter-arch", "dflash2", "--lr", "1e-2"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    return {**run, "out": out}
+
+
+def test_a_dflash2_export_holds_every_field_docs_dflash2_md_lists_and_the_published_tensor_names(run2, tmp_path):
+    from safetensors import safe_open
+
+    from trainer import arch
+
+    dest = tmp_path / "exp"
+    assert trainer("export", "--checkpoint", run2["out"], "--out", str(dest)).returncode == 0
+    cfg = json.loads((dest / "config.json").read_text())
+    rows = documented_fields("dflash2.md")
+    assert len(rows) >= 9
+    for field, _ in rows + documented_fields():  # DFlash2's fields, and every DFlash field still there
+        lookup(cfg, field)
+    assert cfg["architectures"] == ["DFlash2DraftModel"]
+    assert cfg["auto_map"] == {"AutoModel": "modeling_dflash.DFlash2DraftModel"}
+    fl = cfg["dflash_config"]
+    assert {k: fl[k] for k in arch.DFLASH2_FIELDS} == {"conv_kernel_size": 2, "conv_group_size": 16,
+                                                        "selector_rank": 256, "selector_top_k": 16}
+    assert fl["block_size"] == cfg["block_size"] == 8 and "is_causal" not in cfg
+    H, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    want = {"candidate_selector.predecessor_codebook": [V, 256], "candidate_selector.successor_codebook": [V, 256],
+            "candidate_selector.hidden_projection.weight": [256, H]}
+    for i in range(L):
+        for conv in ("attention_conv", "mlp_conv"):
+            want[f"layers.{i}.{conv}.base_kernel"] = [2, 2, H]
+            want[f"layers.{i}.{conv}.kernel_projection.weight"] = [4 * H // 16, H]
+    with safe_open(str(dest / "model.safetensors"), framework="pt") as f:
+        shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert {k: shapes.get(k) for k in want} == want
+    dflash = json.loads((Path(run2["root"]) / "out" / "step_4" / "drafter" / "config.json").read_text())
+    assert {k for k in shapes if not arch.is_dflash2_only(k)} == set(_tensor_names(Path(run2["root"]) / "out" / "step_4"))
+    assert dflash["architectures"] == ["DFlashDraftModel"]
+    card = (dest / "README.md").read_text()
+    assert "# DFlash2 drafter, step 3" in card and "conv_kernel_size 2, conv_group_size 16" in card
+
+
+def _tensor_names(step_dir: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(step_dir / "drafter" / "model.safetensors"), framework="pt") as f:
+        return list(f.keys())
+
+
+def test_a_dflash2_export_reloads_in_our_loader_with_the_masters_and_their_drafts(run2, tmp_path):
+    from trainer.data import PreparedData
+    from trainer.evaluate import prompts_from, speculative
+    from trainer.model import Drafter, FrozenHead
+    from trainer.target import Target
+
+    dest = tmp_path / "exp32"
+    assert trainer("export", "--checkpoint", run2["out"], "--out", str(dest), "--dtype", "fp32").returncode == 0
+    masters = ckpt_io.load_drafter(os.path.join(run2["out"], "step_3")).eval()
+    back = Drafter.from_pretrained(str(dest)).eval()
+    assert back.config == masters.config and back.config.arch == "dflash2"
+    for name, t in masters.state_dict().items():
+        assert torch.equal(back.state_dict()[name], t), name
+    target = Target(run2["target"], back.config.target_layer_ids, "cpu", torch.float32)
+    head = FrozenHead(target.embed, target.lm_head)
+    for p in prompts_from(PreparedData(run2["data"]), 3):
+        assert speculative(target, back, head, p, 16) == speculative(target, masters, head, p, 16)

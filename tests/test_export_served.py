@@ -5,6 +5,10 @@ trust_remote_code=True, dtype="auto")`` beside the target, and decodes held-out 
 through the export's own modeling file. Its drafts must be the trainer's evaluator's
 (trainer/evaluate.py) token for token and round for round — so the same τ — and lossless.
 
+Both architectures: a DFlash export loads the export's ``DFlashDraftModel``, a DFlash2 export
+(--drafter-arch dflash2) its ``DFlash2DraftModel`` — convolutions and path selector through
+the same modeling file, drafting by the selector's walk (docs/dflash2.md).
+
 Losslessness is asserted in fp32 (the same export loaded with ``dtype=torch.float32``): in
 bf16 this random-weight tiny target has logit near-ties that make greedy decoding itself
 depend on the sequence length of the forward (the evaluator's own block decoding differs
@@ -49,17 +53,18 @@ print(json.dumps({"class": type(draft).__module__ + "." + type(draft).__name__, 
 """
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
+@pytest.fixture(scope="module", params=["dflash", "dflash2"])
+def served(tmp_path_factory, request):
     from trainer.__main__ import main
     from trainer.data import PreparedData
     from trainer.evaluate import prompts_from
 
-    root = tmp_path_factory.mktemp("served")
+    root = tmp_path_factory.mktemp(f"served-{request.param}")
     target, data = tiny_setup(str(root))
     out = str(root / "out")
     assert main(base_args(target, data, out, "--from-scratch", "--max-steps", "40", "--epochs", "6", "--lr", "1e-2",
-                          "--block-size", "4", "--eval-prompts", str(PROMPTS), "--save-interval", "40")) == 0
+                          "--block-size", "4", "--eval-prompts", str(PROMPTS), "--save-interval", "40",
+                          "--drafter-arch", request.param)) == 0
     export = root / "export"
     assert main(["export", "--checkpoint", out, "--out", str(export)]) == 0  # bf16 by default
     prompts = prompts_from(PreparedData(data), PROMPTS)  # the held-out prompts of the run
@@ -76,7 +81,7 @@ def served(tmp_path_factory):
         return json.loads(p.stdout.strip().splitlines()[-1])
 
     return {"target": target, "export": export, "prompts": prompts, "proof": proof, "auto": decode("auto"),
-            "fp32": decode("float32")}
+            "fp32": decode("float32"), "arch": request.param}
 
 
 def evaluator(served, dtype):
@@ -102,8 +107,9 @@ def tau(runs):
 
 def test_the_clean_venv_holds_nothing_of_this_project(served):
     assert served["proof"]["ours"] == {m: False for m in ("trainer", "agent", "controller", "sim", "bench")}
+    name = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}[served["arch"]]
     assert served["auto"]["class"].startswith("transformers_modules.") and served["auto"]["class"].endswith(
-        "modeling_dflash.DFlashDraftModel")  # the export's own modeling file, not a built-in Qwen3Model
+        f"modeling_dflash.{name}")  # the export's own modeling file, not a built-in Qwen3Model
 
 
 def test_export_loads_with_dtype_auto_beside_a_bf16_target_with_no_missing_or_unexpected_keys(served):

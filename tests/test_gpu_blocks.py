@@ -164,13 +164,16 @@ def test_memory_model_monotone_and_fits_logic():
 
 # ---------------------------------------------------------------- chunked drafter step
 
-@pytest.mark.parametrize("attn,soft,cap,weights,window", [
-    ("sdpa", False, 0.0, "decay", None), ("sdpa", True, 0.2, "decay", None), ("sdpa", False, 0.0, "dpace", None),
-    ("sdpa", True, 0.2, "dpace", None),
-    ("sdpa", False, 0.0, "decay", 7), ("sdpa", True, 0.2, "dpace", 7)])  # a sliding layer before a full one
-def test_fast_drafter_step_matches_dense_reference(attn, soft, cap, weights, window):  # flex has no CPU backward
+@pytest.mark.parametrize("attn,soft,cap,weights,window,arch", [
+    ("sdpa", False, 0.0, "decay", None, "dflash"), ("sdpa", True, 0.2, "decay", None, "dflash"),
+    ("sdpa", False, 0.0, "dpace", None, "dflash"), ("sdpa", True, 0.2, "dpace", None, "dflash"),
+    ("sdpa", False, 0.0, "decay", 7, "dflash"), ("sdpa", True, 0.2, "dpace", 7, "dflash"),  # a sliding layer before a full one
+    # DFlash2: convolutions and selector away from their identity start, the selector term on
+    ("sdpa", False, 0.0, "decay", None, "dflash2"), ("sdpa", True, 0.2, "dpace", 7, "dflash2")])
+def test_fast_drafter_step_matches_dense_reference(attn, soft, cap, weights, window, arch):  # flex has no CPU backward
     """The chunked step against the reference step's math, unchunked, in fp64: trainer/
-    model.py's Drafter.forward under the dense mask + trainer/loss.py's dflash_loss."""
+    model.py's Drafter.forward under the dense mask + trainer/loss.py's dflash_loss (with
+    DFlash2's selector term for a DFlash2 drafter)."""
     from trainer import fast_drafter as fd
     from trainer.loss import LossConfig, dflash_loss
     from trainer.model import Drafter, DrafterConfig
@@ -181,7 +184,8 @@ def test_fast_drafter_step_matches_dense_reference(attn, soft, cap, weights, win
     cfg = DrafterConfig(hidden_size=H, intermediate_size=I, num_attention_heads=nh, num_key_value_heads=nkv,
                         head_dim=hd, rms_norm_eps=1e-6, rope_theta=1e6, vocab_size=V, num_hidden_layers=nl,
                         num_target_layers=6, target_layer_ids=list(range(nt)), block_size=B, mask_token_id=V - 1,
-                        layer_types=["sliding_attention", "full_attention"] if window else None, sliding_window=window)
+                        layer_types=["sliding_attention", "full_attention"] if window else None, sliding_window=window,
+                        arch=arch)
     d = Drafter(cfg).double()
     for p in d.parameters():  # non-trivial norm weights too
         p.data.add_(0.1 * torch.randn_like(p))
@@ -199,12 +203,15 @@ def test_fast_drafter_step_matches_dense_reference(attn, soft, cap, weights, win
                       kl_weight=0.3, kl_temperature=2.0, cap_lambda=cap)
     blocks = torch.nn.functional.embedding(torch.cat([ids.gather(1, anchors)[:, :, None],
                                                       torch.full((b, N, B - 1), V - 1)], -1).view(b, -1), embed)
-    ref = dflash_loss(lcfg, d(taps, blocks, anchors, keep, "sdpa"), head, ids, lm, lengths, anchors, keep, teacher)
+    lcfg.selector_weight = 0.6
+    scorer = d.selector_scores if d.selector else None
+    ref = dflash_loss(lcfg, d(taps, blocks, anchors, keep, "sdpa"), head, ids, lm, lengths, anchors, keep, teacher,
+                      selector=scorer, top_k=cfg.selector_top_k)
     ref.loss.backward()
     g_ref = {n: p.grad.clone() for n, p in d.named_parameters()}
     d.zero_grad()
     kw = dict(block_size=B, mask_token_id=V - 1, gamma=3.0, cap_lambda=cap, kl_weight=0.3 if soft else 0.0,
-              temperature=2.0, teacher_final=teacher, position_weights=weights, dpace_alpha=0.3)
+              temperature=2.0, teacher_final=teacher, position_weights=weights, dpace_alpha=0.3, selector_weight=0.6)
     out = fd.step_backward(d, embed, head, ids, taps, lm, lengths, anchors, keep, chunk_anchors=2,
                            head_chunk_rows=6, dtype=torch.float64, attn=attn, ctx_multiple=8, **kw)
     assert abs(float(out["loss"]) - float(ref.loss.detach())) < 1e-9
@@ -215,6 +222,11 @@ def test_fast_drafter_step_matches_dense_reference(attn, soft, cap, weights, win
         assert abs(float(out[term]) - float(getattr(ref, term))) < 1e-9, term
     assert torch.equal(out["valid"], ref.acc_count.float())
     assert torch.allclose(out["correct"], (ref.acc * ref.acc_count).float())
+    assert abs(float(out["sel"]) - float(ref.sel)) < 1e-9
+    assert torch.equal(out["sel_correct"], ref.sel_correct.float()) and torch.equal(out["covered"], ref.covered.float())
+    if arch == "dflash2":  # the selector term is really in both, and reaches the selector and the convolutions
+        assert float(ref.sel) > 0 and ref.covered.sum() > 0
+        assert all(g_ref[n].abs().sum() > 0 for n in g_ref if "candidate_selector" in n or "_conv." in n)
 
 
 # ---------------------------------------------------------------- fast target

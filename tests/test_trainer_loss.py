@@ -155,3 +155,57 @@ def test_anchor_sampling():
         counts[a[0][k[0]]] += 1
     assert counts[:5].sum() == 0 and counts[17:].sum() == 0
     assert counts[5:17].min() > 0.6 * counts[5:17].mean()
+
+
+# -- DFlash2's selector term (docs/dflash2.md), against plain loops
+
+def direct_selector(cfg, sel, top_k, out, head, ids, lm, lengths, anchors, keep):
+    """μ·Σ w·nll / Σ w over valid slots whose true token is among the top-k of the drafter's
+    logits; nll is the CE over those k of U(b) + <A[x[a+k-1]] * P h, B[b]>; plus, per slot,
+    the teacher-forced hits and the covered slots."""
+    b, N = anchors.shape
+    h = out.view(b, N, B, H)
+    num, den = 0.0, 0.0
+    hits, covered = [0] * (B - 1), [0] * (B - 1)
+    for s in range(b):
+        for i in range(N):
+            a = int(anchors[s, i])
+            for k in range(1, B):
+                if not (bool(keep[s, i]) and a + k < int(lengths[s]) and bool(lm[s, a + k])):
+                    continue
+                w = math.exp(-(k - 1) / cfg.gamma)
+                den += w
+                z = head @ h[s, i, k]
+                cand = z.detach().topk(top_k).indices.tolist()
+                label, prev = int(ids[s, a + k]), int(ids[s, a + k - 1])
+                gate = sel.predecessor_codebook[prev] * (sel.hidden_projection.weight @ h[s, i, k])
+                scores = torch.stack([z[c] + gate @ sel.successor_codebook[c] for c in cand])
+                hits[k - 1] += cand[int(scores.argmax())] == label
+                if label in cand:
+                    covered[k - 1] += 1
+                    num = num + w * -torch.log_softmax(scores, -1)[cand.index(label)]
+    return cfg.selector_weight * num / den, num / den, hits, covered
+
+
+def test_selector_term_matches_direct_computation():
+    from trainer.hf_dflash import DFlashCandidateSelector
+
+    out, head, ids, lm, lengths, anchors, keep, final = case(5)
+    torch.manual_seed(0)
+    sel = DFlashCandidateSelector(V, H, rank=3, top_k=4).double()
+    for p in sel.parameters():  # away from the identity start, so the pair term matters
+        p.data.normal_()
+    cfg = LossConfig(block_size=B, gamma=3.0, selector_weight=0.7)
+    got = dflash_loss(cfg, out, head, ids, lm, lengths, anchors, keep, selector=sel.scores, top_k=4)
+    base = dflash_loss(cfg, out, head, ids, lm, lengths, anchors, keep)
+    extra, term, hits, covered = direct_selector(cfg, sel, 4, out, head, ids, lm, lengths, anchors, keep)
+    torch.testing.assert_close(got.loss, base.loss + extra, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(got.sel, term.detach(), atol=1e-10, rtol=1e-10)
+    assert got.sel_correct.tolist() == hits and got.covered.tolist() == covered and 0 < sum(covered) < sum(got.acc_count)
+    # the selector term's gradient reaches the drafter's states and every selector weight
+    params = [out, *sel.parameters()]
+    g1 = torch.autograd.grad(got.loss - base.loss, params)
+    g2 = torch.autograd.grad(extra, params)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8)
+        assert a.abs().sum() > 0

@@ -532,3 +532,31 @@ def test_probe_capacity_must_be_a_positive_figure(tiny_target, tmp_path, capsys)
 
     assert main(_probe_argv(tiny_target, tmp_path, "--probe-memory", "--probe-capacity-mib", "0")) == flags.EXIT_USAGE
     assert "--probe-capacity-mib 0: give the memory to check against in MiB" in capsys.readouterr().err
+
+
+def test_a_dflash2_drafters_parameters_and_memory_are_counted_from_what_the_trainer_builds(tmp_path):
+    """--drafter-arch dflash2: the memory model and the checkpoint-size prediction count the
+    convolutions and the selector (trainer/arch.py) exactly as trainer/model.py builds them,
+    and the plan holds them (16 B/param more state, a larger chunk)."""
+    import torch
+
+    from trainer import ckptsize
+    from trainer.model import Drafter, DrafterConfig
+
+    cfg = {**QWEN3_8B_CONFIG, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "intermediate_size": 128, "num_hidden_layers": 6, "vocab_size": 320, "model_type": "qwen3"}
+    with torch.device("meta"):  # shapes only
+        counts = {a: sum(p.numel() for p in Drafter(DrafterConfig.from_target(cfg, 3, 8, 319, drafter_arch=a)).parameters())
+                  for a in ("dflash", "dflash2")}
+    for a, n in counts.items():
+        spec_a = budget_mod.run_spec(values(num_draft_layers=3, block_size=8, drafter_arch=a), cfg, "drafter", 8192)
+        assert mm.drafter_params(spec_a) == n, a
+        assert ckptsize.drafter_params(cfg, 3, drafter_arch=a)[0] == n, a
+    assert counts["dflash2"] > counts["dflash"]
+    v = values(drafter_arch="dflash2")
+    one, two = (mm.predict(budget_mod.run_spec(values(), QWEN3_8B_CONFIG, "drafter", 49152)),
+                mm.predict(budget_mod.run_spec(v, QWEN3_8B_CONFIG, "drafter", 49152)))
+    extra = mm.drafter_params(two.spec) - mm.drafter_params(one.spec)
+    assert extra == 5 * 2 * (2 * 2 * 4096 + 4096 * 4 * 256) + 2 * 151936 * 256 + 4096 * 256  # 121 M at 8B widths
+    assert two.terms["drafter_state"] - one.terms["drafter_state"] == 16 * extra
+    assert two.terms["activations"] > one.terms["activations"] and two.allocated > one.allocated

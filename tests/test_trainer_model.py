@@ -1,6 +1,7 @@
 """The drafter's attention mask and math: no block sees its own future hidden states or
 another block (the SpecForge #470 leak), and the batched drafter equals a plain per-block
-reference written here independently."""
+reference written here independently — for DFlash and for DFlash2 (its in-block
+convolutions with non-trivial weights included; docs/dflash2.md)."""
 
 import math
 
@@ -12,15 +13,20 @@ from trainer.model import Drafter, DrafterConfig, FrozenHead, build_target_layer
 B = 8  # block size
 
 
-def tiny_drafter(seed=0):
+ARCHS = ["dflash", "dflash2"]
+
+
+def tiny_drafter(seed=0, arch="dflash"):
     torch.manual_seed(seed)
     cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                         head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=64, num_hidden_layers=2,
-                        num_target_layers=6, target_layer_ids=[1, 3], block_size=B, mask_token_id=63)
+                        num_target_layers=6, target_layer_ids=[1, 3], block_size=B, mask_token_id=63, arch=arch)
     model = Drafter(cfg).double().eval()
-    for p in model.parameters():  # non-trivial norms so a wrong norm placement shows
+    for n, p in model.named_parameters():  # non-trivial norms so a wrong norm placement shows
         if p.dim() == 1:
             p.data.uniform_(0.5, 1.5)
+        elif "_conv." in n:  # and convolutions away from their identity start, so both taps act
+            p.data.add_(0.3 * torch.randn_like(p))
     head = FrozenHead(torch.randn(64, 32, dtype=torch.float64), torch.randn(64, 32, dtype=torch.float64))
     return model, head
 
@@ -60,6 +66,20 @@ def _rope(x, pos, theta):  # x [heads, N, D]; rotate pairs (i, i + D/2) by pos·
     return out
 
 
+def _conv(x, conv, side, h_in):
+    """One side of a DFlash2 sublayer convolution, per block position t and channel:
+    Σ_tap (base[side, tap] + the group's dynamic tap from the sublayer input h_in) · x[t − tap]."""
+    taps, G = conv.base_kernel.shape[1], x.shape[-1] // 16
+    dyn = (h_in @ conv.kernel_projection.weight.T).view(len(x), 2, taps, G)
+    out = torch.zeros_like(x)
+    for t in range(len(x)):
+        for tap in range(taps):
+            if t - tap >= 0:  # never across the block's start
+                k = conv.base_kernel[side, tap] + dyn[t, side, tap].repeat_interleave(16)
+                out[t] += k * x[t - tap]
+    return out
+
+
 def reference_block(model, head, taps_row, anchor_token, a):
     c = model.config
     ctx = _rms(taps_row[:a] @ model.fc.weight.T, model.hidden_norm.weight)  # only positions < a exist here
@@ -69,6 +89,10 @@ def reference_block(model, head, taps_row, anchor_token, a):
     for layer in model.layers:
         at = layer.self_attn
         xn = _rms(x, layer.input_layernorm.weight)
+        conv = getattr(layer, "attention_conv", None)
+        h_in = xn
+        if conv is not None:
+            xn = _conv(xn, conv, 0, h_in)
         kv = torch.cat([ctx, xn])
         q = (xn @ at.q_proj.weight.T).view(B, c.num_attention_heads, c.head_dim).transpose(0, 1)
         k = (kv @ at.k_proj.weight.T).view(len(kv), c.num_key_value_heads, c.head_dim).transpose(0, 1)
@@ -79,16 +103,22 @@ def reference_block(model, head, taps_row, anchor_token, a):
             kh = h // (c.num_attention_heads // c.num_key_value_heads)
             att = torch.softmax(q[h] @ k[kh].T / math.sqrt(c.head_dim), dim=-1)  # no mask: everything here is visible
             heads.append(att @ v[kh])
-        x = x + torch.cat(heads, dim=-1) @ at.o_proj.weight.T
+        o = torch.cat(heads, dim=-1) @ at.o_proj.weight.T
+        x = x + (o if conv is None else _conv(o, conv, 1, h_in))
         xn = _rms(x, layer.post_attention_layernorm.weight)
+        conv, h_in = getattr(layer, "mlp_conv", None), xn
+        if conv is not None:
+            xn = _conv(xn, conv, 0, h_in)
         m = layer.mlp
-        x = x + (torch.nn.functional.silu(xn @ m.gate_proj.weight.T) * (xn @ m.up_proj.weight.T)) @ m.down_proj.weight.T
+        o = (torch.nn.functional.silu(xn @ m.gate_proj.weight.T) * (xn @ m.up_proj.weight.T)) @ m.down_proj.weight.T
+        x = x + (o if conv is None else _conv(o, conv, 1, h_in))
     return _rms(x, model.norm.weight)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("impl", ["sdpa", "flex"])
-def test_drafter_equals_per_block_reference(impl):
-    model, head = tiny_drafter()
+def test_drafter_equals_per_block_reference(impl, arch):
+    model, head = tiny_drafter(arch=arch)
     taps, ids, anchors, keep = inputs()
     out = run(model, head, taps, ids, anchors, keep, impl)
     for b in range(2):
@@ -100,9 +130,10 @@ def test_drafter_equals_per_block_reference(impl):
             torch.testing.assert_close(out[b, i], ref, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("impl", ["sdpa", "flex"])
-def test_no_mask_leak_from_future_states_or_other_blocks(impl):
-    model, head = tiny_drafter()
+def test_no_mask_leak_from_future_states_or_other_blocks(impl, arch):
+    model, head = tiny_drafter(arch=arch)
     taps, ids, anchors, keep = inputs()
     base = run(model, head, taps, ids, anchors, keep, impl)
     g = torch.Generator().manual_seed(7)
@@ -142,11 +173,89 @@ def test_target_layer_ids_follow_the_reference_rule():
     assert build_target_layer_ids(36, 1) == [18]
 
 
-def test_export_round_trips(tmp_path):
-    model, _ = tiny_drafter()
+@pytest.mark.parametrize("arch", ARCHS)
+def test_export_round_trips(tmp_path, arch):
+    model, _ = tiny_drafter(arch=arch)
     model.float().save_pretrained(str(tmp_path / "drafter"))
     back = Drafter.from_pretrained(str(tmp_path / "drafter"))
     assert back.config == model.config
     for (n1, p1), (n2, p2) in zip(model.state_dict().items(), back.state_dict().items()):
         assert n1 == n2 and torch.equal(p1, p2)
     assert "layers.0.self_attn.q_proj.weight" in back.state_dict() and "fc.weight" in back.state_dict()
+
+
+# -- DFlash2's additions (docs/dflash2.md)
+
+def test_dflash2_tensors_have_the_published_names_and_shapes():
+    """The tensor contract of z-lab's released DFlash2 drafter (tests/fixtures/
+    dflash2-safetensors-header.json there: hidden 6656 → kernel_projection [1664, 6656])
+    at this drafter's widths, and the parameter count trainer/arch.py predicts."""
+    from trainer import arch
+
+    model, _ = tiny_drafter(arch="dflash2")
+    shapes = {n: tuple(p.shape) for n, p in model.state_dict().items()}
+    H, V = 32, 64
+    for i in range(2):
+        for conv in ("attention_conv", "mlp_conv"):
+            assert shapes[f"layers.{i}.{conv}.base_kernel"] == (2, 2, H)
+            assert shapes[f"layers.{i}.{conv}.kernel_projection.weight"] == (2 * 2 * H // 16, H)
+    assert shapes["candidate_selector.predecessor_codebook"] == (V, 256)
+    assert shapes["candidate_selector.successor_codebook"] == (V, 256)
+    assert shapes["candidate_selector.hidden_projection.weight"] == (256, H)
+    dflash, _ = tiny_drafter(arch="dflash")
+    extra = {n for n in shapes if n not in dflash.state_dict()}
+    assert extra == {n for n in shapes if arch.is_dflash2_only(n)} and len(extra) == 11
+    assert sum(p.numel() for p in model.parameters()) - sum(p.numel() for p in dflash.parameters()) == \
+        arch.extra_params(H, V, 2)[0]
+
+
+def test_a_fresh_dflash2_drafter_shares_dflash_weights_and_drafts_what_dflash_drafts():
+    """Same --seed: the same DFlash weights, the additions at their identity start (unit self
+    tap, zero correction, zero successor codebook), so the same block states and drafts."""
+    cfg = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+               rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=64, num_hidden_layers=2, num_target_layers=6,
+               target_layer_ids=[1, 3], block_size=B, mask_token_id=63)
+    torch.manual_seed(3)
+    d1 = Drafter(DrafterConfig(**cfg)).double().eval()
+    torch.manual_seed(3)
+    d2 = Drafter(DrafterConfig(**cfg, arch="dflash2")).double().eval()
+    head = FrozenHead(torch.randn(64, 32, dtype=torch.float64), torch.randn(64, 32, dtype=torch.float64))
+    taps, ids, anchors, keep = inputs()
+    h1, h2 = run(d1, head, taps, ids, anchors, keep), run(d2, head, taps, ids, anchors, keep)
+    assert torch.equal(h1, h2)
+    for b in range(2):
+        for i in range(3):
+            anchor = int(ids[b, anchors[b, i]])
+            assert d2.propose(h2[b, i, 1:], head.lm_head, anchor) == d1.propose(h1[b, i, 1:], head.lm_head, anchor)
+
+
+def test_the_selector_walk_follows_the_pair_scores_from_the_anchor():
+    """The greedy walk against the formula: at each slot the top-k candidate maximising
+    U(b) + <A[prev] * P h, B[b]>, prev starting at the anchor and then the token chosen."""
+    model, head = tiny_drafter(arch="dflash2")
+    sel = model.candidate_selector
+    with torch.no_grad():  # a selector that overrules the argmax
+        for p in sel.parameters():
+            p.normal_(std=1.0)
+    taps, ids, anchors, keep = inputs()
+    h = run(model, head, taps, ids, anchors, keep)[0, 1, 1:]
+    logits = h @ head.lm_head.T
+    prev, want = 17, []
+    for i in range(B - 1):
+        unary, cand = logits[i].topk(16)
+        gate = sel.predecessor_codebook[prev] * (sel.hidden_projection.weight @ h[i])
+        scores = unary + sel.successor_codebook[cand] @ gate
+        prev = int(cand[int(scores.argmax())])
+        want.append(prev)
+    assert model.propose(h, head.lm_head, 17) == want
+    assert want != logits.argmax(-1).tolist()  # the selector changed the drafts here
+
+
+def test_a_dflash2_drafter_refuses_widths_its_shape_cannot_take():
+    cfg = dict(hidden_size=40, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+               rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=64, num_hidden_layers=2, num_target_layers=6,
+               target_layer_ids=[1, 3], block_size=B, mask_token_id=63, arch="dflash2")
+    with pytest.raises(ValueError, match="hidden size 40 is not a multiple of the convolution group 16"):
+        DrafterConfig(**cfg)
+    with pytest.raises(ValueError, match="selector top-k 16 is outside the vocabulary 1..8"):
+        DrafterConfig(**{**cfg, "hidden_size": 32, "vocab_size": 8, "mask_token_id": 7})

@@ -55,6 +55,22 @@ GOLDEN_RUNS = {
 }
 
 
+# DFlash2 (--drafter-arch dflash2, decay weights, the same flags), recorded with torch 2.13 CPU
+# by the reference step when DFlash2 was added; the chunked step must agree. Its first step's
+# ce is DFlash's (5.77083): same --seed, same DFlash weights, convolutions and selector at
+# their identity start. ``sel`` is the selector term, ``recall`` the share of labelled slots
+# whose true token was among the top-16 candidates.
+GOLDEN_DFLASH2 = {"loss": [5.44561, 5.2309, 5.31092, 5.30995, 5.28264, 5.34614],
+                  "grad_norm": [4.9041, 3.7505, 6.5383, 8.0322, 5.5411, 5.1148],
+                  "ce": [5.77083, 5.69991, 5.84334, 5.12887, 5.71812, 5.66275],
+                  "kl": [0.66766, 0.60442, 0.54725, 0.50724, 0.51774, 0.54023],
+                  "cap": [0.99924, 0.99933, 0.99946, 0.99877, 0.9994, 0.9985],
+                  "sel": [0.34033, 0.19538, 0.16205, 0.77445, 0.24463, 0.35192],
+                  "recall": [0.1027, 0.0748, 0.0541, 0.2767, 0.0921, 0.1408],
+                  "last_acc": [0.0833, 0.0435, 0.0476, 0.0, 0.0526, 0.0, 0.0],
+                  "last_sel_acc": [0.0833, 0.0435, 0.0476, 0.0, 0.0526, 0.0, 0.0]}
+
+
 @pytest.mark.parametrize("weights", ["decay", "dpace"])
 @pytest.mark.parametrize("step", ["reference", "chunked"])
 def test_golden_loss_trajectory(tiny, tmp_path, step, weights):
@@ -67,6 +83,28 @@ def test_golden_loss_trajectory(tiny, tmp_path, step, weights):
     for name in ("loss", "grad_norm", "ce", "kl", "cap"):
         assert [e[name] for e in got] == pytest.approx(want[name], abs=1e-4), name
     assert got[-1]["acc"] == pytest.approx(want["last_acc"], abs=1e-4)
+
+
+@pytest.mark.parametrize("step", ["reference", "chunked"])
+def test_golden_loss_trajectory_dflash2(tiny, tmp_path, step):
+    out = str(tmp_path / "out")
+    rc = main(base_args(tiny["target"], tiny["data"], out, "--from-scratch", "--max-steps", "6",
+                        "--use-soft-labels", "--cap-lambda", "0.1", "--noise-start", "0.05", "--noise-end", "0.01",
+                        "--drafter-step", step, "--drafter-arch", "dflash2"))
+    assert rc == 0
+    got, want = step_events(out), GOLDEN_DFLASH2
+    for name in ("loss", "grad_norm", "ce", "kl", "cap", "sel", "recall"):
+        assert [e[name] for e in got] == pytest.approx(want[name], abs=1e-4), name
+    assert got[-1]["acc"] == pytest.approx(want["last_acc"], abs=1e-4)
+    assert got[-1]["sel_acc"] == pytest.approx(want["last_sel_acc"], abs=1e-4)
+    assert want["ce"][0] == GOLDEN_RUNS["decay"]["ce"][0]  # the identity start, recorded twice
+    assert "sel" not in step_events_of_dflash(tiny, tmp_path)  # a DFlash run logs no selector terms
+
+
+def step_events_of_dflash(tiny, tmp_path) -> dict:
+    out = str(tmp_path / "dflash")
+    assert main(base_args(tiny["target"], tiny["data"], out, "--from-scratch", "--max-steps", "1")) == 0
+    return step_events(out)[0]
 
 
 def test_sigterm_then_resume_equals_straight_run(tiny, tmp_path):
@@ -187,3 +225,102 @@ def test_probe_memory_reports_a_peak_and_trains_nothing(tiny, tmp_path):
     assert len(probes) == 1 and probes[0]["peak_mib"] > 0 and probes[0]["fits"] is True
     assert probes[0]["batch"] == [4, 48] and probes[0]["anchors"] == 6
     assert not [e for e in events if e["kind"] == "step"] and not glob.glob(os.path.join(out, "step_*"))
+
+
+# -- DFlash2 from a DFlash checkpoint, and the refusals across architectures
+
+@pytest.fixture(scope="module")
+def dflash_ckpt(tiny, tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("dflash-ckpt") / "out")
+    assert main(base_args(tiny["target"], tiny["data"], out, "--from-scratch", "--max-steps", "3",
+                          "--lr", "1e-2")) == 0
+    return os.path.join(out, "step_3")
+
+
+def test_init_from_a_dflash_checkpoint_starts_a_dflash2_drafter_that_drafts_what_it_drafted(tiny, dflash_ckpt, tmp_path):
+    from trainer.data import PreparedData
+    from trainer.evaluate import prompts_from, speculative
+    from trainer.model import Drafter, DrafterConfig, FrozenHead
+    from trainer.target import Target
+
+    # accepted up front: the checkpoint's DFlash weights fit a DFlash2 drafter
+    argv = base_args(tiny["target"], tiny["data"], str(tmp_path / "d2"), "--init-from", dflash_ckpt,
+                     "--drafter-arch", "dflash2", "--max-steps", "2")
+    assert validate(flags.parse_args(argv)) == []
+    dflash = ckpt_io.load_drafter(dflash_ckpt).eval()
+    cfg = DrafterConfig.from_hf({**dflash.config.to_hf(), "architectures": ["DFlash2DraftModel"]})
+    d2 = Drafter(cfg)
+    ckpt_io.load_init_weights(d2, ckpt_io.init_weights(dflash_ckpt), dflash_ckpt)
+    d2.eval()
+    target = Target(tiny["target"], cfg.target_layer_ids, "cpu", torch.float32)
+    head = FrozenHead(target.embed, target.lm_head)
+    for p in prompts_from(PreparedData(tiny["data"]), 3):
+        assert speculative(target, d2, head, p, 16) == speculative(target, dflash, head, p, 16)
+    # and it trains from there: the selector term is in its step events, DFlash2 in its export
+    assert main(argv) == 0
+    first = step_events(str(tmp_path / "d2"))[0]
+    assert first["sel"] > 0 and first["recall"] is not None
+    export = json.load(open(tmp_path / "d2" / "step_2" / "drafter" / "config.json"))
+    assert export["architectures"] == ["DFlash2DraftModel"]
+
+
+def test_a_dflash2_checkpoint_cannot_init_a_dflash_drafter_nor_resume_across_architectures(tiny, dflash_ckpt, tmp_path, capsys):
+    d2 = str(tmp_path / "d2")
+    assert main(base_args(tiny["target"], tiny["data"], d2, "--from-scratch", "--max-steps", "1",
+                          "--drafter-arch", "dflash2")) == 0
+    capsys.readouterr()
+    refused = [
+        (["--init-from", os.path.join(d2, "step_1")],
+         "the checkpoint is a DFlash2 drafter; a DFlash drafter cannot take its in-block convolutions and path "
+         "selector: use --drafter-arch dflash2"),
+        (["--init-from", os.path.join(d2, "step_1", "drafter")], "is a DFlash2 drafter"),  # its export, too
+        (["--resume-from", dflash_ckpt, "--drafter-arch", "dflash2"],
+         "the checkpoint is a dflash drafter, this run --drafter-arch dflash2; resume with --drafter-arch dflash, "
+         "or start a DFlash2 drafter from it with --init-from"),
+        (["--resume-from", os.path.join(d2, "step_1")], "resume with --drafter-arch dflash2"),
+    ]
+    for extra, words in refused:
+        out = tmp_path / "new"
+        assert main(base_args(tiny["target"], tiny["data"], str(out), *extra)) == flags.EXIT_USAGE
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and words in err[0], err
+        assert not out.exists()  # nothing written
+
+
+def test_dflash2_block_and_tree_decoding_are_lossless_and_the_trees_first_path_is_the_selector_walk(tiny, dflash_ckpt):
+    from trainer.data import PreparedData
+    from trainer.ddtree import draft_states, draft_tree, speculative_tree
+    from trainer.evaluate import greedy, prompts_from, speculative
+    from trainer.model import Drafter, DrafterConfig, FrozenHead
+    from trainer.target import Target
+
+    dflash = ckpt_io.load_drafter(dflash_ckpt)
+    d2 = Drafter(DrafterConfig.from_hf({**dflash.config.to_hf(), "architectures": ["DFlash2DraftModel"]}))
+    ckpt_io.load_init_weights(d2, dflash.state_dict(), dflash_ckpt)
+    torch.manual_seed(0)
+    with torch.no_grad():  # a selector that really re-ranks (its trained start is the identity)
+        for p in d2.candidate_selector.parameters():
+            p.normal_(std=0.5)
+    d2.eval()
+    target = Target(tiny["target"], d2.config.target_layer_ids, "cpu", torch.float32)
+    head = FrozenHead(target.embed, target.lm_head)
+    changed = 0
+    for p in prompts_from(PreparedData(tiny["data"]), 3):
+        ref = greedy(target, p, 16)
+        assert speculative(target, d2, head, p, 16)[0] == ref
+        for budget in (4, 16):
+            assert speculative_tree(target, d2, head, p, 16, budget)[0] == ref
+        taps, logits = target.forward_logits(torch.tensor([p]))
+        bonus = int(logits[0, -1].argmax())
+        tokens, parents, depths = draft_tree(d2, head, taps, p, bonus, 32, "cpu")
+        walk = d2.propose(draft_states(d2, head, taps, p, bonus, "cpu"), head.lm_head, bonus)
+        cur, path = 0, []
+        while True:  # a node's best child is the first of its children the best-first tree took
+            kids = [i for i, q in enumerate(parents, start=1) if q == cur]
+            if not kids:
+                break
+            cur = kids[0]
+            path.append(tokens[cur - 1])
+        assert path == walk[:len(path)] and len(path) >= 2
+        changed += walk != dflash.propose(draft_states(dflash, head, taps, p, bonus, "cpu"), head.lm_head, bonus)
+    assert changed  # the selector drafted otherwise than the argmax somewhere

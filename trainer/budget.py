@@ -89,7 +89,8 @@ def run_spec(values, cfg: dict, role: str, token_budget: int, alloc_conf: str | 
         n_drafter_ranks=len(_gpus(values.get("drafter_gpus"))) or 1,
         # a split target rank makes its next micro-batch while the last one is still being sent
         resident_microbatches=2 if role == "target" else 1,
-        allocator=mm.allocator_of(runtime_env.ALLOC_CONF if alloc_conf is None else alloc_conf))
+        allocator=mm.allocator_of(runtime_env.ALLOC_CONF if alloc_conf is None else alloc_conf),
+        drafter_arch=values.get("drafter_arch") or "dflash")
 
 
 def predictions(values, cfg: dict, token_budget: int, alloc_conf: str | None = None) -> dict[str, mm.Prediction]:

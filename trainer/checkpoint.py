@@ -176,7 +176,7 @@ def load_drafter(path: str, device="cpu"):
     from trainer.model import Drafter, DrafterConfig
 
     ckpt = load(path, mmap=True)
-    drafter = Drafter(DrafterConfig.from_hf(ckpt["drafter_config"]))
+    drafter = Drafter(DrafterConfig.from_hf(ckpt["drafter_config"]))  # its architecture too (trainer/arch.py)
     drafter.load_state_dict(ckpt["model"])
     return drafter.to(device)
 
@@ -203,13 +203,52 @@ def init_weights(path: str) -> dict:
     return load(path)["model"]
 
 
+def load_init_weights(drafter, state: dict, path: str) -> None:
+    """--init-from: the checkpoint's weights into this run's drafter. A DFlash checkpoint may
+    start a DFlash2 drafter: its convolutions and selector, which the checkpoint lacks, keep
+    their identity start, so the new drafter first drafts exactly what the checkpoint did.
+    Anything else missing or extra is refused (compatibility_problems says so before any
+    loading; this is the last line of defence)."""
+    from trainer import arch
+
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    lacking = [k for k in missing if not arch.is_dflash2_only(k)]
+    if lacking or unexpected:
+        names = ", ".join((lacking + unexpected)[:3])
+        raise ValueError(f"--init-from {path}: its weights do not fit this drafter ({names}, …); "
+                         "check --drafter-arch and the drafter flags against the checkpoint")
+
+
+def arch_problems(theirs: dict, ours: dict, flag: str, where: str) -> list[str]:
+    """The drafter architecture (trainer/arch.py) of a checkpoint against this run's: equal
+    for --resume-from; --init-from may also take a DFlash checkpoint into a DFlash2 drafter."""
+    from trainer import arch
+
+    a, b = arch.of_config(theirs), arch.of_config(ours)
+    if a == b == arch.DFLASH2:
+        mine, yours = ours.get("dflash_config") or {}, theirs.get("dflash_config") or {}
+        diff = [f"{k} {yours.get(k)} vs {mine.get(k)}" for k in arch.DFLASH2_FIELDS if yours.get(k) != mine.get(k)]
+        return [f"{flag} {where}: the checkpoint's DFlash2 shape differs ({', '.join(diff)}); this trainer builds "
+                f"the published shape {arch.DFLASH2_SHAPE}"] if diff else []
+    if a == b or (flag == "--init-from" and a == arch.DFLASH):
+        return []
+    if flag == "--init-from":  # a DFlash2 checkpoint into a DFlash drafter: it would lose its convolutions
+        return [f"--init-from {where}: the checkpoint is a DFlash2 drafter; a DFlash drafter cannot take its "
+                "in-block convolutions and path selector: use --drafter-arch dflash2, or another checkpoint"]
+    return [f"--resume-from {where}: the checkpoint is a {a} drafter, this run --drafter-arch {b}; resume with "
+            f"--drafter-arch {a}" + (", or start a DFlash2 drafter from it with --init-from" if a == arch.DFLASH else "")]
+
+
 def compatibility_problems(meta: dict, *, block_size: int, num_draft_layers: int, target: dict,
                            target_layer_ids: list[int], flag: str, data_fingerprint: str | None = None,
                            drafter: dict | None = None) -> list[str]:
     """Why a checkpoint cannot start this run (one line each, naming the flag): the launch
     preflight's rule, agent/ckptcompat.py. ``drafter``: this run's drafter config
     (DrafterConfig.to_hf), whose attention layout must match."""
-    return ckptcompat.problems(meta, {"flag": flag, "path": meta.get("path"), "block_size": block_size,
+    problems = []
+    if drafter is not None:  # DFlash vs DFlash2 (trainer/arch.py)
+        problems += arch_problems(meta.get("drafter_config", {}), drafter, flag, meta.get("path", "the checkpoint"))
+    return problems + ckptcompat.problems(meta, {"flag": flag, "path": meta.get("path"), "block_size": block_size,
                                       "num_draft_layers": num_draft_layers, "target": target,
                                       "target_layer_ids": target_layer_ids, "data_fingerprint": data_fingerprint,
                                       "drafter": drafter})

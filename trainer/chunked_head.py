@@ -100,9 +100,10 @@ def _fns(device: torch.device):
 class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, teacher, loss_fn, chunk_blocks, temperature,
-                teacher_is_logits):
+                teacher_is_logits, top_k):
         nb, K, H = hidden.shape
         grad_hidden = torch.empty_like(hidden)
+        cand_all = torch.empty((nb, K, top_k), dtype=torch.long, device=hidden.device)
         stat_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         ce_all = hidden.new_empty((nb, K), dtype=stat_dtype)
         kl_all = None if teacher is None else hidden.new_empty((nb, K), dtype=stat_dtype)
@@ -138,6 +139,8 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             else:
                 g_kl = (grads[1] if grads[1] is not None else torch.zeros_like(kl_v)).reshape(-1).to(ce.dtype)
                 gz = grad_soft(logits, tl, lse, lse_s, lse_t, t, g_ce, g_kl, temperature, gdt)
+            if top_k:  # DFlash2's candidates: the slot's top-k of these same logits
+                cand_all[sl] = logits.topk(top_k, dim=-1).indices.view(n, K, top_k)
             del logits, tl
             grad_hidden[sl] = (gz @ w).view(n, K, H).to(hidden.dtype)
             del gz
@@ -147,23 +150,25 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 kl_all[sl] = kl.view(n, K)
             correct_all[sl] = correct.view(n, K)
         ctx.save_for_backward(grad_hidden)
-        ctx.mark_non_differentiable(ce_all, correct_all)
+        ctx.mark_non_differentiable(ce_all, correct_all, cand_all)
         if kl_all is not None:
             ctx.mark_non_differentiable(kl_all)
-        return total, ce_all, kl_all, correct_all
+        return total, ce_all, kl_all, correct_all, cand_all
 
     @staticmethod
     def backward(ctx, g_total, *_):
         (grad_hidden,) = ctx.saved_tensors
-        return (grad_hidden * g_total.to(grad_hidden.dtype), None, None, None, None, None, None, None)
+        return (grad_hidden * g_total.to(grad_hidden.dtype), None, None, None, None, None, None, None, None)
 
 
 def chunked_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                       loss_fn: LossFn, *, teacher: Optional[torch.Tensor] = None,
                       teacher_is_logits: bool = False, temperature: float = 1.0,
-                      chunk_rows: int = 4096):
+                      chunk_rows: int = 4096, top_k: int = 0):
     """Total loss (scalar, differentiable w.r.t. ``hidden``) and detached per-position
-    ce [nb, K], kl [nb, K] | None, correct (top-1 == target) [nb, K].
+    ce [nb, K], kl [nb, K] | None, correct (top-1 == target) [nb, K]; with ``top_k`` > 0 a
+    fifth value, each position's top-k token ids [nb, K, top_k] (best first: DFlash2's
+    candidates, taken from the logits the chunk already forms).
 
     hidden:  [n_blocks, K, H] drafter outputs after the final norm at the predicting slots
              (slots 1..B-1, so K = B − 1).
@@ -179,8 +184,9 @@ def chunked_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
         raise ValueError(f"hidden must be [n_blocks, K, H], got {tuple(hidden.shape)}")
     K = hidden.shape[1]
     chunk_blocks = max(1, int(chunk_rows) // K)
-    return _ChunkedHeadLoss.apply(hidden, weight, targets.long(), teacher, loss_fn, chunk_blocks,
-                                  float(temperature), bool(teacher_is_logits))
+    out = _ChunkedHeadLoss.apply(hidden, weight, targets.long(), teacher, loss_fn, chunk_blocks,
+                                 float(temperature), bool(teacher_is_logits), int(top_k))
+    return out if top_k else out[:4]
 
 
 @torch.no_grad()

@@ -35,11 +35,12 @@ BLOCK = 4096  # file sizes are rounded up to the file system block
 
 
 def drafter_params(target: Mapping[str, Any], num_draft_layers: int, n_taps: Optional[int] = None,
-                   attention: Optional[str] = None) -> tuple[int, int]:
+                   attention: Optional[str] = None, drafter_arch: str = "dflash") -> tuple[int, int]:
     """(parameters, tensors) of the drafter trainer/model.py builds for ``target`` (its
     config.json as a dict): the language model's widths, the family's drafter attention
-    (Qwen3.5/3.6: 32/8 × 128, not the target's; ``attention`` is --drafter-attention)."""
-    from trainer import family
+    (Qwen3.5/3.6: 32/8 × 128, not the target's; ``attention`` is --drafter-attention), and
+    DFlash2's convolutions and selector (``drafter_arch``, trainer/arch.py)."""
+    from trainer import arch, family
 
     text = family.text_config(dict(target))
     H = int(text["hidden_size"])
@@ -54,14 +55,19 @@ def drafter_params(target: Mapping[str, Any], num_draft_layers: int, n_taps: Opt
         per_layer += nh * hd + 2 * nkv * hd + H
         tensors_per_layer += 4
     params = n_taps * H * H + 2 * H + num_draft_layers * per_layer
-    return params, 3 + num_draft_layers * tensors_per_layer
+    tensors = 3 + num_draft_layers * tensors_per_layer
+    if drafter_arch == arch.DFLASH2:
+        more, more_tensors = arch.extra_params(H, int(text["vocab_size"]), num_draft_layers)
+        params, tensors = params + more, tensors + more_tensors
+    return params, tensors
 
 
 def checkpoint_bytes(target: Mapping[str, Any], values: Mapping[str, Any]) -> int:
     """Predicted size of one ``step_N/`` for the flag values ``values`` (flags.py dests)."""
     layers = int(values.get("num_draft_layers") or 5)
     ids = values.get("target_layer_ids")
-    params, tensors = drafter_params(target, layers, len(ids) if ids else None, values.get("drafter_attention"))
+    params, tensors = drafter_params(target, layers, len(ids) if ids else None, values.get("drafter_attention"),
+                                     values.get("drafter_arch") or "dflash")
     pt = 12 * params + tensors * PER_TENSOR_BYTES  # weights + 2 moments, and the records
     export = 2 * params + tensors * 128  # bf16 + the safetensors header's entry per tensor
     return _blocks(pt) + _blocks(export) + FIXED_BYTES

@@ -4,10 +4,13 @@ Romano, arXiv 2604.12989, ``liranringel/ddtree``), greedy (T = 0), for evaluatio
 One round:
 
 1. the drafter drafts a block from the committed prefix, as in evaluate.speculative, and
-   gives per-position log-probs for depths 1..B-1 (positions treated as independent);
-2. :func:`build_tree` grows a best-first tree from them: a node is a prefix of drafted
-   tokens scored by the sum of its per-position log-probs; the ``budget`` best prefixes
-   (depth ≤ B-1) become the tree. The root is the bonus token (not counted in the budget);
+   gives per-position log-probs for depths 1..B-1 (positions treated as independent; a
+   DFlash2 drafter's: over each slot's top-k, conditioned on the parent token by its path
+   selector, :func:`draft_tree`);
+2. :func:`build_tree` (:func:`grow_tree`) grows a best-first tree from them: a node is a
+   prefix of drafted tokens scored by the sum of its per-position log-probs; the ``budget``
+   best prefixes (depth ≤ B-1) become the tree. The root is the bonus token (not counted in
+   the budget);
 3. the target runs once over prefix + tree with an ancestor-only mask (a node sees the
    prefix, its ancestors and itself) at positions n + depth — so each node's logits are
    exactly the target's logits after its path;
@@ -38,28 +41,38 @@ def build_tree(logp: torch.Tensor, budget: int) -> tuple[list[int], list[int], l
     list index. Scores never increase along a child or a next sibling, so popping the heap
     yields prefixes in decreasing score order and the tree is the top-``budget`` prefixes.
     """
-    K = logp.shape[0]
     k = min(budget, logp.shape[1])
     vals, idx = logp.float().topk(k, dim=-1)
     vals, idx = vals.tolist(), idx.tolist()
+    return grow_tree(lambda depth, parent_token: (vals[depth - 1], idx[depth - 1]), logp.shape[0], budget)
+
+
+def grow_tree(children, max_depth: int, budget: int, root_token: int | None = None):
+    """The best-first tree of :func:`build_tree` for children that may depend on their parent:
+    ``children(depth, parent token)`` → (log-probs, best first; their tokens) of the nodes one
+    level down (depth 1: after the root, ``root_token``). A node's score is the sum of the
+    log-probs along its path; the ``budget`` best prefixes (depth ≤ ``max_depth``) are taken."""
     tokens: list[int] = []
     parents: list[int] = []
     depths: list[int] = []
+    below = {0: children(1, root_token)}  # per node: its children's (log-probs, tokens)
     # (−score, tie-break counter, depth, rank, parent node)
-    heap = [(-vals[0][0], 0, 1, 0, 0)]
+    heap = [(-below[0][0][0], 0, 1, 0, 0)]
     count = 1
     while heap and len(tokens) < budget:
         neg, _, d, r, parent = heapq.heappop(heap)
-        tokens.append(idx[d - 1][r])
+        vals, toks = below[parent]
+        tokens.append(toks[r])
         parents.append(parent)
         depths.append(d)
         node = len(tokens)
         score = -neg
-        if r + 1 < k:  # next sibling: same parent, next-best token at this depth
-            heapq.heappush(heap, (-(score - vals[d - 1][r] + vals[d - 1][r + 1]), count, d, r + 1, parent))
+        if r + 1 < len(vals):  # next sibling: same parent, next-best token at this depth
+            heapq.heappush(heap, (-(score - vals[r] + vals[r + 1]), count, d, r + 1, parent))
             count += 1
-        if d < K:  # first child: best token at the next depth
-            heapq.heappush(heap, (-(score + vals[d][0]), count, d + 1, 0, node))
+        if d < max_depth:  # first child: the best token after this one at the next depth
+            below[node] = children(d + 1, toks[r])
+            heapq.heappush(heap, (-(score + below[node][0][0]), count, d + 1, 0, node))
             count += 1
     return tokens, parents, depths
 
@@ -95,18 +108,53 @@ def target_tree_forward(target, ids: list[int], positions: list[int], mask: torc
 
 
 @torch.no_grad()
-def draft_logprobs(drafter, head, taps, seq: list[int], bonus: int, device) -> torch.Tensor:
-    """[B-1, V] drafter log-probs for the block anchored at the bonus (position len(seq))."""
+def draft_states(drafter, head, taps, seq: list[int], bonus: int, device) -> torch.Tensor:
+    """[B-1, H] final-normed drafter states of the drafting slots of the block anchored at the
+    bonus (position len(seq))."""
     B = drafter.config.block_size
     n = len(seq)
     ids = torch.tensor([seq + [bonus]], device=device)
     anchors = torch.tensor([[n]], device=device)
     keep = torch.ones(1, 1, dtype=torch.bool, device=device)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16) if torch.device(device).type == "cuda" else nullcontext()
-    with autocast:
-        h = drafter(taps[:, :n], head.embed_blocks(ids, anchors, B, drafter.config.mask_token_id), anchors, keep)
-        logits = F.linear(h[0, 1:], head.lm_head)
+    with _autocast(device):
+        return drafter(taps[:, :n], head.embed_blocks(ids, anchors, B, drafter.config.mask_token_id), anchors, keep)[0, 1:]
+
+
+def _autocast(device):
+    return torch.autocast("cuda", dtype=torch.bfloat16) if torch.device(device).type == "cuda" else nullcontext()
+
+
+@torch.no_grad()
+def draft_logprobs(drafter, head, taps, seq: list[int], bonus: int, device) -> torch.Tensor:
+    """[B-1, V] drafter log-probs for the block anchored at the bonus (position len(seq))."""
+    h = draft_states(drafter, head, taps, seq, bonus, device)
+    with _autocast(device):
+        logits = F.linear(h, head.lm_head)
     return logits.float().log_softmax(-1)
+
+
+@torch.no_grad()
+def draft_tree(drafter, head, taps, seq: list[int], bonus: int, budget: int, device):
+    """(tokens, parents, depths) of the round's tree. DFlash: :func:`build_tree` over the
+    slots' independent log-probs. DFlash2: the selector's tree — at depth d the slot's top-k
+    candidates, each child's log-prob its softmax share of the selector's scores S(parent, ·)
+    (hf_dflash.selector_scores) after its parent's token (the root's: the bonus), so the
+    tree's first path is the selector's greedy walk (docs/dflash2.md)."""
+    sel = getattr(drafter, "selector", None)
+    if sel is None:
+        return build_tree(draft_logprobs(drafter, head, taps, seq, bonus, device), budget)
+    h = draft_states(drafter, head, taps, seq, bonus, device)
+    with _autocast(device):
+        unary, cand = sel.candidates(F.linear(h.to(head.lm_head.dtype), head.lm_head))
+
+    def children(depth: int, parent: int):
+        i = depth - 1
+        with _autocast(device):
+            s = sel.scores(h[i], unary[i], cand[i], torch.tensor(parent, device=h.device)).float().log_softmax(-1)
+        v, order = s.sort(descending=True)
+        return v.tolist(), cand[i][order].tolist()
+
+    return grow_tree(children, h.shape[0], budget, root_token=bonus)
 
 
 def tree_refusal(target) -> str | None:
@@ -139,8 +187,7 @@ def speculative_tree(target, drafter, head, prompt: list[int], max_new: int, bud
     per_forward: list[int] = []
     while len(out) < max_new:
         n = len(seq)  # the root (bonus) sits at position n
-        logp = draft_logprobs(drafter, head, taps, seq, bonus, device)
-        tokens, parents, depths = build_tree(logp, budget)
+        tokens, parents, depths = draft_tree(drafter, head, taps, seq, bonus, budget, device)
         mask = tree_mask(n, parents, mask_dtype, device)
         positions = list(range(n + 1)) + [n + d for d in depths]
         taps_all, logits = target_tree_forward(target, seq + [bonus] + tokens, positions, mask, device)

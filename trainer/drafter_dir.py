@@ -16,10 +16,9 @@ import tempfile
 import uuid
 
 from agent.protocol import atomic_write, atomic_write_json, read_json_doc
-from trainer import flags
+from trainer import arch, flags
 
 MODELING_FILE = "modeling_dflash.py"
-ARCHITECTURE = "DFlashDraftModel"
 WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 CARD = "README.md"
@@ -47,10 +46,12 @@ def target_facts(target_dir: str | None) -> dict:
 
 def hf_config(drafter_config: dict, target: dict, dtype: str = "bf16", max_seq_len: int | None = None) -> dict:
     """config.json of an export: the drafter's own description (trainer/model.py to_hf: z-lab's
-    layout) plus every field the serving implementations read (docs/export.md). Generic over
-    the drafter: ``layer_types``/``sliding_window`` come from the drafter config when it has
-    them, else every layer is full attention."""
+    layout) plus every field the serving implementations read (docs/export.md; a DFlash2
+    drafter's extra fields: docs/dflash2.md). Generic over the drafter: ``layer_types``/
+    ``sliding_window`` come from the drafter config when it has them, else every layer is
+    full attention."""
     cfg = dict(drafter_config)
+    name_of_arch = arch.ARCHITECTURES[arch.of_config(cfg)]
     n = int(cfg["num_hidden_layers"])
     dflash = dict(cfg.get("dflash_config") or {})
     ids = [int(i) for i in dflash.get("target_layer_ids") or []]
@@ -64,9 +65,9 @@ def hf_config(drafter_config: dict, target: dict, dtype: str = "bf16", max_seq_l
     theta = float((cfg.get("rope_parameters") or {}).get("rope_theta") or cfg.get("rope_theta") or 10000.0)
     name = DTYPES[dtype]
     cfg.update({
-        "architectures": [ARCHITECTURE],
+        "architectures": [name_of_arch],
         "model_type": "qwen3",
-        "auto_map": {"AutoModel": f"{MODELING_FILE[:-3]}.{ARCHITECTURE}"},
+        "auto_map": {"AutoModel": f"{MODELING_FILE[:-3]}.{name_of_arch}"},
         "dflash_config": {**dflash, "mask_token_id": int(dflash["mask_token_id"]), "target_layer_ids": ids},
         # vLLM reads the taps as EAGLE-3 aux layers (the input of layer i+1 = the output of
         # layer i); older releases read only this key, newer ones derive it the same way.
@@ -123,6 +124,7 @@ def model_card(meta: dict, cfg: dict, n_params: int, dtype: str, evals: dict) ->
     conf = meta.get("config") or {}
     schedule = meta.get("schedule") or {}
     dfl = cfg["dflash_config"]
+    method = "DFlash2" if arch.of_config(cfg) == arch.DFLASH2 else "DFlash"
     rows = [
         ("target", f"`{conf.get('target_model')}` ({target.get('model_type')}, {target.get('num_hidden_layers')} layers, "
                    f"hidden {target.get('hidden_size')}, vocabulary {target.get('vocab_size')})"),
@@ -133,6 +135,7 @@ def model_card(meta: dict, cfg: dict, n_params: int, dtype: str, evals: dict) ->
         ("draft layers", f"{cfg['num_hidden_layers']} ({', '.join(cfg['layer_types'])})"),
         ("tapped target layers", ", ".join(map(str, dfl["target_layer_ids"]))),
         ("mask token id", str(dfl["mask_token_id"])),
+        *([("DFlash2 shape", ", ".join(f"{k} {dfl[k]}" for k in arch.DFLASH2_FIELDS))] if method == "DFlash2" else []),
         ("weights", f"{n_params:,} parameters, {DTYPES[dtype]} safetensors"),
         ("τ block", _tau_line(evals.get("block"))),
     ]
@@ -146,14 +149,17 @@ def model_card(meta: dict, cfg: dict, n_params: int, dtype: str, evals: dict) ->
     lines = [
         "---",
         "library_name: transformers",
-        "tags: [dflash, speculative-decoding, drafter]",
+        f"tags: [{method.lower()}, speculative-decoding, drafter]",
         "---",
         "",
-        f"# DFlash drafter, step {meta.get('step')}",
+        f"# {method} drafter, step {meta.get('step')}",
         "",
-        "A block-diffusion drafter for speculative decoding (DFlash), trained by dflash-ctl's trainer against a "
+        f"A block-diffusion drafter for speculative decoding ({method}), trained by dflash-ctl's trainer against a "
         "frozen target. It has no embedding or LM head: it uses the target's. Decoding with it is lossless — "
-        "the output equals the target's own greedy decoding.",
+        "the output equals the target's own greedy decoding."
+        + (" DFlash2 adds a two-tap dynamic convolution within each block around every sublayer and a "
+           "path selector that drafts a coherent path through each slot's top-k candidates." if method == "DFlash2"
+           else ""),
         "",
         "| | |",
         "| --- | --- |",

@@ -1,7 +1,9 @@
 """Acceptance length τ by greedy speculative decoding (TRAINER_SPEC.md, "Evaluation").
 
 Each round: the drafter drafts a block from the committed prefix's tapped target states
-(the block is [bonus, MASK × (B-1)] at the next position), the target verifies the whole
+(the block is [bonus, MASK × (B-1)] at the next position; each slot's argmax, or for a
+DFlash2 drafter its path selector's walk from the bonus through each slot's top-k: the
+hf_dflash.propose, as the export's modeling file drafts), the target verifies the whole
 block in one forward, the longest prefix of drafts equal to the target's own greedy choice
 is accepted, and the target's token after it becomes the next bonus. τ = mean tokens
 committed per target forward (the bonus included), so τ ≥ 1 always, and the output equals
@@ -23,9 +25,8 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
-import torch.nn.functional as F
 
-from trainer.hf_dflash import speculative_decode
+from trainer.hf_dflash import propose, speculative_decode
 
 EVAL_MAX_NEW = 64  # new tokens per prompt of the evaluation at each save
 
@@ -52,7 +53,7 @@ def speculative(target, drafter, head, prompt: list[int], max_new: int, device="
         keep = torch.ones(1, 1, dtype=torch.bool, device=device)
         with autocast:
             h = drafter(taps, head.embed_blocks(ids, anchors, B, mask_id), anchors, keep)
-            return F.linear(h[0, 1:], head.lm_head).argmax(-1).tolist()
+            return propose(h[0, 1:], head.lm_head, bonus, getattr(drafter, "selector", None))
 
     # one decode loop with the export's spec_generate (trainer/hf_dflash.py)
     out, per_forward = speculative_decode(

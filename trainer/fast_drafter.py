@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from trainer import fused_ops as fo
 from trainer.chunked_head import chunked_head_loss, head_ce
 from trainer.flex_mask import dense_dflash_mask, dflash_mask_mod, flex_attention_fn
-from trainer.loss import decay_weights, dflash_loss_fn, dpace_weights
+from trainer.loss import decay_weights, dflash_loss_fn, dpace_weights, selector_terms
 
 _MASKS: dict = {}
 
@@ -66,7 +66,7 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
                   position_weights: str = "decay", dpace_alpha: float = 0.5,
                   chunk_anchors: int = 512, head_chunk_rows: int = 4096, dtype=torch.bfloat16,
                   attn: str = "flex", ctx_multiple: int = 1, loss_scale: float = 1.0,
-                  n_anchors_host=None) -> dict:
+                  n_anchors_host=None, selector_weight: float = 1.0) -> dict:
     """Forward + backward of the DFlash loss for one micro-batch; gradients land in the
     drafter's parameters (accumulating, as ``loss.backward()`` would — scale with
     ``loss_scale`` for gradient accumulation). Returns detached metrics (device tensors):
@@ -85,6 +85,11 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
     chunk's backward needs it, so dpace first runs every chunk forward without gradient
     (drafter + head statistics, no logits kept) to get the CE: a gradient-free forward is
     roughly a third of forward + backward (estimate; not measured on GPU).
+    A DFlash2 drafter (one with a selector) adds its selector term (trainer/loss.py
+    ``selector_terms``) to each chunk's loss before that chunk's backward, with the same
+    weights and global normaliser Σw, its candidates the top-k of the logits the head chunk
+    already forms: ``sel`` (the term), ``sel_correct`` and ``covered`` [B-1] come back too
+    (zeros for DFlash).
     """
     c = drafter.config
     B = int(block_size)
@@ -109,6 +114,12 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
     labels = input_ids.gather(1, posc.reshape(b, -1)).view(posc.shape)
     n_valid_blocks = keep.sum().clamp_min(1)
     soft = teacher_final is not None and kl_weight > 0
+    top_k = c.selector_top_k if drafter.selector is not None else 0
+    if top_k:  # the true token before each slot: the selector's teacher-forced predecessor
+        preds = input_ids.gather(1, (pos - 1).clamp(max=S - 1).reshape(b, -1)).view(posc.shape)
+
+        def scorer(*a):
+            return drafter.selector_scores(*a, dtype=dtype)
 
     # 1. context path (graph kept until the end)
     ctx = drafter.context_kv(taps, cos[:S], sin[:S], dtype)
@@ -167,8 +178,8 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
 
     # 3. per chunk: forward, head + loss, backward into the drafter and the context k/v leaves
     total = torch.zeros((), device=dev, dtype=torch.float32)
-    ce_sum, kl_sum, cap_sum = (torch.zeros((), device=dev, dtype=wdt) for _ in range(3))
-    n_correct = torch.zeros(B - 1, device=dev, dtype=torch.float32)
+    ce_sum, kl_sum, cap_sum, sel_sum = (torch.zeros((), device=dev, dtype=wdt) for _ in range(4))
+    n_correct, n_sel, n_covered = (torch.zeros(B - 1, device=dev, dtype=torch.float32) for _ in range(3))
     for s, sl in chunks():
         kp = keep[s, sl]
         leaves = [(k[s:s + 1].detach().requires_grad_(True), v[s:s + 1].detach().requires_grad_(True))
@@ -180,8 +191,17 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
             teacher = teacher_final[s].index_select(0, tpos.reshape(-1)).view(n_c, B - 1, -1).to(dtype)
         fn = dflash_loss_fn(weights[s, sl], kl_weight=kl_weight if soft else 0.0, temperature=temperature,
                             cap_lambda=cap_lambda, block_valid=kp, denom=denom, n_valid_blocks=n_valid_blocks)
-        loss, ce, kl, correct = chunked_head_loss(h, lm_head, labels[s, sl], fn, teacher=teacher,
-                                                  temperature=temperature, chunk_rows=head_chunk_rows)
+        loss, ce, kl, correct, *cand = chunked_head_loss(h, lm_head, labels[s, sl], fn, teacher=teacher,
+                                                         temperature=temperature, chunk_rows=head_chunk_rows, top_k=top_k)
+        if top_k:
+            nll, cov, hit = selector_terms(h.reshape(-1, h.shape[-1]), lm_head, cand[0].view(-1, top_k),
+                                           labels[s, sl].reshape(-1), preds[s, sl].reshape(-1), scorer, head_chunk_rows)
+            cov, hit = cov.view(n_c, B - 1), hit.view(n_c, B - 1)
+            sel_part = (weights[s, sl] * cov * nll.view(n_c, B - 1).to(wdt)).sum()
+            loss = loss + selector_weight * (sel_part / denom).to(loss.dtype)
+            sel_sum = sel_sum + sel_part.detach()
+            v = valid[s, sl]
+            n_sel, n_covered = n_sel + (hit & v).sum(0), n_covered + (cov & v).sum(0)
         (loss * loss_scale).backward()
         # Metrics only: ce/kl come out of the head's autograd Function still linked to its
         # graph, and summed as they were, they kept every chunk's graph — with its context
@@ -213,4 +233,5 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
     torch.autograd.backward(outs, grads)
     return {"loss": total, "ce": ce_sum / denom, "kl": float(temperature) ** 2 * kl_sum / denom,
             "cap": cap_sum / n_valid_blocks, "correct": n_correct, "valid": valid.sum((0, 1)).float(),
+            "sel": sel_sum / denom, "sel_correct": n_sel, "covered": n_covered,
             "weight_sum": denom, "blocks": keep.sum(), "positions": keep.sum() * B}

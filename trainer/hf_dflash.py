@@ -1,5 +1,6 @@
-"""A DFlash drafter for transformers: the modeling file written into every export
-(``modeling_dflash.py`` beside config.json, named by its ``auto_map``), so that
+"""A DFlash or DFlash2 drafter for transformers: the modeling file written into every export
+(``modeling_dflash.py`` beside config.json, named by its ``auto_map``: ``DFlashDraftModel``
+or ``DFlash2DraftModel``), so that
 
     draft = AutoModel.from_pretrained(DIR, trust_remote_code=True, dtype="auto")
     out = draft.spec_generate(target=target, input_ids=ids, max_new_tokens=256)
@@ -10,7 +11,9 @@ transformers and safetensors (tests/test_export_served.py loads it in such a ven
 
 The math is the trainer's, op for op and in the same order: trainer/model.py takes its
 norm, RoPE and MLP from this file and trainer/evaluate.py its verification step
-(:func:`accept`); the attention here repeats the trainer's sdpa path (context K/V projected
+(:func:`accept`) and its drafts (:func:`propose`: argmax, or DFlash2's path selector); the
+DFlash2 convolutions, selector scores and layer sequence (:func:`layer_forward`) are the
+trainer's too; the attention here repeats the trainer's sdpa path (context K/V projected
 together with the block's, the same boolean mask through SDPA). So a drafter decodes here
 exactly as the trainer's evaluator decodes it: same drafts, same acceptance length
 (tests/test_export_served.py).
@@ -119,16 +122,160 @@ class DFlashMLP(nn.Module):
 
 
 class DFlashDecoderLayer(nn.Module):
-    def __init__(self, config):
+    """Pre-norm attention + SwiGLU MLP; a DFlash2 layer (``conv`` = (taps, group size)) also
+    has the in-block convolutions ``attention_conv`` and ``mlp_conv`` around its sublayers."""
+
+    def __init__(self, config, conv: tuple[int, int] | None = None):
         super().__init__()
         self.self_attn = DFlashAttention(config)
         self.mlp = DFlashMLP(config)
         self.input_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
+        if conv is not None:
+            self.attention_conv = DFlashGroupedConv(config.hidden_size, *conv)
+            self.mlp_conv = DFlashGroupedConv(config.hidden_size, *conv)
 
-    def forward(self, x, ctx, rope_q, rope_k, mask):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, ctx, rope_q, rope_k, mask, block_size: int):
+        return layer_forward(self, x, lambda h: self.self_attn(h, ctx, rope_q, rope_k, mask), block_size)
+
+
+def layer_forward(layer, x: torch.Tensor, attend, block_size: int) -> torch.Tensor:
+    """One decoder layer's residual sequence over blocks x [b, n·B, H]; ``attend(h)`` is its
+    attention on the normed input. A DFlash2 layer convolves each sublayer's input
+    (``prepare``) and output (``finish``) within each block of ``block_size``, both halves'
+    dynamic taps projected from the sublayer's input (docs/dflash2.md)."""
+    h = layer.input_layernorm(x)
+    conv = getattr(layer, "attention_conv", None)
+    if conv is not None:
+        h, dyn = conv.prepare(h, block_size)
+    o = attend(h)
+    x = x + (o if conv is None else conv.finish(o, dyn, block_size))
+    h = layer.post_attention_layernorm(x)
+    conv = getattr(layer, "mlp_conv", None)
+    if conv is not None:
+        h, dyn = conv.prepare(h, block_size)
+    m = layer.mlp(h)
+    return x + (m if conv is None else conv.finish(m, dyn, block_size))
+
+
+# -- DFlash2: the in-block convolution and the path selector (docs/dflash2.md) ----------------
+
+
+def grouped_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, group_size: int,
+                 block_size: int) -> torch.Tensor:
+    """Dynamic depthwise convolution over the positions of each block: x [b, n·B, H] (whole
+    blocks end to end), dynamic [b, n·B, taps, H/group], base [taps, H]:
+    out_t = Σ_tap (base[tap] + dynamic[t, tap] shared by the group's channels) · x_{t−tap}.
+    A tap never crosses a block boundary: slot 0 reads zeros before it, so slot 1 reads the
+    anchor (the last verified token) and a packed batch of blocks equals one block at a time."""
+    b, n, H = x.shape
+    taps, G = base.shape[0], H // group_size
+    blocks = x.view(b, n // block_size, block_size, G, group_size)
+    coef = base.to(x.dtype).view(taps, G, group_size) + dynamic.reshape(b, n // block_size, block_size, taps, G, 1)
+    out = coef[:, :, :, 0] * blocks
+    for tap in range(1, taps):
+        out = out + coef[:, :, :, tap] * F.pad(blocks[:, :, :-tap], (0, 0, 0, 0, tap, 0))
+    return out.view(b, n, H)
+
+
+def conv_prepare(x: torch.Tensor, projection: torch.Tensor, base: torch.Tensor, group_size: int, block_size: int):
+    """(x convolved with the input-side taps, the output-side dynamic taps): one projection of
+    the sublayer input [.., H] → [.., 2, taps, H/group] gives both sides' corrections."""
+    taps = base.shape[1]
+    dyn = F.linear(x, projection).view(*x.shape[:-1], 2, taps, x.shape[-1] // group_size)
+    return grouped_conv(x, dyn[..., 0, :, :], base[0], group_size, block_size), dyn[..., 1, :, :]
+
+
+class DFlashGroupedConv(nn.Module):
+    """One sublayer's convolutions: ``base_kernel`` [2 (input, output side), taps, H] and
+    ``kernel_projection`` H → 2·taps·H/group. Starts as the identity (unit self tap, zero
+    correction), so a new DFlash2 layer computes what its DFlash layer computes."""
+
+    def __init__(self, hidden_size: int, taps: int, group_size: int):
+        super().__init__()
+        base = torch.zeros(2, taps, hidden_size)
+        base[:, 0] = 1.0
+        self.base_kernel = nn.Parameter(base)
+        self.kernel_projection = nn.Linear(hidden_size, 2 * taps * (hidden_size // group_size), bias=False)
+        self.group_size = group_size
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.base_kernel.zero_()
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def prepare(self, x: torch.Tensor, block_size: int):
+        return conv_prepare(x, self.kernel_projection.weight, self.base_kernel, self.group_size, block_size)
+
+    def finish(self, x: torch.Tensor, dynamic: torch.Tensor, block_size: int) -> torch.Tensor:
+        return grouped_conv(x, dynamic, self.base_kernel[1], self.group_size, block_size)
+
+
+def _up(t: torch.Tensor) -> torch.Tensor:  # scores in fp32 at least (fp64 stays fp64, for exact tests)
+    return t if t.dtype == torch.float64 else t.float()
+
+
+def selector_scores(hidden, unary, candidates, predecessors, predecessor_codebook, successor_codebook,
+                    hidden_projection) -> torch.Tensor:
+    """S(a, b) = U(b) + ⟨A[a] ⊙ P·h, B[b]⟩ for candidates b [.., k] of a slot with hidden state
+    h [.., H], unary logits U [.., k], after predecessor token a [..]: the drafter's own logit
+    plus a low-rank bilinear match of the two tokens' codebook rows under a gate of h."""
+    gate = F.embedding(predecessors, predecessor_codebook) * F.linear(hidden, hidden_projection)
+    pair = torch.einsum("...r,...kr->...k", gate, F.embedding(candidates, successor_codebook))
+    return _up(unary) + _up(pair)
+
+
+class DFlashCandidateSelector(nn.Module):
+    """The pairwise path selector: ``predecessor_codebook`` and ``successor_codebook``
+    [vocab, rank] (plain parameters: the tensor names the published drafters and the serving
+    engines use) and ``hidden_projection`` H → rank. The successor codebook starts at zero,
+    so every score starts as the drafter's own logit (DFlash's choice)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, rank: int, top_k: int):
+        super().__init__()
+        self.top_k = int(top_k)
+        self.predecessor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.successor_codebook = nn.Parameter(torch.empty(vocab_size, rank))
+        self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.predecessor_codebook.normal_(std=0.02)
+            self.successor_codebook.zero_()
+
+    def scores(self, hidden, unary, candidates, predecessors) -> torch.Tensor:
+        return selector_scores(hidden, unary, candidates, predecessors, self.predecessor_codebook,
+                               self.successor_codebook, self.hidden_projection.weight)
+
+    def candidates(self, logits: torch.Tensor):
+        """(unary logits, token ids) of each slot's top-k, best first."""
+        return logits.topk(self.top_k, dim=-1)
+
+    @torch.no_grad()
+    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchor: int) -> list[int]:
+        """The greedy path through the slots' candidates: hidden [n, H], logits [n, V] of the
+        block's drafting slots, ``anchor`` the last verified token (slot 1's predecessor); at
+        each slot the best-scored candidate after the token just chosen (ties: the candidate
+        with the larger unary logit, as vLLM's walk)."""
+        unary, cand = self.candidates(logits)
+        prev, path = torch.tensor(int(anchor), device=hidden.device), []
+        for i in range(hidden.shape[0]):
+            prev = cand[i, self.scores(hidden[i], unary[i], cand[i], prev).argmax()]
+            path.append(int(prev))
+        return path
+
+
+def propose(hidden: torch.Tensor, lm_head: torch.Tensor, anchor: int, selector=None) -> list[int]:
+    """A block's drafts from the final-normed states of its drafting slots hidden [B−1, H]
+    through the target's LM head: each slot's argmax (DFlash), or the selector's path from the
+    anchor through each slot's top-k (DFlash2)."""
+    logits = F.linear(hidden.to(lm_head.dtype), lm_head)
+    if selector is None:
+        return logits.argmax(-1).tolist()
+    return selector.walk(hidden, logits, anchor)
 
 
 def block_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int,
@@ -162,6 +309,7 @@ class DFlashDraftModel(PreTrainedModel):
     base_model_prefix = "model"
     _no_split_modules = ["DFlashDecoderLayer"]
     supports_gradient_checkpointing = False
+    dflash2 = False  # DFlash2DraftModel: convolutions in every layer and a path selector
 
     def __init__(self, config):
         super().__init__(config)
@@ -175,9 +323,23 @@ class DFlashDraftModel(PreTrainedModel):
         self.rope_theta = _rope_theta(config)
         self.fc = nn.Linear(len(self.target_layer_ids) * config.hidden_size, config.hidden_size, bias=False)
         self.hidden_norm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers = nn.ModuleList([DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers)])
+        conv = None
+        if self.dflash2:  # the DFlash2 shape, as its loaders read it (dflash_config; docs/dflash2.md)
+            conv = (int(dflash["conv_kernel_size"]), int(dflash["conv_group_size"]))
+        self.layers = nn.ModuleList([DFlashDecoderLayer(config, conv) for _ in range(config.num_hidden_layers)])
         self.norm = DFlashRMSNorm(config.hidden_size, config.rms_norm_eps)
+        if self.dflash2:
+            self.candidate_selector = DFlashCandidateSelector(config.vocab_size, config.hidden_size,
+                                                              int(dflash["selector_rank"]), int(dflash["selector_top_k"]))
         self.post_init()
+
+    @property
+    def selector(self):
+        return getattr(self, "candidate_selector", None)
+
+    def propose(self, hidden: torch.Tensor, lm_head: torch.Tensor, anchor: int) -> list[int]:
+        """The drafts of one block from its drafting slots' states hidden [B−1, H]."""
+        return propose(hidden, lm_head, anchor, self.selector)
 
     def forward(self, target_hidden: torch.Tensor, noise_embedding: torch.Tensor,
                 anchors: torch.Tensor | None = None, keep: torch.Tensor | None = None, **kwargs) -> torch.Tensor:
@@ -202,7 +364,7 @@ class DFlashDraftModel(PreTrainedModel):
         full = block_mask(anchors, keep, S, B)
         sliding = block_mask(anchors, keep, S, B, int(self.sliding_window)) if "sliding_attention" in self.layer_types else None
         for layer, kind in zip(self.layers, self.layer_types):
-            x = layer(x, ctx, rope_q, rope_k, sliding if kind == "sliding_attention" else full)
+            x = layer(x, ctx, rope_q, rope_k, sliding if kind == "sliding_attention" else full, B)
         return self.norm(x)
 
     # -- greedy speculative decoding against a target ------------------------------------------
@@ -231,7 +393,7 @@ class DFlashDraftModel(PreTrainedModel):
                 block = torch.full((1, B), self.mask_token_id, dtype=torch.long, device=device)
                 block[0, 0] = bonus
                 h = self(taps[:, :n], F.embedding(block, embed), torch.tensor([[n]], device=device))
-                return F.linear(h[0, 1:].to(lm_head.dtype), lm_head).argmax(-1).tolist()
+                return self.propose(h[0, 1:], lm_head, bonus)
 
             out, per_forward = speculative_decode(
                 lambda ids, c: taps_of.cached(torch.tensor(ids, device=device), c), draft,
@@ -286,6 +448,15 @@ def verify_block(forward_cached, cache, bonus: int, draft: list[int]):
     if j < len(draft):
         block_taps, _, cache = forward_cached([committed], before)
     return j, nxt, committed, block_taps[:, :len(committed)], cache
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """DFlash2: the DFlash drafter with a two-tap dynamic depthwise convolution around every
+    attention and MLP sublayer and a pairwise path selector over each slot's top-k candidates
+    (``dflash_config``: conv_kernel_size, conv_group_size, selector_rank, selector_top_k)."""
+
+    _no_split_modules = ["DFlashDecoderLayer"]
+    dflash2 = True
 
 
 def accept(draft: list[int], pred: list[int]) -> tuple[int, int]:

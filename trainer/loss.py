@@ -16,6 +16,11 @@ at anchor a predicts token x[a+k]. Slot 0 (the anchor itself) has weight 0, so o
                  a+k), temperature T: Σ w·T²·KL(p_t‖p_d) / Σ w; L = (1-kl_w)·CE + kl_w·KL.
 * CAP            p_k = exp(-ce_k)·valid_k, C_j = Π_{k≤j} p_k, E = Σ_j C_j;
                  L += λ·mean over kept blocks of (1 - E/(B-1)).
+* selector       DFlash2 only (docs/dflash2.md): the slot's top-k candidates of the drafter's
+                 logits, scored S(x[a+k-1], b) after the true predecessor (teacher forcing);
+                 nll_k = CE over the k candidates with the true token x[a+k] as label, at slots
+                 whose true token is among them (covered); L += μ·Σ w·covered·nll / Σ w, with
+                 the same weights w and normaliser as CE (μ = --selector-loss-weight).
 
 Vocabulary-sized logits exist for one chunk of positions at a time; with autograd on, each
 chunk is recomputed in backward (activation checkpointing), so the peak is one chunk's
@@ -98,42 +103,77 @@ def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.
 
 
 def position_terms(hidden, lm_head, labels, teacher_hidden=None, temperature: float = 1.0,
-                   chunk: int = 4096):
-    """Per-position ce, kl (T²-scaled; zeros without a teacher), correct for flattened positions.
+                   chunk: int = 4096, top_k: int = 0):
+    """Per-position ce, kl (T²-scaled; zeros without a teacher), correct, and (``top_k`` > 0)
+    the top-k candidate ids [P, top_k] (best first; None otherwise) for flattened positions.
 
     hidden [P, H] drafter outputs; labels [P]; teacher_hidden [P, H] the target's final
     (normed) hidden state at the teacher position, whose logits are lm_head(teacher_hidden).
     Logits are formed ``chunk`` positions at a time and recomputed in backward.
     """
-    ces, kls, oks = [], [], []
+    ces, kls, oks, cands = [], [], [], []
     for s in range(0, hidden.shape[0], chunk):
         h = hidden[s:s + chunk]
         t = teacher_hidden[s:s + chunk] if teacher_hidden is not None else None
-        args = (h, lm_head, labels[s:s + chunk], t, temperature)
+        args = (h, lm_head, labels[s:s + chunk], t, temperature, top_k)
         if torch.is_grad_enabled() and h.requires_grad:
-            ce, kl, ok = checkpoint(_chunk_terms, *args, use_reentrant=False)
+            ce, kl, ok, cand = checkpoint(_chunk_terms, *args, use_reentrant=False)
         else:
-            ce, kl, ok = _chunk_terms(*args)
-        ces.append(ce), kls.append(kl), oks.append(ok)
-    return torch.cat(ces), torch.cat(kls), torch.cat(oks)
+            ce, kl, ok, cand = _chunk_terms(*args)
+        ces.append(ce), kls.append(kl), oks.append(ok), cands.append(cand)
+    return torch.cat(ces), torch.cat(kls), torch.cat(oks), (torch.cat(cands) if top_k else None)
 
 
 def _up(x):  # softmax statistics in fp32 at least (fp64 stays fp64, for exact tests)
     return x if x.dtype == torch.float64 else x.float()
 
 
-def _chunk_terms(h, lm_head, labels, teacher_h, T):
+def _chunk_terms(h, lm_head, labels, teacher_h, T, top_k=0):
     z = _up(F.linear(h, lm_head))
     logp = z.log_softmax(-1)
     ce = -logp.gather(-1, labels[:, None]).squeeze(-1)
     ok = (z.argmax(-1) == labels).float()
+    cand = z.detach().topk(top_k, dim=-1).indices if top_k else torch.zeros(0, dtype=torch.long, device=z.device)
     if teacher_h is None:
-        return ce, torch.zeros_like(ce), ok
+        return ce, torch.zeros_like(ce), ok, cand
     zt = _up(F.linear(teacher_h, lm_head))
     log_pt = (zt / T).log_softmax(-1)
     log_pd = (z / T).log_softmax(-1)
     kl = (T * T) * (log_pt.exp() * (log_pt - log_pd)).sum(-1)
-    return ce, kl, ok
+    return ce, kl, ok, cand
+
+
+def selector_terms(hidden, lm_head, candidates, labels, predecessors, scorer, rows: int = 4096):
+    """DFlash2's selector objective per flattened position: (nll [P], covered [P] bool, hit [P]
+    bool). hidden [P, H] the drafting slots' final-normed states; candidates [P, k] their top-k
+    of the drafter's logits; labels [P] the true tokens; predecessors [P] the true tokens before
+    them; ``scorer(hidden, unary, candidates, predecessors)`` → pair scores [P, k] (the
+    drafter's selector). nll is the CE over the k candidates against the label's place among
+    them (meaningful where covered: the label is a candidate); hit: the best-scored candidate
+    is the label. The unary logits are the k candidates' own head rows against the state (their
+    gradient reaches the drafter as the full logits' would), formed ``rows``/4 positions at a
+    time (k·rows/4 gathered head rows: 128 MiB at 4,096 rows, k 16, H 4,096 in bf16, under the
+    head chunk's logits) and recomputed in backward: no vocabulary-sized tensor."""
+    match = candidates == labels[:, None]
+    covered, place = match.any(-1), match.long().argmax(-1)
+    per = max(1, int(rows) // 4)
+    nlls, bests = [], []
+    for s in range(0, hidden.shape[0], per):
+        args = (hidden[s:s + per], lm_head, candidates[s:s + per], predecessors[s:s + per], place[s:s + per], scorer)
+        if torch.is_grad_enabled() and hidden.requires_grad:
+            nll, best = checkpoint(_selector_piece, *args, use_reentrant=False)
+        else:
+            nll, best = _selector_piece(*args)
+        nlls.append(nll), bests.append(best)
+    best = torch.cat(bests)
+    return torch.cat(nlls), covered, candidates.gather(-1, best[:, None]).squeeze(-1) == labels
+
+
+def _selector_piece(h, lm_head, cand, pred, place, scorer):
+    unary = torch.einsum("ph,pkh->pk", h, F.embedding(cand, lm_head))
+    scores = scorer(h, unary, cand, pred)
+    nll = torch.logsumexp(scores, dim=-1) - scores.gather(-1, place[:, None]).squeeze(-1)
+    return nll, scores.detach().argmax(-1)
 
 
 @dataclass
@@ -146,6 +186,7 @@ class LossConfig:
     kl_weight: float = 0.15
     kl_temperature: float = 2.0
     cap_lambda: float = 0.0
+    selector_weight: float = 1.0  # DFlash2: μ of the selector term (used only with a selector)
     chunk: int = 4096
 
 
@@ -157,12 +198,18 @@ class LossOut:
     cap: torch.Tensor
     acc: torch.Tensor  # [B-1] per-slot accuracy over valid slots (slot k at index k-1)
     acc_count: torch.Tensor  # [B-1] number of valid slots behind each accuracy
+    # DFlash2 (zeros without a selector): the selector term Σ w·covered·nll / Σ w, and per slot
+    # over valid slots: teacher-forced selector hits and slots whose true token was a candidate
+    sel: torch.Tensor | None = None
+    sel_correct: torch.Tensor | None = None
+    covered: torch.Tensor | None = None
 
 
 def dflash_loss(c: LossConfig, block_out, lm_head, input_ids, loss_mask, lengths, anchors, keep,
-                target_final=None) -> LossOut:
+                target_final=None, selector=None, top_k: int = 0) -> LossOut:
     """block_out [b, N·B, H] (drafter output); input_ids/loss_mask [b, S]; lengths [b];
-    anchors/keep [b, N]; target_final [b, S, H] (soft labels only)."""
+    anchors/keep [b, N]; target_final [b, S, H] (soft labels only); ``selector`` (DFlash2:
+    the drafter's pair scorer, see :func:`selector_terms`) over each slot's ``top_k``."""
     b, S = input_ids.shape
     n = anchors.shape[1]
     B = c.block_size
@@ -174,7 +221,8 @@ def dflash_loss(c: LossConfig, block_out, lm_head, input_ids, loss_mask, lengths
     if c.use_soft_labels:
         tpos = slot_index(anchors, B, shift=-1).clamp(max=S - 1)  # a+k-1
         teacher = target_final.gather(1, tpos.reshape(b, -1, 1).expand(-1, -1, target_final.shape[-1])).reshape(-1, H)
-    ce, kl, ok = position_terms(h.reshape(-1, H), lm_head, labels, teacher, c.kl_temperature, c.chunk)
+    ce, kl, ok, cand = position_terms(h.reshape(-1, H), lm_head, labels, teacher, c.kl_temperature, c.chunk,
+                                      top_k if selector is not None else 0)
     shape = (b, n, B - 1)
     ce, kl, ok = ce.view(shape), kl.view(shape), ok.view(shape)
 
@@ -197,7 +245,17 @@ def dflash_loss(c: LossConfig, block_out, lm_head, input_ids, loss_mask, lengths
 
     count = valid.sum((0, 1))
     acc = (ok * valid).sum((0, 1)) / count.clamp(min=1)
-    return LossOut(loss, ce_loss.detach(), kl_loss.detach(), cap.detach(), acc.detach(), count.detach())
+    zero = torch.zeros(B - 1, dtype=ce.dtype, device=ce.device)
+    sel, sel_correct, covered = torch.zeros((), dtype=ce.dtype, device=ce.device), zero, zero
+    if selector is not None:
+        pred = input_ids.gather(1, slot_index(anchors, B, shift=-1).clamp(max=S - 1).reshape(b, -1)).reshape(-1)
+        nll, cov, hit = selector_terms(h.reshape(-1, H), lm_head, cand, labels, pred, selector, c.chunk)
+        cov, hit = cov.view(shape).to(ce.dtype), hit.view(shape).to(ce.dtype)
+        sel = (w * cov * nll.view(shape)).sum() / wsum
+        loss = loss + c.selector_weight * sel
+        sel_correct, covered = (hit * valid).sum((0, 1)), (cov * valid).sum((0, 1))
+    return LossOut(loss, ce_loss.detach(), kl_loss.detach(), cap.detach(), acc.detach(), count.detach(),
+                   sel.detach(), sel_correct.detach(), covered.detach())
 
 
 def dflash_loss_fn(weights: torch.Tensor, *, kl_weight: float = 0.0, temperature: float = 1.0,

@@ -228,6 +228,7 @@ class RunSpec:
     chunk_anchors: int = DRAFTER_CHUNK_ANCHORS
     head_chunk_rows: int = HEAD_CHUNK_ROWS
     allocator: Allocator = field(default_factory=lambda: ALLOCATORS["expandable"])
+    drafter_arch: str = "dflash"  # trainer/arch.py; dflash2 adds its convolutions and selector
 
     @property
     def batch(self) -> int:
@@ -247,18 +248,23 @@ class RunSpec:
 
 
 def drafter_params(s: RunSpec) -> int:
+    from trainer import arch
+
     d = s.dshape
+    extra = arch.extra_params(d.hidden, d.vocab, s.n_draft_layers)[0] if s.drafter_arch == arch.DFLASH2 else 0
     return (s.n_draft_layers * (d.layer_params + d.layer_norm_params) + s.taps_count * d.hidden * d.hidden
-            + 2 * d.hidden)
+            + 2 * d.hidden + extra)
 
 
-def drafter_act_elems_per_position_layer(shape: ModelShape) -> int:
+def drafter_act_elems_per_position_layer(shape: ModelShape, drafter_arch: str = "dflash") -> int:
     """bf16 elements one block position keeps per drafter layer for backward: layer input
     and its norm, q before and after norm/RoPE, attention output, block k/v before and
     after norm, the post-attention residual and its norm, MLP gate, up and the gated
-    product."""
+    product. DFlash2 (a structural count, not measured): per sublayer the convolved input
+    and the sublayer output before its convolution, and both sides' dynamic taps."""
     H, q, kv, I = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate
-    return 4 * H + 3 * q + 4 * kv + 3 * I
+    conv = 2 * (2 * H + 4 * H // 16) if drafter_arch == "dflash2" else 0
+    return 4 * H + 3 * q + 4 * kv + 3 * I + conv
 
 
 @dataclass
@@ -332,7 +338,7 @@ def predict(s: RunSpec) -> Prediction:
         n_c = max(1, min(s.max_anchors, L - 1, s.chunk_anchors))
         C = n_c * s.block_size
         terms["context"] = T * (4 * H + s.n_draft_layers * 14 * kv)
-        terms["activations"] = C * s.n_draft_layers * 2 * drafter_act_elems_per_position_layer(d)
+        terms["activations"] = C * s.n_draft_layers * 2 * drafter_act_elems_per_position_layer(d, s.drafter_arch)
         # per layer the sequence's context k/v concatenated with the chunk's block k/v, saved
         # for the attention backward (bf16)
         terms["chunk_context"] = s.n_draft_layers * kv * 2 * 2 * (L + C)

@@ -40,15 +40,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from agent import ckptcompat
+from trainer import arch as archs
 from trainer import family
 from trainer import fused_ops as fo
 from trainer.flex_mask import dense_dflash_mask, flex_attention_fn, make_dflash_block_mask
 # One implementation of the norm, RoPE and MLP: the export's modeling file (trainer/hf_dflash.py,
 # written into every drafter/ so transformers loads it without this package) must compute
 # exactly what the trainer computes, so the trainer uses its pieces.
+from trainer.hf_dflash import DFlashCandidateSelector as CandidateSelector
+from trainer.hf_dflash import DFlashGroupedConv as GroupedConv
 from trainer.hf_dflash import DFlashMLP as MLP
 from trainer.hf_dflash import DFlashRMSNorm as RMSNorm
-from trainer.hf_dflash import apply_rope, rope_cos_sin
+from trainer.hf_dflash import apply_rope, conv_prepare, grouped_conv, layer_forward, propose, rope_cos_sin, selector_scores
 
 DEFAULT_MASK_TOKEN_ID = family.QWEN3_MASK_TOKEN_ID  # a drafter export that names none (z-lab's Qwen3 ones)
 
@@ -78,6 +81,13 @@ class DrafterConfig:
     # flex_mask.py's sliding rule); None = every layer full
     layer_types: list[str] | None = None
     sliding_window: int | None = None
+    # trainer/arch.py: "dflash", or "dflash2" (in-block convolutions and a path selector of
+    # the shape below; docs/dflash2.md)
+    arch: str = archs.DFLASH
+    conv_kernel_size: int = archs.CONV_KERNEL_SIZE
+    conv_group_size: int = archs.CONV_GROUP_SIZE
+    selector_rank: int = archs.SELECTOR_RANK
+    selector_top_k: int = archs.SELECTOR_TOP_K
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -86,6 +96,20 @@ class DrafterConfig:
         self.layer_types = list(self.layer_types)
         if family.SLIDING not in self.layer_types:
             self.sliding_window = None
+        if self.arch not in archs.ARCHS:
+            raise ValueError(f"--drafter-arch {self.arch!r}: expected one of {', '.join(archs.ARCHS)}")
+        if self.dflash2:
+            problems = archs.shape_problems(self.hidden_size, self.vocab_size, self.block_size, self.dflash2_shape)
+            if problems:
+                raise ValueError(problems[0])
+
+    @property
+    def dflash2(self) -> bool:
+        return self.arch == archs.DFLASH2
+
+    @property
+    def dflash2_shape(self) -> dict:
+        return {k: getattr(self, k) for k in archs.DFLASH2_FIELDS}
 
     def window_of(self, layer_type: str) -> int | None:
         return self.sliding_window if layer_type == family.SLIDING else None
@@ -94,7 +118,7 @@ class DrafterConfig:
     def from_target(cls, target: dict, num_draft_layers: int, block_size: int,
                     mask_token_id: int | None = None, target_layer_ids=None, *, target_dir: str | None = None,
                     layer_types: str | None = None, attention: str | None = None,
-                    sliding_window: int = family.SLIDING_WINDOW) -> "DrafterConfig":
+                    sliding_window: int = family.SLIDING_WINDOW, drafter_arch: str = archs.DFLASH) -> "DrafterConfig":
         """The drafter for the target's config.json (dict; either layout of its family,
         trainer/family.py): hidden and MLP widths, RoPE θ and vocabulary from the language
         model; attention widths and per-layer types as the family's public drafters build
@@ -123,11 +147,12 @@ class DrafterConfig:
             attention_bias=bool(text.get("attention_bias", False)),
             layer_types=types,
             sliding_window=int(sliding_window),
+            arch=drafter_arch or archs.DFLASH,
         )
 
     @classmethod
     def for_shape(cls, shape, num_draft_layers: int, block_size: int, n_tapped: int | None = None,
-                  rope_theta: float = 1e6) -> "DrafterConfig":
+                  rope_theta: float = 1e6, drafter_arch: str = archs.DFLASH) -> "DrafterConfig":
         """A drafter of a benchmark shape (trainer/flops.py ``ModelShape``) without a target
         directory: the probe's measured run and bench/gpu."""
         n_tapped = num_draft_layers if n_tapped is None else n_tapped
@@ -135,12 +160,17 @@ class DrafterConfig:
                    num_key_value_heads=shape.n_kv_heads, head_dim=shape.head_dim, rms_norm_eps=1e-6,
                    rope_theta=float(rope_theta), vocab_size=shape.vocab, num_hidden_layers=num_draft_layers,
                    num_target_layers=shape.n_layers, target_layer_ids=build_target_layer_ids(shape.n_layers, n_tapped),
-                   block_size=block_size, mask_token_id=shape.vocab - 1)
+                   block_size=block_size, mask_token_id=shape.vocab - 1, arch=drafter_arch)
 
     def to_hf(self) -> dict:
-        """config.json in the layout of z-lab's released drafters (Qwen3 config + dflash_config)."""
+        """config.json in the layout of z-lab's released drafters (Qwen3 config + dflash_config);
+        a DFlash2 drafter's also names its architecture DFlash2DraftModel and carries its
+        shape and block size in dflash_config, where its loaders read them (docs/dflash2.md)."""
+        dflash = {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)}
+        if self.dflash2:
+            dflash.update(block_size=self.block_size, **self.dflash2_shape)
         return {
-            "architectures": ["DFlashDraftModel"],
+            "architectures": [archs.ARCHITECTURES[self.arch]],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -155,7 +185,7 @@ class DrafterConfig:
             "block_size": self.block_size,
             "attention_bias": self.attention_bias,
             "hidden_act": "silu",
-            "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
+            "dflash_config": dflash,
             # the per-layer attention of SpecForge's and z-lab's drafter configs (Qwen3Config keys)
             "layer_types": list(self.layer_types),
             "sliding_window": self.sliding_window,
@@ -166,7 +196,14 @@ class DrafterConfig:
 
     @classmethod
     def from_hf(cls, d: dict) -> "DrafterConfig":
+        """A drafter's config.json (this trainer's, or a release's: z-lab's DFlash2 configs keep
+        block_size in dflash_config only)."""
         fl = d.get("dflash_config", {})
+        kind = archs.of_config(d)
+        top, inner = d.get("block_size"), fl.get("block_size")
+        if top is not None and inner is not None and int(top) != int(inner):
+            raise ValueError(f"config.json: block_size {top} and dflash_config.block_size {inner} disagree")
+        shape = {k: int(fl[k]) for k in archs.DFLASH2_FIELDS if k in fl} if kind == archs.DFLASH2 else {}
         return cls(
             hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"],
             num_attention_heads=d["num_attention_heads"], num_key_value_heads=d["num_key_value_heads"],
@@ -174,10 +211,11 @@ class DrafterConfig:
             vocab_size=d["vocab_size"], num_hidden_layers=d["num_hidden_layers"],
             num_target_layers=d["num_target_layers"],
             target_layer_ids=list(fl.get("target_layer_ids") or build_target_layer_ids(d["num_target_layers"], d["num_hidden_layers"])),
-            block_size=d["block_size"], mask_token_id=fl.get("mask_token_id", DEFAULT_MASK_TOKEN_ID),
+            block_size=int(top if top is not None else inner), mask_token_id=fl.get("mask_token_id", DEFAULT_MASK_TOKEN_ID),
             attention_bias=d.get("attention_bias", False),
             layer_types=d.get("layer_types"),
             sliding_window=d.get("sliding_window") if d.get("use_sliding_window", d.get("sliding_window") is not None) else None,
+            arch=kind, **shape,
         )
 
 
@@ -254,21 +292,43 @@ class Layer(nn.Module):
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
 
-    def forward(self, x, ctx, rope_q, rope_k, masks, impl):
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope_q, rope_k, masks[self.layer_type], impl)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def add_convolutions(self, c: DrafterConfig) -> None:
+        """DFlash2: a convolution within each block around both sublayers (identity start)."""
+        self.attention_conv = GroupedConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size)
+        self.mlp_conv = GroupedConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size)
 
-    def block_forward(self, x, ctx_kv, cos, sin, attends, dtype):
+    def forward(self, x, ctx, rope_q, rope_k, masks, impl, block_size: int):
+        mask = masks[self.layer_type]
+        return layer_forward(self, x, lambda h: self.self_attn(h, ctx, rope_q, rope_k, mask, impl), block_size)
+
+    def block_forward(self, x, ctx_kv, cos, sin, attends, dtype, block_size: int):
         """The chunked step's layer: x [1, Q, H] → [1, Q, H], the residual add fused with the
-        post-attention norm; ``attends[layer type](q, k, v)`` applies the layer's mask."""
+        post-attention norm; ``attends[layer type](q, k, v)`` applies the layer's mask. A
+        DFlash2 layer's convolutions run with their weights cast to ``dtype``, as the GEMMs'."""
         attend = attends[self.layer_type]
         eps = self.input_layernorm.eps
         h = fo.norm(x, _cast(self.input_layernorm.weight, dtype), eps)
+        conv = getattr(self, "attention_conv", None)
+        if conv is not None:
+            h, dyn = _conv_prepare(conv, h, dtype, block_size)
         o = self.self_attn.block_attention(h, ctx_kv, cos, sin, attend, dtype)
+        if conv is not None:
+            o = grouped_conv(o, dyn, _cast(conv.base_kernel, dtype)[1], conv.group_size, block_size)
         x, h = fo.add_norm(x, o, _cast(self.post_attention_layernorm.weight, dtype), eps)
+        conv = getattr(self, "mlp_conv", None)
+        if conv is not None:
+            h, dyn = _conv_prepare(conv, h, dtype, block_size)
         m = self.mlp
         wgu = torch.cat([_cast(m.gate_proj.weight, dtype), _cast(m.up_proj.weight, dtype)])
-        return x + fo.silu_mul(h @ wgu.t()) @ _cast(m.down_proj.weight, dtype).t()
+        out = fo.silu_mul(h @ wgu.t()) @ _cast(m.down_proj.weight, dtype).t()
+        if conv is not None:
+            out = grouped_conv(out, dyn, _cast(conv.base_kernel, dtype)[1], conv.group_size, block_size)
+        return x + out
+
+
+def _conv_prepare(conv, h, dtype, block_size: int):
+    return conv_prepare(h, _cast(conv.kernel_projection.weight, dtype), _cast(conv.base_kernel, dtype),
+                        conv.group_size, block_size)
 
 
 def _cast(p: torch.Tensor, dtype) -> torch.Tensor:
@@ -302,6 +362,13 @@ class Drafter(nn.Module):
         self.layers = nn.ModuleList([Layer(c, t) for t in c.layer_types])
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.apply(self._init)
+        if c.dflash2:
+            # made after DFlash's weights are drawn, so a DFlash and a DFlash2 drafter of one
+            # --seed share those; they start as the identity (hf_dflash.py), so the DFlash2
+            # drafter first drafts exactly what that DFlash drafter drafts
+            for layer in self.layers:
+                layer.add_convolutions(c)
+            self.candidate_selector = CandidateSelector(c.vocab_size, c.hidden_size, c.selector_rank, c.selector_top_k)
 
     @staticmethod
     def _init(m):
@@ -334,8 +401,27 @@ class Drafter(nn.Module):
                         else dense_dflash_mask(anchors, S, B, keep, window=w).unsqueeze(1))
         x = block_embeds
         for layer in self.layers:
-            x = layer(x, ctx, rope_q, rope_k, masks, attn_impl)
+            x = layer(x, ctx, rope_q, rope_k, masks, attn_impl, B)
         return self.norm(x)
+
+    @property
+    def selector(self):
+        """DFlash2's path selector (None for a DFlash drafter)."""
+        return getattr(self, "candidate_selector", None)
+
+    def propose(self, hidden: torch.Tensor, lm_head: torch.Tensor, anchor: int) -> list[int]:
+        """The drafts of one block from its drafting slots' final-normed states hidden [B−1, H]
+        (trainer/hf_dflash.py propose: the export's modeling file drafts the same way)."""
+        return propose(hidden, lm_head, anchor, self.selector)
+
+    def selector_scores(self, hidden, unary, candidates, predecessors, dtype=None) -> torch.Tensor:
+        """DFlash2's pair scores S(a, b) [.., k] (hf_dflash.selector_scores) with the selector's
+        weights cast to ``dtype`` (the chunked step's compute dtype; None: as they are)."""
+        sel = self.candidate_selector
+        w = [sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight]
+        if dtype is not None:
+            w = [_cast(t, dtype) for t in w]
+        return selector_scores(hidden, unary, candidates, predecessors, *w)
 
     # -- the chunked step (trainer/fast_drafter.py): context once, blocks chunk by chunk
     def context_kv(self, taps: torch.Tensor, cos, sin, dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -350,7 +436,7 @@ class Drafter(nn.Module):
         context (k, v) [1, nkv, S, hd]; ``attends[layer type](q, k, v)`` applies the DFlash
         mask of that layer type."""
         for layer, kv in zip(self.layers, ctx_kv):
-            x = layer.block_forward(x, kv, cos, sin, attends, dtype)
+            x = layer.block_forward(x, kv, cos, sin, attends, dtype, self.config.block_size)
         return fo.norm(x, _cast(self.norm.weight, dtype), self.norm.eps)
 
     # -- inference export (z-lab layout)

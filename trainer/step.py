@@ -45,20 +45,35 @@ class StepStats:
     micro_batches: int = 1
     wait_s: float = 0.0  # host time spent waiting for micro-batches (colocated: the target forward)
     ranks: int = 1
+    # DFlash2 (``selector``): Σ of the selector term, and per slot the teacher-forced selector
+    # hits and the slots whose true token was among the top-k candidates
+    sel: torch.Tensor | None = None
+    sel_correct: torch.Tensor | None = None
+    covered: torch.Tensor | None = None
+    selector: bool = False
+
+    def __post_init__(self):
+        z = torch.zeros_like(self.correct)
+        self.sel = torch.zeros_like(self.loss) if self.sel is None else self.sel
+        self.sel_correct = z if self.sel_correct is None else self.sel_correct
+        self.covered = z if self.covered is None else self.covered
 
     @classmethod
-    def zero(cls, block_size: int, device) -> "StepStats":
+    def zero(cls, block_size: int, device, selector: bool = False) -> "StepStats":
         z = torch.zeros((), device=device)
         k = torch.zeros(block_size - 1, device=device)
-        return cls(z, z, z, z, k, k, z, micro_batches=0)
+        return cls(z, z, z, z, k, k, z, micro_batches=0, selector=selector)
 
     def __add__(self, other: "StepStats") -> "StepStats":
-        return StepStats(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
+        summed = {f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self) if f.name != "selector"}
+        return StepStats(**summed, selector=self.selector or other.selector)
 
     def _flat(self) -> torch.Tensor:
-        scalars = torch.stack([self.loss.float(), self.ce.float(), self.kl.float(), self.cap.float(), self.tokens.float()])
+        scalars = torch.stack([self.loss.float(), self.ce.float(), self.kl.float(), self.cap.float(),
+                               self.tokens.float(), self.sel.float()])
         host = torch.tensor([self.micro_batches, self.wait_s, self.ranks], dtype=torch.float32, device=scalars.device)
-        return torch.cat([scalars, host, self.correct.float(), self.valid.float()])
+        per_slot = [self.correct, self.valid, self.sel_correct, self.covered]
+        return torch.cat([scalars, host, *(t.float() for t in per_slot)])
 
     def reduce(self, topo) -> "StepStats":
         """Summed over the drafter ranks in one all-reduce (every rank gets the sums)."""
@@ -66,22 +81,33 @@ class StepStats:
 
         flat = drafter_sum(topo, self._flat())
         K = self.correct.numel()
-        loss, ce, kl, cap, tokens = flat[:5].unbind()
-        mbs, wait, ranks = flat[5:8].tolist()
-        return StepStats(loss, ce, kl, cap, flat[8:8 + K], flat[8 + K:], tokens,
-                         micro_batches=round(mbs), wait_s=wait, ranks=round(ranks))
+        loss, ce, kl, cap, tokens, sel = flat[:6].unbind()
+        mbs, wait, ranks = flat[6:9].tolist()
+        correct, valid, sel_correct, covered = flat[9:].split(K)
+        return StepStats(loss, ce, kl, cap, correct, valid, tokens, micro_batches=round(mbs), wait_s=wait,
+                         ranks=round(ranks), sel=sel, sel_correct=sel_correct, covered=covered, selector=self.selector)
 
     def to_metrics(self, seconds: float) -> dict:
         """The logged numbers: the loss and its terms as means over micro-batches, per-slot
-        accuracy (None where a slot had no label), tokens, and rates over ``seconds``."""
+        accuracy (None where a slot had no label), tokens, and rates over ``seconds``; for
+        DFlash2 also the selector term, its per-slot teacher-forced accuracy (what the drafter
+        proposes when every earlier slot was right) and the candidates' recall (the ceiling
+        of that accuracy)."""
         v = self._flat().tolist()
         K = self.correct.numel()
         n = max(1, self.micro_batches)
-        correct, valid = v[8:8 + K], v[8 + K:]
-        return {"loss": v[0] / n, "ce": v[1] / n, "kl": v[2] / n, "cap": v[3] / n, "tokens": int(v[4]),
-                "tokens_per_s": v[4] / seconds, "drafted_per_s": sum(valid) / seconds,
-                "acc": [round(c / m, 4) if m else None for c, m in zip(correct, valid)],
-                "wait_s": self.wait_s / max(1, self.ranks)}
+        correct, valid, sel_correct, covered = (v[9 + i * K:9 + (i + 1) * K] for i in range(4))
+        out = {"loss": v[0] / n, "ce": v[1] / n, "kl": v[2] / n, "cap": v[3] / n, "tokens": int(v[4]),
+               "tokens_per_s": v[4] / seconds, "drafted_per_s": sum(valid) / seconds,
+               "acc": _rates(correct, valid), "wait_s": self.wait_s / max(1, self.ranks)}
+        if self.selector:
+            out.update(sel=v[5] / n, sel_acc=_rates(sel_correct, valid),
+                       recall=round(sum(covered) / sum(valid), 4) if sum(valid) else None)
+        return out
+
+
+def _rates(hits: list[float], counts: list[float]) -> list[float | None]:
+    return [round(c / m, 4) if m else None for c, m in zip(hits, counts)]
 
 
 class ReferenceStep:
@@ -96,18 +122,20 @@ class ReferenceStep:
         self.loss_cfg = LossConfig(block_size=args.block_size, gamma=args.gamma, position_weights=args.position_weights,
                                    dpace_alpha=args.dpace_alpha, use_soft_labels=args.use_soft_labels,
                                    kl_weight=args.kl_weight, kl_temperature=args.kl_temperature,
-                                   cap_lambda=args.cap_lambda)
+                                   cap_lambda=args.cap_lambda, selector_weight=selector_weight(args))
 
     def __call__(self, mb: MicroBatch, taps: torch.Tensor) -> StepStats:
-        B, head = self.dcfg.block_size, self.head
+        B, head, d = self.dcfg.block_size, self.head, self.drafter
         with self.autocast:
             blocks = head.embed_blocks(mb.input_ids, mb.anchors, B, self.dcfg.mask_token_id)
-            out = self.drafter(taps, blocks, mb.anchors, mb.keep, self.attn)
+            out = d(taps, blocks, mb.anchors, mb.keep, self.attn)
             lo = dflash_loss(self.loss_cfg, out, head.lm_head, mb.input_ids, mb.loss_mask, mb.lengths,
-                             mb.anchors, mb.keep, mb.final)
+                             mb.anchors, mb.keep, mb.final, selector=d.selector_scores if d.selector else None,
+                             top_k=self.dcfg.selector_top_k)
         (lo.loss * self.loss_scale).backward()
         return StepStats(lo.loss.detach(), lo.ce, lo.kl, lo.cap, lo.acc * lo.acc_count, lo.acc_count,
-                         mb.lengths.sum())
+                         mb.lengths.sum(), sel=lo.sel, sel_correct=lo.sel_correct, covered=lo.covered,
+                         selector=d.selector is not None)
 
 
 class ChunkedStep:
@@ -121,7 +149,7 @@ class ChunkedStep:
                        position_weights=args.position_weights, dpace_alpha=args.dpace_alpha,
                        kl_weight=args.kl_weight if args.use_soft_labels else 0.0, temperature=args.kl_temperature,
                        cap_lambda=args.cap_lambda, attn="flex" if cuda else "sdpa",
-                       dtype=torch.bfloat16 if cuda else torch.float32)
+                       dtype=torch.bfloat16 if cuda else torch.float32, selector_weight=selector_weight(args))
 
     def __call__(self, mb: MicroBatch, taps: torch.Tensor) -> StepStats:
         from trainer import fast_drafter
@@ -129,7 +157,16 @@ class ChunkedStep:
         r = fast_drafter.step_backward(self.drafter, self.head.embed, self.head.lm_head, mb.input_ids, taps, mb.loss_mask,
                                        mb.lengths, mb.anchors, mb.keep, teacher_final=mb.final,
                                        loss_scale=self.loss_scale, **self.kw)
-        return StepStats(r["loss"], r["ce"], r["kl"], r["cap"], r["correct"], r["valid"], mb.lengths.sum())
+        return StepStats(r["loss"], r["ce"], r["kl"], r["cap"], r["correct"], r["valid"], mb.lengths.sum(),
+                         sel=r["sel"], sel_correct=r["sel_correct"], covered=r["covered"],
+                         selector=self.drafter.selector is not None)
+
+
+def selector_weight(args) -> float:
+    """--selector-loss-weight (DFlash2's μ; a run config without the flag: its default)."""
+    from trainer.flags import BY_DEST
+
+    return float(getattr(args, "selector_loss_weight", BY_DEST["selector_loss_weight"].default))
 
 
 STEPS = {"reference": ReferenceStep, "chunked": ChunkedStep}

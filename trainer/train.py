@@ -140,19 +140,21 @@ def drafter_config(args) -> DrafterConfig:
     return DrafterConfig.from_target(read_config(args.target_model), args.num_draft_layers, args.block_size,
                                      args.mask_token_id, args.target_layer_ids, target_dir=args.target_model,
                                      layer_types=args.drafter_layer_types, attention=args.drafter_attention,
-                                     sliding_window=args.sliding_window)
+                                     sliding_window=args.sliding_window, drafter_arch=args.drafter_arch)
 
 
 def build_drafter(args, dcfg: DrafterConfig, target, dev, dtype):
     """The drafter (fp32 master weights, init keyed by --seed), the frozen shared head (the
     target's own tensors when colocated, else read from its safetensors) and AdamW with
-    weight decay on matrices only."""
+    weight decay on matrices only (DFlash2's convolution base kernels are per-channel gains
+    around the identity, like norm weights: not decayed)."""
     torch.manual_seed(args.seed)
     with torch.device(dev):  # made where it trains: a 27B target's drafter is 1.7 B parameters
         drafter = Drafter(dcfg)
     head = FrozenHead(target.embed, target.lm_head) if target else FrozenHead.from_target_dir(args.target_model, dev, dtype)
-    matrices = [p for p in drafter.parameters() if p.dim() >= 2]
-    vectors = [p for p in drafter.parameters() if p.dim() < 2]
+    decayed = {n: p.dim() >= 2 and not n.endswith("base_kernel") for n, p in drafter.named_parameters()}
+    matrices = [p for n, p in drafter.named_parameters() if decayed[n]]
+    vectors = [p for n, p in drafter.named_parameters() if not decayed[n]]
     opt = torch.optim.AdamW([{"params": matrices, "weight_decay": args.weight_decay},
                              {"params": vectors, "weight_decay": 0.0}], lr=args.lr, fused=dev.type == "cuda" or None)
     return drafter, head, opt
@@ -297,7 +299,7 @@ def start_point(args, n_micro: int, per_step: int) -> Start:
 def restore(args, start: Start, drafter, opt) -> None:
     """--init-from: the weights; --resume-from: weights, optimizer and RNG state."""
     if args.init_from:
-        drafter.load_state_dict(ckpt_io.init_weights(args.init_from))
+        ckpt_io.load_init_weights(drafter, ckpt_io.init_weights(args.init_from), args.init_from)
     if start.resume is not None:
         drafter.load_state_dict(start.resume["model"])
         opt.load_state_dict(start.resume["optimizer"])
@@ -334,9 +336,11 @@ def optimizer_step(opt, drafter, step: int, schedule: dict, grad_clip: float):
 
 
 def step_line(m: dict) -> str:
+    sel = f" sel {m['sel']:.4f}" if "sel" in m else ""
+    acc = f"acc@1 {m['acc'][0]}" + (f" sel@1 {m['sel_acc'][0]} recall {m['recall']}" if "sel_acc" in m else "")
     return (f"step {m['step']}/{m['total_steps']} | loss {m['loss']:.4f} ce {m['ce']:.4f} kl {m['kl']:.4f} "
-            f"cap {m['cap']:.4f} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f} | {m['tokens_per_s']:.0f} tok/s | "
-            f"acc@1 {m['acc'][0]} | wait {m['wait_s']:.2f}s")
+            f"cap {m['cap']:.4f}{sel} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f} | {m['tokens_per_s']:.0f} tok/s | "
+            f"{acc} | wait {m['wait_s']:.2f}s")
 
 
 def save_checkpoint(args, events, step: int, position: int, stream, drafter, opt, meta: dict) -> str:
@@ -388,7 +392,7 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
         # -- drafter role: the step on each micro-batch, gradients averaged over ranks, one optimizer step
         if topo.is_drafter:
             amp = noise_amplitude(step, args.noise_start, args.noise_end, start.schedule["total_steps"])
-            stats = StepStats.zero(args.block_size, dev)
+            stats = StepStats.zero(args.block_size, dev, selector=drafter.selector is not None)
             for j in topo.consumed_here(per_step):
                 tw = time.time()
                 mb = produce(target, data, stream, base + j, args, dev) if topo.colocated else recv_microbatch(topo.producer(base + j), dev)

@@ -1,5 +1,8 @@
 """The drafter variants, each trained by our trainer with the same budget (steps, data,
-seed, shape, learning rate); only the objective flags differ."""
+seed, shape, learning rate); only the objective flags differ — and for "dflash2" the
+architecture (docs/dflash2.md): DFlash2 on the reference objective, so its Δτ against
+"decay" is DFlash2 against DFlash at the same target, data, steps, block size and seed
+(the same --seed gives both the same DFlash weights and, at step 0, the same drafts)."""
 
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ VARIANTS: dict[str, list[str]] = {
     "noise": ["--position-weights", "decay", "--gamma", "7", *NOISE],
     "dpace": ["--position-weights", "dpace", "--dpace-alpha", "0.5"],
     "operators": ["--position-weights", "decay", "--gamma", "10.0", *NOISE, *SOFT, *CAP],
+    "dflash2": ["--drafter-arch", "dflash2", "--position-weights", "decay", "--gamma", "7"],
 }
 
 
