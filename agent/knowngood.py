@@ -90,7 +90,8 @@ def update(workspace: str, now: Optional[float] = None) -> dict:
     """Fold every launch record not yet judged into the known-good record; return it.
 
     A launch is judged once it reached steady state (→ baseline) or its run ended without it
-    (→ never a baseline). Runs still going are looked at again next time.
+    (→ never a baseline). A launch that accepted drift becomes the baseline only once its
+    run completed. Runs still going are looked at again next time.
     """
     doc = load(workspace)
     directory = os.path.join(state_dir(workspace), LAUNCHES)
@@ -122,6 +123,15 @@ def update(workspace: str, now: Optional[float] = None) -> dict:
                 checked.add(run_id)
                 changed = True
             continue
+        if rec.get("accepted_drift"):
+            # Launched on an environment that differed from the known good: steady speed is
+            # not enough (the story's run OOMed later, not at ramp-up); it must complete.
+            state = _state(run)
+            if state != "completed":
+                if _finished(run) or not os.path.isdir(run):
+                    checked.add(run_id)
+                    changed = True
+                continue
         entry = {"run_id": run_id, "ts": now or time.time(), "launched": rec.get("ts"),
                  "steady": steady, "config": rec.get("config")}
         doc["env"] = {**entry, "fingerprint": rec.get("fingerprint")}
@@ -136,6 +146,16 @@ def update(workspace: str, now: Optional[float] = None) -> dict:
         os.makedirs(state_dir(workspace), exist_ok=True)
         atomic_write_json(known_good_path(workspace), doc)
     return doc
+
+
+def _state(run: str) -> Optional[str]:
+    from agent.protocol import STATUS, RunStatus
+
+    try:
+        state = RunStatus.load(os.path.join(run, STATUS)).state
+    except ValueError:
+        return None
+    return state.value if state else None
 
 
 def _finished(run: str) -> bool:

@@ -25,7 +25,8 @@ from typing import Optional
 
 from agent import knowngood
 from agent.daemon import revive_if_gone
-from agent.protocol import DEFAULT_WORKSPACE, ENV_WORKSPACE, SPEC, RunResult, RunStatus, wrap_payload
+from agent.protocol import (DEFAULT_WORKSPACE, ENV_WORKSPACE, EVENTS, SPEC, RunResult, RunStatus, read_json_lines,
+                            wrap_payload)
 from agent.rundir import RunDir, agent_alive, agent_live_or_none, read_json
 
 
@@ -39,6 +40,29 @@ def runs(workspace: str) -> list[dict]:
             out.append({"run_id": spec.get("run_id") or name, "run_dir": os.path.join(base, name),
                         "created": spec.get("created") or 0})
     return sorted(out, key=lambda r: (r["created"], r["run_id"]))
+
+
+HISTORY_POINTS = 200  # at most this many (step, loss, tokens/s) points travel to `ctl status`
+HISTORY_BYTES = 16 << 20  # of events.jsonl read for them: a long run's recent part
+
+
+def history(run_dir: str) -> dict:
+    """Loss and tokens/s over the run from its step events, thinned to HISTORY_POINTS (every
+    k-th step) for `ctl status`'s inline charts."""
+    path = os.path.join(run_dir, EVENTS)
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        return {"step": [], "loss": [], "tokens_per_s": []}
+    offset = max(0, size - HISTORY_BYTES)
+    seen, rows = set(), []
+    for _, r in read_json_lines(path, offset):  # the first line may be torn by the offset: skipped
+        if r.get("kind") == "step" and r.get("step") not in seen:  # one row a step, whichever rank said it
+            seen.add(r.get("step"))
+            rows.append((r.get("step"), r.get("loss"), r.get("tokens_per_s")))
+    every = max(1, -(-len(rows) // HISTORY_POINTS))
+    rows = rows[::every]
+    return {"step": [r[0] for r in rows], "loss": [r[1] for r in rows], "tokens_per_s": [r[2] for r in rows]}
 
 
 def status(workspace: str, run: Optional[str] = None) -> dict:
@@ -68,7 +92,7 @@ def status(workspace: str, run: Optional[str] = None) -> dict:
             "agent_alive": agent_alive(rd), "job_alive": agent_live_or_none(rd.job_pid), "revived": revived,
             "config": config, "start": launch.get("start"), "gpus": launch.get("gpus"),
             "baseline": {"run_id": baseline.get("run_id"), "steady": baseline.get("steady")} if baseline else None,
-            "known_good_run": (known_good.get("env") or {}).get("run_id")}
+            "known_good_run": (known_good.get("env") or {}).get("run_id"), "history": history(rd.path)}
 
 
 def main(argv: Optional[list[str]] = None) -> int:

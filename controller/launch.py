@@ -73,6 +73,7 @@ class Launcher:
         self.config = config
         self.start = start
         self.accept_drift = accept_drift
+        self.drifted = False  # assess() sets it: drift that refuses without --accept-drift
         self.say = say
         self.wandb_key = wandb_key
         self.workspace = container.config.workspace
@@ -172,6 +173,9 @@ class Launcher:
             options["regression_fraction"] = b.regression_fraction
         record = {"run_id": self.run_id, "ts": time.time(), "config": self.config.name,
                   "config_file": self.config._source_file,
+                  "sets": list(self.config._command_line_sets),
+                  # drift that would have refused it, overridden: known good only once it completes
+                  "accepted_drift": self.accept_drift and self.drifted,
                   "start": start_kind(self.start),
                   "data_dir": self.values["data_dir"], "data": (pf.get("data") or {}).get("stats"),
                   "fingerprint": pf.get("fingerprint"),
@@ -220,6 +224,7 @@ class Launcher:
             mem_lines, mem_refusals = memory_report(self.values, pf)
             lines += mem_lines
             refusals += mem_refusals
+        self.drifted = bool(drift.blocking(findings, False))
         return Assessment(lines, refusals, drift.blocking(findings, self.accept_drift))
 
     def run(self) -> LaunchResult:

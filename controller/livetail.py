@@ -88,4 +88,4 @@ class LiveTail:
         if step.get("step") is not None:
             self.clock.step(int(step["step"]))
         self.last = status_text(step, self.clock, self.baseline)
-        self.live.update(Text(self.last, style="bold"))
+        self.live.update(Text(self.last, style="bold"), refresh=True)

@@ -299,6 +299,8 @@ def resume_line(ct: Container, launch: Optional[dict], checkpoint: Optional[dict
         argv += ["--resume-from", checkpoint["path"]]
     else:
         argv += ["--from-scratch"]
+    for item in launch.get("sets") or []:  # what its launch changed over the file, so it runs on alike
+        argv += ["--set", item]
     return shlex.join(argv)
 
 

@@ -235,6 +235,9 @@ class RunConfig(BaseModel):
     trainer: TrainerSection  # type: ignore[valid-type]
     # The file it was read from (absolute), so a printed resume line names it exactly.
     _source_file: Optional[str] = PrivateAttr(default=None)
+    # what the command line changed over the file, as --set KEY=VALUE, so a resume line
+    # (controller/rollback.py) starts the run the way it was started
+    _command_line_sets: list[str] = PrivateAttr(default_factory=list)
     wandb: WandbSection = Field(default_factory=WandbSection)
     baseline: BaselineSection = Field(default_factory=BaselineSection)
     supervision: SupervisionSection = Field(default_factory=SupervisionSection)  # type: ignore[valid-type]
@@ -334,7 +337,14 @@ def load(path: str | Path, overrides: Mapping[str, Any] | None = None,
         raise RunConfigError(f"run config {path} is not valid TOML: {exc}") from None
     config = from_dict(data, source=str(path), default_name=path.stem, overrides=overrides, sets=sets)
     config._source_file = str(path.resolve())
+    config._command_line_sets = [
+        *(f"{dest.replace('_', '-')}={_set_text(v)}" for dest, v in (overrides or {}).items() if v is not None),
+        *(sets or [])]
     return config
+
+
+def _set_text(value: Any) -> str:
+    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
 def from_dict(data: dict[str, Any], *, source: str = "run config", default_name: str = "run",

@@ -39,6 +39,18 @@ def fmt_duration(seconds: Optional[float]) -> str:
     return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
 
+def _chart(series) -> str:
+    """The series over the run as an inline chart, with its range (controller/sparkline.py)."""
+    values = [v for v in (series or []) if isinstance(v, (int, float))]
+    if len(values) < 2:
+        return ""
+    from controller.sparkline import sparkline
+
+    lo, hi = min(values), max(values)
+    span = f"{lo:.3g}…{hi:.3g}" if hi < 1000 else f"{fmt_rate(lo)}…{fmt_rate(hi)}"
+    return f"   {sparkline(values, 24)}  ({span} over the run)"
+
+
 def render_status(reply: dict, ctid: str, node: str) -> list[str]:
     st = RunStatus.from_json(reply.get("status"))
     res = RunResult.from_json(reply.get("result"))
@@ -58,8 +70,10 @@ def render_status(reply: dict, ctid: str, node: str) -> list[str]:
         pct = f" ({100 * st.step / st.total:.0f} %)" if st.total else ""
         eta = "" if terminal else f", ETA {fmt_duration(eta_seconds(st, _run_started(reply)))}"
         lines.append(f"step     {st.step}" + (f"/{st.total}" if st.total else "") + pct + eta)
+    hist = reply.get("history") or {}
     if st.loss is not None:
-        lines.append(f"loss     {st.loss:.4f}" + (f"  (lr {st.lr:.2e})" if isinstance(st.lr, (int, float)) else ""))
+        lines.append(f"loss     {st.loss:.4f}" + (f"  (lr {st.lr:.2e})" if isinstance(st.lr, (int, float)) else "")
+                     + _chart(hist.get("loss")))
     rate = st.steady_tokens_per_s or st.tokens_per_s
     if rate is not None:
         baseline = reply.get("baseline") or {}
@@ -70,7 +84,7 @@ def render_status(reply: dict, ctid: str, node: str) -> list[str]:
             vs = f" vs baseline {fmt_rate(base)} of run {baseline.get('run_id')}: {100 * rate / base:.0f} %"
         else:
             vs = " (no baseline for this config yet)"
-        lines.append(f"tok/s    {fmt_rate(rate)}{vs}")
+        lines.append(f"tok/s    {fmt_rate(rate)}{vs}" + _chart(hist.get("tokens_per_s")))
     cpu = st.gpu_state == "no GPU"
     for rank, r in sorted(st.ranks.items()):
         where = (f"rank slot {r.gpu} (CPU)" if cpu else f"GPU {r.gpu}") if r.gpu is not None else "CPU"

@@ -148,8 +148,12 @@ class Printer:
     most every ``status_every`` seconds (and at every state change)."""
 
     def __init__(self, write: Callable[[str], None], *, status_every: float = 10.0,
-                 clock: Callable[[], float] = time.monotonic, raw: bool = False):
+                 clock: Callable[[], float] = time.monotonic, raw: bool = False,
+                 on_step: Optional[Callable[[dict], None]] = None):
+        """``on_step``: a live status display takes each step event instead (controller/
+        livetail.py), and no status lines are interleaved with the log."""
         self.write = write
+        self.on_step = on_step
         self.status_every = status_every
         self.clock = clock
         self.raw = raw
@@ -180,7 +184,9 @@ class Printer:
                 reason = _failure_reason(payload)
                 self.write(f"== run {state}" + (f": {reason}" if reason and reason != state else ""))
         now = self.clock()
-        if self.steps_seen and (self.last_status_at is None or now - self.last_status_at >= self.status_every):
+        if self.on_step is not None:
+            self.status_is_last = False
+        elif self.steps_seen and (self.last_status_at is None or now - self.last_status_at >= self.status_every):
             self.write(self.status_line())
             self.last_status_at = now
             self.status_is_last = True
@@ -192,6 +198,8 @@ class Printer:
         if kind == "step":
             self.step = ev
             self.steps_seen += 1
+            if self.on_step is not None:
+                self.on_step(ev)
         elif kind == "phase":
             self.write(f"== phase {ev.get('phase')}")
         elif kind == "checkpoint":

@@ -35,7 +35,13 @@ RECIPE = {
     "include": ["python3", "python3-venv", "procps"],
     # torch is pinned to the CPU wheel this machine's pip finds in /opt/wheels: an unpinned
     # torch resolves to a multi-GB CUDA build. The rest are pinned so the cache key is stable.
-    "requirements": ["torch==2.13.0", "transformers==5.24.0", "safetensors==0.8.0", "numpy==2.4.6"],
+    # wandb: the demo's runs log offline into their run directory (docs/sim.md).
+    "requirements": ["torch==2.13.0", "transformers==5.24.0", "safetensors==0.8.0", "numpy==2.4.5",
+                     "wandb==0.31.0"],
+    # Not installed: wheels left in <workspace>/wheelhouse, as an operator's offline wheelhouse
+    # holds the next release of a package (the demo's upgrade: `ctl env install numpy==2.4.6
+    # --wheelhouse /workspace/wheelhouse`).
+    "wheelhouse": ["numpy==2.4.6"],
     "venv": "/root/venv",
     "workspace": "/workspace",
 }
@@ -52,11 +58,11 @@ def base_key() -> str:
 
 
 def wheels_key() -> str:
-    return _key("requirements")
+    return _key("requirements", "wheelhouse")
 
 
 def rootfs_key() -> str:
-    return _key("suite", "variant", "include", "requirements", "venv", "workspace")
+    return _key("suite", "variant", "include", "requirements", "wheelhouse", "venv", "workspace")
 
 
 def rootfs_path() -> Path:
@@ -126,6 +132,9 @@ def _ensure_wheels(root: Path, progress: Progress) -> Path:
     # The host python is 3.11 like bookworm's, so the wheels it picks fit the container.
     run([sys.executable, "-m", "pip", "download", "--quiet", "--dest", tmp, *RECIPE["requirements"]],
         what="pip download of the container's wheels", timeout=1800)
+    (tmp / "wheelhouse").mkdir()
+    run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--dest", tmp / "wheelhouse",
+         *RECIPE["wheelhouse"]], what="pip download of the wheelhouse's wheels", timeout=1800)
     tmp.rename(final)
     return final
 
@@ -150,6 +159,7 @@ def _build_rootfs(root: Path, base: Path, wheels: Path, final: Path, progress: P
             ([f"{venv}/bin/pip", "install", "--quiet", "--no-index", "--find-links", "/mnt/wheels",
               "--disable-pip-version-check", *RECIPE["requirements"]], "pip install from the wheelhouse"),
             (["mkdir", "-p", RECIPE["workspace"]], "mkdir workspace"),
+            (["cp", "-r", "/mnt/wheels/wheelhouse", f"{RECIPE['workspace']}/wheelhouse"], "the wheelhouse"),
         ]
         for argv, what in steps:
             lxc.attach(lxcpath, name, argv, what=f"{what} in the build container", timeout=1800)

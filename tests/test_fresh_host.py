@@ -94,25 +94,46 @@ def fresh(tmp_path):
             subprocess.run(["losetup", "-d", dev], check=False)
 
 
-def test_demo_runs_on_a_freshly_booted_host(tmp_path, fresh):
+def test_demo_runs_on_a_freshly_booted_host_and_tells_the_story(tmp_path, fresh):
     """Both README steps a new user takes, on a host with no /run/sshd, no node state, no
-    controller config: the demo brings a node up and runs launch → follow → status → tail
-    → kill-and-rollback to the end."""
+    controller config — and the demo's story, checked step by step from its output: the good
+    run becomes known good; the package upgrade is a new generation; the next launch is
+    refused naming the package and both versions; after --accept-drift and a stop,
+    kill-and-rollback changes that package back and verifies it; the resumed run continues
+    from the checkpoint the rollback named to its last step; wandb wrote an offline run; the
+    drafter comes out of the container."""
     env = fresh
-    env.update(DFLASH_DEMO_NODE=NODE, DFLASH_DEMO_CTIDS=CTIDS)
+    env.update(DFLASH_DEMO_NODE=NODE, DFLASH_DEMO_CTIDS=CTIDS, DFLASH_DEMO_OUT=str(tmp_path / "drafter"))
     script = (f'test ! -e /run/sshd || {{ echo "/run/sshd exists: not a fresh boot" >&2; exit 97; }}; '
               f'trap "ctl sim down --name {NODE} --purge" EXIT; scripts/demo.sh')
     proc = _in_fresh_boot(script, env, timeout=1500)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert "sim node fresh up" in out
-    assert "adopted current generation" in out, out[-3000:]
-    assert re.search(r"^ctl: run \S+ completed; last checkpoint ", out, re.M), out[-3000:]
-    assert re.search(r"^ctl: detached at seq \d+; the run goes on", out, re.M), out[-3000:]
-    assert re.search(r"^stopped   run \S+: ended stopped \(stopped on request\); processes left: none", out, re.M), out[-3000:]
-    assert re.search(r"^verified  venv fingerprint (\w+) == target \1  \[OK\]", out, re.M), out[-3000:]
-    assert re.search(r"^  ctl launch .*--resume-from \S+/checkpoint.pt$", out, re.M), out[-3000:]
     assert (Path(env["HOME"]) / ".config/dflash-ctl/config.toml").exists(), "ctl sim up wrote no controller config"
+    good = re.search(r"^ctl: run (\S+) completed; last checkpoint ", out, re.M)
+    assert good, out[-3000:]
+    # wandb logged the good run offline, in its run directory, and said how to upload it
+    assert re.search(rf"^wandb: offline run in /workspace/runs/{good.group(1)}/wandb/offline-run-\S+; upload it "
+                     rf"later with `wandb sync /workspace/runs/{good.group(1)}/wandb/offline-run-", out, re.M)
+    assert re.search(r"generation (\w+) → (\w+) \(the old one is kept\)\n  ↑ numpy 2\.4\.5 → 2\.4\.6", out)
+    assert (f"drift against the known-good baseline in container {CTIDS.split(',')[0]} on node {NODE}: "
+            "package numpy: 2.4.5 → 2.4.6") in out and "(exit 3: refused, nothing was started)" in out
+    stopped = re.search(r"^stopped   run (\S+): ended stopped \(stopped on request\); processes left: none", out, re.M)
+    assert stopped, out[-3000:]
+    rolled = re.search(rf"^rolled back to env:(\w+) \(the env of known-good run {good.group(1)}\)", out, re.M)
+    assert rolled and re.search(rf"^verified  venv fingerprint {rolled.group(1)} == target {rolled.group(1)}  \[OK\]",
+                                out, re.M)
+    assert "↓ numpy 2.4.6 → 2.4.5" in out.split("rolled back to env:")[1]
+    resume = re.search(r"^resume from checkpoint (\S+/step_(\d+)/checkpoint\.pt) \(step (\d+)\)", out, re.M)
+    assert resume and resume.group(2) == resume.group(3) and int(resume.group(2)) > 0
+    assert stopped.group(1) in resume.group(1)
+    after = out.split("=== 9. ")[1]
+    assert re.search(rf"--resume-from {re.escape(resume.group(1))} .*--set max-steps=400", after)
+    assert re.search(rf"^training: .*steps {resume.group(2)}→", after, re.M), after[:3000]
+    assert re.search(r"^ctl: run \S+ completed; last checkpoint \S+/step_400/checkpoint\.pt", after, re.M)
+    exported = tmp_path / "drafter"
+    assert {p.name for p in exported.iterdir()} == {"config.json", "model.safetensors", "modeling_dflash.py", "README.md"}
     assert _nothing_left(tmp_path / "state") == []
 
 

@@ -94,3 +94,35 @@ def test_a_ramp_is_not_steady():
 def test_steady_state_reads_one_rank():
     events = steps([1, 100, 100, 100, 100, 100, 100], rank=0) + steps([1, 7, 300, 2, 9, 1000, 3], rank=1)
     assert steady_state(events, 3, 0.1)["tokens_per_s"] == 100
+
+
+def test_a_run_that_accepted_drift_becomes_known_good_only_once_it_completes(tmp_path):
+    """Steady speed on a drifted environment is not enough (the story's run OOMed after its
+    ramp-up): a launch made with --accept-drift over real drift counts once its run completed."""
+    import json
+    import os
+
+    from agent import knowngood
+    from agent.protocol import STATUS
+
+    ws = str(tmp_path)
+    fast = [{"kind": "step", "step": i, "tokens_per_s": 1000.0} for i in range(1, 11)]
+
+    def launch(run_id, accepted, state):
+        run = knowngood.run_dir(ws, run_id)
+        os.makedirs(run)
+        with open(os.path.join(run, "events.jsonl"), "w") as fh:
+            fh.writelines(json.dumps(e) + "\n" for e in fast)
+        with open(os.path.join(run, STATUS), "w") as fh:
+            json.dump({"state": state}, fh)
+        knowngood.write_launch_record(ws, {"run_id": run_id, "ts": len(os.listdir(ws)), "config": "tiny",
+                                           "accepted_drift": accepted, "fingerprint": {"id": run_id},
+                                           "baseline": {"steady_steps": 3, "throughput_tolerance": 0.5}})
+
+    launch("good", False, "running")
+    assert knowngood.update(ws)["env"]["run_id"] == "good"  # steady is enough without drift
+    launch("drifted", True, "running")
+    assert knowngood.update(ws)["env"]["run_id"] == "good"  # steady, but drifted and not done
+    with open(os.path.join(knowngood.run_dir(ws, "drifted"), STATUS), "w") as fh:
+        json.dump({"state": "completed"}, fh)
+    assert knowngood.update(ws)["env"]["run_id"] == "drifted"

@@ -18,3 +18,32 @@ def test_a_falling_loss_falls_and_a_flat_series_is_flat():
 def test_long_series_are_bucketed_by_their_means_and_gaps_are_skipped():
     assert downsample([1, 1, 3, 3, None, 5, 5], 3) == [1.0, 3.0, 5.0]
     assert sparkline([], 10) == "" and sparkline([None, None]) == ""
+
+
+def test_status_shows_loss_and_rate_over_the_run_from_the_run_directory(tmp_path):
+    """agent.runview reads the step events (one row a step, every k-th past 200) and
+    `ctl status` draws them beside the numbers."""
+    import json
+
+    from agent import runview
+    from controller.status import render_status
+
+    events = tmp_path / "events.jsonl"
+    with open(events, "w") as fh:
+        for step in range(1, 501):
+            for rank in (0, 1):  # two ranks report the same step: one row
+                fh.write(json.dumps({"kind": "step", "rank": rank, "step": step, "loss": 7.0 - step / 100,
+                                     "tokens_per_s": 1000.0 + step}) + "\n")
+        fh.write('{"kind": "phase", "phase": "done"}\n')
+    hist = runview.history(str(tmp_path))
+    assert len(hist["step"]) == 167 and hist["step"][:3] == [1, 4, 7]
+    reply = {"run_id": "r", "status": {"state": "completed", "step": 500, "total": 500, "loss": 2.0,
+                                       "tokens_per_s": 1500.0}, "history": hist}
+    lines = render_status(reply, "200", "sim")
+    loss = next(line for line in lines if line.startswith("loss"))
+    rate = next(line for line in lines if line.startswith("tok/s"))
+    def chart(line):
+        return line.rsplit("(", 1)[0].split()[-1]
+
+    assert len(chart(loss)) == 24 and chart(loss)[0] == BARS[-1] and chart(loss)[-1] == BARS[0]  # falls
+    assert chart(rate)[0] == BARS[0] and chart(rate)[-1] == BARS[-1] and "over the run" in rate

@@ -55,14 +55,35 @@ def _where(container: Optional[int], node: Optional[str], ctl_config: Optional[s
         raise fail("no --container given and no earlier launch to default to: pass --container ID", EXIT_CONFIG)
 
 
+def _baseline_tok_s(ct: Container, caller, run_id: str):
+    """The steady tokens/s of the config's known-good run, for the live line (None if none)."""
+    try:
+        reply = caller.call("agent.runview", ["status", "--workspace", ct.config.workspace, "--run", run_id])
+    except Exception:  # noqa: BLE001 - a missing baseline only drops a figure from the display
+        return None
+    return ((reply.get("baseline") or {}).get("steady") or {}).get("tokens_per_s")
+
+
 def _exit_for(state: Optional[str]) -> int:
     return {"completed": 0, "failed": EXIT_FAILED}.get(state or "", EXIT_NOT_DONE)
 
 
 def _follow(ct: Container, caller, run_id: str, since: int, follow: bool, raw: bool) -> int:
+    import contextlib
+    import sys
+
     from controller.tail import Printer, tail
 
-    printer = Printer(lambda line: typer.echo(line), raw=raw)
+    live = None
+    if follow and not raw and sys.stdout.isatty():
+        # A terminal: the log scrolls above one live status line (controller/livetail.py).
+        from rich.console import Console
+
+        from controller.livetail import LiveTail
+
+        live = LiveTail(Console(highlight=False), baseline_tok_s=_baseline_tok_s(ct, caller, run_id))
+    printer = Printer(live.write if live else (lambda line: typer.echo(line)), raw=raw,
+                      on_step=live.on_step if live else None)
 
     def reconnecting(n: int, why: str) -> None:
         typer.echo(f"ctl: connection lost ({why.splitlines()[0][:120]}); reconnecting (#{n}) from seq "
@@ -74,9 +95,10 @@ def _follow(ct: Container, caller, run_id: str, since: int, follow: bool, raw: b
         printer_last["seq"] = rec["seq"]
         printer(rec)
 
-    result = tail(ContainerStream(ct, caller), run_id, on_record, since=since, follow=follow,
-                  on_reconnect=reconnecting)
-    if printer.steps_seen and not raw and not printer.status_is_last:
+    with live if live else contextlib.nullcontext():
+        result = tail(ContainerStream(ct, caller), run_id, on_record, since=since, follow=follow,
+                      on_reconnect=reconnecting)
+    if printer.steps_seen and not raw and not printer.status_is_last and live is None:
         typer.echo(printer.status_line())
     if result.detached:
         typer.echo(f"ctl: detached at seq {result.last_seq}; the run goes on. Resume with "
