@@ -2,14 +2,15 @@
 answered in one call (one round trip):
 
     python3 -m agent.runview status --workspace W [--run ID]   # the run (default: latest)
-    python3 -m agent.runview stream --workspace W --run ID --from SEQ   # what exists now
+    python3 -m agent.runview stream --workspace W [--run ID] --from SEQ   # what exists now
 
 ``status`` re-attaches an agent to a run that has none (agent/daemon.py revive_if_gone),
 resolves "the latest run" itself (so the operator's default costs no extra
 listing round trip), returns the agent's status.json and result.json, whether the agent and
 the job are alive, the run's launch record and the known-good baseline for its config
 (updated first: a run that reached steady state since the last look becomes the baseline).
-``stream`` is ``agent follow`` that stops at the current end instead of waiting for more.
+``stream`` is ``agent follow`` that stops at the current end instead of waiting for more;
+it too defaults to the latest run, so `ctl tail` without --follow is one round trip.
 
 Standard library only; apart from starting an agent for an unsupervised run, it reads what
 the agent writes and never writes into a run.
@@ -108,10 +109,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 0 if reply.get("ok") else 1
     from agent.stream import follow
 
-    if not args.run:
-        print("agent.runview stream: --run is required", file=sys.stderr)
-        return 2
-    rd = RunDir(os.path.join(args.workspace, "runs", args.run))
+    run = args.run
+    if not run:
+        all_runs = runs(args.workspace)
+        if not all_runs:
+            print(f"agent.runview stream: no runs in {args.workspace}/runs yet: start one with `ctl launch`",
+                  file=sys.stderr)
+            return 2
+        run = all_runs[-1]["run_id"]
+    rd = RunDir(os.path.join(args.workspace, "runs", run))
     if not os.path.isdir(rd.path):
         print(f"agent.runview stream: no run directory {rd.path}", file=sys.stderr)
         return 2

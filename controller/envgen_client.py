@@ -11,13 +11,13 @@ import json
 import os
 from typing import Optional, Sequence
 
+from agent.protocol import ENVGEN_EXIT_REFUSED
 from controller.agentcall import AgentCaller
 from controller.container import Container, ContainerError
 
 # Fault-injection switches of agent.envgen, passed through from ctl's own environment so
 # tests (and an operator reproducing a failure) can make a step die or pause at a named point.
 FORWARDED_ENV = ("DFLASH_ENVGEN_FAULT", "DFLASH_ENVGEN_PAUSE_S", "DFLASH_ENVGEN_NO_EXCHANGE")
-EXIT_REFUSED = 2
 
 
 class EnvGenRefused(ContainerError):
@@ -39,7 +39,7 @@ def _refusal(ct: Container, module: str):
                 f"same command (or `ctl env resume --container {ct.ctid}`) to complete it.")
         if payload is not None and not payload.get("ok", result.ok):
             error = payload.get("error") or result.tail("stderr", 5)
-            if payload.get("kind") == "refused" or result.returncode == EXIT_REFUSED:
+            if payload.get("kind") == "refused" or result.returncode == ENVGEN_EXIT_REFUSED:
                 raise EnvGenRefused(f"{ct}: {error}")
             raise ContainerError(f"{ct}: {error}")
     return hook

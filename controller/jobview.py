@@ -69,17 +69,21 @@ class ContainerStream:
         self.caller = caller
         self.workspace = ct.config.workspace
 
-    def follow(self, run_id: str, after: int, on_line, *, once: bool) -> int:
+    def follow(self, run_id: Optional[str], after: int, on_line, *, once: bool) -> int:
+        """``run_id`` None (``once`` only): the container's latest run, resolved in the same call."""
+        named = ["--run", run_id] if run_id else []
         if once:
-            module, args = "agent.runview", ["stream", "--workspace", self.workspace, "--run", run_id, "--from", after]
+            module, args = "agent.runview", ["stream", "--workspace", self.workspace, *named, "--from", after]
         else:
-            module, args = "agent", ["follow", "--workspace", self.workspace, "--run", run_id, "--from", after]
+            module, args = "agent", ["follow", "--workspace", self.workspace, *named, "--from", after]
         result = self.caller.run(module, args, capture=False, on_stdout=on_line)
         if result.failed and result.returncode != FOLLOW_AGENT_GONE:
             tail = result.tail("stderr", 3)
             if "no run directory" in tail:
                 raise NoSuchRun(f"no run {run_id!r} in container {self.ct.ctid}: `ctl runs --container "
                                 f"{self.ct.ctid}` lists them")
+            if "no runs in" in tail:
+                raise NoSuchRun(f"container {self.ct.ctid}: {tail.strip().split(': ', 1)[-1]}")
         return result.returncode
 
     def state(self, run_id: str) -> dict:

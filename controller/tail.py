@@ -57,8 +57,9 @@ def tail(source: StreamSource, run_id: str, on_record: Callable[[dict], None], *
          sleep: Callable[[float], None] = time.sleep, on_reconnect: Callable[[int, str], None] | None = None) -> TailResult:
     """Hand every record with seq > ``since`` to ``on_record`` exactly once, in seq order.
 
-    ``follow=False`` prints what exists now and returns. ``follow=True`` goes on until the run
-    is in a terminal state (asked, not assumed) or Ctrl-C.
+    ``follow=False`` prints what exists now and returns (one call to the source: ``run_id``
+    None there means the latest run). ``follow=True`` goes on until the run is in a terminal
+    state (asked, not assumed) or Ctrl-C.
     """
     backoff = backoff or (lambda n: min(0.2 * (2 ** min(n, 5)), 5.0))
     last = since
@@ -98,9 +99,11 @@ def tail(source: StreamSource, run_id: str, on_record: Callable[[dict], None], *
                     on_reconnect(reconnects, str(exc))
                 sleep(backoff(consecutive))
                 continue
+            if not follow:  # what exists now, printed: nothing is decided from the state
+                return TailResult(last, None, reconnects, gaps=gaps)
             status = _state(source, run_id)
             state = status.get("state") if status else None
-            if not follow or _terminal(state):
+            if _terminal(state):
                 return TailResult(last, state, reconnects, gaps=gaps, status=status)
             if rc == FOLLOW_AGENT_GONE:
                 # The agent is gone and the run is not finished: the stream would never end,

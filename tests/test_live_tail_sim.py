@@ -21,6 +21,18 @@ REPO = Path(__file__).resolve().parent.parent
 CTL = [sys.executable, "-c", "from controller.cli import main; main()"]
 CT = "200"
 ANSI = re.compile(r"\x1b\[")
+CSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def screen_lines(out: str) -> list[str]:
+    """The lines a terminal is left showing, for the two moves a live display makes here:
+    a carriage return, then erase-line and redraw. What follows a line's last \\r is what
+    stays on it; its control sequences are dropped."""
+    lines = []
+    for raw in out.split("\n"):
+        kept = [seg for seg in raw.split("\r") if CSI.sub("", seg)]
+        lines.append(CSI.sub("", kept[-1]) if kept else "")
+    return lines
 
 
 def _env(ctl_config) -> dict:
@@ -71,5 +83,27 @@ def test_a_terminal_gets_a_live_status_line_that_follows_the_steps(finished_run,
     assert ANSI.search(out), "no live display on a terminal"
     shown = re.findall(r"step (\d+)/12 +\S+ tok/s.*?loss [\d.]+ +ETA", out)
     assert len(set(shown)) >= 3 and "12" in shown, out[-2000:]  # redrawn as the steps came
-    assert re.search(r"^step 12/12 \|", re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out).replace("\r", ""), re.M)
+    screen = screen_lines(out)
+    assert any(line.startswith("step 12/12 |") for line in screen), screen[-20:]  # the log, whole
+    while screen and not screen[-1]:
+        screen.pop()
+    assert screen[-1].startswith("ctl: run ") and "completed" in screen[-1], screen[-3:]
+    assert screen[-2].startswith("step 12/12  "), screen[-3:]  # the status line stays, above it
     assert "-- step" not in out  # no status lines mixed into the log on a terminal
+
+
+def _pct_execs(sim_node) -> int:
+    log = Path(sim_node.paths.log) / "pct-calls.log"
+    return sum(1 for line in log.read_text().splitlines() if '"exec"' in line) if log.exists() else 0
+
+
+def test_tail_without_follow_is_one_call_into_the_container(finished_run, sim_node, ctl_config):
+    """No --run, no --follow: the latest run's log as it is now, in one `pct exec` (the stream
+    call finds the latest run itself; nothing is asked of the run's state)."""
+    run_id, _ = finished_run
+    before = _pct_execs(sim_node)
+    proc = subprocess.run([*CTL, "tail", "--container", CT], capture_output=True, text=True, env=_env(ctl_config),
+                          cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert re.search(r"^step 12/12 \|", proc.stdout, re.M) and run_id in proc.stdout
+    assert _pct_execs(sim_node) - before == 1

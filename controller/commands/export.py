@@ -196,7 +196,7 @@ def export_command(
 
     from controller.agentcall import AgentCaller
     from controller.commands import job as job_cmd
-    from controller.commands.run import _resolve_run, _where
+    from controller.commands.run import resolve_run, container_or_last_launch
 
     if dtype not in ("bf16", "fp32"):
         raise fail(f"--dtype {dtype}: expected bf16 or fp32", EXIT_CONFIG)
@@ -214,11 +214,11 @@ def export_command(
         ctid, node = int(saver.ctid), saver.node
         say(f"job {run_id}: exporting from {saver.label} (the first drafter rank's container)")
     else:
-        ctid, node = _where(container, node, ctl_config)
+        ctid, node = container_or_last_launch(container, node, ctl_config)
     with container_session(ctid, node, ctl_config, trust_new_host_key) as ct:
         caller = AgentCaller(ct, say)
         if not found:
-            run_id = run or _resolve_run(ct, caller, None)["run_id"]
+            run_id = run or resolve_run(ct, caller, None)["run_id"]
         run_dir = posixpath.join(ct.config.workspace, "runs", run_id)
         say(f"exporting run {run_id} from {ct}")
         try:

@@ -93,10 +93,10 @@ def tail(members: list[job.Member], run_id: str, *, ctl_config: Optional[str], f
         callers = [AgentCaller(ct) for ct in cts]
         sources = [ContainerStream(ct, c) for ct, c in zip(cts, callers)]
         jobview.merged(members, sources, run_id, typer.echo, follow=follow, raw=raw, stop=stop, since=since)
+        if not follow:
+            return 0
         replies = jobview.statuses(members, callers, run_id)
     verdict = job.job_verdict(replies)
-    if not follow:
-        return 0
     root = verdict["root_cause"]
     if verdict["state"] == "failed":
         where = f"rank {root.get('rank')} in " if root and root.get("rank") is not None else ""

@@ -45,7 +45,7 @@ ContainerOpt = typer.Option(None, "--container", "-c", help="container id (defau
 RunOpt = typer.Option(None, "--run", "-r", help="run id (default: the latest run in the container)")
 
 
-def _where(container: Optional[int], node: Optional[str], ctl_config: Optional[str]) -> tuple[int, Optional[str]]:
+def container_or_last_launch(container: Optional[int], node: Optional[str], ctl_config: Optional[str]) -> tuple[int, Optional[str]]:
     if container is not None:
         return container, node
     try:
@@ -68,7 +68,7 @@ def _exit_for(state: Optional[str]) -> int:
     return {"completed": 0, "failed": EXIT_FAILED}.get(state or "", EXIT_NOT_DONE)
 
 
-def _follow(ct: Container, caller, run_id: str, since: int, follow: bool, raw: bool) -> int:
+def _follow(ct: Container, caller, run_id: Optional[str], since: int, follow: bool, raw: bool) -> int:
     import contextlib
     import sys
 
@@ -102,7 +102,7 @@ def _follow(ct: Container, caller, run_id: str, since: int, follow: bool, raw: b
         typer.echo(printer.status_line())
     if result.detached:
         typer.echo(f"ctl: detached at seq {result.last_seq}; the run goes on. Resume with "
-                   f"`ctl tail --container {ct.ctid} --run {run_id} --since {result.last_seq} --follow`", err=True)
+                   f"`ctl tail --container {ct.ctid}{f' --run {run_id}' if run_id else ''} --since {result.last_seq} --follow`", err=True)
         return 0
     if result.gaps:
         typer.echo(f"ctl: warning: the stream skipped seq ranges {result.gaps}", err=True)
@@ -242,7 +242,7 @@ def _launch_one(ct: Container, run_config, start: dict, *, snapshot: bool, say, 
         raise
 
 
-def _resolve_run(ct: Container, caller, run: Optional[str]) -> dict:
+def resolve_run(ct: Container, caller, run: Optional[str]) -> dict:
     from controller.agentcall import AgentCallError
 
     args = ["status", "--workspace", ct.config.workspace] + (["--run", run] if run else [])
@@ -275,10 +275,11 @@ def tail_command(
         raise typer.Exit(job_cmd.tail(found[0], found[1], ctl_config=ctl_config, follow=follow, raw=raw, since=since,
                                       trust_new_host_key=trust_new_host_key))
 
-    container, node = _where(container, node, ctl_config)
+    container, node = container_or_last_launch(container, node, ctl_config)
     with container_session(container, node, ctl_config, trust_new_host_key) as ct:
         caller = AgentCaller(ct)
-        run_id = run or _resolve_run(ct, caller, None)["run_id"]
+        # Without --follow the stream call itself finds the latest run: one round trip.
+        run_id = run or (resolve_run(ct, caller, None)["run_id"] if follow else None)
         code = _follow(ct, caller, run_id, since, follow, raw)
     raise typer.Exit(code)
 
@@ -302,9 +303,9 @@ def status_command(
         raise typer.Exit(job_cmd.status(found[0], found[1], ctl_config=ctl_config, json_out=json_out,
                                         trust_new_host_key=trust_new_host_key))
 
-    container, node = _where(container, node, ctl_config)
+    container, node = container_or_last_launch(container, node, ctl_config)
     with container_session(container, node, ctl_config, trust_new_host_key) as ct:
-        reply = _resolve_run(ct, AgentCaller(ct), run)
+        reply = resolve_run(ct, AgentCaller(ct), run)
         if json_out:
             typer.echo(json.dumps(reply, sort_keys=True, indent=1))
         else:
@@ -323,7 +324,7 @@ def runs_command(
     from controller.agentcall import AgentCaller
     from controller.status import render_runs
 
-    container, node = _where(container, node, ctl_config)
+    container, node = container_or_last_launch(container, node, ctl_config)
     with container_session(container, node, ctl_config, trust_new_host_key) as ct:
         reply = AgentCaller(ct).call("agent", ["list", "--workspace", ct.config.workspace], what="agent list")
         runs = reply.get("runs") or []
