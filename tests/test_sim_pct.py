@@ -208,7 +208,8 @@ def test_snapshot_on_directory_storage_is_refused_like_proxmox(own_node):
 
 def test_rollback_restores_files_and_hard_stops_a_running_container(own_node, snap_ct):
     name = snapname()
-    assert pct(own_node, "exec", snap_ct, "--", "sh", "-c", "echo before > /root/marker").rc == 0
+    # /root/new is removed first: the node outlives sessions, and one cut off mid-test may have left it.
+    assert pct(own_node, "exec", snap_ct, "--", "sh", "-c", "echo before > /root/marker; rm -f /root/new").rc == 0
     assert pct(own_node, "snapshot", snap_ct, name).rc == 0
     assert pct(own_node, "exec", snap_ct, "--", "sh", "-c", "echo after > /root/marker; touch /root/new").rc == 0
     # A process that would survive a graceful stop must not matter: rollback kills.
