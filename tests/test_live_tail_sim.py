@@ -59,12 +59,13 @@ def test_a_pipe_gets_plain_lines_and_a_closing_status_line(finished_run):
     assert re.search(r"^-- step 12/12 \| loss \d", out, re.M)
 
 
-def test_a_terminal_gets_a_live_status_line_that_follows_the_steps(finished_run, ctl_config):
+def test_a_terminal_gets_a_live_status_line_that_follows_the_steps(finished_run, sim_node, ctl_config):
     run_id, _ = finished_run
+    before = _pct_execs(sim_node)
     pid, fd = pty.fork()
-    if pid == 0:  # the child: ctl on the terminal's slave side
+    if pid == 0:  # the child: ctl on the terminal's slave side, no --run: the latest is finished_run
         os.chdir(REPO)
-        os.execvpe(CTL[0], [*CTL, "tail", "--container", CT, "--run", run_id, "--follow"], _env(ctl_config))
+        os.execvpe(CTL[0], [*CTL, "tail", "--container", CT, "--follow"], _env(ctl_config))
     chunks, deadline = [], time.monotonic() + 300
     while time.monotonic() < deadline:
         ready, _, _ = select.select([fd], [], [], 1.0)
@@ -90,6 +91,10 @@ def test_a_terminal_gets_a_live_status_line_that_follows_the_steps(finished_run,
     assert screen[-1].startswith("ctl: run ") and "completed" in screen[-1], screen[-3:]
     assert screen[-2].startswith("step 12/12  "), screen[-3:]  # the status line stays, above it
     assert "-- step" not in out  # no status lines mixed into the log on a terminal
+    assert run_id in screen[-1]
+    # One status call gives both the latest run and the live line's baseline, then the
+    # stream, then the state it ended in: three calls into the container.
+    assert _pct_execs(sim_node) - before == 3
 
 
 def _pct_execs(sim_node) -> int:

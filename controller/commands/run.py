@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+import sys
 import time
 from pathlib import Path
 from typing import List, Optional
@@ -55,33 +56,31 @@ def container_or_last_launch(container: Optional[int], node: Optional[str], ctl_
         raise fail("no --container given and no earlier launch to default to: pass --container ID", EXIT_CONFIG)
 
 
-def _baseline_tok_s(ct: Container, caller, run_id: str):
-    """The steady tokens/s of the config's known-good run, for the live line (None if none)."""
-    try:
-        reply = caller.call("agent.runview", ["status", "--workspace", ct.config.workspace, "--run", run_id])
-    except Exception:  # noqa: BLE001 - a missing baseline only drops a figure from the display
-        return None
-    return ((reply.get("baseline") or {}).get("steady") or {}).get("tokens_per_s")
+def _baseline_tok_s(status_reply: Optional[dict]):
+    """The steady tokens/s of the config's known-good run (agent.runview status), for the live line."""
+    return (((status_reply or {}).get("baseline") or {}).get("steady") or {}).get("tokens_per_s")
 
 
 def _exit_for(state: Optional[str]) -> int:
     return {"completed": 0, "failed": EXIT_FAILED}.get(state or "", EXIT_NOT_DONE)
 
 
-def _follow(ct: Container, caller, run_id: Optional[str], since: int, follow: bool, raw: bool) -> int:
+def _follow(ct: Container, caller, run_id: Optional[str], since: int, follow: bool, raw: bool,
+            live_baseline: Optional[dict] = None) -> int:
+    """``live_baseline``: the run's status reply when the output is a terminal that gets the
+    live display (its baseline goes on the status line); None for plain lines."""
     import contextlib
-    import sys
 
     from controller.tail import Printer, tail
 
     live = None
-    if follow and not raw and sys.stdout.isatty():
+    if live_baseline is not None:
         # A terminal: the log scrolls above one live status line (controller/livetail.py).
         from rich.console import Console
 
         from controller.livetail import LiveTail
 
-        live = LiveTail(Console(highlight=False), baseline_tok_s=_baseline_tok_s(ct, caller, run_id))
+        live = LiveTail(Console(highlight=False), baseline_tok_s=_baseline_tok_s(live_baseline))
     printer = Printer(live.write if live else (lambda line: typer.echo(line)), raw=raw,
                       on_step=live.on_step if live else None)
 
@@ -278,9 +277,12 @@ def tail_command(
     container, node = container_or_last_launch(container, node, ctl_config)
     with container_session(container, node, ctl_config, trust_new_host_key) as ct:
         caller = AgentCaller(ct)
-        # Without --follow the stream call itself finds the latest run: one round trip.
-        run_id = run or (resolve_run(ct, caller, None)["run_id"] if follow else None)
-        code = _follow(ct, caller, run_id, since, follow, raw)
+        live = follow and not raw and sys.stdout.isatty()
+        # One status call, only where it is needed: the latest run's id for --follow, the
+        # baseline for the live line. Without --follow the stream call finds the latest run.
+        reply = resolve_run(ct, caller, run) if follow and (run is None or live) else None
+        run_id = run or (reply["run_id"] if reply else None)
+        code = _follow(ct, caller, run_id, since, follow, raw, live_baseline=reply if live else None)
     raise typer.Exit(code)
 
 
