@@ -15,18 +15,14 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
+from controller.status import fmt_duration
 from controller.tail import fmt_rate
 
 RATE_WINDOW = 20  # step events the ETA's rate is taken over
 
 
 def eta_text(seconds: Optional[float]) -> str:
-    if seconds is None or seconds < 0:
-        return "ETA —"
-    seconds = int(seconds)
-    h, rest = divmod(seconds, 3600)
-    m, s = divmod(rest, 60)
-    return f"ETA {h}h{m:02d}m" if h else (f"ETA {m}m{s:02d}s" if m else f"ETA {s}s")
+    return "ETA " + fmt_duration(None if seconds is None or seconds < 0 else seconds)
 
 
 class StepClock:
