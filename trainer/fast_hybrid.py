@@ -10,12 +10,15 @@ tests/test_trainer_hybrid.py and on an H200 by bench/gpu/hybrid.py):
   in_proj_a; full attention q_proj (query and output gate interleaved per head) | k_proj |
   v_proj; MLP gate | up. The transformers layers' parameters are re-pointed at views of the
   fused tensors (``share_weights``), so memory is not doubled and both forwards stay usable;
-* the Gated DeltaNet's short causal convolution and SiLU as one fused pass over the
-  channels-last projection (no transposes), the decay/β gates and the gated RMSNorm each
-  one fused pass (torch.compile on CUDA);
+* the Gated DeltaNet's short causal convolution, SiLU and the q/k L2 norm as one fused
+  pass over the channels-last projection (no transposes) that writes q, k and v as three
+  contiguous tensors, the form fla's kernels read (a split view would be copied by them);
+  the decay/β gates and the gated RMSNorm each one fused pass (torch.compile on CUDA);
 * the gated delta rule through flash-linear-attention's Triton chunk kernel
   (``fla.ops.gated_delta_rule.chunk_gated_delta_rule``) when ``fla`` is importable and the
-  tensors are on CUDA, else transformers' own PyTorch chunk implementation (CPU tests);
+  tensors are on CUDA, with q/k at their 16 key heads (fla reads value head j's key head as
+  j // (Hv / Hk), transformers' repeat_interleave order, so nothing is repeated), else
+  transformers' own PyTorch chunk implementation on repeated heads (CPU tests);
 * full attention through SDPA (cuDNN / FlashAttention / memory-efficient, first that takes
   head dim 256 with GQA), partial RoPE (the first quarter of each head, Qwen3.5's mrope
   reduces to plain RoPE for text: all three position components are equal);
@@ -66,6 +69,24 @@ def _conv_silu(x, w):
     return F.silu(y.to(x.dtype))
 
 
+def _conv_silu_qkv(x, w, key_dim: int, head_dim: int):
+    """The Gated DeltaNet's conv + SiLU (:func:`_conv_silu`) as q, k (each L2-normalised per key
+    head in fp32, eps 1e-6 as fla's and transformers' l2norm) and v, contiguous. Each is
+    convolved from its own channels, so the compiled pass writes the three directly instead of
+    a whole convolved projection that three more passes then split."""
+    b, L, C = x.shape
+    v_dim = C - 2 * key_dim
+
+    def l2(t):
+        tf = t.float().view(b, L, key_dim // head_dim, head_dim)
+        return (tf * torch.rsqrt(tf.pow(2).sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    q = l2(_conv_silu(x[..., :key_dim], w[:key_dim]))
+    k = l2(_conv_silu(x[..., key_dim:2 * key_dim], w[key_dim:2 * key_dim]))
+    v = _conv_silu(x[..., 2 * key_dim:], w[2 * key_dim:])
+    return q, k, v.view(b, L, v_dim)
+
+
 def _gates(a, b, A_log, dt_bias):
     """Per token and value head: the log-space decay g = −exp(A_log)·softplus(a + dt_bias)
     (fp32) and the write strength β = sigmoid(b)."""
@@ -99,27 +120,28 @@ def _qk_prep(q, k, qn, kn, cos, sin, eps: float):
 
 rms1p = _maybe_compile(_rms1p)
 add_rms1p = _maybe_compile(_add_rms1p)
-conv_silu = _maybe_compile(_conv_silu)
+conv_silu_qkv = _maybe_compile(_conv_silu_qkv)
 gates = _maybe_compile(_gates)
 gated_norm = _maybe_compile(_gated_norm)
 qk_prep = _maybe_compile(_qk_prep)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta):
-    """o [b, L, Hv, dv] of the gated delta rule with q/k L2-normalised inside, q scaled by
-    dk^-½, zero initial state. q/k arrive repeated to the value heads (grouped value
-    attention as transformers does it). fla's Triton kernel on CUDA when importable, else
-    transformers' PyTorch chunk implementation."""
+    """o [b, L, Hv, dv] of the gated delta rule on L2-normalised q/k [b, L, Hk, dk] (Hk
+    divides Hv: grouped value attention, value head j reads key head j // (Hv / Hk)), q
+    scaled by dk^-½, zero initial state. fla's Triton kernel on CUDA when importable (it
+    takes the grouped heads as they are), else transformers' PyTorch chunk implementation
+    on q/k repeated to the value heads."""
     if q.is_cuda and family.fast_forward_kernels():
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
 
-        # fla's kernels address [B, T, H, D] as contiguous; the split projections are views
-        o, _ = fla_chunk(q.contiguous(), k.contiguous(), v.contiguous(), g=g.contiguous(), beta=beta.contiguous(),
-                         use_qk_l2norm_in_kernel=True)
+        o, _ = fla_chunk(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=False)
         return o
     from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
-    o, _ = torch_chunk_gated_delta_rule(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+    rep = v.shape[2] // q.shape[2]
+    o, _ = torch_chunk_gated_delta_rule(q.repeat_interleave(rep, dim=2), k.repeat_interleave(rep, dim=2), v,
+                                        g=g, beta=beta, use_qk_l2norm_in_kernel=False)
     return o
 
 
@@ -216,13 +238,9 @@ class FastHybridTarget:
             return o @ w.wo.t()
         key_dim, value_dim = d.lin_k_heads * d.lin_k_dim, d.lin_v_heads * d.lin_v_dim
         qkv, z, bb, a = (h @ w.w_in.t()).split([2 * key_dim + value_dim, value_dim, d.lin_v_heads, d.lin_v_heads], -1)
-        qkv = conv_silu(qkv, w.conv)
-        q, k, v = qkv.split([key_dim, key_dim, value_dim], dim=-1)
-        rep = d.lin_v_heads // d.lin_k_heads
-        q = q.reshape(b, L, d.lin_k_heads, d.lin_k_dim).repeat_interleave(rep, dim=2)
-        k = k.reshape(b, L, d.lin_k_heads, d.lin_k_dim).repeat_interleave(rep, dim=2)
+        q, k, v = conv_silu_qkv(qkv, w.conv, key_dim, d.lin_k_dim)
         g, beta = gates(a, bb, w.A_log, w.dt_bias)
-        o = chunk_gated_delta_rule(q, k, v.reshape(b, L, d.lin_v_heads, d.lin_v_dim), g, beta)
+        o = chunk_gated_delta_rule(q, k, v.view(b, L, d.lin_v_heads, d.lin_v_dim), g, beta)
         o = gated_norm(o, z.view(b, L, d.lin_v_heads, d.lin_v_dim), w.norm, d.eps)
         return o.reshape(b, L, value_dim) @ w.wo.t()
 

@@ -17,7 +17,10 @@ the same weights, interleaved, 2 warm-ups then 7 timed calls each (CUDA events),
 FLOP from trainer/fast_hybrid.forward_flops (projections, MLP, attention scores/values, the
 recurrence's state products); MFU against 989 TFLOP/s. Equality: relative Frobenius error of
 every layer's output and of the final normed state, and the share of positions whose
-argmax token through a random head agrees. drafter: trainer/step.py's ChunkedStep on the
+argmax token through a random head agrees; then (phases forward-kernels, forward-graph,
+forward-fp32) the kernels' own time from the profiler, the same forward replayed as one CUDA
+graph beside a plain eager timing (is it host-bound?), and both bf16 forwards against
+transformers' forward of the same weights cast to fp32 with TF32 off. drafter: trainer/step.py's ChunkedStep on the
 drafter trainer/model.py builds for the public Qwen3.6-27B config (5 layers, 4 sliding-window
 2,048 + 1 full, 32/8×128, vocabulary 248,320), six 8,192-token sequences (49,152 tokens),
 1,024 anchors each, block 32, soft labels (KL 0.15, T 2), CAP 0.1, clip, fused AdamW; 3
@@ -125,15 +128,25 @@ def phase_forward(out: str) -> None:
         fast_t += timed(fast_fn, 1, 4)
     flop = forward_flops(text, L)
     hf_s, fast_s = statistics.median(hf_t), statistics.median(fast_t)
-    record(out, phase="forward", layers=n, tokens=L, load_s=round(load_s, 1), first_call_s=round(first_s, 1),
-           fla=family.fast_forward_kernels(), flop=flop,
-           hf_s=hf_s, hf_tok_s=L / hf_s, hf_mfu=flop / hf_s / PEAK, hf_times=hf_t,
-           fast_s=fast_s, fast_tok_s=L / fast_s, fast_mfu=flop / fast_s / PEAK, fast_times=fast_t,
-           speedup=hf_s / fast_s, tok_s_64_layers=L / fast_s * n / 64, hf_tok_s_64_layers=L / hf_s * n / 64,
-           rel_err_per_layer=err, rel_err_final=err_final, argmax_agree=agree,
-           peak_alloc_gib=None if DRY else torch.cuda.max_memory_allocated() / GIB)
-    if DRY:
-        return
+    row = dict(phase="forward", layers=n, tokens=L, load_s=round(load_s, 1), first_call_s=round(first_s, 1),
+               fla=family.fast_forward_kernels(), flop=flop,
+               hf_s=hf_s, hf_tok_s=L / hf_s, hf_mfu=flop / hf_s / PEAK, hf_times=hf_t,
+               fast_s=fast_s, fast_tok_s=L / fast_s, fast_mfu=flop / fast_s / PEAK, fast_times=fast_t,
+               speedup=hf_s / fast_s, tok_s_64_layers=L / fast_s * n / 64, hf_tok_s_64_layers=L / hf_s * n / 64,
+               rel_err_per_layer=err, rel_err_final=err_final, argmax_agree=agree,
+               peak_alloc_gib=None if DRY else torch.cuda.max_memory_allocated() / GIB)
+    record(out, **row)
+    if not DRY:
+        diagnostics(out, fast_fn, flop, L)
+    fp32_reference(out, target, ids, hf_fn, fast_fn, n, H)
+
+
+def diagnostics(out: str, fast_fn, flop: float, L: int) -> None:
+    """Where the fast forward's time goes: the kernels' own time (profiler) against the CUDA
+    events' time of the same call, and the same forward replayed as one CUDA graph (no host
+    work between kernels), so the host-bound share is measured rather than guessed."""
+    import torch
+
     try:
         from torch.profiler import ProfilerActivity, profile
 
@@ -141,9 +154,64 @@ def phase_forward(out: str) -> None:
             fast_fn()
             torch.cuda.synchronize()
         with open(os.path.join(out, "forward_profile.txt"), "w") as fh:
-            fh.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30))
-    except Exception as exc:  # noqa: BLE001 - the profile is a diagnostic only
+            fh.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
+        kernel_s = sum(e.self_device_time_total for e in prof.key_averages()) / 1e6
+        record(out, phase="forward-kernels", kernel_s=kernel_s, kernel_mfu=flop / kernel_s / PEAK)
+    except Exception as exc:  # noqa: BLE001 - a diagnostic only
         print("profile failed:", exc)
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                fast_fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fast_fn()
+        g_t = timed(graph.replay, 2, 5) + timed(graph.replay, 0, 5)
+        eager_t = timed(fast_fn, 1, 5)
+        g_s, e_s = statistics.median(g_t), statistics.median(eager_t)
+        record(out, phase="forward-graph", graph_s=g_s, graph_mfu=flop / g_s / PEAK, graph_times=g_t,
+               eager_s=e_s, eager_mfu=flop / e_s / PEAK, eager_times=eager_t, tokens=L)
+        del graph
+        torch.cuda.empty_cache()
+    except Exception as exc:  # noqa: BLE001 - a diagnostic only
+        print("graph capture failed:", repr(exc)[:500])
+
+
+def fp32_reference(out: str, target, ids, hf_fn, fast_fn, n: int, H: int) -> None:
+    """Both bf16 forwards against transformers' forward of the same weights in fp32 (its
+    PyTorch gated-delta-rule path, no TF32): if the fast forward is as close to it as
+    transformers' own bf16 forward is, the two differ by bf16 rounding, not by a term."""
+    import torch
+
+    try:
+        (a, fa), (b, fb) = hf_fn(), fast_fn()
+        a, fa, b, fb = a.float().cpu(), fa.float().cpu(), b.float().cpu(), fb.float().cpu()
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
+        from transformers.models.qwen3_5 import modeling_qwen3_5 as mq
+
+        target.model.float()
+        torch_rule = 0  # transformers <= 5.17 keeps the kernel on the layer; later ones pick it per call
+        for lyr in target.model.model.layers:
+            if hasattr(getattr(lyr, "linear_attn", None), "chunk_gated_delta_rule"):
+                lyr.linear_attn.chunk_gated_delta_rule = mq.torch_chunk_gated_delta_rule
+                torch_rule += 1
+        torch.cuda.empty_cache()
+        r, fr = hf_fn()
+        r, fr = r.float().cpu(), fr.float().cpu()
+
+        def rel(x, y):
+            return float((x - y).norm() / y.norm())
+
+        sl = [slice(i * H, (i + 1) * H) for i in range(n)]
+        record(out, phase="forward-fp32", hf_bf16_vs_fp32=[rel(a[..., s], r[..., s]) for s in sl],
+               fast_bf16_vs_fp32=[rel(b[..., s], r[..., s]) for s in sl],
+               hf_final_vs_fp32=rel(fa, fr), fast_final_vs_fp32=rel(fb, fr), torch_rule_layers=torch_rule)
+    except Exception as exc:  # noqa: BLE001 - a diagnostic only
+        print("fp32 reference failed:", repr(exc)[:500])
 
 
 def drafter_args(**kw):

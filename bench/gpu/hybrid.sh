@@ -19,7 +19,7 @@ export PYTHONPATH=/tmp/site:$PWD
 print('torch', torch.__version__, 'transformers', transformers.__version__, 'triton', triton.__version__)
 import fla; print('fla', fla.__version__)"; } > "$R/env.txt" 2>&1
 cat "$R/env.txt"
-declare -A LIMIT=([model]=30 [forward]=200 [drafter]=140 [colocated]=230)
+declare -A LIMIT=([model]=30 [forward]=300 [drafter]=140 [colocated]=230)
 for phase in $PHASES; do
   timeout "${LIMIT[$phase]}" python3 bench/gpu/hybrid.py "$phase" "$R" > "$R/$phase.log" 2>&1; echo "$phase rc $?"
 done
