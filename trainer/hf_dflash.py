@@ -178,12 +178,14 @@ def grouped_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, gro
     return out.view(b, n, H)
 
 
-def conv_prepare(x: torch.Tensor, projection: torch.Tensor, base: torch.Tensor, group_size: int, block_size: int):
+def conv_prepare(x: torch.Tensor, projection: torch.Tensor, base: torch.Tensor, group_size: int, block_size: int,
+                 conv=None):
     """(x convolved with the input-side taps, the output-side dynamic taps): one projection of
-    the sublayer input [.., H] → [.., 2, taps, H/group] gives both sides' corrections."""
+    the sublayer input [.., H] → [.., 2, taps, H/group] gives both sides' corrections.
+    ``conv``: another implementation of :func:`grouped_conv` (the trainer's, for backward)."""
     taps = base.shape[1]
     dyn = F.linear(x, projection).view(*x.shape[:-1], 2, taps, x.shape[-1] // group_size)
-    return grouped_conv(x, dyn[..., 0, :, :], base[0], group_size, block_size), dyn[..., 1, :, :]
+    return (conv or grouped_conv)(x, dyn[..., 0, :, :], base[0], group_size, block_size), dyn[..., 1, :, :]
 
 
 class DFlashGroupedConv(nn.Module):

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 
 from agent import ckptcompat
 from trainer import arch as archs
+from trainer import block_conv
 from trainer import family
 from trainer import fused_ops as fo
 from trainer.flex_mask import dense_dflash_mask, flex_attention_fn, make_dflash_block_mask
@@ -51,7 +52,7 @@ from trainer.hf_dflash import DFlashCandidateSelector as CandidateSelector
 from trainer.hf_dflash import DFlashGroupedConv as GroupedConv
 from trainer.hf_dflash import DFlashMLP as MLP
 from trainer.hf_dflash import DFlashRMSNorm as RMSNorm
-from trainer.hf_dflash import apply_rope, conv_prepare, grouped_conv, layer_forward, propose, rope_cos_sin, selector_scores
+from trainer.hf_dflash import apply_rope, conv_prepare, layer_forward, propose, rope_cos_sin, selector_scores
 
 DEFAULT_MASK_TOKEN_ID = family.QWEN3_MASK_TOKEN_ID  # a drafter export that names none (z-lab's Qwen3 ones)
 
@@ -313,7 +314,7 @@ class Layer(nn.Module):
             h, dyn = _conv_prepare(conv, h, dtype, block_size)
         o = self.self_attn.block_attention(h, ctx_kv, cos, sin, attend, dtype)
         if conv is not None:
-            o = grouped_conv(o, dyn, _cast(conv.base_kernel, dtype)[1], conv.group_size, block_size)
+            o = block_conv.grouped_conv(o, dyn, _cast(conv.base_kernel, dtype)[1], conv.group_size, block_size)
         x, h = fo.add_norm(x, o, _cast(self.post_attention_layernorm.weight, dtype), eps)
         conv = getattr(self, "mlp_conv", None)
         if conv is not None:
@@ -322,13 +323,13 @@ class Layer(nn.Module):
         wgu = torch.cat([_cast(m.gate_proj.weight, dtype), _cast(m.up_proj.weight, dtype)])
         out = fo.silu_mul(h @ wgu.t()) @ _cast(m.down_proj.weight, dtype).t()
         if conv is not None:
-            out = grouped_conv(out, dyn, _cast(conv.base_kernel, dtype)[1], conv.group_size, block_size)
+            out = block_conv.grouped_conv(out, dyn, _cast(conv.base_kernel, dtype)[1], conv.group_size, block_size)
         return x + out
 
 
 def _conv_prepare(conv, h, dtype, block_size: int):
     return conv_prepare(h, _cast(conv.kernel_projection.weight, dtype), _cast(conv.base_kernel, dtype),
-                        conv.group_size, block_size)
+                        conv.group_size, block_size, conv=block_conv.grouped_conv)
 
 
 def _cast(p: torch.Tensor, dtype) -> torch.Tensor:
