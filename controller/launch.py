@@ -205,17 +205,9 @@ class Launcher:
         disk = disk_refusal(self.values, pf)
         if disk:
             refusals.append(disk)
-        target_cfg = (pf.get("model") or {}).get("config")
-        if target_cfg:
-            from trainer import family
-
-            why = family.unsupported(target_cfg)
-            if why:
-                refusals.append(f"--target-model {self.values['target_model']}: {why}")
-            elif pf.get("device") == "cuda":
-                packages = {n.lower().replace("_", "-") for n in ((pf.get("fingerprint") or {}).get("packages") or {})}
-                lines += [f"kernels  {note}" for note in
-                          family.kernel_notes(target_cfg, kernels_present="flash-linear-attention" in packages)]
+        target_lines, target_refusals = target_report(self.values, pf)
+        lines += target_lines
+        refusals += target_refusals
         if pf.get("gpu_shortfall"):
             from controller.gpucheck import shortfall_line
 
@@ -260,6 +252,25 @@ class Assessment:
             what = "; ".join(f.line() for f in self.blocking)
             raise LaunchRefused(f"drift against the known-good baseline in {where}: {what}. "
                                 "Check that this is intended, then rerun with --accept-drift", self.lines)
+
+
+def target_report(values: dict, pf: dict) -> tuple[list[str], list[str]]:
+    """(lines, refusals) for the target the preflight read: a family the trainer cannot load
+    refuses, naming the field; on GPUs, a Qwen3.5/3.6 target whose fast forward's kernels are
+    not in the container venv gets a line saying what that costs and how to add them."""
+    target_cfg = (pf.get("model") or {}).get("config")
+    if not target_cfg:
+        return [], []
+    from trainer import family
+
+    why = family.unsupported(target_cfg)
+    if why:
+        return [], [f"--target-model {values['target_model']}: {why}"]
+    if pf.get("device") != "cuda":
+        return [], []
+    packages = {n.lower().replace("_", "-") for n in ((pf.get("fingerprint") or {}).get("packages") or {})}
+    return [f"kernels  {note}" for note in
+            family.kernel_notes(target_cfg, kernels_present="flash-linear-attention" in packages)], []
 
 
 def memory_report(values: dict, pf: dict) -> tuple[list[str], list[str]]:

@@ -194,9 +194,9 @@ def kernel_notes(cfg: dict, kernels_present: bool | None = None) -> list[str]:
     if present:
         return []
     return ["flash-linear-attention is not importable: the Gated DeltaNet layers of this Qwen3.5/3.6 target run "
-            "transformers' PyTorch fallback (--target-forward auto picks hf), 27-30 % MFU on an H200 against 57 % for "
-            "the fast forward with the kernels (docs/benchmarks.md); install fla-core and flash-linear-attention 0.6.0 "
-            "in the container venv"]
+            "transformers' PyTorch fallback (--target-forward auto picks hf), 27-30 % MFU on an H200 against 61 % for "
+            "the fast forward with the kernels (docs/benchmarks.md); add them to the container venv as a new "
+            "generation: ctl env install 'fla-core==0.6.0' 'flash-linear-attention==0.6.0' --container ID"]
 
 
 # Qwen3.6-27B's language model as its public config.json's text_config gives it (the
