@@ -30,7 +30,8 @@ sys.path.insert(0, str(REPO))
 
 from controller import config as cfg  # noqa: E402
 from controller.container import Container  # noqa: E402
-from controller.ssh import ENV_SSH_CONFIG, SSHRunner, resolve_target  # noqa: E402
+from controller.ssh import SSHRunner, resolve_target  # noqa: E402
+from controller.sshconfig import ENV_SSH_CONFIG  # noqa: E402
 
 from _docs import write_section  # bench/_docs.py (scripts run from bench/)
 

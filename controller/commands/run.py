@@ -275,7 +275,7 @@ def tail_command(
                                       trust_new_host_key=trust_new_host_key))
 
     container, node = container_or_last_launch(container, node, ctl_config)
-    with container_session(container, node, ctl_config, trust_new_host_key) as ct:
+    with container_session(container, node, ctl_config, trust_new_host_key, one_shot=not follow) as ct:
         caller = AgentCaller(ct)
         live = follow and not raw and sys.stdout.isatty()
         # One status call, only where it is needed: the latest run's id for --follow, the
@@ -306,7 +306,7 @@ def status_command(
                                         trust_new_host_key=trust_new_host_key))
 
     container, node = container_or_last_launch(container, node, ctl_config)
-    with container_session(container, node, ctl_config, trust_new_host_key) as ct:
+    with container_session(container, node, ctl_config, trust_new_host_key, one_shot=True) as ct:
         reply = resolve_run(ct, AgentCaller(ct), run)
         if json_out:
             typer.echo(json.dumps(reply, sort_keys=True, indent=1))
@@ -327,7 +327,7 @@ def runs_command(
     from controller.status import render_runs
 
     container, node = container_or_last_launch(container, node, ctl_config)
-    with container_session(container, node, ctl_config, trust_new_host_key) as ct:
+    with container_session(container, node, ctl_config, trust_new_host_key, one_shot=True) as ct:
         reply = AgentCaller(ct).call("agent", ["list", "--workspace", ct.config.workspace], what="agent list")
         runs = reply.get("runs") or []
         # The agent lists by directory name; run ids start with the config name, so sort by
