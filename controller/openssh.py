@@ -127,7 +127,7 @@ class OpenSSHRunner(Runner):
             argv += ["-o", f"IdentityFile={_arg(n.identity_file)}", "-o", "IdentitiesOnly=yes"]
         if n.known_hosts:
             argv += ["-o", f"UserKnownHostsFile={_arg(n.known_hosts)}"]
-        if n.proxy_jump:
+        if n.proxy_jump:  # "none" too: then no ProxyJump of the ssh config applies, as with paramiko
             argv += ["-J", n.proxy_jump]
         # "--": the host is never read as an option, and nothing after it either.
         return [*argv, "--", n.host, remote]

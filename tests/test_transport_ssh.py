@@ -143,12 +143,19 @@ def test_trust_new_host_key_records_it_then_it_is_verified(sshd, tmp_path):
         assert r.run(["true"]).ok
 
 
-def test_changed_host_key_is_refused_even_with_trust_flag(sshd, tmp_path):
+def _forged_known_hosts(sshd, tmp_path):
+    """A known_hosts that holds another key for the server: what a reinstalled host, or a
+    man in the middle, looks like."""
     other = tmp_path / "other"
     _sshd._keygen(other)
     pub = other.with_suffix(".pub").read_text().split()
     known = tmp_path / "known_hosts"
     known.write_text(f"[127.0.0.1]:{sshd.port} {pub[0]} {pub[1]}\n")
+    return known
+
+
+def test_changed_host_key_is_refused_even_with_trust_flag(sshd, tmp_path):
+    known = _forged_known_hosts(sshd, tmp_path)
     for trust in (False, True):
         with SSHRunner.for_node("testnode", node(sshd, known_hosts=str(known)), trust_new_host_key=trust) as r:
             with pytest.raises(HostKeyError) as info:
@@ -215,46 +222,64 @@ def test_unreachable_node_is_retried_then_reported(tmp_path):
     assert "cannot connect to node gone" in str(info.value) and "after 2 attempts" in str(info.value)
 
 
-def test_connection_lost_mid_command_is_reported_not_retried(sshd):
+def _descendants_of(pid: int) -> dict[int, bytes]:
+    """Every live process under ``pid``, with its command line."""
+    import os
+
+    parent, cmdline = {}, {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+                cmdline[int(entry)] = open(f"/proc/{entry}/cmdline", "rb").read()
+            except OSError:
+                continue
+            parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+
+    def under(p: int) -> bool:
+        while p in parent and p > 1:
+            p = parent[p]
+            if p == pid:
+                return True
+        return False
+
+    return {p: c for p, c in cmdline.items() if p in parent and under(p)}
+
+
+def _lose_the_connection_under_a_sleep(r, sshd) -> dict:
+    """Run `sleep 8` through ``r``; once it runs on the server, SIGKILL the server's
+    per-connection processes (what a rebooting node or a dropped link does)."""
     import os
     import signal
     import threading
     import time
 
-    def session_pids() -> list[int]:  # this fixture's per-connection sshd processes (its children)
-        pids = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    stat = open(f"/proc/{entry}/stat").read()
-                except OSError:
-                    continue
-                if int(stat.rsplit(")", 1)[1].split()[1]) == sshd.proc.pid:
-                    pids.append(int(entry))
-        return pids
-
     outcome: dict = {}
+
+    def run():
+        try:
+            outcome["result"] = r.run(["sleep", "8"])
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    deadline = time.monotonic() + 20
+    while not any(c.startswith(b"sleep\0") for c in _descendants_of(sshd.proc.pid).values()):
+        assert time.monotonic() < deadline, "the command never started on the server"
+        time.sleep(0.05)
+    for pid, cmdline in _descendants_of(sshd.proc.pid).items():
+        if cmdline.startswith(b"sshd"):  # the per-connection sshd processes, not the command
+            os.kill(pid, signal.SIGKILL)
+    worker.join(30)
+    assert not worker.is_alive()
+    return outcome
+
+
+def test_connection_lost_mid_command_is_reported_not_retried(sshd):
     with SSHRunner.for_node("testnode", node(sshd)) as r:
         r.connect()
-        before = set(session_pids())
-
-        def run():
-            try:
-                outcome["result"] = r.run(["sleep", "8"])
-            except Exception as exc:  # noqa: BLE001 - the test inspects it
-                outcome["error"] = exc
-
-        worker = threading.Thread(target=run)
-        worker.start()
-        deadline = time.monotonic() + 10
-        while not before and time.monotonic() < deadline:
-            before = set(session_pids())
-            time.sleep(0.05)
-        time.sleep(0.5)  # the command is running
-        for pid in session_pids():
-            os.kill(pid, signal.SIGKILL)
-        worker.join(30)
-        assert not worker.is_alive()
+        outcome = _lose_the_connection_under_a_sleep(r, sshd)
     assert isinstance(outcome.get("error"), TransportError), outcome
     assert "may or may not have completed" in str(outcome["error"])
     assert r.connections == 1
@@ -281,11 +306,7 @@ def test_openssh_refuses_an_unknown_host_key_with_the_same_fix_and_learns_nothin
 
 
 def test_openssh_refuses_a_changed_host_key(sshd, tmp_path):
-    other = tmp_path / "other"
-    _sshd._keygen(other)
-    pub = other.with_suffix(".pub").read_text().split()
-    known = tmp_path / "known_hosts"
-    known.write_text(f"[127.0.0.1]:{sshd.port} {pub[0]} {pub[1]}\n")
+    known = _forged_known_hosts(sshd, tmp_path)
     with OpenSSHRunner("testnode", node(sshd, known_hosts=str(known))) as r:
         with pytest.raises(HostKeyError) as info:
             r.run(["true"])
@@ -333,42 +354,9 @@ def test_openssh_honours_an_ssh_config_alias(sshd, tmp_path, monkeypatch):
 
 
 def test_openssh_reports_a_connection_lost_mid_command(sshd):
-    import os
-    import signal
-    import threading
-    import time
-
-    def session_pids() -> set[int]:  # this fixture's per-connection sshd processes (its children)
-        pids = set()
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    stat = open(f"/proc/{entry}/stat").read()
-                except OSError:
-                    continue
-                if int(stat.rsplit(")", 1)[1].split()[1]) == sshd.proc.pid:
-                    pids.add(int(entry))
-        return pids
-
-    before = session_pids()
-    outcome: dict = {}
     with OpenSSHRunner("testnode", node(sshd)) as r:
-        def run():
-            try:
-                outcome["result"] = r.run(["sleep", "8"])
-            except Exception as exc:  # noqa: BLE001 - the test inspects it
-                outcome["error"] = exc
-
-        worker = threading.Thread(target=run)
-        worker.start()
-        deadline = time.monotonic() + 10
-        while not session_pids() - before and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.5)  # the command is running
-        for pid in session_pids() - before:
-            os.kill(pid, signal.SIGKILL)
-        worker.join(30)
-        assert not worker.is_alive()
+        outcome = _lose_the_connection_under_a_sleep(r, sshd)
+        assert r._fallback is None  # lost under way, not a failure to connect: nothing is run again
     assert isinstance(outcome.get("error"), TransportError), outcome
     assert "may or may not have completed" in str(outcome["error"])
 
@@ -410,3 +398,15 @@ def test_ssh_config_files_unused_for_a_month_are_removed_when_another_is_written
     assert second.exists() and not first.exists()
     assert wrapper_config(NodeConfig(host="pve", user="one")) == first and first.exists()  # written again
     assert sorted(p.name for p in second.parent.iterdir()) == sorted([first.name, second.name])
+
+
+@pytest.mark.parametrize("kind", ["paramiko", "openssh"])
+def test_proxy_jump_none_in_the_node_config_turns_the_ssh_configs_off(kind, sshd, tmp_path, monkeypatch):
+    conf = tmp_path / "ssh_config"
+    conf.write_text("Host 127.0.0.1\n  ProxyJump nobody@bastion.invalid\n")
+    monkeypatch.setenv("DFLASH_CTL_SSH_CONFIG", str(conf))
+    runner_class = SSHRunner.for_node if kind == "paramiko" else OpenSSHRunner
+    with runner_class("testnode", node(sshd, proxy_jump="none")) as r:
+        assert r.run(["echo", "direct"]).stdout == "direct\n"
+        if kind == "openssh":
+            assert r._fallback is None
