@@ -15,10 +15,8 @@ import signal
 import sys
 import time
 
-from agent import procs
 from agent.protocol import atomic_write_json
 from agent.rundir import Lock, RunDir, read_json
-from agent.job import agent_env
 
 
 def launch(rd: RunDir, reattach: bool, timeout: float = 60.0, *, by: str | None = None, why: str | None = None,
@@ -28,6 +26,10 @@ def launch(rd: RunDir, reattach: bool, timeout: float = 60.0, *, by: str | None 
     ``by``/``why``: who re-attaches and why (recorded in status.json's ``reattaches``).
     ``wait=False``: return once the daemon is detached, without its report (the job's
     monitor, which must go back to reaping). ``env``: the daemon's environment."""
+    # Here, not at the top: `ctl status` and `ctl tail` import this module for revive_if_gone
+    # and seldom start an agent; its process machinery (ctypes, subprocess) is their start-up.
+    from agent.job import agent_env
+
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # first child
@@ -110,6 +112,7 @@ def _raise_exit(signum, frame):  # noqa: ARG001
 
 
 def main(run_dir: str, ready_fd: int | None, reattach: bool, by: str | None = None, why: str | None = None) -> int:
+    from agent import procs
     from agent.supervisor import AgentExit, Supervisor
 
     rd = RunDir(run_dir)

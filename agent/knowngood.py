@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 from typing import Any, Iterable, Optional
 
@@ -55,6 +54,8 @@ def steady_state(steps: Iterable[dict], steady_steps: int, tolerance: float) -> 
     ramp-up (warming caches, growing batches) still shows as a change between windows. The
     first step never counts: it carries start-up.
     """
+    import statistics  # here: a `ctl status` that finds nothing new to measure need not pay for it
+
     series = [s for s in steps if isinstance(s.get("tokens_per_s"), (int, float))]
     if not series:
         return None

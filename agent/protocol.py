@@ -10,7 +10,6 @@ from __future__ import annotations
 import enum
 import json
 import os
-import tempfile
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterator
 
@@ -327,6 +326,8 @@ class RunResult:
 
 def atomic_write(path: str, data: str | bytes, mode: int = 0o644) -> None:
     """Write to a temp file in the same directory, fsync, rename: readers never see half."""
+    import tempfile  # here: a reader (`ctl status` in the container) need not pay for it
+
     directory = os.path.dirname(os.path.abspath(path)) or "."
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=directory)
     try:

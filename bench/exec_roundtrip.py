@@ -2,11 +2,20 @@
 against raw `ssh … pct exec 200 -- true`.
 
 All are measured in the same run, as whole commands an operator would type (process start
-included), median of N after one warm-up each; plus the SSH connections each `ctl exec`
-opened (from $DFLASH_CTL_STATS) and, for reference, one command on an already open
-connection inside one process. Figures go to docs/benchmarks.md under "ctl exec round trip".
+included), median of N after one warm-up each, interleaved; plus the SSH connections each
+`ctl exec` opened (from $DFLASH_CTL_STATS) and, to show where the time goes: raw ssh sending
+the very command `ctl exec` sends, raw `ssh … true` (connection and login shell, no pct),
+the same with the curve25519 key exchange paramiko gets from the sim's sshd, ctl's start-up
+alone (Python and the imports of `ctl exec`), and on one already open connection inside one
+process `Container.exec(["true"])` and the agent
+call `ctl status` makes (`agent.runview status`: the container's python starting); and one
+`ctl exec` split into its interpreter start, imports, ssh and exit. Figures go to
+docs/benchmarks.md under "ctl exec round trip".
 
     .venv/bin/python bench/exec_roundtrip.py [--config PATH] [--node sim] [--container 200] [-n 20]
+
+Run it under the sim lock (flock /tmp/dflash-sim.lock …) and with PYTHONPATH at the checkout
+to measure: `ctl` is the venv's entry point, which imports whatever is first on sys.path.
 """
 
 from __future__ import annotations
@@ -29,12 +38,50 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from controller import config as cfg  # noqa: E402
+from controller.agentcall import AgentCaller  # noqa: E402
 from controller.container import Container  # noqa: E402
-from controller.ssh import ENV_SSH_CONFIG, SSHRunner, resolve_target  # noqa: E402
+from controller.pct import exec_argv  # noqa: E402
+from controller.transport import marked_command  # noqa: E402
+from controller.ssh import SSHRunner, resolve_target  # noqa: E402
+from controller.sshconfig import ENV_SSH_CONFIG  # noqa: E402
 
 from _docs import write_section  # bench/_docs.py (scripts run from bench/)
 
 HEADING = "## ctl exec round trip"
+
+# `ctl` as its entry point runs it, noting when it started, when it spawned ssh and when ssh
+# ended (atexit: before the interpreter's own teardown), for the split of one `ctl exec`.
+PHASES = r"""
+import json, os, subprocess, time
+marks = {"started": time.time()}
+class _Timed(subprocess.Popen):
+    def __init__(self, *a, **k):
+        marks.setdefault("ssh_started", time.time())
+        super().__init__(*a, **k)
+    def wait(self, timeout=None):
+        code = super().wait(timeout)
+        marks.setdefault("ssh_ended", time.time())
+        return code
+subprocess.Popen = _Timed
+import atexit
+atexit.register(lambda: open(os.environ["CTL_PHASES"], "w").write(json.dumps(marks)))
+from controller.cli import main
+main()
+"""
+
+
+def phases(argv: list[str], env: dict) -> dict:
+    """One `ctl` run split: interpreter start, until ssh starts, ssh, after ssh (seconds)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        start = time.time()
+        proc = subprocess.run([sys.executable, "-c", PHASES, *argv], env=dict(env, CTL_PHASES=out.name),
+                              stdin=subprocess.DEVNULL, capture_output=True)
+        end = time.time()
+        if proc.returncode != 0:
+            raise SystemExit(f"ctl {shlex.join(argv)} failed: {proc.stderr.decode()[-500:]}")
+        m = json.loads(Path(out.name).read_text())
+    return {"start": m["started"] - start, "to_ssh": m["ssh_started"] - m["started"],
+            "ssh": m["ssh_ended"] - m["ssh_started"], "exit": end - m["ssh_ended"]}
 
 
 def timed(argv: list[str], env: dict) -> float:
@@ -87,13 +134,19 @@ def main() -> None:
     # The latest run in the container: status and tail need one (a tiny run is enough).
     status = [ctl_bin, "status", "--container", args.container, "--node", node_name]
     tail = [ctl_bin, "tail", "--container", args.container, "--node", node_name]
-    ssh = ["ssh", "-F", "/dev/null", "-T", "-p", str(target.port), "-o", "BatchMode=yes",
-           "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={target.known_hosts}",
-           *[a for k in target.key_filenames for a in ("-i", k)],
-           f"{target.user}@{target.hostname}", shlex.join([node.pct, "exec", args.container, "--", "true"])]
+    ssh_opts = ["ssh", "-F", "/dev/null", "-T", "-p", str(target.port), "-o", "BatchMode=yes",
+                "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={target.known_hosts}",
+                *[a for k in target.key_filenames for a in ("-i", k)]]
+    ssh = [*ssh_opts, f"{target.user}@{target.hostname}", shlex.join([node.pct, "exec", args.container, "--", "true"])]
+    ssh_true = [*ssh_opts, f"{target.user}@{target.hostname}", "true"]
+    # The very command `ctl exec -- true` sends: prelude and marker, the on-node --keep-env
+    # check, env -i; what `ctl exec` takes beyond it is ctl's Python.
+    ssh_as_ctl = [*ssh_opts, f"{target.user}@{target.hostname}",
+                  marked_command(exec_argv(node, args.container, ["true"]))[1]]
+    ssh_true_curve = [*ssh_opts, "-o", "KexAlgorithms=curve25519-sha256", f"{target.user}@{target.hostname}", "true"]
 
-    # What `ctl` pays before any connection: Python start-up and the controller's imports.
-    startup = [sys.executable, "-c", "from controller.cli import _register; _register('exec'); import controller.ssh"]
+    # What `ctl` pays before any connection: Python start-up and the imports of `ctl exec`.
+    startup = [sys.executable, "-c", "from controller.cli import _register; _register('exec'); import controller.openssh"]
 
     ctl_env = dict(env, DFLASH_CTL_STATS=stats)
     load_before = os.getloadavg()[0]
@@ -101,30 +154,47 @@ def main() -> None:
     timed(ssh, env)
     timed(status, ctl_env)
     timed(tail, ctl_env)
+    timed(ssh_true, env)
+    timed(ssh_true_curve, env)
+    timed(ssh_as_ctl, env)
     ctl_times, ssh_times, start_times, conns, status_times, tail_times = [], [], [], [], [], []
+    true_times, curve_times, as_ctl_times, splits, status_conns, tail_conns = [], [], [], [], [], []
     for _ in range(args.n):  # interleaved, so drift on a shared machine hits all alike
         ctl_times.append(timed(ctl, ctl_env))
         conns.append(json.loads(Path(stats).read_text())["ssh_connections"])
         ssh_times.append(timed(ssh, env))
         status_times.append(timed(status, ctl_env))
+        status_conns.append(json.loads(Path(stats).read_text())["ssh_connections"])
         tail_times.append(timed(tail, ctl_env))
+        tail_conns.append(json.loads(Path(stats).read_text())["ssh_connections"])
         start_times.append(timed(startup, dict(env, PYTHONPATH=str(REPO))))
+        true_times.append(timed(ssh_true, env))
+        curve_times.append(timed(ssh_true_curve, env))
+        as_ctl_times.append(timed(ssh_as_ctl, env))
+        splits.append(phases(ctl[1:], env))
     os.unlink(stats)
 
     before = SSHRunner.connections_opened
     with SSHRunner(target) as runner:
         ct = Container(runner, node_name, node, args.container)
+        caller = AgentCaller(ct)
         ct.exec(["true"], check=True)
-        warm = []
+        caller.call("agent.runview", ["status", "--workspace", ct.config.workspace])  # the bundle is there
+        warm, agent_warm = [], []
         for _ in range(args.n):
             start = time.perf_counter()
             ct.exec(["true"], check=True)
             warm.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            caller.call("agent.runview", ["status", "--workspace", ct.config.workspace])
+            agent_warm.append(time.perf_counter() - start)
     warm_conns = SSHRunner.connections_opened - before
 
     load_after = os.getloadavg()[0]
-    ctl_med, ssh_med, warm_med, start_med, status_med, tail_med = (
-        statistics.median(x) * 1000 for x in (ctl_times, ssh_times, warm, start_times, status_times, tail_times))
+    ctl_med, ssh_med, warm_med, start_med, status_med, tail_med, true_med, curve_med, agent_med, as_ctl_med = (
+        statistics.median(x) * 1000 for x in (ctl_times, ssh_times, warm, start_times, status_times, tail_times,
+                                              true_times, curve_times, agent_warm, as_ctl_times))
+    split = {k: statistics.median(s[k] for s in splits) * 1000 for k in splits[0]}
     now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     section = "\n".join([
         HEADING,
@@ -140,19 +210,39 @@ def main() -> None:
         f"| `ctl exec --container {args.container} -- true` (new process) | {ctl_med:.0f} ms | "
         f"{ctl_med / ssh_med:.2f}× | {statistics.median(conns):g} (max {max(conns)}) |",
         f"| `ctl status --container {args.container}` (new process) | {status_med:.0f} ms | "
-        f"{status_med / ssh_med:.2f}× | 1 |",
+        f"{status_med / ssh_med:.2f}× | {statistics.median(status_conns):g} (max {max(status_conns)}) |",
         f"| `ctl tail --container {args.container}` (no --follow; new process) | {tail_med:.0f} ms | "
-        f"{tail_med / ssh_med:.2f}× | 1 |",
-        f"| `Container.exec(['true'])` on an open connection (in-process) | {warm_med:.0f} ms | "
-        f"{warm_med / ssh_med:.2f}× | {warm_conns} for all {args.n + 1} |",
-        f"| `ctl` start-up alone (Python + imports, no connection) | {start_med:.0f} ms | "
+        f"{tail_med / ssh_med:.2f}× | {statistics.median(tail_conns):g} (max {max(tail_conns)}) |",
+        f"| raw `ssh …` sending exactly what `ctl exec` sends (prelude, `--keep-env` check, `env -i`) | "
+        f"{as_ctl_med:.0f} ms | {as_ctl_med / ssh_med:.2f}× | 1 |",
+        f"| raw `ssh … true` (connection and login shell, no pct) | {true_med:.0f} ms | "
+        f"{true_med / ssh_med:.2f}× | 1 |",
+        f"| raw `ssh -o KexAlgorithms=curve25519-sha256 … true` (the key exchange paramiko gets here) | {curve_med:.0f} ms | "
+        f"{curve_med / ssh_med:.2f}× | 1 |",
+        f"| `ctl` start-up alone (Python + the imports of `ctl exec`, no connection) | {start_med:.0f} ms | "
         f"{start_med / ssh_med:.2f}× | 0 |",
+        f"| `Container.exec(['true'])` on an open connection (in-process) | {warm_med:.0f} ms | "
+        f"{warm_med / ssh_med:.2f}× | {warm_conns} for all |",
+        f"| `agent.runview status` (the call `ctl status` makes) on the same open connection | {agent_med:.0f} ms | "
+        f"{agent_med / ssh_med:.2f}× | (same) |",
         "",
-        "Each `ctl` command includes starting Python and importing what that command uses; it asks "
-        "the node once what its pct accepts (`dpkg-query -W pve-container` on the same connection), "
-        "runs the command through `pct exec --keep-env 0 -- env -i …` (the raw command does not "
-        "scrub) and prints a marker line first so login-shell noise is dropped. `ctl status` and "
-        "`ctl tail` add one agent call in the container (its python starting there).",
+        "Each `ctl` command includes starting Python and importing what that command uses, and reaches "
+        "the node through the operator's `ssh` binary (controller/openssh.py), one session; the node "
+        "picks `pct exec --keep-env 0` or not in that session (dpkg's pve-container), the command runs "
+        "under `env -i …` (the raw command does not scrub), and a marker line comes first so "
+        "login-shell noise is dropped. `ctl status` and `ctl tail` make one agent call in the "
+        "container (its python starting there).",
+        "",
+        f"One `ctl exec --container {args.container} -- true` split (median of {args.n}, the same run; "
+        "`ctl` run through a wrapper that notes when it started, spawned ssh and saw ssh end):",
+        "",
+        "| part | ms |",
+        "| --- | --- |",
+        f"| the Python interpreter starting | {split['start']:.0f} |",
+        f"| imports and typer's dispatch, until ssh starts | {split['to_ssh']:.0f} |",
+        f"| the ssh command (the same as the raw one above that sends what ctl sends: {as_ctl_med:.0f}) | "
+        f"{split['ssh']:.0f} |",
+        f"| after ssh ended: the result, Python's exit | {split['exit']:.0f} |",
         "",
     ])
     print(section)

@@ -32,7 +32,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from controller import config as cfg  # noqa: E402
-from controller.ssh import ENV_SSH_CONFIG, resolve_target  # noqa: E402
+from controller.ssh import resolve_target  # noqa: E402
+from controller.sshconfig import ENV_SSH_CONFIG  # noqa: E402
 
 from _docs import write_section  # bench/_docs.py (scripts run from bench/)
 

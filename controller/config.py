@@ -20,8 +20,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from agent.protocol import atomic_write
-
 DEFAULT_PATH = Path("~/.config/dflash-ctl/config.toml")
 ENV_CONFIG = "DFLASH_CTL_CONFIG"
 
@@ -203,7 +201,9 @@ def _plain(obj: Any) -> Any:
 
 
 def save(config: Config, explicit: Optional[str | Path] = None) -> Path:
-    import tomli_w  # only the commands that write the file pay for it
+    import tomli_w  # only the commands that write the file pay for it (and for agent.protocol)
+
+    from agent.protocol import atomic_write
 
     path = config_path(explicit)
     path.parent.mkdir(parents=True, exist_ok=True)

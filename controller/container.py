@@ -76,13 +76,13 @@ class Container:
              stdout_sink: Optional[IO[bytes]] = None, stderr_sink: Optional[IO[bytes]] = None,
              timeout: Optional[float] = None) -> Result:
         """Run ``argv`` in the container with exactly PATH, HOME, LANG and ``env`` set."""
-        features = pct.features(self.runner, self.node_name, self.node)
         try:
-            full = pct.exec_argv(self.node, self.ctid, argv, features=features, container=self.config, env=env)
+            full = pct.exec_argv(self.node, self.ctid, argv, container=self.config, env=env)
         except pct.PctUsageError as exc:
             raise ContainerError(f"cannot run that in {self}: {exc}") from None
         result = self.runner.run(full, stdin=stdin, capture=capture, on_stdout=on_stdout, on_stderr=on_stderr,
                                  stdout_sink=stdout_sink, stderr_sink=stderr_sink, timeout=timeout)
+        result.argv = pct.shown(result.argv)  # messages name the pct command, not the script before it
         problem = pct.access_problem(self.node_name, self.node, result)
         if problem:
             raise pct.PctAccessError(problem)

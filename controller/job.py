@@ -39,8 +39,6 @@ from typing import Callable, Iterator, Optional
 from agent.protocol import FailureKind, RunResult, RunState, RunStatus
 from controller import config as cfg
 from controller.container import Container
-from trainer import flags
-from trainer import multinode
 
 JOBS_DIR = "jobs"
 PEER_KINDS = ("peer_failure", "network_failure")
@@ -83,6 +81,8 @@ def parse_container(text: str, default_node: Optional[str]) -> tuple[str, str]:
 
 def parse_roles(text: Optional[str], option: str, default_node: Optional[str]) -> dict[str, tuple[int, ...]]:
     """'sim:200=0,1;sim2:300=0' → {'sim:200': (0, 1), 'sim2:300': (0,)}."""
+    from trainer import flags  # here: `ctl status` and `ctl tail` import this module, not the flags
+
     out: dict[str, tuple[int, ...]] = {}
     for item in [t.strip() for t in (text or "").replace(" ", ";").split(";") if t.strip()]:
         where, eq, ids = item.partition("=")
@@ -187,6 +187,7 @@ def launch(cts: list[Container], members: list[Member], run_config, start: dict,
     run config's own roles and needs no rendezvous. ``share_gpus``: start although a live run
     holds some of the GPUs (the preflight refuses it otherwise)."""
     from controller.launch import Assessment, Launcher, new_run_id
+    from trainer import flags
 
     t0 = time.monotonic()
     run_id = run_id or new_run_id(run_config.name)

@@ -1,4 +1,4 @@
-"""Proxmox's ``pct`` as this connection found it: every command that touches a container is
+"""Proxmox's ``pct`` as the node runs it: every command that touches a container is
 built here.
 
 A container command is always::
@@ -13,8 +13,13 @@ trainer. ``env -i`` inside the container leaves exactly the variables we name, o
 Proxmox version. ``--keep-env 0`` (pve-container 5.0.9, commit 069553d: Proxmox VE 8.2 and
 later) also keeps the node's variables from ever entering the container, not even the
 environment of the ``env`` process; older ``pct`` has no such option and refuses it
-(``Unknown option: keep-env``), so the connection asks its ``pct`` once (``pct help exec``)
-and adds the option only where it exists.
+(``Unknown option: keep-env``, exit 255, before anything runs). Which one the node has is
+decided on the node, in the command's own session: a fixed script asks dpkg for the
+installed pve-container (what ``pveversion -v`` lists, a few milliseconds) and leaves the
+option out where that release predates it. Nothing is asked in a round trip of its own and
+nothing is remembered, so a node upgraded or downgraded between two commands gets the right
+``pct exec`` on the very next one (the answer used to be asked once per connection, one
+more round trip for every `ctl exec`: docs/benchmarks.md).
 
 Non-root operators run pct through ``sudo -n`` (node config ``sudo = true``): never a
 password prompt, and a sudo that would ask for one is one line saying what to configure.
@@ -31,7 +36,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from controller.config import ContainerConfig, NodeConfig
-from controller.transport import Result, Runner, TransportError
+from controller.transport import Result, TransportError
 
 # Every process we start in a container gets these and nothing else (plus explicit extras).
 BASE_LOCALE = "C.UTF-8"
@@ -54,9 +59,26 @@ class PctAccessError(TransportError):
 
 @dataclass(frozen=True)
 class PctFeatures:
-    """What the node's ``pct exec`` accepts, as ``pct help exec`` listed it."""
+    """What the node's ``pct exec`` accepts, when the caller knows it (None: ask the node)."""
 
     keep_env: bool
+
+
+# pve-container's first release with `pct exec --keep-env` (commit 069553d).
+KEEP_ENV_SINCE = "5.0.9"
+
+# Runs on the node in front of the pct command. "$1" is the position of "--keep-env" in that
+# command ("$2"…), which it runs as is where dpkg has a pve-container of KEEP_ENV_SINCE or
+# later; otherwise without that word and the next (its value). A pct that dpkg does not know
+# is not a Proxmox node's own: it too runs without the option, which every pct accepts, and
+# env -i still sets the whole environment.
+_PICK_KEEP_ENV = (
+    'at=$1; shift; '
+    'v=$(dpkg-query -W -f=\'${Version}\' pve-container 2>/dev/null) '
+    f'&& dpkg --compare-versions "$v" ge {KEEP_ENV_SINCE} 2>/dev/null && exec "$@"; '
+    'i=0; for a; do shift; i=$((i + 1)); [ "$i" -eq "$at" ] || [ "$i" -eq "$((at + 1))" ] || set -- "$@" "$a"; done; '
+    'exec "$@"'
+)
 
 
 def container_env(container: ContainerConfig, extra: Optional[Mapping[str, str]] = None) -> dict[str, str]:
@@ -82,10 +104,11 @@ def command_text(node: NodeConfig, *args: str) -> str:
     return " ".join(argv(node, *args))
 
 
-def exec_argv(node: NodeConfig, ctid: int | str, command: Sequence[str], *, features: PctFeatures,
+def exec_argv(node: NodeConfig, ctid: int | str, command: Sequence[str], *, features: Optional[PctFeatures] = None,
               container: Optional[ContainerConfig] = None,
               env: Optional[Mapping[str, str]] = None) -> list[str]:
-    """``pct exec`` of ``command`` in container ``ctid`` with a scrubbed, explicit environment."""
+    """``pct exec`` of ``command`` in container ``ctid`` with a scrubbed, explicit environment.
+    Without ``features`` the node decides whether its pct gets ``--keep-env 0`` (see above)."""
     command = [str(a) for a in command]
     if not command or command[0] == "":
         raise PctUsageError("no command given to run in the container")
@@ -97,9 +120,20 @@ def exec_argv(node: NodeConfig, ctid: int | str, command: Sequence[str], *, feat
             raise PctUsageError("an argument contains a NUL byte, which no process can receive")
     container = container or node.container(ctid)
     assignments = [f"{k}={v}" for k, v in container_env(container, env).items()]
-    keep = ["--keep-env", "0"] if features.keep_env else []
+    keep = ["--keep-env", "0"] if features is None or features.keep_env else []
     # "--" after -i: an assignment or program that starts with "-" is never read as an option.
-    return [*argv(node, "exec", str(ctid), *keep, "--"), "env", "-i", "--", *assignments, *command]
+    built = [*argv(node, "exec", str(ctid), *keep, "--"), "env", "-i", "--", *assignments, *command]
+    if features is not None:
+        return built
+    return ["sh", "-c", _PICK_KEEP_ENV, "sh", str(built.index("--keep-env") + 1), *built]
+
+
+def shown(argv: Sequence[str]) -> list[str]:
+    """The pct command of an :func:`exec_argv`, without the script that picks the option (for
+    messages: what an operator would recognise and could type)."""
+    if list(argv[:2]) == ["sh", "-c"] and len(argv) > 2 and argv[2] == _PICK_KEEP_ENV:
+        return list(argv[5:])
+    return list(argv)
 
 
 def raw_exec_argv(node: NodeConfig, ctid: int | str, command: Sequence[str]) -> list[str]:
@@ -130,35 +164,3 @@ def access_problem(node_name: str, node: NodeConfig, result: Result) -> Optional
         return (f"node {node_name}: `{node.pct}` is not there: is it a Proxmox VE node? "
                 f"Set `pct` in the node config to its full path (usually /usr/sbin/pct)")
     return None
-
-
-# pve-container's first release with `pct exec --keep-env` (commit 069553d).
-KEEP_ENV_SINCE = (5, 0, 9)
-
-
-def package_version(text: str) -> Optional[tuple[int, ...]]:
-    """A Debian version of pve-container as numbers: "4.4-3" → (4, 4, 3), "5.0.10" → (5, 0, 10)."""
-    m = re.match(r"^(?:\d+:)?(\d+(?:[.-]\d+)*)", text.strip())
-    return tuple(int(x) for x in re.split(r"[.-]", m.group(1))) if m else None
-
-
-def features(runner: Runner, node_name: str, node: NodeConfig) -> PctFeatures:
-    """What this connection's pct accepts; asked once per connection, on that connection.
-
-    From the installed pve-container package (``dpkg-query``, what ``pveversion -v`` lists,
-    answered in milliseconds where a Perl ``pct`` start takes a few hundred), else from
-    ``pct help exec`` itself (a pct not installed from the package)."""
-    cached = runner.facts.get("pct")
-    if cached is None:
-        version = runner.run(["dpkg-query", "-W", "-f=${Version}", "pve-container"])
-        parsed = package_version(version.stdout) if version.ok else None
-        if parsed is not None:
-            cached = PctFeatures(keep_env=parsed >= KEEP_ENV_SINCE)
-        else:
-            result = runner.run(argv(node, "help", "exec"))
-            problem = access_problem(node_name, node, result)
-            if problem:
-                raise PctAccessError(problem)
-            cached = PctFeatures(keep_env="keep-env" in result.stdout + result.stderr)
-        runner.facts["pct"] = cached
-    return cached

@@ -14,10 +14,19 @@ if TYPE_CHECKING:
     from controller.job import Member
 
 
-def open_runner(node_name: str, node: cfg.NodeConfig, *, trust_new_host_key: bool = False) -> Runner:
-    """The runner for a configured node: SSH, or local when ctl runs on the node itself."""
+def open_runner(node_name: str, node: cfg.NodeConfig, *, trust_new_host_key: bool = False,
+                one_shot: bool = False) -> Runner:
+    """The runner for a configured node — the one place the transport is chosen: local when
+    ctl runs on the node itself; over SSH, for a command that runs one thing (``one_shot``),
+    the operator's own ``ssh`` binary, which costs no paramiko import (controller/openssh.py);
+    otherwise paramiko's one connection for all the commands (controller/ssh.py), and for
+    --trust-new-host-key, which records the key and shows its fingerprint."""
     if node.transport == "local":
         return LocalRunner()
+    if one_shot and not trust_new_host_key:
+        from controller.openssh import OpenSSHRunner
+
+        return OpenSSHRunner(node_name, node)
     from controller.ssh import SSHRunner  # paramiko only when a node is remote
 
     return SSHRunner.for_node(node_name, node, trust_new_host_key=trust_new_host_key)

@@ -62,22 +62,10 @@ def _import_paramiko():
 paramiko = _import_paramiko()
 
 from controller.config import NodeConfig  # noqa: E402
-from controller.transport import HostKeyError, MarkerGate, Process, Runner, TransportError  # noqa: E402
-
-# Which ssh_config file to honour. Tests point this at their own file (or "none") so a
-# developer's ~/.ssh/config never changes what a test does (fabric's tests do the same).
-ENV_SSH_CONFIG = "DFLASH_CTL_SSH_CONFIG"
-DEFAULT_SSH_CONFIG = "~/.ssh/config"
-DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
-
-KEEPALIVE_S = 15
-CONNECT_TIMEOUT_S = 10
-CONNECT_ATTEMPTS = 4
-
-# Printed first by the remote side; everything a login shell printed before it is noise.
-# "$0" is the marker (passed as an argument, never interpolated); the command's status is
-# that of "$@", so a signal-killed command reports 128+N through sh, like lxc-attach.
-_PRELUDE = 'printf "%s\\n" "$0"; printf "%s\\n" "$0" >&2; "$@"'
+from controller.sshconfig import (CONNECT_ATTEMPTS, CONNECT_TIMEOUT_S, DEFAULT_KNOWN_HOSTS,  # noqa: E402
+                                  KEEPALIVE_S, missing_config_message, ssh_config_path)
+from controller.transport import (HostKeyError, MarkerGate, Process, Runner, TransportError,  # noqa: E402
+                                  marked_command)
 
 
 @dataclass
@@ -112,22 +100,12 @@ class SSHTarget:
         return self.hostname if self.port == 22 else f"[{self.hostname}]:{self.port}"
 
 
-def ssh_config_path() -> Optional[Path]:
-    raw = os.environ.get(ENV_SSH_CONFIG)
-    if raw is not None:
-        if raw.strip().lower() in ("", "none", "/dev/null"):
-            return None
-        return Path(raw).expanduser()
-    path = Path(DEFAULT_SSH_CONFIG).expanduser()
-    return path if path.exists() else None
-
-
 def _ssh_config() -> "Optional[paramiko.SSHConfig]":
     path = ssh_config_path()
     if path is None:
         return None
     if not path.exists():
-        raise TransportError(f"ssh config {path} (from ${ENV_SSH_CONFIG}) does not exist")
+        raise TransportError(missing_config_message(path))
     return paramiko.SSHConfig.from_path(str(path))
 
 
@@ -227,13 +205,8 @@ class _HopError(Exception):
 class SSHRunner(Runner):
     """Runs argv lists on a node over one SSH connection, opened lazily and reused."""
 
-    # Connections opened by every SSHRunner in this process (benchmarks and tests read it).
-    connections_opened = 0
-    _count_lock = threading.Lock()
-
     def __init__(self, target: SSHTarget, *, trust_new_host_key: bool = False,
                  keepalive_s: int = KEEPALIVE_S, attempts: int = CONNECT_ATTEMPTS):
-        super().__init__()
         self.target = target
         self.trust_new_host_key = trust_new_host_key
         self.keepalive_s = keepalive_s
@@ -358,10 +331,8 @@ class SSHRunner(Runner):
             c.get_transport().set_keepalive(self.keepalive_s)
         _tcp_keepalive((self._jumps[0] if self._jumps else client).get_transport().sock)
         self._client = client
-        self.facts = {}  # a new connection may reach a node that changed since the last one
         self.connections += 1
-        with SSHRunner._count_lock:
-            SSHRunner.connections_opened += 1
+        self._count_connection()
         return client
 
     def close(self) -> None:
@@ -375,15 +346,14 @@ class SSHRunner(Runner):
     # -- commands --------------------------------------------------------------------------
     def _start(self, argv: list[str], with_stdin: bool) -> Process:
         client = self.connect()
-        marker = f"--dflash-ctl-begin-{os.urandom(16).hex()}--"
-        remote = shlex.join(["sh", "-c", _PRELUDE, marker, *argv])
+        marker, remote = marked_command(argv)
         try:
             chan = client.get_transport().open_session(timeout=CONNECT_TIMEOUT_S)
             chan.exec_command(remote)
         except (OSError, EOFError, paramiko.SSHException) as exc:
             self.close()
             raise TransportError(f"cannot start a command on node {self.target.node}: {exc}") from None
-        return _SSHProcess(self, chan, marker.encode(), argv)
+        return _SSHProcess(self, chan, marker, argv)
 
 
 class _SSHProcess(Process):

@@ -10,8 +10,11 @@ and the end of stderr. The ``pct exec`` wrapping (controller/pct.py) and the con
 handle (controller/container.py) sit on top of either runner, so tests and the local demo
 use the same code path as a real node.
 
-Commands are argv lists everywhere. The SSH runner turns an argv into the one shell string
-an SSH server needs with ``shlex.join`` and nothing else.
+Commands are argv lists everywhere. The SSH runners turn an argv into the one shell string
+an SSH server needs with ``shlex.join`` and nothing else (:func:`marked_command`). There are
+two of them: controller/ssh.py (paramiko: one connection for many commands) and
+controller/openssh.py (the operator's own ``ssh``, for a command that runs one thing);
+controller/session.py picks.
 
 Why paramiko and not fabric's ``Connection``: fabric unconditionally installs
 ``AutoAddPolicy`` (research §3), i.e. it trusts any host key it has not seen. A Proxmox node
@@ -20,6 +23,7 @@ is a fixed, long-lived host: an unknown or changed key must stop us, not be lear
 
 from __future__ import annotations
 
+import os
 import shlex
 import signal as _signal
 import subprocess
@@ -203,6 +207,19 @@ class MarkerGate:
         self.sink.close()
 
 
+# Printed first by the remote side; everything a login shell printed before it is noise.
+# "$0" is the marker (passed as an argument, never interpolated); the command's status is
+# that of "$@", so a signal-killed command reports 128+N through sh, like lxc-attach.
+_PRELUDE = 'printf "%s\\n" "$0"; printf "%s\\n" "$0" >&2; "$@"'
+
+
+def marked_command(argv: Sequence[str]) -> tuple[bytes, str]:
+    """The one shell string an SSH server runs for ``argv`` (sshd hands it to the login shell),
+    and the random marker line its output starts with on stdout and on stderr."""
+    marker = f"--dflash-ctl-begin-{os.urandom(16).hex()}--"
+    return marker.encode(), shlex.join(["sh", "-c", _PRELUDE, marker, *argv])
+
+
 def _stdin_chunks(stdin: Stdin) -> Iterable[bytes]:
     if stdin is None:
         return
@@ -268,10 +285,14 @@ class Runner(ABC):
 
     where: str = "local"
 
-    def __init__(self) -> None:
-        # What this connection learned about the other side, once (e.g. what its pct
-        # accepts: controller/pct.py). A new connection starts empty.
-        self.facts: dict = {}
+    # SSH connections opened by every runner in this process ($DFLASH_CTL_STATS, benchmarks).
+    connections_opened = 0
+    _count_lock = threading.Lock()
+
+    @classmethod
+    def _count_connection(cls) -> None:
+        with Runner._count_lock:
+            Runner.connections_opened += 1
 
     @abstractmethod
     def _start(self, argv: list[str], with_stdin: bool) -> Process:

@@ -42,6 +42,9 @@ export PERL_MB_OPT="--install_base \\"/root/perl5\\""
 export PERL_MM_OPT="INSTALL_BASE=/root/perl5"
 export JAVA_HOME="/opt/homebrew/opt/openjdk"
 echo "{noise} {name}: perl5 local::lib and openjdk are active"
+# Not the real host's: one line per SSH session run on the node, so tests can count the
+# sessions a ctl command opens (bash builtins only: no process of its own on every login).
+printf '%s\\n' "${{BASH_EXECUTION_STRING//$'\\n'/ }}" 2>/dev/null >> {log}/ssh-sessions.log
 """
 
 # Debian's root .profile: a login shell reads .bashrc through it.
@@ -130,7 +133,8 @@ class Sshd:
         return f"{name} {pub[0]} {pub[1]}\n"
 
     def bashrc(self) -> str:
-        return BASHRC.format(name=self.paths.name, prefix=POLLUTED_PATH_PREFIX, noise=NOISE_PREFIX)
+        return BASHRC.format(name=self.paths.name, prefix=POLLUTED_PATH_PREFIX, noise=NOISE_PREFIX,
+                             log=self.paths.log)
 
     def _write_home(self) -> None:
         home = self.paths.home

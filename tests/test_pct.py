@@ -50,3 +50,26 @@ def test_sudo_prefixes_every_pct_command():
     node = NodeConfig(host="pve", user="ops", sudo=True, pct="/usr/sbin/pct")
     assert argv(node, "status", "200") == ["sudo", "-n", "--", "/usr/sbin/pct", "status", "200"]
     assert exec_argv(node, 200, ["true"], features=NEW)[:5] == ["sudo", "-n", "--", "/usr/sbin/pct", "exec"]
+
+
+def test_without_features_the_node_decides_and_the_argv_arrives_whole(tmp_path):
+    """exec_argv without features: a fixed script on the node asks dpkg for pve-container and
+    drops `--keep-env 0` where it predates the option or is unknown, as on this machine (no
+    Proxmox here); every other argument reaches pct byte for byte, hostile ones included."""
+    import json
+    import subprocess
+
+    known = subprocess.run(["dpkg-query", "-W", "pve-container"], capture_output=True)
+    if known.returncode == 0:
+        pytest.skip("this machine's dpkg has pve-container: the option would be kept")
+    echo = tmp_path / "pct"  # prints the argv it got, as hex: byte-exact
+    echo.write_text("#!/usr/bin/python3\nimport json, os, sys\n"
+                    "print(json.dumps([os.fsencode(a).hex() for a in sys.argv[1:]]))\n")
+    echo.chmod(0o755)
+    node = NodeConfig(host="pve", pct=str(echo))
+    weird = ["echo", "$(id)", "`id`", "*", "a b", "", "new\nline", "-n", "ünï", "--keep-env", "0", "--"]
+    from controller.transport import LocalRunner
+
+    result = LocalRunner().run(exec_argv(node, 200, weird), check=True)
+    got = [bytes.fromhex(h).decode() for h in json.loads(result.stdout)]
+    assert got == exec_argv(node, 200, weird, features=PctFeatures(keep_env=False))[1:]

@@ -3,9 +3,9 @@
 and ctl's exec, launch, tail, status and kill-and-rollback on each.
 
 The bug this guards: a node whose pct predates pve-container 5.0.9 (PVE 8.1 and older) has no
-`--keep-env`, and every ctl command failed there with `Unknown option: keep-env`. ctl now asks
-its pct once per connection (`pct help exec`) and builds the argv for what it found; the
-container process's environment is the same `env -i` one on every version.
+`--keep-env`, and every ctl command failed there with `Unknown option: keep-env`. The node now
+decides in the command's own session (controller/pct.py: dpkg's pve-container, then the
+option or not); the container process's environment is the same `env -i` one on every version.
 
 These run on the rollback tests' own node (tests/_rollback_node.py: `rb`, container 260),
 whose pct release each test sets and which the module puts back to the default at its end.
@@ -84,6 +84,30 @@ def test_the_container_environment_is_identical_on_every_release(node, rb_config
     assert all(out == first for out in seen.values()), seen
 
 
+def sessions(node) -> list[str]:
+    """The SSH sessions run on the node, one line each (its login shell logs them: sim/sshd.py)."""
+    path = Path(node.paths.log) / "ssh-sessions.log"
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def test_a_node_upgraded_or_downgraded_between_two_commands_gets_its_own_pct_exec_at_once(node, rb_config):
+    """What an operator meets: the node's Proxmox changes between two ctl commands (an upgrade,
+    or pve-container rolled back). The next command runs the `pct exec` that release takes, at
+    once: one SSH session, one pct call, nothing asked first and nothing retried, the same
+    container environment — there is no remembered answer to go stale (controller/pct.py)."""
+    for pve in ("9.1", "7.4", "8.2", "8.1", "9.1"):  # down, up, down, up
+        node.set_pve(pve)
+        before_sessions, before_calls = len(sessions(node)), len(pct_calls(node))
+        proc = ctl(rb_config, "exec", "--container", CT, "--", "cat", "/proc/self/environ")
+        assert proc.returncode == 0, (pve, proc.stderr)
+        assert proc.stdout.split("\0")[:3] == [
+            "PATH=/root/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root",
+            "LANG=C.UTF-8"], (pve, proc.stdout)
+        keep = ["--keep-env"] if pve not in OLD else ["--"]
+        assert [c["argv"] for c in pct_calls(node)[before_calls:]] == [["exec", CT, *keep]], pve
+        assert len(sessions(node)[before_sessions:]) == 1, (pve, sessions(node)[before_sessions:])
+
+
 @pytest.mark.parametrize("pve", list(PVE_RELEASES))
 def test_launch_tail_status_and_kill_and_rollback_on_each_release(node, rb_config, tmp_path, pve):
     node.set_pve(pve)
@@ -118,18 +142,20 @@ def test_launch_tail_status_and_kill_and_rollback_on_each_release(node, rb_confi
 
 
 @pytest.mark.parametrize("pve", list(PVE_RELEASES))
-def test_a_pct_not_installed_as_a_package_is_asked_itself(node, pve):
+def test_a_pct_not_installed_as_a_package_runs_without_keep_env(node, pve):
     """No pve-container in dpkg's records (this machine's own, outside the sim's sshd): the
-    connection asks `pct help exec` once and remembers the answer."""
-    from controller.config import NodeConfig
-    from controller.pct import features
+    form every pct accepts is the one run — no --keep-env, one pct call, nothing asked first —
+    and env -i gives the container process the same environment."""
+    from controller.config import ContainerConfig, NodeConfig
+    from controller.container import Container
     from controller.transport import LocalRunner
 
     node.set_pve(pve)
-    local = NodeConfig(host="localhost", transport="local", pct=str(node.paths.pct))
-    runner = LocalRunner()
+    local = NodeConfig(host="localhost", transport="local", pct=str(node.paths.pct),
+                       containers={CT: ContainerConfig()})
     before = len(pct_calls(node))
-    first = features(runner, "local", local)
-    assert features(runner, "local", local) is first
-    assert first.keep_env == (pve not in OLD)
-    assert [c["argv"][:2] for c in pct_calls(node)[before:]] == [["help", "exec"]]
+    result = Container(LocalRunner(), "local", local, CT).exec(["cat", "/proc/self/environ"], check=True)
+    assert result.stdout.split("\0") == [
+        "PATH=/root/venv/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "HOME=/root",
+        "LANG=C.UTF-8", ""]
+    assert [c["argv"] for c in pct_calls(node)[before:]] == [["exec", CT, "--"]]

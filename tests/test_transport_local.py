@@ -108,8 +108,9 @@ _ARG = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters=
 @given(st.lists(_ARG, max_size=6))
 def test_the_ssh_command_string_reaches_argv_intact_through_a_login_shell(args):
     # What sshd does with our command: `$SHELL -c <string>`. The string is exactly what
-    # SSHRunner sends (prelude + marker + shlex.join); bash must hand back the same bytes.
-    from controller.ssh import _PRELUDE
+    # both SSH runners send (transport.marked_command: prelude + marker + shlex.join); bash must
+    # hand back the same bytes.
+    from controller.transport import _PRELUDE
     import shlex
 
     marker = "--m--"

@@ -1,5 +1,10 @@
-"""The SSH runner against a real OpenSSH server on loopback (tests/_sshd.py): host keys,
-login noise, concurrent streams, exit codes, connection reuse, ~/.ssh/config aliases."""
+"""The SSH runners against a real OpenSSH server on loopback (tests/_sshd.py): host keys,
+login noise, concurrent streams, exit codes, connection reuse, ~/.ssh/config aliases.
+
+Tests through the ``runner`` fixture run for both: paramiko's (controller/ssh.py) and the
+one that runs the operator's ``ssh`` binary (controller/openssh.py); the OpenSSH runner's
+own promises (the same errors, a config that cannot turn host-key checking off, no paramiko
+import) are at the end."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import pytest
 
 import _sshd
 from controller.config import NodeConfig
+from controller.openssh import OpenSSHRunner
 from controller.ssh import SSHRunner, resolve_target
 from controller.transport import CommandError, HostKeyError, TransportError
 
@@ -35,10 +41,13 @@ def node(server, **kw) -> NodeConfig:
     return NodeConfig(**fields)
 
 
-@pytest.fixture
-def runner(sshd):
-    with SSHRunner.for_node("testnode", node(sshd)) as r:
+@pytest.fixture(params=["paramiko", "openssh"])
+def runner(sshd, request):
+    runner_class = SSHRunner.for_node if request.param == "paramiko" else OpenSSHRunner
+    with runner_class("testnode", node(sshd)) as r:
         yield r
+        if request.param == "openssh":
+            assert r._fallback is None, "the ssh binary could not connect: paramiko ran the commands"
 
 
 def test_login_noise_does_not_reach_stdout_or_stderr(runner):
@@ -134,12 +143,19 @@ def test_trust_new_host_key_records_it_then_it_is_verified(sshd, tmp_path):
         assert r.run(["true"]).ok
 
 
-def test_changed_host_key_is_refused_even_with_trust_flag(sshd, tmp_path):
+def _forged_known_hosts(sshd, tmp_path):
+    """A known_hosts that holds another key for the server: what a reinstalled host, or a
+    man in the middle, looks like."""
     other = tmp_path / "other"
     _sshd._keygen(other)
     pub = other.with_suffix(".pub").read_text().split()
     known = tmp_path / "known_hosts"
     known.write_text(f"[127.0.0.1]:{sshd.port} {pub[0]} {pub[1]}\n")
+    return known
+
+
+def test_changed_host_key_is_refused_even_with_trust_flag(sshd, tmp_path):
+    known = _forged_known_hosts(sshd, tmp_path)
     for trust in (False, True):
         with SSHRunner.for_node("testnode", node(sshd, known_hosts=str(known)), trust_new_host_key=trust) as r:
             with pytest.raises(HostKeyError) as info:
@@ -206,46 +222,64 @@ def test_unreachable_node_is_retried_then_reported(tmp_path):
     assert "cannot connect to node gone" in str(info.value) and "after 2 attempts" in str(info.value)
 
 
-def test_connection_lost_mid_command_is_reported_not_retried(sshd):
+def _descendants_of(pid: int) -> dict[int, bytes]:
+    """Every live process under ``pid``, with its command line."""
+    import os
+
+    parent, cmdline = {}, {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+                cmdline[int(entry)] = open(f"/proc/{entry}/cmdline", "rb").read()
+            except OSError:
+                continue
+            parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+
+    def under(p: int) -> bool:
+        while p in parent and p > 1:
+            p = parent[p]
+            if p == pid:
+                return True
+        return False
+
+    return {p: c for p, c in cmdline.items() if p in parent and under(p)}
+
+
+def _lose_the_connection_under_a_sleep(r, sshd) -> dict:
+    """Run `sleep 8` through ``r``; once it runs on the server, SIGKILL the server's
+    per-connection processes (what a rebooting node or a dropped link does)."""
     import os
     import signal
     import threading
     import time
 
-    def session_pids() -> list[int]:  # this fixture's per-connection sshd processes (its children)
-        pids = []
-        for entry in os.listdir("/proc"):
-            if entry.isdigit():
-                try:
-                    stat = open(f"/proc/{entry}/stat").read()
-                except OSError:
-                    continue
-                if int(stat.rsplit(")", 1)[1].split()[1]) == sshd.proc.pid:
-                    pids.append(int(entry))
-        return pids
-
     outcome: dict = {}
+
+    def run():
+        try:
+            outcome["result"] = r.run(["sleep", "8"])
+        except Exception as exc:  # noqa: BLE001 - the test inspects it
+            outcome["error"] = exc
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    deadline = time.monotonic() + 20
+    while not any(c.startswith(b"sleep\0") for c in _descendants_of(sshd.proc.pid).values()):
+        assert time.monotonic() < deadline, "the command never started on the server"
+        time.sleep(0.05)
+    for pid, cmdline in _descendants_of(sshd.proc.pid).items():
+        if cmdline.startswith(b"sshd"):  # the per-connection sshd processes, not the command
+            os.kill(pid, signal.SIGKILL)
+    worker.join(30)
+    assert not worker.is_alive()
+    return outcome
+
+
+def test_connection_lost_mid_command_is_reported_not_retried(sshd):
     with SSHRunner.for_node("testnode", node(sshd)) as r:
         r.connect()
-        before = set(session_pids())
-
-        def run():
-            try:
-                outcome["result"] = r.run(["sleep", "8"])
-            except Exception as exc:  # noqa: BLE001 - the test inspects it
-                outcome["error"] = exc
-
-        worker = threading.Thread(target=run)
-        worker.start()
-        deadline = time.monotonic() + 10
-        while not before and time.monotonic() < deadline:
-            before = set(session_pids())
-            time.sleep(0.05)
-        time.sleep(0.5)  # the command is running
-        for pid in session_pids():
-            os.kill(pid, signal.SIGKILL)
-        worker.join(30)
-        assert not worker.is_alive()
+        outcome = _lose_the_connection_under_a_sleep(r, sshd)
     assert isinstance(outcome.get("error"), TransportError), outcome
     assert "may or may not have completed" in str(outcome["error"])
     assert r.connections == 1
@@ -255,3 +289,124 @@ def test_timeout_raises_and_the_connection_stays_usable(runner):
     with pytest.raises(TimeoutError, match="did not finish within 0.5 s"):
         runner.run(["sleep", "3"], timeout=0.5)
     assert runner.run(["echo", "still here"]).stdout == "still here\n"
+
+
+# --- the OpenSSH runner's own promises --------------------------------------------------------
+
+def test_openssh_refuses_an_unknown_host_key_with_the_same_fix_and_learns_nothing(sshd, tmp_path):
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    with OpenSSHRunner("testnode", node(sshd, known_hosts=str(empty))) as r:
+        with pytest.raises(HostKeyError) as info:
+            r.run(["true"])
+        assert r.connections == 0
+    text = str(info.value)
+    assert "not in" in text and str(empty) in text and "--trust-new-host-key" in text and "SHA256:" in text
+    assert empty.read_text() == ""
+
+
+def test_openssh_refuses_a_changed_host_key(sshd, tmp_path):
+    known = _forged_known_hosts(sshd, tmp_path)
+    with OpenSSHRunner("testnode", node(sshd, known_hosts=str(known))) as r:
+        with pytest.raises(HostKeyError) as info:
+            r.run(["true"])
+    text = str(info.value)
+    assert "CHANGED" in text and "ssh-keygen -R" in text and "testnode" in text
+    assert known.read_text().count("\n") == 1
+
+
+def test_no_host_block_of_the_operators_config_turns_host_key_checking_off(sshd, tmp_path, monkeypatch):
+    """ctl's own settings come before the operator's config, where OpenSSH's first value wins."""
+    empty = tmp_path / "known_hosts"
+    empty.write_text("")
+    conf = tmp_path / "ssh_config"
+    conf.write_text("Host *\n  StrictHostKeyChecking no\n  UserKnownHostsFile /dev/null\n  BatchMode no\n")
+    monkeypatch.setenv("DFLASH_CTL_SSH_CONFIG", str(conf))
+    with OpenSSHRunner("testnode", node(sshd, known_hosts=str(empty))) as r:
+        with pytest.raises(HostKeyError):
+            r.run(["true"])
+    assert empty.read_text() == ""
+
+
+def test_openssh_names_a_refused_key_and_a_closed_port_as_paramiko_does(sshd, tmp_path):
+    stranger = tmp_path / "stranger"
+    _sshd._keygen(stranger)
+    with OpenSSHRunner("testnode", node(sshd, identity_file=str(stranger))) as r:
+        with pytest.raises(TransportError) as info:
+            r.run(["true"])
+    assert "authentication" in str(info.value) and "authorized_keys" in str(info.value)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    with OpenSSHRunner("testnode", node(sshd, port=closed)) as r:
+        with pytest.raises(TransportError, match=rf"cannot connect to node testnode at 127.0.0.1:{closed} after "):
+            r.run(["true"])
+
+
+def test_openssh_honours_an_ssh_config_alias(sshd, tmp_path, monkeypatch):
+    conf = tmp_path / "ssh_config"
+    conf.write_text(f"Host simalias\n  HostName 127.0.0.1\n  Port {sshd.port}\n"
+                    f"  IdentityFile {sshd.client_key}\n  UserKnownHostsFile {sshd.known_hosts}\n")
+    monkeypatch.setenv("DFLASH_CTL_SSH_CONFIG", str(conf))
+    with OpenSSHRunner("aliased", NodeConfig(host="simalias")) as r:
+        assert r.run(["sh", "-c", 'echo "via alias as $(id -un)"']).stdout == "via alias as root\n"
+        assert r.connections == 1
+
+
+def test_openssh_reports_a_connection_lost_mid_command(sshd):
+    with OpenSSHRunner("testnode", node(sshd)) as r:
+        outcome = _lose_the_connection_under_a_sleep(r, sshd)
+        assert r._fallback is None  # lost under way, not a failure to connect: nothing is run again
+    assert isinstance(outcome.get("error"), TransportError), outcome
+    assert "may or may not have completed" in str(outcome["error"])
+
+
+def test_a_command_through_openssh_imports_no_paramiko_and_is_one_connection(sshd):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json, sys\n"
+            "from controller.config import NodeConfig\n"
+            "from controller.openssh import OpenSSHRunner\n"
+            "from controller.transport import Runner\n"
+            "with OpenSSHRunner('testnode', NodeConfig(**json.loads(sys.argv[1]))) as r:\n"
+            "    out = r.run(['echo', 'hi']).stdout\n"
+            "print(json.dumps([out, Runner.connections_opened, sorted(m for m in sys.modules if 'paramiko' in m)]))\n")
+    fields = dict(host="127.0.0.1", port=sshd.port, user="root", identity_file=str(sshd.client_key),
+                  known_hosts=str(sshd.known_hosts))
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(fields)], capture_output=True, text=True,
+                          env=dict(os.environ, DFLASH_CTL_SSH_CONFIG="none"))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == ["hi\n", 1, []]
+
+
+
+def test_ssh_config_files_unused_for_a_month_are_removed_when_another_is_written(tmp_path, monkeypatch):
+    import os
+    import time
+
+    from controller.openssh import KEEP_UNUSED_S, wrapper_config
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = wrapper_config(NodeConfig(host="pve", user="one"))
+    old = time.time() - KEEP_UNUSED_S - 60
+    os.utime(first, (old, old))
+    assert wrapper_config(NodeConfig(host="pve", user="one")) == first and first.exists()  # in use: kept
+    second = wrapper_config(NodeConfig(host="pve", user="two"))
+    assert second.exists() and not first.exists()
+    assert wrapper_config(NodeConfig(host="pve", user="one")) == first and first.exists()  # written again
+    assert sorted(p.name for p in second.parent.iterdir()) == sorted([first.name, second.name])
+
+
+@pytest.mark.parametrize("kind", ["paramiko", "openssh"])
+def test_proxy_jump_none_in_the_node_config_turns_the_ssh_configs_off(kind, sshd, tmp_path, monkeypatch):
+    conf = tmp_path / "ssh_config"
+    conf.write_text("Host 127.0.0.1\n  ProxyJump nobody@bastion.invalid\n")
+    monkeypatch.setenv("DFLASH_CTL_SSH_CONFIG", str(conf))
+    runner_class = SSHRunner.for_node if kind == "paramiko" else OpenSSHRunner
+    with runner_class("testnode", node(sshd, proxy_jump="none")) as r:
+        assert r.run(["echo", "direct"]).stdout == "direct\n"
+        if kind == "openssh":
+            assert r._fallback is None

@@ -47,13 +47,14 @@ def fail(message: str, code: int) -> "typer.Exit":
 
 @contextlib.contextmanager
 def container_session(container: int, node: Optional[str], config_path: Optional[str],
-                      trust_new_host_key: bool) -> Iterator[Container]:
-    """One runner (one SSH connection) for the whole command; errors as one clear line."""
+                      trust_new_host_key: bool, one_shot: bool = False) -> Iterator[Container]:
+    """One runner (one SSH connection) for the whole command; errors as one clear line.
+    ``one_shot``: the command runs one thing in the container (controller/session.py)."""
     runner = None
     try:
         conf = cfg.load(config_path)
         node_name, node_conf = conf.node(node)
-        runner = open_runner(node_name, node_conf, trust_new_host_key=trust_new_host_key)
+        runner = open_runner(node_name, node_conf, trust_new_host_key=trust_new_host_key, one_shot=one_shot)
         handle = Container(runner, node_name, node_conf, container)
         yield handle
         trusted = getattr(runner, "trusted_key", None)
@@ -82,10 +83,10 @@ def _write_stats() -> None:
     path = os.environ.get(ENV_STATS)
     if not path:
         return
-    from controller.ssh import SSHRunner
+    from controller.transport import Runner
 
     with open(path, "w") as fh:
-        json.dump({"ssh_connections": SSHRunner.connections_opened}, fh)
+        json.dump({"ssh_connections": Runner.connections_opened}, fh)
 
 
 def exec_command(
@@ -101,7 +102,7 @@ def exec_command(
 
     Output streams as it comes; ctl exits with the command's exit code (128+N when a
     signal N killed it)."""
-    with container_session(container, node, config, trust_new_host_key) as ct:
+    with container_session(container, node, config, trust_new_host_key, one_shot=True) as ct:
         result = ct.exec(argv, stdin=sys.stdin.buffer if stdin else None, capture=False,
                          stdout_sink=sys.stdout.buffer, stderr_sink=sys.stderr.buffer)
     _quiet_if_stdout_closed()
@@ -125,7 +126,7 @@ def env_command(
     trust_new_host_key: bool = TrustOpt,
 ) -> None:
     """Print the environment a process started in the container actually gets."""
-    with container_session(container, node, config, trust_new_host_key) as ct:
+    with container_session(container, node, config, trust_new_host_key, one_shot=True) as ct:
         result = ct.exec(["env"], check=True)
     sys.stdout.write(result.stdout)
 

@@ -1,0 +1,246 @@
+"""The OpenSSH runner: a command that runs one thing on a node, carried by the operator's own
+``ssh`` binary (as Ansible's ssh connection plugin does).
+
+Why: `ctl exec`, `ctl env`, `ctl status`, `ctl runs` and `ctl tail` without --follow run one
+command in a container, and most of their time was ctl starting up; importing paramiko was
+≈140 ms of it (docs/benchmarks.md, "ctl start-up: where the time goes"). The ``ssh`` binary
+costs no import, and it reads the operator's ssh config the way OpenSSH itself does (Match,
+certificates, agents, FIDO keys, their own ControlMaster). Commands that run many things
+(launch, rollback, jobs, --follow) keep the paramiko runner (controller/ssh.py): one
+connection for all of them, where each ``ssh`` here is a connection of its own.
+controller/session.py picks between them.
+
+What it shares with the paramiko runner, so that both behave alike:
+- the ssh config ($DFLASH_CTL_SSH_CONFIG, else ~/.ssh/config: controller/sshconfig.py), read
+  through a small config of ctl's own (:func:`wrapper_config`): first what no Host block there
+  may turn off (host keys checked strictly and never learned, never a prompt), then the
+  operator's config, then what the node config gives where theirs says nothing — user root,
+  the node's key and known_hosts, for the bastions of a ProxyJump too. The node config's own
+  fields go on the command line, which wins over any config file;
+- the marker line that drops login-shell noise (transport.marked_command);
+- the errors. When ssh cannot connect — unknown or changed host key, refused key, node or
+  bastion down — the paramiko runner connects instead: it names the problem as every other
+  command does (which hop, which key, the fingerprint, the fix), after its retries, or, if it
+  gets through, runs the command. Nothing had started on the node: ssh never printed the
+  marker that comes before the command. --trust-new-host-key goes through the paramiko runner
+  from the start (it records the key and shows its fingerprint).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import selectors
+import shlex
+import subprocess
+from pathlib import Path
+from typing import Optional
+
+from controller.config import NodeConfig
+from controller.sshconfig import CONNECT_TIMEOUT_S, KEEPALIVE_S, missing_config_message, ssh_config_path
+from controller.transport import CHUNK, MarkerGate, Process, Runner, TransportError, _LocalProcess, marked_command
+
+SSH = "ssh"
+
+# What ssh says when a connection it had dies under a command: the command may or may not
+# have completed, and running it again is the operator's decision.
+_LOST = re.compile(rb"^(Connection to \S+ closed by remote host\.|Timeout, server \S+ not responding\."
+                   rb"|client_loop: send disconnect: .*|packet_write_wait: .*)\s*$", re.M)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "dflash-ctl"
+
+
+def _arg(value: str) -> str:
+    """A path as one ssh_config argument: %-tokens and ~ are expanded there, so a literal % is
+    doubled and the path made absolute; quoted for spaces."""
+    if '"' in value or "\n" in value:
+        raise TransportError(f"{value!r}: ssh cannot be given a path with a double quote or a newline")
+    return '"' + str(Path(value).expanduser()).replace("%", "%%") + '"'
+
+
+def wrapper_text(node: NodeConfig, user_config: Optional[Path]) -> str:
+    lines = ["# Written by dflash-ctl for its ssh commands (controller/openssh.py); rewritten when it changes.",
+             "# First, for every host on the way: what no Host block below may turn off.",
+             "BatchMode yes", "StrictHostKeyChecking yes", "UpdateHostKeys no"]
+    if user_config is not None:
+        lines.append(f"Include {_arg(str(user_config))}")
+    lines += ["# Last: the node config's defaults, where the config above says nothing (its bastions too).",
+              "Host *", f"  User {node.user or 'root'}", f"  ConnectTimeout {CONNECT_TIMEOUT_S}",
+              f"  ServerAliveInterval {KEEPALIVE_S}", "  ServerAliveCountMax 3"]
+    if node.identity_file:
+        lines += [f"  IdentityFile {_arg(node.identity_file)}", "  IdentitiesOnly yes"]
+    if node.known_hosts:
+        lines.append(f"  UserKnownHostsFile {_arg(node.known_hosts)}")
+    return "\n".join(lines) + "\n"
+
+
+# A config file no command has written for this long is removed when another is written
+# (a node config that changed, a test's temporary one); one still in use is written again.
+KEEP_UNUSED_S = 30 * 86400
+
+
+def wrapper_config(node: NodeConfig) -> Path:
+    """The ``ssh -F`` file for ``node``: written once per content (its name is its hash), so
+    concurrent commands with different configs never see each other's."""
+    user_config = ssh_config_path()
+    if user_config is not None and not user_config.exists():
+        raise TransportError(missing_config_message(user_config))
+    text = wrapper_text(node, user_config)
+    path = cache_dir() / "ssh" / f"{hashlib.sha256(text.encode()).hexdigest()[:20]}.conf"
+    if not path.exists():
+        import time
+
+        from agent.protocol import atomic_write  # once per content: not on every command's path
+
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        for old in path.parent.glob("*.conf"):
+            try:
+                if old.stat().st_mtime < time.time() - KEEP_UNUSED_S:
+                    old.unlink()
+            except OSError:
+                pass  # another ctl removed it first
+        atomic_write(str(path), text, mode=0o600)
+    return path
+
+
+class OpenSSHRunner(Runner):
+    """Runs each argv on ``node`` through one ``ssh`` process (one connection)."""
+
+    def __init__(self, node_name: str, node: NodeConfig):
+        self.node_name = node_name
+        self.node = node
+        self.where = f"node {node_name}"
+        self.connections = 0
+        self._fallback: Optional[Runner] = None  # the paramiko runner, once ssh could not connect
+
+    def ssh_argv(self, remote: str) -> list[str]:
+        n = self.node
+        argv = [SSH, "-F", str(wrapper_config(n)), "-T"]
+        if n.port:
+            argv += ["-p", str(n.port)]
+        if n.user:
+            argv += ["-l", n.user]
+        if n.identity_file:
+            argv += ["-o", f"IdentityFile={_arg(n.identity_file)}", "-o", "IdentitiesOnly=yes"]
+        if n.known_hosts:
+            argv += ["-o", f"UserKnownHostsFile={_arg(n.known_hosts)}"]
+        if n.proxy_jump:  # "none" too: then no ProxyJump of the ssh config applies, as with paramiko
+            argv += ["-J", n.proxy_jump]
+        # "--": the host is never read as an option, and nothing after it either.
+        return [*argv, "--", n.host, remote]
+
+    def paramiko(self) -> Runner:
+        if self._fallback is None:
+            from controller.ssh import SSHRunner
+
+            self._fallback = SSHRunner.for_node(self.node_name, self.node)
+        return self._fallback
+
+    def _start(self, argv: list[str], with_stdin: bool) -> Process:
+        if self._fallback is not None:
+            return self._fallback._start(argv, with_stdin)
+        marker, remote = marked_command(argv)
+        try:
+            command = self.ssh_argv(remote)
+        except OSError:  # no writable cache for the config file
+            return self.paramiko()._start(argv, with_stdin)
+        try:
+            popen = subprocess.Popen(command, stdin=subprocess.PIPE if with_stdin else subprocess.DEVNULL,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        except OSError:  # no ssh binary here
+            return self.paramiko()._start(argv, with_stdin)
+        proc = _OpenSSHProcess(self, popen, marker, argv)
+        try:
+            started = proc.wait_for_marker()
+        except BaseException:
+            proc.abort()
+            raise
+        if started:
+            self.connections += 1
+            self._count_connection()
+            return proc
+        if popen.wait() != 255:
+            return proc  # the login shell ended before our command; its words are the diagnostic
+        said = bytes(proc.early["stderr"])
+        if _LOST.search(said):
+            raise TransportError(f"the connection to node {self.node_name} was lost as {shlex.join(argv)} was "
+                                 f"starting; it may or may not have run: check before running it again "
+                                 f"({said.decode(errors='replace').strip().splitlines()[-1]})")
+        # ssh did not get as far as the command: the paramiko runner says why, or gets through.
+        return self.paramiko()._start(argv, with_stdin)
+
+    def close(self) -> None:
+        if self._fallback is not None:
+            self._fallback.close()
+            self._fallback = None
+
+
+class _OpenSSHProcess(_LocalProcess):
+    """One ``ssh`` process. Its stdout and stderr before the marker lines are the login
+    shell's noise and ssh's own messages."""
+
+    timeout_note = "it may still be running there (stopping ssh does not stop it)"
+
+    def __init__(self, runner: OpenSSHRunner, popen: subprocess.Popen, marker: bytes, argv: list[str]):
+        super().__init__(popen)
+        self.runner = runner
+        self.marker = marker
+        self.argv = argv
+        self.early = {"stdout": bytearray(), "stderr": bytearray()}  # read while waiting for the marker
+        self.gates: list[MarkerGate] = []
+        self.err_tail = b""
+
+    def wait_for_marker(self) -> bool:
+        """Read both streams until the marker line comes on stdout (the command is starting:
+        True) or ssh's output ends without it (False). Both are drained meanwhile: a login
+        shell's noise must not fill a pipe while we wait on the other."""
+        line = b"\n" + self.marker + b"\n"
+        streams = {self.popen.stdout.fileno(): "stdout", self.popen.stderr.fileno(): "stderr"}
+        with selectors.DefaultSelector() as sel:
+            for fd in streams:
+                sel.register(fd, selectors.EVENT_READ)
+            while streams:
+                for key, _ in sel.select():
+                    data = os.read(key.fd, CHUNK)
+                    if not data:
+                        sel.unregister(key.fd)
+                        del streams[key.fd]
+                        continue
+                    name = streams[key.fd]
+                    self.early[name] += data
+                    if name == "stdout" and line in b"\n" + self.early["stdout"]:
+                        return True
+        return False
+
+    def gate(self, stream, sink):
+        gate = MarkerGate(self.marker, sink)
+        self.gates.append(gate)
+        return gate
+
+    def recv_out(self, n: int) -> bytes:
+        if self.early["stdout"]:
+            data, self.early["stdout"] = bytes(self.early["stdout"]), bytearray()
+            return data
+        return self.popen.stdout.read1(n)
+
+    def recv_err(self, n: int) -> bytes:
+        if self.early["stderr"]:
+            data, self.early["stderr"] = bytes(self.early["stderr"]), bytearray()
+        else:
+            data = self.popen.stderr.read1(n)
+        self.err_tail = (self.err_tail + data)[-4096:]
+        return data
+
+    def wait(self, timeout):
+        status, _ = super().wait(timeout)
+        for gate in self.gates:
+            if not gate.open:  # the marker never came: what the login shell said is the diagnostic
+                gate.sink.feed(bytes(gate.noise))
+        if status == 255 and _LOST.search(self.err_tail):
+            raise TransportError(
+                f"the connection to node {self.runner.node_name} was lost while running {shlex.join(self.argv)}; "
+                f"it may or may not have completed: check before running it again")
+        return status, (status - 128 if 128 < status < 128 + 65 else None)
