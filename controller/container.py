@@ -77,12 +77,12 @@ class Container:
              timeout: Optional[float] = None) -> Result:
         """Run ``argv`` in the container with exactly PATH, HOME, LANG and ``env`` set."""
         try:
-            full = pct.exec_argv(self.node, self.ctid, argv, container=self.config, env=env)
+            command = pct.pct_exec_argv(self.node, self.ctid, argv, container=self.config, env=env)
         except pct.PctUsageError as exc:
             raise ContainerError(f"cannot run that in {self}: {exc}") from None
-        result = self.runner.run(full, stdin=stdin, capture=capture, on_stdout=on_stdout, on_stderr=on_stderr,
-                                 stdout_sink=stdout_sink, stderr_sink=stderr_sink, timeout=timeout)
-        result.argv = pct.shown(result.argv)  # messages name the pct command, not the script before it
+        result = self.runner.run(pct.on_node_choice(command), stdin=stdin, capture=capture, on_stdout=on_stdout,
+                                 on_stderr=on_stderr, stdout_sink=stdout_sink, stderr_sink=stderr_sink, timeout=timeout)
+        result.argv = command  # messages name the pct command, not the script before it
         problem = pct.access_problem(self.node_name, self.node, result)
         if problem:
             raise pct.PctAccessError(problem)

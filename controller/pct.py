@@ -32,7 +32,6 @@ quotes it with ``shlex.join``.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence
 
 from controller.config import ContainerConfig, NodeConfig
@@ -55,13 +54,6 @@ class PctUsageError(ValueError):
 
 class PctAccessError(TransportError):
     """The node's pct cannot be run as configured (sudo refuses, pct missing)."""
-
-
-@dataclass(frozen=True)
-class PctFeatures:
-    """What the node's ``pct exec`` accepts, when the caller knows it (None: ask the node)."""
-
-    keep_env: bool
 
 
 # pve-container's first release with `pct exec --keep-env` (commit 069553d).
@@ -104,11 +96,11 @@ def command_text(node: NodeConfig, *args: str) -> str:
     return " ".join(argv(node, *args))
 
 
-def exec_argv(node: NodeConfig, ctid: int | str, command: Sequence[str], *, features: Optional[PctFeatures] = None,
-              container: Optional[ContainerConfig] = None,
-              env: Optional[Mapping[str, str]] = None) -> list[str]:
-    """``pct exec`` of ``command`` in container ``ctid`` with a scrubbed, explicit environment.
-    Without ``features`` the node decides whether its pct gets ``--keep-env 0`` (see above)."""
+def pct_exec_argv(node: NodeConfig, ctid: int | str, command: Sequence[str], *, keep_env: bool = True,
+                  container: Optional[ContainerConfig] = None,
+                  env: Optional[Mapping[str, str]] = None) -> list[str]:
+    """``pct exec`` of ``command`` in container ``ctid`` with a scrubbed, explicit environment,
+    as an operator would type it for a pct that has (``keep_env``) or lacks ``--keep-env``."""
     command = [str(a) for a in command]
     if not command or command[0] == "":
         raise PctUsageError("no command given to run in the container")
@@ -120,20 +112,21 @@ def exec_argv(node: NodeConfig, ctid: int | str, command: Sequence[str], *, feat
             raise PctUsageError("an argument contains a NUL byte, which no process can receive")
     container = container or node.container(ctid)
     assignments = [f"{k}={v}" for k, v in container_env(container, env).items()]
-    keep = ["--keep-env", "0"] if features is None or features.keep_env else []
+    keep = ["--keep-env", "0"] if keep_env else []
     # "--" after -i: an assignment or program that starts with "-" is never read as an option.
-    built = [*argv(node, "exec", str(ctid), *keep, "--"), "env", "-i", "--", *assignments, *command]
-    if features is not None:
-        return built
-    return ["sh", "-c", _PICK_KEEP_ENV, "sh", str(built.index("--keep-env") + 1), *built]
+    return [*argv(node, "exec", str(ctid), *keep, "--"), "env", "-i", "--", *assignments, *command]
 
 
-def shown(argv: Sequence[str]) -> list[str]:
-    """The pct command of an :func:`exec_argv`, without the script that picks the option (for
-    messages: what an operator would recognise and could type)."""
-    if list(argv[:2]) == ["sh", "-c"] and len(argv) > 2 and argv[2] == _PICK_KEEP_ENV:
-        return list(argv[5:])
-    return list(argv)
+def on_node_choice(pct_command: Sequence[str]) -> list[str]:
+    """A :func:`pct_exec_argv` with ``--keep-env 0`` run behind the script that lets the node
+    drop the option where its pve-container predates it (see above)."""
+    return ["sh", "-c", _PICK_KEEP_ENV, "sh", str(list(pct_command).index("--keep-env") + 1), *pct_command]
+
+
+def exec_argv(node: NodeConfig, ctid: int | str, command: Sequence[str], **kw) -> list[str]:
+    """What runs on the node for ``command`` in the container: :func:`pct_exec_argv` with the
+    node's own choice of ``--keep-env``."""
+    return on_node_choice(pct_exec_argv(node, ctid, command, **kw))
 
 
 def raw_exec_argv(node: NodeConfig, ctid: int | str, command: Sequence[str]) -> list[str]:

@@ -5,15 +5,12 @@ from __future__ import annotations
 import pytest
 
 from controller.config import ContainerConfig, NodeConfig
-from controller.pct import PctFeatures, PctUsageError, argv, exec_argv
-
-
-NEW = PctFeatures(keep_env=True)
+from controller.pct import PctUsageError, argv, exec_argv, pct_exec_argv
 
 
 def test_exec_argv_scrubs_with_keep_env_0_and_env_i():
     node = NodeConfig(host="pve", pct="/usr/sbin/pct", containers={"200": ContainerConfig(venv="/opt/v", home="/home/t")})
-    built = exec_argv(node, 200, ["python3", "-c", "print(1)"], env={"PYTHONPATH": "/b"}, features=NEW)
+    built = pct_exec_argv(node, 200, ["python3", "-c", "print(1)"], env={"PYTHONPATH": "/b"})
     assert built == ["/usr/sbin/pct", "exec", "200", "--keep-env", "0", "--", "env", "-i", "--",
                     "PATH=/opt/v/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
                     "HOME=/home/t", "LANG=C.UTF-8", "PYTHONPATH=/b", "python3", "-c", "print(1)"]
@@ -22,7 +19,7 @@ def test_exec_argv_scrubs_with_keep_env_0_and_env_i():
 def test_hostile_arguments_stay_single_arguments():
     node = NodeConfig(host="pve")
     weird = ["echo", "$(id)", "`id`", "*", "a b", "", "new\nline", "-n", "ünï"]
-    assert exec_argv(node, 201, weird, features=NEW)[-len(weird):] == weird
+    assert pct_exec_argv(node, 201, weird)[-len(weird):] == weird
 
 
 @pytest.mark.parametrize("argv, env, words", [
@@ -33,15 +30,15 @@ def test_hostile_arguments_stay_single_arguments():
 ])
 def test_commands_that_cannot_be_built_safely_are_refused(argv, env, words):
     with pytest.raises(PctUsageError, match=words):
-        exec_argv(NodeConfig(host="pve"), 200, argv, env=env, features=NEW)
+        exec_argv(NodeConfig(host="pve"), 200, argv, env=env)
 
 
 def test_pct_before_keep_env_gets_no_such_option_and_the_same_env_i():
     """pve-container < 5.0.9 (PVE 8.1 and older) refuses --keep-env: the option is left out,
     and env -i still gives the same clean environment."""
     node = NodeConfig(host="pve")
-    old = exec_argv(node, 200, ["true"], features=PctFeatures(keep_env=False))
-    new = exec_argv(node, 200, ["true"], features=NEW)
+    old = pct_exec_argv(node, 200, ["true"], keep_env=False)
+    new = pct_exec_argv(node, 200, ["true"])
     assert "--keep-env" not in old
     assert old[old.index("--"):] == new[new.index("--"):]
 
@@ -49,11 +46,11 @@ def test_pct_before_keep_env_gets_no_such_option_and_the_same_env_i():
 def test_sudo_prefixes_every_pct_command():
     node = NodeConfig(host="pve", user="ops", sudo=True, pct="/usr/sbin/pct")
     assert argv(node, "status", "200") == ["sudo", "-n", "--", "/usr/sbin/pct", "status", "200"]
-    assert exec_argv(node, 200, ["true"], features=NEW)[:5] == ["sudo", "-n", "--", "/usr/sbin/pct", "exec"]
+    assert pct_exec_argv(node, 200, ["true"])[:5] == ["sudo", "-n", "--", "/usr/sbin/pct", "exec"]
 
 
-def test_without_features_the_node_decides_and_the_argv_arrives_whole(tmp_path):
-    """exec_argv without features: a fixed script on the node asks dpkg for pve-container and
+def test_the_node_decides_keep_env_and_the_argv_arrives_whole(tmp_path):
+    """exec_argv: a fixed script on the node asks dpkg for pve-container and
     drops `--keep-env 0` where it predates the option or is unknown, as on this machine (no
     Proxmox here); every other argument reaches pct byte for byte, hostile ones included."""
     import json
@@ -72,4 +69,4 @@ def test_without_features_the_node_decides_and_the_argv_arrives_whole(tmp_path):
 
     result = LocalRunner().run(exec_argv(node, 200, weird), check=True)
     got = [bytes.fromhex(h).decode() for h in json.loads(result.stdout)]
-    assert got == exec_argv(node, 200, weird, features=PctFeatures(keep_env=False))[1:]
+    assert got == pct_exec_argv(node, 200, weird, keep_env=False)[1:]

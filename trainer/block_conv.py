@@ -23,8 +23,7 @@ class _GroupedConv(torch.autograd.Function):
     def forward(ctx, x, dynamic, base, group_size: int, block_size: int):
         ctx.save_for_backward(x, dynamic, base)
         ctx.group_size, ctx.block_size = group_size, block_size
-        with torch.no_grad():
-            return _grouped_conv_formula(x, dynamic, base, group_size, block_size)
+        return _grouped_conv_formula(x, dynamic, base, group_size, block_size)  # (autograd is off in here)
 
     @staticmethod
     def backward(ctx, grad_out):
