@@ -175,7 +175,7 @@ class Supervisor:
                 ex = self.job.exit_status()
                 if ex is not None:
                     self.obs.drain()
-                    return Outcome(OutcomeKind.EXIT, exit=ex, failures=self.obs.collect(self.job.reaped))
+                    return Outcome(OutcomeKind.EXIT, exit=ex, failures=self.obs.collect(self.job.reaped, ex))
             first = self.obs.seen.first_failure_at
             if first is not None and now - first >= self.opts.settle:
                 return Outcome(OutcomeKind.FAILURE, failures=self.obs.collect(self.job.reaped))
@@ -197,7 +197,10 @@ class Supervisor:
             self.store.set(RunState.STOPPING)
             self.finish(RunState.STOPPED)
             return
-        self.on_failure([*outcome.failures, self.obs.job_exit_failure(ex)])
+        # One record per death: when a rank's death (or another failure) already explains
+        # the job's exit, the exit is its consequence, not a second failure (issue 26: a
+        # one-rank run's kill -9 gave "rank slot 0" and "GPU 0" records for one death).
+        self.on_failure(outcome.failures or [self.obs.job_exit_failure(ex)])
 
     def on_failure(self, failures: list[Failure]) -> None:
         cause = root_cause(failures) or Failure(FailureKind.JOB_EXIT, "the job failed for an unknown reason")

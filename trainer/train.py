@@ -195,7 +195,7 @@ def run(args, topo) -> int:
         events.emit("error", error="cuda_oom" if oom else ("nccl_timeout" if timeout else "exception"),
                     message=f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
                     traceback=traceback.format_exc())
-        hb.beat(-1, "failed")
+        hb.beat(None, "failed")
         raise
     finally:
         events.close()
