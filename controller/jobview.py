@@ -42,6 +42,12 @@ class NoSuchRun(ContainerError):
 
     exit_code = 2
 
+
+class CorruptRun(ContainerError):
+    """A state file of the run is not its record: the status cannot be known (ctl exits 1)."""
+
+    exit_code = 1
+
 # --- where: remembered last launch ------------------------------------------------------------
 
 def last_launch_path(ctl_config: Optional[str]) -> Path:
@@ -88,7 +94,11 @@ class ContainerStream:
 
     def state(self, run_id: str) -> dict:
         reply = self.caller.call("agent.runview", ["status", "--workspace", self.workspace, "--run", run_id])
-        return reply.get("status") or {}
+        if not reply.get("ok"):
+            # A run that cannot be read (a corrupt state file, gone) ends the follow with its
+            # one line: asking again would never get a better answer (issue 26: it hung).
+            raise CorruptRun(f"container {self.ct.ctid}: {reply.get('error')}")
+        return dict(reply.get("status") or {}, _reply=reply)
 
     def revive(self, run_id: str) -> bool:
         """The run's agent is gone: start one that re-attaches (the stream goes on from where

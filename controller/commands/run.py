@@ -119,7 +119,10 @@ def resolve_run(ct: Container, caller, run: Optional[str]) -> dict:
     except AgentCallError as exc:
         raise fail(str(exc), EXIT_FAILED) from None
     if not reply.get("ok"):
-        raise fail(f"container {ct.ctid}: {reply.get('error')}", EXIT_CONFIG)
+        # a corrupt state file is the run's trouble, not the operator's input
+        raise fail(f"container {ct.ctid}: {reply.get('error')}", EXIT_FAILED if reply.get("corrupt") else EXIT_CONFIG)
+    for warning in reply.get("warnings") or []:
+        typer.echo(f"ctl: warning: container {ct.ctid}: {warning}", err=True)
     return reply
 
 
