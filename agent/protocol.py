@@ -94,6 +94,9 @@ EXIT_STOPPED = 75  # the trainer stopped on request after a checkpoint (EX_TEMPF
 # `agent follow`: the agent is gone and the run has not finished, so the stream would never
 # end (research §4.8, ray#57002): re-attach, then follow again.
 EXIT_AGENT_GONE = 3
+# `ctl tail --follow` (and `ctl launch --follow`): the run died because its container restarted
+# or its node rebooted (every process of it is gone; resume from its last checkpoint).
+EXIT_CONTAINER_RESTARTED = 5
 EXIT_SPAWN_FAILED = 127  # the job monitor could not start the job's command (the shell's code)
 # `python3 -m agent.envgen`: a refusal (nothing changed) is told apart from a failure.
 ENVGEN_EXIT_FAILED = 1
@@ -172,6 +175,9 @@ class FailureKind(str, enum.Enum):
     PEER_FAILURE = "peer_failure"
     NETWORK_FAILURE = "network_failure"
     STARTUP_TIMEOUT = "startup_timeout"  # a rank sent no heartbeat within --startup-timeout
+    # every process of the run went with its container's restart / its node's reboot
+    CONTAINER_RESTART = "container_restart"
+    NODE_REBOOT = "node_reboot"
 
 
 # --- status.json and result.json --------------------------------------------------------------
@@ -314,6 +320,9 @@ class RunStatus:
     # Every time an agent took over a run whose agent was gone: {ts, by, why, agent_pid,
     # previous_agent_pid, seq} (agent/daemon.py: the job's monitor, `ctl status`, `ctl tail`).
     reattaches: list[dict] = field(default_factory=list)
+    # The run died with its container or node: {"kind": "container"|"node", "at": the new
+    # boot's time.time(), "step": the last completed step} (agent/procs.py restart_since).
+    host_restart: dict | None = None
 
     def to_json(self) -> dict:
         doc = asdict(self)

@@ -24,11 +24,11 @@ import os
 import sys
 from typing import Optional
 
-from agent import knowngood
+from agent import knowngood, procs
 from agent.daemon import revive_if_gone
 from agent.protocol import (DEFAULT_WORKSPACE, ENV_WORKSPACE, EVENTS, SPEC, CorruptFile, RunResult, load_json_object,
                             read_json_lines, wrap_payload)
-from agent.rundir import RunDir, agent_alive, agent_live_or_none, read_json, read_status
+from agent.rundir import RunDir, agent_alive, agent_live_or_none, finished, read_json, read_status
 
 
 def runs(workspace: str) -> list[dict]:
@@ -86,6 +86,9 @@ def status(workspace: str, run: Optional[str] = None) -> dict:
         return {"ok": False, "corrupt": exc.path, "run_id": run,
                 "error": f"run {run}: {exc}; nothing was started or changed"}
     st, corrupt = read_status(rd)
+    # Read before anything is started: a container restart or node reboot under an
+    # unfinished run is said even where no agent may be started (--revive 0).
+    restart = None if finished(rd) else procs.restart_since((read_json(rd.job_pid) or {}).get("boot"))
     # Nobody supervises a run whose agent died: the one who looks brings one back (issue 18).
     # Never one that has ended (result.json is there) or whose status cannot be read.
     revived = None if corrupt else revive_if_gone(rd, "ctl status")
@@ -103,6 +106,8 @@ def status(workspace: str, run: Optional[str] = None) -> dict:
             "spec": {k: spec.get(k) for k in ("run_id", "created", "argv", "cwd", "options")},
             "status": st.to_json(), "result": result.to_json() if result else None,
             "warnings": [corrupt] if corrupt else [],
+            "host_restart": st.host_restart or (dict(restart, step=st.step) if restart else None),
+            "resume": {k: launch.get(k) for k in ("config", "config_file", "sets")},
             "agent_alive": agent_alive(rd), "job_alive": agent_live_or_none(rd.job_pid), "revived": revived,
             "config": config, "start": launch.get("start"), "gpus": launch.get("gpus"),
             "baseline": {"run_id": baseline.get("run_id"), "steady": baseline.get("steady")} if baseline else None,

@@ -9,7 +9,8 @@ Every command is one SSH connection. Without --container the last launch's conta
 used (remembered beside the controller config); without --run, the latest run there.
 Exit codes: 0 ok (a followed run completed), 1 the run failed, 2 bad input, 3 launch
 refused (preflight or drift; nothing was started), 4 the run stopped or its agent is gone,
-255 the node could not be reached.
+5 the run died because its container restarted or its node rebooted (the message has the
+resume line), 255 the node could not be reached.
 """
 
 from __future__ import annotations
@@ -20,10 +21,11 @@ from typing import Optional
 
 import typer
 
-from agent.protocol import RunStatus
+from agent.protocol import EXIT_CONTAINER_RESTARTED, RunStatus
 from controller.commands.remote import EXIT_CONFIG, EXIT_FAILED, EXIT_NOT_DONE, TrustOpt, container_session, fail
 from controller.container import Container
 from controller.jobview import ContainerStream, last_launch_path
+from controller.status import restart_message
 
 
 NodeOpt = typer.Option(None, "--node", "-n", help="node name from the controller config (default: default_node)")
@@ -96,6 +98,17 @@ def _follow(ct: Container, caller, run_id: Optional[str], since: int, follow: bo
         return 0
     state = result.state
     status = RunStatus.from_json(result.status)
+    reply = (result.status or {}).get("_reply")
+    if reply is None and status.host_restart:  # the stream said it: ask once for the resume line's launch
+        try:
+            reply = ContainerStream(ct, caller).state(run_id).get("_reply")
+        except Exception:  # noqa: BLE001 - the message goes out without the launch's config then
+            reply = None
+    died = restart_message(reply or {"status": result.status, "host_restart": status.host_restart},
+                           ct.ctid, ct.node_name)
+    if died:
+        typer.echo(f"ctl: run {run_id}: {died}", err=True)
+        return EXIT_CONTAINER_RESTARTED
     if state == "failed":
         typer.echo(f"ctl: run {run_id} FAILED: {status.reason or status.last_error}", err=True)
     elif state == "completed":
