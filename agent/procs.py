@@ -26,8 +26,12 @@ def boot_id() -> str:
 
 
 def node_boot_time() -> float | None:
-    """When the node (the kernel) booted, as time.time(): btime of /proc/stat, else from
-    CLOCK_BOOTTIME."""
+    """When the node (the kernel) booted, as time.time(): from CLOCK_BOOTTIME (no container
+    runtime virtualizes it, unlike lxcfs's /proc/stat), else btime of /proc/stat."""
+    try:
+        return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+    except (AttributeError, OSError):
+        pass
     try:
         with open("/proc/stat", "rb") as fh:
             for line in fh:
@@ -35,10 +39,12 @@ def node_boot_time() -> float | None:
                     return float(line.split()[1])
     except (OSError, ValueError, IndexError):
         pass
-    try:
-        return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
-    except (AttributeError, OSError):
-        return None
+    return None
+
+
+# A node reboot moves the node's boot time by at least the reboot; a clock step of NTP by
+# seconds. (The boot id cannot tell: LXC gives each container start a boot id of its own.)
+NODE_BOOT_SLACK_S = 10.0
 
 
 def boot_marks() -> dict:
@@ -61,11 +67,13 @@ def restart_since(marks: dict | None) -> dict | None:
     if not isinstance(marks, dict):
         return None
     now = boot_marks()
-    if marks.get("boot_id") and now["boot_id"] and marks["boot_id"] != now["boot_id"]:
+    then_boot = marks.get("node_boot")
+    if isinstance(then_boot, (int, float)) and now["node_boot"] is not None \
+            and abs(now["node_boot"] - then_boot) > NODE_BOOT_SLACK_S:
         return {"kind": "node", "at": now["node_boot"]}
     moved = marks.get("init_start") is not None and now["init_start"] is not None \
         and marks["init_start"] != now["init_start"]
-    if moved or (marks.get("pidns") and now["pidns"] and marks["pidns"] != now["pidns"]):
+    if moved or any(marks.get(k) and now[k] and marks[k] != now[k] for k in ("pidns", "boot_id")):
         at = None
         if now["node_boot"] is not None and now["init_start"] is not None:
             at = now["node_boot"] + now["init_start"] / os.sysconf("SC_CLK_TCK")

@@ -23,6 +23,10 @@ class ContainerError(Exception):
     """Something about the container stops us; the message names it and what to do."""
 
 
+class ContainerStopped(ContainerError):
+    """The container is not running (stopped, or restarting): a follower waits for it."""
+
+
 class AgentError(ContainerError):
     """The in-container agent failed or answered with something we cannot read."""
 
@@ -114,7 +118,7 @@ class Container:
     def check_running(self) -> None:
         state = self.status()
         if state != "running":
-            raise ContainerError(f"container {self.ctid} on node {self.node_name} is {state}: "
+            raise ContainerStopped(f"container {self.ctid} on node {self.node_name} is {state}: "
                                  f"start it with {pct.start_hint(self.node, self.ctid)}")
 
     # -- files ----------------------------------------------------------------------------
