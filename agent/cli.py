@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
             x.add_argument("--grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL")
     ls = sub.add_parser("list", help="runs in the workspace and their states")
     ls.add_argument("--workspace")
+    ls.add_argument("--prune", action="store_true",
+                    help="also remove temp files of interrupted saves whose writer is gone (agent/leftovers.py)")
     sub.add_parser("gpus", help="one GPU sample")
     fp = sub.add_parser("fingerprint", help="python, torch + CUDA build, driver, packages and their hash")
     fp.add_argument("--python", help="the python to describe (default: python3 on PATH)")
@@ -219,7 +221,32 @@ def cmd_list(args, _tail) -> int:
         runs.append({"run_id": rd.run_id, "run_dir": rd.path, "state": st.state.value if st.state else None,
                      "step": st.step, "updated": st.updated, "reason": res.reason if res else corrupt,
                      "agent_alive": agent_alive(rd), "corrupt": corrupt})
-    return _print({"ok": True, "workspace": ws, "runs": runs}) or 0
+    reply = {"ok": True, "workspace": ws, "runs": runs}
+    if args.prune:
+        reply["pruned"] = _prune(ws, [RunDir(r["run_dir"]) for r in runs])
+    return _print(reply) or 0
+
+
+def _prune(ws: str, rds: list[RunDir]) -> list[dict]:
+    """Every run directory, and every run's output root (--output-dir in its start.sh or job
+    argv), swept of dead writers' temp files."""
+    import shlex
+
+    from agent import leftovers
+    from agent.job import _flag_value
+
+    roots = [(os.path.join(ws, "runs"), 4)]
+    for rd in rds:
+        argv = list((read_json(rd.spec) or {}).get("argv") or [])
+        try:
+            with open(os.path.join(rd.path, protocol.START_SCRIPT), encoding="utf-8") as fh:
+                argv += shlex.split(fh.read(), comments=True)
+        except (OSError, ValueError):
+            pass
+        out = _flag_value(argv, "--output-dir")
+        if out:
+            roots += leftovers.output_roots(out if os.path.isabs(out) else os.path.join(rd.path, out))
+    return leftovers.sweep(roots)
 
 
 def cmd_gpus(args, _tail) -> int:

@@ -203,6 +203,8 @@ def status_command(
 def runs_command(
     container: Optional[int] = ContainerOpt,
     json_out: bool = typer.Option(False, "--json"),
+    prune: bool = typer.Option(False, "--prune", help="also remove temp files that interrupted checkpoint saves "
+                                                       "left (only of writers that are gone)"),
     node: Optional[str] = NodeOpt,
     ctl_config: Optional[str] = CtlConfigOpt,
     trust_new_host_key: bool = TrustOpt,
@@ -213,7 +215,8 @@ def runs_command(
 
     container, node = container_or_last_launch(container, node, ctl_config)
     with container_session(container, node, ctl_config, trust_new_host_key, one_shot=True) as ct:
-        reply = AgentCaller(ct).call("agent", ["list", "--workspace", ct.config.workspace], what="agent list")
+        reply = AgentCaller(ct).call("agent", ["list", "--workspace", ct.config.workspace, *(["--prune"] if prune else [])],
+                                     what="agent list")
         runs = reply.get("runs") or []
         # The agent lists by directory name; run ids start with the config name, so sort by
         # the time the agent recorded, which it keeps in status.json's "updated" only —
@@ -224,6 +227,10 @@ def runs_command(
         else:
             for line in render_runs(reply, ct.ctid):
                 typer.echo(line)
+            if prune:
+                gone = reply.get("pruned") or []
+                typer.echo(f"pruned   {len(gone)} temp file(s) of interrupted saves, "
+                           f"{sum(g['bytes'] for g in gone) / 2**20:.1f} MiB" + "".join(f"\n         {g['path']}" for g in gone))
 
 
 def _stamp(run_id: str) -> str:
