@@ -15,11 +15,11 @@ directory and no process.
 from __future__ import annotations
 
 import posixpath
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from agent.protocol import new_run_id  # noqa: F401  (the launcher's id maker; callers import it here)
 from controller import drift
 from controller.agentcall import AgentCallError, AgentCaller
 from controller import render
@@ -47,12 +47,6 @@ class LaunchResult:
     preflight: dict
     round_trips: int
     timings: dict = field(default_factory=dict)
-
-
-def new_run_id(config_name: str, now: Optional[float] = None) -> str:
-    """Sortable by start time, unique without asking the container: name-YYYYmmdd-HHMMSS-xxxx."""
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now or time.time()))
-    return f"{config_name}-{stamp}-{secrets.token_hex(2)}"
 
 
 def start_kind(start: dict) -> dict:

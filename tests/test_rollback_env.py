@@ -208,7 +208,7 @@ def test_a_run_that_cannot_be_stopped_refuses_the_rollback(node, rb_config):
     """Something outside the run keeps restarting its processes (the marker DFLASH_RUN_ID is
     what the agent's stop and our scan look for): the rollback must not happen."""
     h = node
-    run_id = "unstoppable-1"
+    run_id = "unstoppable-20261201-000000-0001"  # the run-id grammar (agent/protocol.py)
     h.sh("mkdir", "-p", f"/workspace/runs/{run_id}")
     h.ct.write_file(f"/workspace/runs/{run_id}/status.json", json.dumps({"state": "running"}))
     respawner = ("while :; do env DFLASH_RUN_ID=" + run_id + " sleep 2 & sleep 0.2; done")

@@ -30,7 +30,7 @@ from typing import Callable, Optional
 
 import typer
 
-from controller.commands.remote import EXIT_CONFIG, EXIT_CONTAINER, TrustOpt, container_session, fail
+from controller.commands.remote import EXIT_CONFIG, EXIT_CONTAINER, TrustOpt, container_session, fail, run_option
 
 EXPORTS_DIR = ".dflash-ctl/exports"  # under the workspace; one temp dir per export, always removed
 
@@ -177,7 +177,7 @@ def export_command(
     container: Optional[int] = typer.Option(None, "--container", "-c",
                                             help="container id (default: the last launch's); for a job, any of its "
                                                  "containers or none with --run"),
-    run: Optional[str] = typer.Option(None, "--run", "-r", help="run id (default: the latest run in the container)"),
+    run: Optional[str] = run_option("run id (default: the latest run in the container)"),
     step: Optional[int] = typer.Option(None, "--step", metavar="N",
                                        help="export the checkpoint of step N (default: the run's newest complete one)"),
     to: Path = typer.Option(..., "--to", metavar="DIR", help="where the drafter directory goes on this machine; "

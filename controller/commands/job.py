@@ -123,7 +123,7 @@ def status(members: list[job.Member], run_id: str, *, ctl_config: Optional[str],
     else:
         for line in job.render_job_status(run_id, replies):
             typer.echo(line)
-    return 0
+    return EXIT_FAILED if job.job_verdict(replies)["state"] == "failed" else 0
 
 
 def find(run: Optional[str], containers: Optional[list[str]], node: Optional[str],

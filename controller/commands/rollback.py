@@ -21,7 +21,7 @@ def kill_and_rollback_command(
     container: Optional[int] = typer.Option(None, "--container", "-c",
                                             help="container id (Proxmox VMID), e.g. 200; not needed for a job's "
                                                  "--run (every container of the job is acted on)"),
-    run: Optional[str] = typer.Option(None, "--run", help="run id (default: the live run, else the newest)"),
+    run: Optional[str] = remote.run_option("run id (default: the live run, else the newest)"),
     to: str = typer.Option("last-good", "--to", help="last-good | env:GENERATION | snapshot:NAME"),
     grace: float = typer.Option(60.0, "--grace", help="seconds between SIGTERM and SIGKILL (the trainer "
                                                       "checkpoints in between)"),
@@ -68,7 +68,7 @@ def kill_and_rollback_command(
 
 def history_command(
     container: int = ContainerOpt,
-    run: Optional[str] = typer.Option(None, "--run", help="only this run's records"),
+    run: Optional[str] = remote.run_option("only this run's records"),
     limit: int = typer.Option(0, "--limit", help="only the last N records"),
     as_json: bool = typer.Option(False, "--json", help="one JSON record per line"),
     node: Optional[str] = NodeOpt,
