@@ -56,6 +56,50 @@ def append_history(workspace: str, record: dict) -> dict:
     return record
 
 
+CLAIM = ".dflash-ctl/rollback.claim"  # one kill-and-rollback at a time in a container
+
+
+def claim(workspace: str, holder: str, ttl_s: float) -> dict:
+    """Take the container's kill-and-rollback claim (an O_EXCL create), or say who holds it.
+    Two at once would each stop the run and each write a kill and a rollback record; the
+    second is refused instead. A claim past its ``expires`` (its ctl died without releasing)
+    is taken over."""
+    import secrets
+
+    path = os.path.join(workspace, CLAIM)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    now = time.time()
+    mine = {"holder": holder, "ts": now, "expires": now + ttl_s, "token": secrets.token_hex(8)}
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            held = read_json_doc(path)
+            if held is not None and float(held.get("expires") or 0) > now:
+                return {"claimed": False, "holder": held}
+            try:
+                os.unlink(path)  # stale (or torn): its ctl is gone
+            except FileNotFoundError:
+                pass
+            continue
+        with os.fdopen(fd, "w") as fh:
+            json.dump(mine, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        return {"claimed": True, "token": mine["token"]}
+    return {"claimed": False, "holder": read_json_doc(path) or {}}
+
+
+def release(workspace: str, token: str) -> bool:
+    """Drop the claim if it is still the one ``token`` took."""
+    path = os.path.join(workspace, CLAIM)
+    held = read_json_doc(path)
+    if held is None or held.get("token") != token:
+        return False
+    os.unlink(path)
+    return True
+
+
 def read_history(workspace: str, run: Optional[str] = None, limit: int = 0) -> list[dict]:
     out = [rec for _, rec in protocol.read_json_lines(history_path(workspace))
            if run is None or rec.get("run") == run]
@@ -174,6 +218,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     s = sub.add_parser("run-info")
     s.add_argument("--run", help="default: the live run, else the newest")
     sub.add_parser("history-append", help="one JSON record on stdin")
+    s = sub.add_parser("claim", help="take the container's kill-and-rollback claim")
+    s.add_argument("--holder", required=True)
+    s.add_argument("--ttl", type=float, required=True)
+    s = sub.add_parser("release", help="drop the claim taken with --token")
+    s.add_argument("--token", required=True)
     s = sub.add_parser("history")
     s.add_argument("--run")
     s.add_argument("--limit", type=int, default=0)
@@ -192,6 +241,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         from agent import gpus
 
         body = gpus.sample()
+    elif args.verb == "claim":
+        body = claim(args.workspace, args.holder, args.ttl)
+    elif args.verb == "release":
+        body = {"released": release(args.workspace, args.token)}
     elif args.verb == "history-append":
         body = {"record": append_history(args.workspace, json.load(sys.stdin))}
     else:

@@ -180,8 +180,14 @@ class Launcher:
         request = {"workspace": self.workspace, "run_id": self.run_id, "record": record,
                    "run_dir": self.run_dir, "script": script, "secrets_file": secrets_file,
                    "secret": f"WANDB_API_KEY={self.wandb_key}\n" if self.wandb_key else None,
-                   "start_argv": start_argv(self.ct, self.run_dir, self.run_id, options)}
+                   "start_argv": start_argv(self.ct, self.run_dir, self.run_id, options),
+                   # the GPUs (or CPU rank slots) this run claims, checked again under the container's
+                   # launch lock as the run is created (agent/preflight.py: commit)
+                   "claim": {"ids": sorted(set(self.values["target_gpus"]) | set(self.values["drafter_gpus"])),
+                             "cuda": pf.get("device") == "cuda", "share": self.share_gpus}}
         reply = self._call(["agent.preflight", "commit"], request, "starting the run")
+        if reply.get("busy"):
+            raise LaunchRefused(f"refused in {self.ct} as the run was being created:\n  " + "\n  ".join(reply["busy"]))
         if not reply.get("ok"):
             raise LaunchRefused(f"the run did not start in {self.ct}: {reply.get('error')}; nothing was left behind")
         return reply

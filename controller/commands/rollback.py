@@ -3,6 +3,7 @@ that worked (controller/rollback.py), and the container's record of every kill a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -44,26 +45,37 @@ def kill_and_rollback_command(
         raise remote.fail("--container is required (or --run of a job launched across containers)", remote.EXIT_CONFIG)
     with container_session(container, node, config, trust_new_host_key) as ct:
         try:
-            plan = rb.make_plan(ct, run, to, grace)
-        except (rb.RollbackRefused, eg.EnvGenRefused) as exc:
+            with (contextlib.nullcontext() if dry_run else rb.claimed(ct, grace)):
+                _kill_and_rollback(ct, run, to, grace, dry_run, yes)
+        except rb.RollbackRefused as exc:  # the claim: another one is under way
             raise remote.fail(f"refused, nothing changed: {exc}", EXIT_REFUSED) from None
-        for line in plan.lines():
-            typer.echo(line)
-        if dry_run:
-            typer.echo("dry run: nothing was changed")
-            return
-        if not yes:
-            if not sys.stdin.isatty():
-                raise remote.fail("this stops the run and changes the container's environment: "
-                                  "confirm with --yes (no terminal to ask on)", EXIT_ABORTED)
-            if not typer.confirm("proceed?", default=False):
-                raise remote.fail("aborted; nothing was changed", EXIT_ABORTED)
-        try:
-            report = rb.execute(ct, plan, say=typer.echo)
-        except (rb.RollbackRefused, eg.EnvGenRefused) as exc:
-            raise remote.fail(f"refused: {exc}", EXIT_REFUSED) from None
-        for line in report.lines():
-            typer.echo(line)
+
+
+def _kill_and_rollback(ct, run: Optional[str], to: str, grace: float, dry_run: bool, yes: bool) -> None:
+    from controller.interrupts import pause_point
+
+    pause_point("rollback.claimed")
+    try:
+        plan = rb.make_plan(ct, run, to, grace)
+    except (rb.RollbackRefused, eg.EnvGenRefused) as exc:
+        raise remote.fail(f"refused, nothing changed: {exc}", EXIT_REFUSED) from None
+    for line in plan.lines():
+        typer.echo(line)
+    if dry_run:
+        typer.echo("dry run: nothing was changed")
+        return
+    if not yes:
+        if not sys.stdin.isatty():
+            raise remote.fail("this stops the run and changes the container's environment: "
+                              "confirm with --yes (no terminal to ask on)", EXIT_ABORTED)
+        if not typer.confirm("proceed?", default=False):
+            raise remote.fail("aborted; nothing was changed", EXIT_ABORTED)
+    try:
+        report = rb.execute(ct, plan, say=typer.echo)
+    except (rb.RollbackRefused, eg.EnvGenRefused) as exc:
+        raise remote.fail(f"refused: {exc}", EXIT_REFUSED) from None
+    for line in report.lines():
+        typer.echo(line)
 
 
 def history_command(
