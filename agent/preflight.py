@@ -283,28 +283,21 @@ LAUNCH_LOCK_WAIT_S = 150.0  # longer than one commit can take (the agent's start
 
 @contextlib.contextmanager
 def launch_lock(workspace: str) -> Iterator[None]:
-    """The container's launch lock (flock): the busy-slot check and the run's creation happen
-    under it, so of N launches at once exactly one claims a GPU or rank slot. The kernel drops
-    it with the process, so a killed commit never leaves it held."""
-    import fcntl
+    """The container's launch lock (agent/rundir.py's flock Lock): the busy-slot check and the
+    run's creation happen under it, so of N launches at once exactly one claims a GPU or rank
+    slot. The kernel drops it with the process, so a killed commit never leaves it held."""
+    from agent.rundir import Lock
 
     path = os.path.join(workspace, LAUNCH_LOCK)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    lock = Lock(path)
+    if not lock.acquire(timeout=LAUNCH_LOCK_WAIT_S):
+        raise RuntimeError(f"another launch in {workspace} has held {path} for over {LAUNCH_LOCK_WAIT_S:g} s; "
+                           "try again")
     try:
-        deadline = time.monotonic() + LAUNCH_LOCK_WAIT_S
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"another launch in {workspace} has held {path} for over "
-                                       f"{LAUNCH_LOCK_WAIT_S:g} s; try again") from None
-                time.sleep(0.05)
         yield
     finally:
-        os.close(fd)  # releases the lock
+        lock.release()
 
 
 def commit(req: dict) -> dict:

@@ -157,6 +157,44 @@ def test_ctrl_c_from_the_commit_on_prints_the_run_and_how_to_follow_and_stop_it(
         _stop(ct, run_id)
 
 
+# --- finding 2 and 8: SIGINT during export ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def done_run(env, ct, toml) -> str:
+    """A 2-step run with its checkpoint, finished."""
+    proc = subprocess.run(CTL + ["launch", "-c", str(CT), "--config", toml, "--from-scratch", "--follow",
+                                 "--set", "max-steps=2", "--set", "save-interval=2", "--set", "epochs=1"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return next(w for w in proc.stdout.split() if w.startswith(f"{NAME}-"))
+
+
+def test_ctrl_c_during_export_keeps_nothing_or_reports_it_complete(env, done_run, tmp_path):
+    export = ["export", "-c", str(CT), "--run", done_run]
+    dest = tmp_path / "drafter"
+    # before the rename: nothing is kept at --to, and the same command works afterwards
+    rc, out, err = _interrupted_at(env, None, "export.transfer", tmp_path, command=export + ["--to", str(dest)])
+    assert rc == 130 and "Traceback" not in err, err
+    assert "interrupted before the export was complete: nothing was kept" in err, err
+    assert not dest.exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    # after the rename: --to holds all of it, verified; reported complete, exit 0
+    rc, out, err = _interrupted_at(env, None, "export.placed", tmp_path, command=export + ["--to", str(dest)])
+    assert rc == 0 and "Traceback" not in err, err
+    assert f"{dest}: step 2 of run {done_run}" in out and "sha256 verified" in out, out
+    assert "interrupted after the export was complete" in err, err
+    files = sorted(p.name for p in dest.iterdir())
+    assert "config.json" in files and "model.safetensors" in files
+    # a retry is not refused: the export is already there, complete
+    again = subprocess.run(CTL + export + ["--to", str(dest)], env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "(it was already there, complete)" in again.stdout
+    # but a --to whose files differ from this export is still refused, and left as it was
+    (dest / "config.json").write_text("{}")
+    other = subprocess.run(CTL + export + ["--to", str(dest)], env=env, capture_output=True, text=True, timeout=300)
+    assert other.returncode == 2 and "does not hold this export" in other.stderr, other.stderr
+    assert (dest / "config.json").read_text() == "{}"
+
+
 # --- finding 8: two kill-and-rollbacks at once -------------------------------------------------
 
 def test_a_second_kill_and_rollback_is_refused_while_one_holds_the_container(env, ct, toml, tmp_path):
@@ -195,6 +233,23 @@ def test_a_second_kill_and_rollback_is_refused_while_one_holds_the_container(env
         assert claim_left.strip() == ""
     finally:
         _stop(ct, run_id)
+
+
+# --- exit codes: a failed run is not "ok" -----------------------------------------------------
+
+def test_status_and_tail_of_a_failed_run_exit_1(env, ct, toml):
+    """A real failure, fast: a start-up deadline no trainer can meet."""
+    proc = subprocess.run(CTL + ["launch", "-c", str(CT), "--config", toml, "--from-scratch", "--follow",
+                                 "--set", "supervision.startup-timeout=0.5"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout[-1500:] + proc.stderr[-1500:]
+    run_id = next(w for w in proc.stdout.split() if w.startswith(f"{NAME}-"))
+    for args in (["status"], ["status", "--json"], ["tail"], ["tail", "--json"], ["tail", "--follow"]):
+        got = subprocess.run(CTL + args + ["-c", str(CT), "--run", run_id], env=env, capture_output=True, text=True,
+                             timeout=120)
+        assert got.returncode == 1, (args, got.returncode, got.stderr)
+    shown = subprocess.run(CTL + ["status", "-c", str(CT), "--run", run_id], env=env, capture_output=True, text=True)
+    assert "FAILED" in shown.stdout and "startup_timeout" in shown.stdout, shown.stdout
 
 
 # --- nonexistent container: bad input ---------------------------------------------------------
