@@ -31,11 +31,14 @@ SECRETS_DIR = ".dflash-ctl/secrets"  # under the workspace; one 0600 file per ru
 
 
 class LaunchRefused(Exception):
-    """The launch was refused before anything was started; ``lines`` is the full report."""
+    """The launch was refused before anything was started; ``lines`` is the full report.
+    ``certain`` False: the commit was sent and its reply lost (a Ctrl-C that also reached
+    ssh, a dropped link), so the run may have started after all."""
 
-    def __init__(self, message: str, lines: Optional[list[str]] = None):
+    def __init__(self, message: str, lines: Optional[list[str]] = None, certain: bool = True):
         super().__init__(message)
         self.lines = lines or []
+        self.certain = certain
 
 
 @dataclass
@@ -82,11 +85,12 @@ class Launcher:
         self.agent_options = {**config.supervision.agent_options(), **(agent_options or {})}
         self.share_gpus = share_gpus  # start although a live run in the container holds these GPUs
 
-    def _call(self, module_argv: list[str], request: dict, what: str) -> dict:
+    def _call(self, module_argv: list[str], request: dict, what: str, commit: bool = False) -> dict:
         try:
             return self.caller.call(module_argv[0], module_argv[1:], request, what)
         except AgentCallError as exc:
-            raise LaunchRefused(str(exc)) from None
+            # no readable reply to the commit: the container may have finished it regardless
+            raise LaunchRefused(str(exc), certain=not commit) from None
 
     @property
     def round_trips(self) -> int:
@@ -185,7 +189,7 @@ class Launcher:
                    # launch lock as the run is created (agent/preflight.py: commit)
                    "claim": {"ids": sorted(set(self.values["target_gpus"]) | set(self.values["drafter_gpus"])),
                              "cuda": pf.get("device") == "cuda", "share": self.share_gpus}}
-        reply = self._call(["agent.preflight", "commit"], request, "starting the run")
+        reply = self._call(["agent.preflight", "commit"], request, "starting the run", commit=True)
         if reply.get("busy"):
             raise LaunchRefused(f"refused in {self.ct} as the run was being created:\n  " + "\n  ".join(reply["busy"]))
         if not reply.get("ok"):

@@ -157,6 +157,34 @@ def test_ctrl_c_from_the_commit_on_prints_the_run_and_how_to_follow_and_stop_it(
         _stop(ct, run_id)
 
 
+def test_a_terminal_ctrl_c_that_also_reaches_ssh_still_names_the_run(env, ct, toml, tmp_path):
+    """A Ctrl-C at a terminal goes to the whole foreground process group, ssh included: the
+    commit's connection may die with it. The container finishes (or undoes) the commit on its
+    own; ctl names the run id, with how to check, follow and stop it."""
+    pause = tmp_path / "pg"
+    pause.mkdir()
+    before = _ours(ct)
+    proc = subprocess.Popen(CTL + ["launch", "-c", str(CT), "--config", toml, "--from-scratch"],
+                            env={**env, "DFLASH_CTL_PAUSE_AT": "launch.commit", "DFLASH_CTL_PAUSE_DIR": str(pause)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    while not (pause / "launch.commit.reached").exists():
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGINT)
+    time.sleep(0.2)
+    (pause / "launch.commit.go").write_text("")
+    out, err = proc.communicate(timeout=300)
+    new = sorted(set(_ours(ct)) - set(before))
+    try:
+        assert proc.returncode == 130 and "Traceback" not in err, (proc.returncode, err)
+        run_id = next(w for w in (out + err).replace("`", " ").split() if w.startswith(f"{NAME}-"))
+        assert new in ([], [run_id]), (new, run_id)  # never a run other than the one named
+        assert f"--run {run_id}" in out + err
+    finally:
+        for run_id in new:
+            _stop(ct, run_id)
+
+
 # --- finding 2 and 8: SIGINT during export ----------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -118,6 +118,10 @@ def launch_command(
             except (runconfig.RunConfigError, RenderError) as exc:
                 raise fail(str(exc), EXIT_CONFIG) from None
             except LaunchRefused as exc:
+                if not exc.certain:
+                    raise fail(f"{exc}; run {run_id} may have started in {ct}: check with `ctl status --container "
+                               f"{ct.ctid} --run {run_id}`; follow: `{follow_line}`; stop: `{stop_line}`",
+                               EXIT_INTERRUPTED if interrupts.interrupted() else EXIT_REFUSED) from None
                 raise fail(f"launch refused — nothing was started:\n  {exc}", EXIT_REFUSED) from None
             except KeyboardInterrupt:
                 raise fail(f"interrupted before run {run_id} was created in {ct}: nothing was started",
