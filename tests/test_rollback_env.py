@@ -190,6 +190,25 @@ def test_kill_of_a_live_run_checkpoints_and_resume_line_names_that_checkpoint(no
     assert h.sh("test", "-e", ckpt).ok, ckpt
 
 
+def test_two_kill_and_rollbacks_at_once_make_one_kill_and_one_rollback(node, rb_config, long_config):
+    """Issue 26: both used to stop the run and both wrote a kill and a rollback record. The
+    container's claim (agent/recovery.py) lets one through and refuses the other (exit 3)."""
+    base = env_list(rb_config)["current"]
+    proc = ctl_popen(rb_config, "launch", "--container", CT, "--config", str(long_config), "--from-scratch",
+                     "--accept-drift")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out + err
+    run_id = started_run(out)
+    both = [ctl_popen(rb_config, "kill-and-rollback", "--container", CT, "--run", run_id, "--to", f"env:{base}",
+                      "--yes", "--grace", "5") for _ in range(2)]
+    done = [(p.wait(timeout=600), *p.communicate()) for p in both]
+    assert sorted(rc for rc, _, _ in done) == [0, 3], done
+    loser = next(err for rc, _, err in done if rc == 3)
+    assert "another kill-and-rollback in container" in loser and "under way" in loser, loser
+    assert [r["event"] for r in history(rb_config) if r["run"] == run_id] == ["kill", "rollback"]
+    assert survivors(node, run_id) == []
+
+
 def test_refusals_change_nothing(node, rb_config):
     h = node
     before = env_list(rb_config)

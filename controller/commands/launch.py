@@ -109,6 +109,12 @@ def launch_command(
     with container_session(container, node, ctl_config, trust_new_host_key) as ct:
         follow_line = f"ctl tail --container {ct.ctid} --run {run_id} --follow"
         stop_line = f"ctl kill-and-rollback --container {ct.ctid} --run {run_id}"
+
+        def maybe_started(why: object, code: int) -> typer.Exit:
+            """The commit was sent and its reply lost: the run may have started regardless."""
+            return fail(f"{why}; run {run_id} may have started in {ct}: check with `ctl status --container {ct.ctid} "
+                        f"--run {run_id}`; follow: `{follow_line}`; stop: `{stop_line}`",
+                        EXIT_INTERRUPTED if interrupts.interrupted() else code)
         # Ctrl-C before the commit: nothing started; from the commit on: held until the run id
         # and how to follow and stop it are printed (controller/interrupts.py).
         with interrupts.guarded():
@@ -119,9 +125,7 @@ def launch_command(
                 raise fail(str(exc), EXIT_CONFIG) from None
             except LaunchRefused as exc:
                 if not exc.certain:
-                    raise fail(f"{exc}; run {run_id} may have started in {ct}: check with `ctl status --container "
-                               f"{ct.ctid} --run {run_id}`; follow: `{follow_line}`; stop: `{stop_line}`",
-                               EXIT_INTERRUPTED if interrupts.interrupted() else EXIT_REFUSED) from None
+                    raise maybe_started(exc, EXIT_REFUSED) from None
                 raise fail(f"launch refused — nothing was started:\n  {exc}", EXIT_REFUSED) from None
             except KeyboardInterrupt:
                 raise fail(f"interrupted before run {run_id} was created in {ct}: nothing was started",
@@ -129,10 +133,7 @@ def launch_command(
             except TransportError as exc:
                 if not interrupts.holding():
                     raise
-                # The commit was sent: the run may have started although its reply is lost.
-                raise fail(f"{exc}; run {run_id} may have started in {ct}: check with `ctl status --container "
-                           f"{ct.ctid} --run {run_id}`; follow: `{follow_line}`; stop: `{stop_line}`",
-                           EXIT_INTERRUPTED if interrupts.interrupted() else EXIT_TRANSPORT) from None
+                raise maybe_started(exc, EXIT_TRANSPORT) from None
             interrupts.pause_point("launch.started")
             remember(ctl_config, ct.node_name, ct.ctid, result.run_id)
             first = result.starts[0]
