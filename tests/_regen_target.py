@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
@@ -73,3 +74,81 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> No
         except OSError:
             time.sleep(0.2)
     raise RuntimeError("transformers serve did not become healthy")
+
+
+class Proxy:
+    """A real HTTP proxy in front of the real server, in a thread of the test process: it
+    records every chat request's body and, on the test's say, fails some of them.
+
+    ``fail(n_seen, body)`` → None (forward), an int status to answer with, or "drop" to
+    close the connection unanswered. ``gate``: a threading.Event; once ``hold_after``
+    requests went through, later ones wait on it (a run held mid-way, for kill tests).
+    """
+
+    def __init__(self, upstream: str, fail=None, hold_after: int | None = None):
+        import http.server
+        import threading
+
+        self.upstream = upstream
+        self.bodies: list[dict] = []
+        self.fail = fail
+        self.hold_after = hold_after
+        self.gate = threading.Event()
+        self.held = threading.Semaphore(0)
+        self.lock = threading.Lock()
+        proxy = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *a):
+                pass
+
+            def do_GET(self):
+                with urllib.request.urlopen(proxy.upstream + self.path, timeout=30) as r:
+                    self._reply(r.status, r.read())
+
+            def do_POST(self):
+                raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                body = json.loads(raw)
+                with proxy.lock:
+                    proxy.bodies.append(body)
+                    n = len(proxy.bodies)
+                verdict = proxy.fail(n, body) if proxy.fail else None
+                if verdict == "drop":
+                    self.close_connection = True
+                    self.connection.shutdown(2)
+                    return
+                if isinstance(verdict, int):
+                    self._reply(verdict, json.dumps({"error": {"message": f"proxy says {verdict}"}}).encode())
+                    return
+                if proxy.hold_after is not None and n > proxy.hold_after:
+                    proxy.held.release()
+                    proxy.gate.wait()
+                req = urllib.request.Request(proxy.upstream + self.path, data=raw,
+                                             headers={"Content-Type": "application/json"})
+                try:
+                    with urllib.request.urlopen(req, timeout=60) as r:
+                        self._reply(r.status, r.read())
+                except urllib.error.HTTPError as exc:
+                    self._reply(exc.code, exc.read())
+                except OSError:
+                    self.close_connection = True
+
+            def _reply(self, status, data):
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.gate.set()
+        self.server.shutdown()
+        self.server.server_close()
