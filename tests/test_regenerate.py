@@ -287,3 +287,27 @@ def test_a_restart_cuts_only_a_torn_last_line(tmp_path):
     (out / OUTPUT).write_text(good[0] + "\n{broken\n" + good[1] + "\n")
     with pytest.raises(ValueError, match=":2: not a line this job wrote"):
         Store(str(out), {"--model": "m"})
+
+
+def test_a_terminal_gets_one_progress_line_rewritten_in_place(tmp_path, server):
+    import pty
+
+    inp = write_input(tmp_path / "in.jsonl", conversations(3))
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(regen_argv(inp, tmp_path / "out", server), cwd=ROOT, env=ENV, stdout=slave,
+                            stderr=subprocess.DEVNULL)
+    os.close(slave)
+    screen = b""
+    while True:
+        try:
+            chunk = os.read(master, 4096)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not chunk:
+            break
+        screen += chunk
+    os.close(master)
+    assert proc.wait(60) == 0
+    text = screen.decode()
+    assert "\r\x1b[2Kregenerate:   0.0% done 0 failed 0 skipped 0 of 3 |" in text
+    assert "done 3 + failed 0 + skipped 0 = 3 input rows" in text

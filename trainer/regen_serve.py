@@ -49,8 +49,9 @@ class Server:
         self.log_path = os.path.join(out_dir, LOG)
         self.proc: subprocess.Popen | None = None
 
-    def start(self, endpoints: Sequence[str], timeout_s: float, log=print) -> float:
-        """Start the command and wait until every endpoint is healthy; seconds it took."""
+    def start(self, endpoints: Sequence[str], timeout_s: float, log=print, stopped=lambda: False) -> float | None:
+        """Start the command and wait until every endpoint is healthy; seconds it took, or
+        None when ``stopped()`` turned true first (a SIGTERM while the server loads)."""
         started = time.monotonic()
         log_fh = open(self.log_path, "ab")
         try:
@@ -63,6 +64,8 @@ class Server:
         log(f"regenerate: started the server (pid {self.proc.pid}): {' '.join(self.argv)}; log in {self.log_path}")
         waiting = list(endpoints)
         while waiting:
+            if stopped():
+                return None
             if self.proc.poll() is not None:
                 raise ServeError(f"--serve: the server exited {self.proc.returncode} before {waiting[0]} was healthy; "
                                  f"its log ({self.log_path}) ends: {_tail(self.log_path)}")

@@ -205,6 +205,7 @@ async def run_rows(rows: Iterable, store, client, progress, args, stop: asyncio.
                 store.flush()
             progress.tick()
 
+    progress.tick(force=True)  # the total and the line from the start, not after the first interval
     workers = [asyncio.create_task(worker()) for _ in range(args.concurrency)]
     producer = asyncio.create_task(produce())
     ticker = asyncio.create_task(tick())
@@ -270,7 +271,8 @@ def _main(args) -> int:
             server = Server(serve_argv, args.out)
             events.emit("phase", phase="serving")
             try:
-                server.start(args.endpoint, args.serve_timeout, log=lambda line: print(line, flush=True))
+                server.start(args.endpoint, args.serve_timeout, log=lambda line: print(line, flush=True),
+                             stopped=lambda: stop["signal"] is not None)
             except ServeError as exc:
                 print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
                 events.emit("error", error="serve", message=str(exc))
