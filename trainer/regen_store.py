@@ -27,32 +27,32 @@ class StoreError(ValueError):
     """The output directory cannot be continued; one line saying why and what to do."""
 
 
-def _read_lines(path: str) -> tuple[list[dict], int]:
-    """The records of a JSONL file this module wrote, and the byte length of its whole lines.
-    A last line without its newline, or that does not parse, is torn (cut off by the caller);
-    a bad line before the last is corruption nothing here wrote."""
+def _read_ids(path: str) -> tuple[list, int]:
+    """The ids in a JSONL file this module wrote, and the byte length of its whole lines.
+    Streams (a 15-hour job's output is gigabytes): memory holds the ids only. A last line
+    without its newline, or that does not parse, is torn (the caller cuts it off); a bad
+    line before the last is corruption nothing here wrote."""
+    ids: list = []
+    good = 0
     try:
-        with open(path, "rb") as fh:
-            data = fh.read()
+        fh = open(path, "rb")
     except FileNotFoundError:
-        return [], 0
-    records, good, lineno = [], 0, 0
-    while True:
-        nl = data.find(b"\n", good)
-        if nl < 0:
-            break  # the rest (if any) has no newline: torn
-        lineno += 1
-        try:
-            rec = json.loads(data[good:nl])
-            if not isinstance(rec, dict) or not isinstance(rec.get("id"), (str, int)):
-                raise ValueError("no id")
-        except ValueError:
-            if nl + 1 == len(data):
-                break  # a torn last line that happens to end in a newline byte
-            raise StoreError(f"{path}:{lineno}: not a line this job wrote; move the file aside or use a new --out")
-        records.append(rec)
-        good = nl + 1
-    return records, good
+        return ids, 0
+    with fh:
+        for lineno, line in enumerate(fh, 1):
+            if not line.endswith(b"\n"):
+                break  # torn: the write stopped inside this line
+            try:
+                rec = json.loads(line)
+                if not isinstance(rec, dict) or not isinstance(rec.get("id"), (str, int)):
+                    raise ValueError("no id")
+            except ValueError:
+                if not fh.read(1):
+                    break  # a torn last line that happens to end in a newline byte
+                raise StoreError(f"{path}:{lineno}: not a line this job wrote; move the file aside or use a new --out")
+            ids.append(rec["id"])
+            good += len(line)
+    return ids, good
 
 
 class Appender:
@@ -92,14 +92,14 @@ class Store:
         self.manifest_path = os.path.join(out_dir, MANIFEST)
         self._check_settings(settings)
         out_path = os.path.join(out_dir, OUTPUT)
-        records, good = _read_lines(out_path)
+        ids, good = _read_ids(out_path)
         self.torn = self._cut(out_path, good)
-        self.done: set = {r["id"] for r in records}
+        self.done: set = set(ids)
         fail_path = os.path.join(out_dir, FAILURES)
-        failures, good = _read_lines(fail_path)
+        ids, good = _read_ids(fail_path)
         self._cut(fail_path, good)
         # failed before and not done since: tried again by this run
-        self.failed_before: set = {r["id"] for r in failures} - self.done
+        self.failed_before: set = set(ids) - self.done
         self.output = Appender(out_path)
         self.failures = Appender(fail_path)
         self.failed_now: dict = {}

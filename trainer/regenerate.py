@@ -294,7 +294,9 @@ def _main(args) -> int:
             events = Events(run_dir, None, "regenerate", None)
         if store.torn:
             print(f"regenerate: cut a torn last line off {store.output.path} (the row is done again)", flush=True)
-        total = sum(1 for _ in chatrows.iter_rows(args.input, args.form, fmt))
+        # one row per non-blank line in JSONL (no parsing needed to count); others are read once more
+        total = sum(1 for _ in (chatrows.iter_lines(args.input) if fmt == "jsonl"
+                                else chatrows.iter_rows(args.input, args.form, fmt)))
         progress = Progress(total, events, sys.stdout, args.progress_s)
         sampling = Sampling(args.temperature, args.top_p, args.max_tokens, args.seed,
                             None if args.thinking is None else args.thinking == "on")
