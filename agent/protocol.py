@@ -91,6 +91,7 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2  # bad input, nothing written (trainer, agent verbs)
 EXIT_STOPPED = 75  # the trainer stopped on request after a checkpoint (EX_TEMPFAIL: resumable)
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, the shell's convention): stopped, nothing written
 # `agent follow`: the agent is gone and the run has not finished, so the stream would never
 # end (research §4.8, ray#57002): re-attach, then follow again.
 EXIT_AGENT_GONE = 3

@@ -315,7 +315,7 @@ def detect_form(path: str, fmt: str | None = None, scan: int = 1000) -> str | No
     ``tokenized`` is a pre-tokenized JSONL (``input_ids``); None when none of the first
     ``scan`` rows tells. Reads only the start of the file.
     """
-    for i, row in enumerate(_objects(path, fmt or detect_format(path))):
+    for i, row in enumerate(iter_objects(path, fmt or detect_format(path))):
         obj = row[0]
         if isinstance(obj, dict):
             if "input_ids" in obj and form_of(obj) is None:
@@ -341,7 +341,7 @@ def iter_rows(path: str, form: str | None = None, fmt: str | None = None) -> Ite
     if fmt not in FORMATS:
         raise ChatRowsError(f"format {fmt!r}: use one of {', '.join(FORMATS)}")
     fixed = form
-    for obj, where, problem in _objects(path, fmt):
+    for obj, where, problem in iter_objects(path, fmt):
         if problem is not None:
             yield ChatRow(_raw_id(obj), [], where, problem)
             continue
@@ -362,7 +362,7 @@ def iter_lines(path: str) -> Iterator[tuple[bytes, str]]:
                 yield line, f"{path}:{lineno}"
 
 
-def _objects(path: str, fmt: str) -> Iterator[tuple[Any, str, str | None]]:
+def iter_objects(path: str, fmt: str) -> Iterator[tuple[Any, str, str | None]]:
     """(decoded object, where, None) per row, or (raw bytes, where, cause) for an undecodable one."""
     if fmt == "jsonl":
         for line, where in iter_lines(path):
