@@ -311,3 +311,14 @@ def test_a_terminal_gets_one_progress_line_rewritten_in_place(tmp_path, server):
     text = screen.decode()
     assert "\r\x1b[2Kregenerate:   0.0% done 0 failed 0 skipped 0 of 3 |" in text
     assert "done 3 + failed 0 + skipped 0 = 3 input rows" in text
+
+
+def test_the_regenerated_rows_prepare_with_the_targets_own_template(tmp_path, server, target):
+    inp = write_input(tmp_path / "in.jsonl", conversations(6))
+    regenerate(inp, tmp_path / "out", server, "--thinking", "off", check=0)
+    p = subprocess.run([sys.executable, "-m", "trainer", "prepare", "--input", str(tmp_path / "out" / OUTPUT),
+                        "--out", str(tmp_path / "data"), "--target", target, "--thinking", "off", "--workers", "1"],
+                       cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    meta = json.load(open(tmp_path / "data" / "meta.json"))
+    assert meta["samples"] == 6
