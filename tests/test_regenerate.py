@@ -147,6 +147,9 @@ def test_each_row_is_answered_turn_by_turn_on_the_targets_own_history(tmp_path, 
     assert {"requests_per_s", "output_tokens_per_s", "eta_s", "skipped_by_cause"} <= set(final)
     manifest = json.load(open(tmp_path / "out" / MANIFEST))
     assert manifest["summary"]["adds_up"] is True
+    # the agent's liveness signal, as the trainer's ranks write it: left cleanly
+    hb = json.load(open(tmp_path / "out" / "heartbeat" / "rank-0"))
+    assert (hb["state"], hb["step"], hb["role"]) == ("done", 10, "regenerate")
 
 
 def test_sigkill_mid_run_then_restart_writes_every_id_exactly_once(tmp_path, server):
@@ -232,6 +235,7 @@ def test_sigterm_stops_after_flushing_and_a_rerun_resumes(tmp_path, server):
     assert done_at_stop  # what was answered before the stop was flushed
     final = [e for e in events(out) if e["kind"] == "progress"][-1]
     assert final["stopped"] is True and final["done"] == len(done_at_stop)
+    assert json.load(open(out / "heartbeat" / "rank-0"))["state"] == "stopped"
     p = regenerate(inp, out, server, check=0)
     ids = [r["id"] for r in output_rows(out)]
     assert len(ids) == len(set(ids)) == 12

@@ -14,11 +14,12 @@ from collections import Counter
 from typing import TextIO
 
 from agent.protocol import fmt_duration
-from trainer.telemetry import Events
+from trainer.telemetry import Events, Heartbeat
 
 
 class Progress:
-    def __init__(self, total: int, events: Events | None, out: TextIO = sys.stdout, every_s: float = 30.0):
+    def __init__(self, total: int, events: Events | None, out: TextIO = sys.stdout, every_s: float = 30.0,
+                 heartbeat: Heartbeat | None = None):
         self.total = total
         self.done = 0  # this run and earlier ones
         self.done_before = 0
@@ -28,6 +29,7 @@ class Progress:
         self.output_tokens = 0
         self.in_flight = 0
         self.events = events
+        self.heartbeat = heartbeat  # the agent's liveness signal; "step" is the rows done
         self.out = out
         self.tty = out.isatty()
         self.every_s = 1.0 if self.tty else every_s
@@ -88,6 +90,8 @@ class Progress:
         snap = self.snapshot()
         if self.events is not None:
             self.events.emit("progress", **snap)
+        if self.heartbeat is not None:
+            self.heartbeat.beat(self.done)
         if self.tty:
             self.out.write("\r\x1b[2K" + self.line(snap))
         else:

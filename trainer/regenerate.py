@@ -41,7 +41,7 @@ DEFAULT_SERVE_TIMEOUT_S = 900.0
 ANSWERABLE = frozenset({"no_assistant_turn"})
 # Causes regenerate adds to the reader's (trainer/chatrows.py CAUSES), for docs/regenerate.md.
 OWN_CAUSES = {
-    "tool_turns": "the conversation has tool calls or tool results: the target's own calls would not match "
+    "tool_turns": "the conversation has tool schemas, calls or results: the target's own calls would not match "
                   "the recorded results, so it is not regenerated",
     "no_user_turn": "the conversation has no user message to answer",
     "duplicate_id": "an earlier row of the input has the same id (identical conversations without an id share one)",
@@ -241,7 +241,7 @@ def _main(args) -> int:
     from trainer.regen_progress import Progress
     from trainer.regen_serve import Server, ServeError
     from trainer.regen_store import Store, StoreError
-    from trainer.telemetry import Events
+    from trainer.telemetry import Events, Heartbeat
 
     try:
         fmt = chatrows.detect_format(args.input)
@@ -256,7 +256,7 @@ def _main(args) -> int:
         if not serve_argv:
             raise UsageError("--serve: give the server's command, e.g. --serve 'python -m sglang.launch_server …'")
     run_dir = args.run_dir or os.environ.get(ENV_RUN_DIR) or args.out
-    events = None
+    events = hb = None
     stop = {"signal": None}
 
     def on_signal(signum, _frame=None):
@@ -267,7 +267,8 @@ def _main(args) -> int:
         if args.serve:
             os.makedirs(args.out, exist_ok=True)
             os.makedirs(run_dir, exist_ok=True)
-            events = Events(run_dir, None, "regenerate", None)
+            events, hb = Events(run_dir, None, "regenerate", None), Heartbeat(run_dir, 0, "regenerate", None)
+            hb.beat(0, "loading")
             server = Server(serve_argv, args.out)
             events.emit("phase", phase="serving")
             try:
@@ -276,8 +277,10 @@ def _main(args) -> int:
             except ServeError as exc:
                 print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
                 events.emit("error", error="serve", message=str(exc))
+                hb.beat(0, "failed")
                 return EXIT_FAILURE
         if stop["signal"] is not None:
+            hb.beat(0, "stopped")
             return EXIT_STOPPED
         # Before anything is written (without --serve): an endpoint that does not answer, or
         # does not serve the model, is bad input.
@@ -291,13 +294,13 @@ def _main(args) -> int:
             raise UsageError(str(exc)) from None
         if events is None:
             os.makedirs(run_dir, exist_ok=True)
-            events = Events(run_dir, None, "regenerate", None)
+            events, hb = Events(run_dir, None, "regenerate", None), Heartbeat(run_dir, 0, "regenerate", None)
         if store.torn:
             print(f"regenerate: cut a torn last line off {store.output.path} (the row is done again)", flush=True)
         # one row per non-blank line in JSONL (no parsing needed to count); others are read once more
         total = sum(1 for _ in (chatrows.iter_lines(args.input) if fmt == "jsonl"
                                 else chatrows.iter_rows(args.input, args.form, fmt)))
-        progress = Progress(total, events, sys.stdout, args.progress_s)
+        progress = Progress(total, events, sys.stdout, args.progress_s, hb)
         sampling = Sampling(args.temperature, args.top_p, args.max_tokens, args.seed,
                             None if args.thinking is None else args.thinking == "on")
         retry = Retry(args.max_attempts, args.retry_initial, args.retry_max_wait)
@@ -308,6 +311,7 @@ def _main(args) -> int:
         completed = asyncio.run(_run(args, fmt, model, sampling, retry, store, progress, stop))
         summary, snap = progress.summary(stopped=not completed)
         store.close({**snap, "adds_up": progress.adds_up()} if completed else None)
+        hb.beat(progress.done, "done" if completed else "stopped")
         print(f"regenerate: {summary}", flush=True)
         if not completed:
             events.emit("phase", phase="stopping")
