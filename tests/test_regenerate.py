@@ -326,3 +326,23 @@ def test_the_regenerated_rows_prepare_with_the_targets_own_template(tmp_path, se
     assert p.returncode == 0, p.stdout + p.stderr
     meta = json.load(open(tmp_path / "data" / "meta.json"))
     assert meta["samples"] == 6
+
+
+def test_accounting_that_does_not_add_up_exits_non_zero(tmp_path, server):
+    # rows appended to the input after it was counted: more rows are gone through than counted
+    inp = write_input(tmp_path / "in.jsonl", conversations(12))
+    proxy = Proxy(server, hold_after=2)
+    proc = subprocess.Popen(regen_argv(inp, tmp_path / "out", proxy.url), cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proxy.held.acquire(timeout=60)  # counted, and the reader is a few rows in
+        with open(inp, "a") as fh:
+            fh.write(json.dumps({"id": "late-1", "messages": [{"role": "user", "content": "late"}]}) + "\n")
+            fh.write(json.dumps({"id": "late-2", "messages": [{"role": "user", "content": "later"}]}) + "\n")
+        proxy.gate.set()
+        stdout, stderr = proc.communicate(timeout=60)
+    finally:
+        proxy.close()
+    assert proc.returncode == 1, stdout + stderr
+    assert "done 14 + failed 0 + skipped 0 ≠ 12 input rows" in stdout
+    assert "the accounting does not add up" in stderr

@@ -216,9 +216,9 @@ async def run_rows(rows: Iterable, store, client, progress, args, stop: asyncio.
     for t in (ticker, stopper, producer, *workers):
         t.cancel()
     await asyncio.gather(everything, ticker, stopper, return_exceptions=True)
+    store.flush()  # what was answered is kept, even when a bug below is raised
     if completed:
         everything.result()  # a bug in a worker is raised, not hidden
-    store.flush()
     return completed
 
 
@@ -232,109 +232,124 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 class UsageError(ValueError):
-    pass
+    """Bad input: one line on stderr, exit 2."""
+
+
+class _Telemetry:
+    """events.jsonl and heartbeat/rank-0 in the run directory, opened on first use: a run
+    refused for bad input writes nothing."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
+        self.events = self.hb = None
+
+    def open(self) -> None:
+        from trainer.telemetry import Events, Heartbeat
+
+        if self.events is None:
+            os.makedirs(self.run_dir, exist_ok=True)
+            self.events = Events(self.run_dir, None, "regenerate", None)
+            self.hb = Heartbeat(self.run_dir, 0, "regenerate", None)
+
+    def close(self) -> None:
+        if self.events is not None:
+            self.events.close()
 
 
 def _main(args) -> int:
     from trainer import chatrows
-    from trainer.regen_client import Retry, Sampling, pick_model
-    from trainer.regen_progress import Progress
+    from trainer.regen_client import pick_model
     from trainer.regen_serve import Server, ServeError
     from trainer.regen_store import Store, StoreError
-    from trainer.telemetry import Events, Heartbeat
 
     try:
         fmt = chatrows.detect_format(args.input)
+        serve_argv = shlex.split(args.serve) if args.serve else None
     except chatrows.ChatRowsError as exc:
         raise UsageError(f"--input {exc}") from None
-    server = None
-    if args.serve:
-        try:
-            serve_argv = shlex.split(args.serve)
-        except ValueError as exc:
-            raise UsageError(f"--serve {args.serve!r}: {exc}") from None
-        if not serve_argv:
-            raise UsageError("--serve: give the server's command, e.g. --serve 'python -m sglang.launch_server …'")
-    run_dir = args.run_dir or os.environ.get(ENV_RUN_DIR) or args.out
-    events = hb = None
-    stop = {"signal": None}
-
-    def on_signal(signum, _frame=None):
-        stop["signal"] = signum
+    except ValueError as exc:
+        raise UsageError(f"--serve {args.serve!r}: {exc}") from None
+    if serve_argv == []:
+        raise UsageError("--serve: give the server's command, e.g. --serve 'python -m sglang.launch_server …'")
+    tel = _Telemetry(args.run_dir or os.environ.get(ENV_RUN_DIR) or args.out)
+    stop = {"signal": None}  # a SIGTERM before the engine runs (its loop installs its own handlers)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_signal)
+        signal.signal(sig, lambda signum, _frame: stop.__setitem__("signal", signum))
+    server = None
     try:
-        if args.serve:
+        if serve_argv:
             os.makedirs(args.out, exist_ok=True)
-            os.makedirs(run_dir, exist_ok=True)
-            events, hb = Events(run_dir, None, "regenerate", None), Heartbeat(run_dir, 0, "regenerate", None)
-            hb.beat(0, "loading")
+            tel.open()
+            tel.hb.beat(0, "loading")
+            tel.events.emit("phase", phase="serving")
             server = Server(serve_argv, args.out)
-            events.emit("phase", phase="serving")
             try:
                 server.start(args.endpoint, args.serve_timeout, log=lambda line: print(line, flush=True),
                              stopped=lambda: stop["signal"] is not None)
             except ServeError as exc:
                 print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
-                events.emit("error", error="serve", message=str(exc))
-                hb.beat(0, "failed")
+                tel.events.emit("error", error="serve", message=str(exc))
+                tel.hb.beat(0, "failed")
                 return EXIT_FAILURE
-        if stop["signal"] is not None:
-            hb.beat(0, "stopped")
-            return EXIT_STOPPED
-        # Before anything is written (without --serve): an endpoint that does not answer, or
-        # does not serve the model, is bad input.
+            if stop["signal"] is not None:
+                tel.hb.beat(0, "stopped")
+                return EXIT_STOPPED
+        # Without --serve, nothing is written before this: an endpoint that does not answer,
+        # or does not serve the model, or an output directory of other settings is bad input.
         try:
             model = pick_model(args.endpoint, args.model)
-        except ValueError as exc:
-            raise UsageError(str(exc)) from None
-        try:
             store = Store(args.out, settings_of(args, model))
-        except StoreError as exc:
+        except (ValueError, StoreError) as exc:
             raise UsageError(str(exc)) from None
-        if events is None:
-            os.makedirs(run_dir, exist_ok=True)
-            events, hb = Events(run_dir, None, "regenerate", None), Heartbeat(run_dir, 0, "regenerate", None)
-        if store.torn:
-            print(f"regenerate: cut a torn last line off {store.output.path} (the row is done again)", flush=True)
-        # one row per non-blank line in JSONL (no parsing needed to count); others are read once more
-        total = sum(1 for _ in (chatrows.iter_lines(args.input) if fmt == "jsonl"
-                                else chatrows.iter_rows(args.input, args.form, fmt)))
-        progress = Progress(total, events, sys.stdout, args.progress_s, hb)
-        sampling = Sampling(args.temperature, args.top_p, args.max_tokens, args.seed,
-                            None if args.thinking is None else args.thinking == "on")
-        retry = Retry(args.max_attempts, args.retry_initial, args.retry_max_wait)
-        print(f"regenerate: {total:,} input rows, {len(store.done):,} done before, "
-              f"{len(store.failed_before):,} failed before (tried again); model {model} on "
-              f"{', '.join(args.endpoint)}, concurrency {args.concurrency}", flush=True)
-        events.emit("phase", phase="regenerating")
-        completed = asyncio.run(_run(args, fmt, model, sampling, retry, store, progress, stop))
-        summary, snap = progress.summary(stopped=not completed)
-        store.close({**snap, "adds_up": progress.adds_up()} if completed else None)
-        hb.beat(progress.done, "done" if completed else "stopped")
-        print(f"regenerate: {summary}", flush=True)
-        if not completed:
-            events.emit("phase", phase="stopping")
-            print(f"regenerate: stopped by signal {stop['signal']} after writing what was answered; "
-                  "run the same command again to resume", flush=True)
-            return EXIT_STOPPED
-        events.emit("phase", phase="done")
-        if store.failed_now:
-            first = list(store.failed_now.values())[:3]
-            print(f"regenerate: {len(store.failed_now):,} rows failed, listed in "
-                  f"{os.path.join(args.out, 'failures.jsonl')} (run again to retry them); first: "
-                  + "; ".join(f"{f['where']}: {f['error']}" for f in first), file=sys.stderr, flush=True)
-        if not progress.adds_up():
-            print(f"{PROG}: error: the accounting does not add up ({progress.accounted():,} of {total:,} rows); "
-                  "the output directory may hold another input's rows", file=sys.stderr, flush=True)
-            return EXIT_FAILURE
-        return EXIT_FAILURE if store.failed_now else EXIT_OK
+        tel.open()
+        return _regenerate(args, fmt, model, store, tel, stop)
     finally:
         if server is not None:
-            rc = server.stop()
-            print(f"regenerate: stopped the server (exit {rc})", flush=True)
-        if events is not None:
-            events.close()
+            print(f"regenerate: stopped the server (exit {server.stop()})", flush=True)
+        tel.close()
+
+
+def _regenerate(args, fmt: str, model: str, store, tel: _Telemetry, stop: dict) -> int:
+    """The engine over the input, then the summary and the exit code."""
+    from trainer import chatrows
+    from trainer.regen_client import Retry, Sampling
+    from trainer.regen_progress import Progress
+
+    if store.torn:
+        print(f"regenerate: cut a torn last line off {store.output.path} (the row is done again)", flush=True)
+    # one row per non-blank line in JSONL (no parsing needed to count); others are read once more
+    total = sum(1 for _ in (chatrows.iter_lines(args.input) if fmt == "jsonl"
+                            else chatrows.iter_rows(args.input, args.form, fmt)))
+    progress = Progress(total, tel.events, sys.stdout, args.progress_s, tel.hb)
+    sampling = Sampling(args.temperature, args.top_p, args.max_tokens, args.seed,
+                        None if args.thinking is None else args.thinking == "on")
+    retry = Retry(args.max_attempts, args.retry_initial, args.retry_max_wait)
+    print(f"regenerate: {total:,} input rows, {len(store.done):,} done before, "
+          f"{len(store.failed_before):,} failed before (tried again); model {model} on "
+          f"{', '.join(args.endpoint)}, concurrency {args.concurrency}", flush=True)
+    tel.events.emit("phase", phase="regenerating")
+    completed = asyncio.run(_run(args, fmt, model, sampling, retry, store, progress, stop))
+    summary, snap = progress.summary(stopped=not completed)
+    store.close({**snap, "adds_up": progress.adds_up()} if completed else None)
+    tel.hb.beat(progress.done, "done" if completed else "stopped")
+    print(f"regenerate: {summary}", flush=True)
+    if not completed:
+        tel.events.emit("phase", phase="stopping")
+        print(f"regenerate: stopped by signal {stop['signal']} after writing what was answered; "
+              "run the same command again to resume", flush=True)
+        return EXIT_STOPPED
+    tel.events.emit("phase", phase="done")
+    if store.failed_now:
+        first = list(store.failed_now.values())[:3]
+        print(f"regenerate: {len(store.failed_now):,} rows failed, listed in {store.failures.path} "
+              "(run again to retry them); first: " + "; ".join(f"{f['where']}: {f['error']}" for f in first),
+              file=sys.stderr, flush=True)
+    if not progress.adds_up():
+        print(f"{PROG}: error: the accounting does not add up: done + failed + skipped = {progress.accounted():,} "
+              f"of {total:,} input rows, so a row was lost or counted twice; the output is kept (run again to redo "
+              "what is missing) — please report it with the summary in regenerate.json", file=sys.stderr, flush=True)
+        return EXIT_FAILURE
+    return EXIT_FAILURE if store.failed_now else EXIT_OK
 
 
 async def _run(args, fmt, model, sampling, retry, store, progress, stop_flag) -> bool:
