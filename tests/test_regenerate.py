@@ -346,3 +346,13 @@ def test_accounting_that_does_not_add_up_exits_non_zero(tmp_path, server):
     assert proc.returncode == 1, stdout + stderr
     assert "done 14 + failed 0 + skipped 0 ≠ 12 input rows" in stdout
     assert "the accounting does not add up" in stderr
+
+
+def test_a_server_that_dies_while_starting_is_one_line_with_its_log(tmp_path):
+    inp = write_input(tmp_path / "in.jsonl", conversations(2))
+    serve = f"{sys.executable} -c \"print('CUDA out of memory while loading'); raise SystemExit(3)\""
+    p = regenerate(inp, tmp_path / "out", f"http://127.0.0.1:{free_port()}", "--serve", serve, check=1)
+    assert p.stderr.count("\n") == 1
+    assert "the server exited 3 before" in p.stderr and "CUDA out of memory while loading" in p.stderr
+    assert not (tmp_path / "out" / OUTPUT).exists()
+    assert json.load(open(tmp_path / "out" / "heartbeat" / "rank-0"))["state"] == "failed"
