@@ -85,7 +85,7 @@ class Proxy:
     requests went through, later ones wait on it (a run held mid-way, for kill tests).
     """
 
-    def __init__(self, upstream: str, fail=None, hold_after: int | None = None):
+    def __init__(self, upstream: str, fail=None, hold_after: int | None = None, api_key: str | None = None):
         import http.server
         import threading
 
@@ -93,6 +93,7 @@ class Proxy:
         self.bodies: list[dict] = []
         self.fail = fail
         self.hold_after = hold_after
+        self.api_key = api_key  # when set, a request without "Authorization: Bearer KEY" gets a 401
         self.gate = threading.Event()
         self.held = threading.Semaphore(0)
         self.lock = threading.Lock()
@@ -104,12 +105,22 @@ class Proxy:
             def log_message(self, *a):
                 pass
 
+            def refused(self) -> bool:
+                if proxy.api_key and self.headers.get("Authorization") != f"Bearer {proxy.api_key}":
+                    self._reply(401, b'{"error": "no or wrong API key"}')
+                    return True
+                return False
+
             def do_GET(self):
+                if self.refused():
+                    return
                 with urllib.request.urlopen(proxy.upstream + self.path, timeout=30) as r:
                     self._reply(r.status, r.read())
 
             def do_POST(self):
                 raw = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.refused():
+                    return
                 body = json.loads(raw)
                 with proxy.lock:
                     proxy.bodies.append(body)

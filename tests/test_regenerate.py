@@ -82,7 +82,8 @@ def regen_argv(inp, out, endpoint, *extra) -> list[str]:
 
 
 def regenerate(inp, out, endpoint, *extra, check=None, **kw):
-    p = subprocess.run(regen_argv(inp, out, endpoint, *extra), cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120, **kw)
+    p = subprocess.run(regen_argv(inp, out, endpoint, *extra), cwd=ROOT, env=kw.pop("env", ENV), capture_output=True,
+                       text=True, timeout=120, **kw)
     if check is not None:
         assert p.returncode == check, p.stdout + p.stderr
     return p
@@ -356,3 +357,18 @@ def test_a_server_that_dies_while_starting_is_one_line_with_its_log(tmp_path):
     assert "the server exited 3 before" in p.stderr and "CUDA out of memory while loading" in p.stderr
     assert not (tmp_path / "out" / OUTPUT).exists()
     assert json.load(open(tmp_path / "out" / "heartbeat" / "rank-0"))["state"] == "failed"
+
+
+def test_an_api_key_is_read_from_the_named_variable_and_sent(tmp_path, server):
+    inp = write_input(tmp_path / "in.jsonl", conversations(2))
+    proxy = Proxy(server, api_key="s3cret")
+    try:
+        p = regenerate(inp, tmp_path / "a", proxy.url, check=2)
+        assert p.stderr.count("\n") == 1 and "HTTP 401" in p.stderr and "--api-key-env" in p.stderr
+        p = regenerate(inp, tmp_path / "b", proxy.url, "--api-key-env", "REGEN_TEST_KEY", check=2)
+        assert p.stderr.count("\n") == 1 and "--api-key-env REGEN_TEST_KEY: that environment variable is not set" in p.stderr
+        regenerate(inp, tmp_path / "c", proxy.url, "--api-key-env", "REGEN_TEST_KEY", check=0,
+                   env={**ENV, "REGEN_TEST_KEY": "s3cret"})
+    finally:
+        proxy.close()
+    assert len(output_rows(tmp_path / "c")) == 2 and len(proxy.bodies) == 3

@@ -88,13 +88,14 @@ def _why(exc: BaseException) -> str:
 
 class ChatClient:
     def __init__(self, endpoints: Sequence[str], model: str, sampling: Sampling, retry: Retry,
-                 concurrency: int, timeout: float):
+                 concurrency: int, timeout: float, api_key: str | None = None):
         self.endpoints = list(endpoints)
         self.model = model
         self.sampling = sampling
         self.retry = retry
         limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-        self.http = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=min(timeout, 30.0)), limits=limits)
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(timeout, connect=min(timeout, 30.0)), limits=limits,
+                                      headers=auth_headers(api_key))
         self.requests = 0  # answered requests, for the rate
         self.retries = 0
 
@@ -152,13 +153,22 @@ class ChatClient:
 # --------------------------------------------------------------------------- before the run
 
 
-def served_models(endpoint: str, timeout: float = 10.0) -> list[str]:
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """What servers started with --api-key (SGLang, vLLM) check."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def served_models(endpoint: str, timeout: float = 10.0, api_key: str | None = None) -> list[str]:
     """The model ids ``GET /v1/models`` lists. Raises ValueError with one line naming the
     endpoint when it cannot be reached or is not an OpenAI-compatible server."""
     try:
-        r = httpx.get(base_url(endpoint) + "/models", timeout=timeout)
+        r = httpx.get(base_url(endpoint) + "/models", timeout=timeout, headers=auth_headers(api_key))
     except httpx.HTTPError as exc:
         raise ValueError(f"--endpoint {endpoint}: unreachable ({_why(exc)}); start the server or fix the URL") from exc
+    if r.status_code in (401, 403):
+        raise ValueError(f"--endpoint {endpoint}: GET /v1/models answered HTTP {r.status_code}: the server wants "
+                         f"an API key{' other than the one given' if api_key else ''}; name the environment "
+                         "variable that holds it with --api-key-env")
     if r.status_code != 200:
         raise ValueError(f"--endpoint {endpoint}: GET /v1/models answered HTTP {r.status_code}; "
                          "give the URL of an OpenAI-compatible server (SGLang, vLLM)")
@@ -168,20 +178,20 @@ def served_models(endpoint: str, timeout: float = 10.0) -> list[str]:
         raise ValueError(f"--endpoint {endpoint}: GET /v1/models is not an OpenAI model list ({_why(exc)})") from exc
 
 
-def healthy(endpoint: str, timeout: float = 5.0) -> bool:
+def healthy(endpoint: str, timeout: float = 5.0, api_key: str | None = None) -> bool:
     """The server answers ``/health`` (SGLang, vLLM, transformers serve) or, failing that, ``/v1/models``."""
     for url in (root_url(endpoint) + "/health", base_url(endpoint) + "/models"):
         try:
-            if httpx.get(url, timeout=timeout).status_code == 200:
+            if httpx.get(url, timeout=timeout, headers=auth_headers(api_key)).status_code == 200:
                 return True
         except httpx.HTTPError:
             return False
     return False
 
 
-def pick_model(endpoints: Sequence[str], model: str | None) -> str:
+def pick_model(endpoints: Sequence[str], model: str | None, api_key: str | None = None) -> str:
     """``model`` checked against what every endpoint serves, or the one model they all serve."""
-    served = {e: served_models(e) for e in endpoints}
+    served = {e: served_models(e, api_key=api_key) for e in endpoints}
     if model:
         for e, ids in served.items():
             if model not in ids:

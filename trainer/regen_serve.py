@@ -49,7 +49,8 @@ class Server:
         self.log_path = os.path.join(out_dir, LOG)
         self.proc: subprocess.Popen | None = None
 
-    def start(self, endpoints: Sequence[str], timeout_s: float, log=print, stopped=lambda: False) -> float | None:
+    def start(self, endpoints: Sequence[str], timeout_s: float, log=print, stopped=lambda: False,
+              api_key: str | None = None) -> float | None:
         """Start the command and wait until every endpoint is healthy; seconds it took, or
         None when ``stopped()`` turned true first (a SIGTERM while the server loads)."""
         started = time.monotonic()
@@ -73,7 +74,7 @@ class Server:
                 self.stop()
                 raise ServeError(f"--serve: {waiting[0]} was not healthy within --serve-timeout {timeout_s:g} s; "
                                  f"its log ({self.log_path}) ends: {_tail(self.log_path)}")
-            waiting = [e for e in waiting if not healthy(e, timeout=2.0)]
+            waiting = [e for e in waiting if not healthy(e, timeout=2.0, api_key=api_key)]
             if waiting:
                 time.sleep(0.5)
         took = time.monotonic() - started

@@ -48,6 +48,10 @@ OWN_CAUSES = {
 }
 
 
+class UsageError(ValueError):
+    """Bad input: one line on stderr, exit 2."""
+
+
 def _positive(kind):
     def parse(text: str):
         try:
@@ -74,6 +78,9 @@ def build_parser() -> UsageParser:
                    help="an OpenAI-compatible server, e.g. http://10.0.0.5:30000 (repeatable: conversations are "
                         "spread over them, a retry goes to the next)")
     p.add_argument("--model", help="the model name to ask for (default: the one model every endpoint serves)")
+    p.add_argument("--api-key-env", metavar="VAR",
+                   help="the environment variable holding the servers' API key (SGLang/vLLM --api-key), sent as "
+                        "a bearer token; never the key itself on the command line")
     p.add_argument("--concurrency", type=_positive(int), default=DEFAULT_CONCURRENCY, metavar="N",
                    help=f"conversations in flight at once (default {DEFAULT_CONCURRENCY})")
     g = p.add_argument_group("sampling (unset: the server's default)")
@@ -108,6 +115,16 @@ def build_parser() -> UsageParser:
     o.add_argument("--serve-timeout", type=_positive(float), default=DEFAULT_SERVE_TIMEOUT_S, metavar="S",
                    help=f"seconds the server may take to become healthy (default {DEFAULT_SERVE_TIMEOUT_S:g})")
     return p
+
+
+def api_key_of(args) -> str | None:
+    if not args.api_key_env:
+        return None
+    key = os.environ.get(args.api_key_env)
+    if not key:
+        raise UsageError(f"--api-key-env {args.api_key_env}: that environment variable is not set (or empty); "
+                         "export the servers' API key in it")
+    return key
 
 
 def settings_of(args, model: str) -> dict:
@@ -231,10 +248,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_USAGE
 
 
-class UsageError(ValueError):
-    """Bad input: one line on stderr, exit 2."""
-
-
 class _Telemetry:
     """events.jsonl and heartbeat/rank-0 in the run directory, opened on first use: a run
     refused for bad input writes nothing."""
@@ -285,7 +298,7 @@ def _main(args) -> int:
             server = Server(serve_argv, args.out)
             try:
                 server.start(args.endpoint, args.serve_timeout, log=lambda line: print(line, flush=True),
-                             stopped=lambda: stop["signal"] is not None)
+                             stopped=lambda: stop["signal"] is not None, api_key=api_key_of(args))
             except ServeError as exc:
                 print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
                 tel.events.emit("error", error="serve", message=str(exc))
@@ -297,7 +310,7 @@ def _main(args) -> int:
         # Without --serve, nothing is written before this: an endpoint that does not answer,
         # or does not serve the model, or an output directory of other settings is bad input.
         try:
-            model = pick_model(args.endpoint, args.model)
+            model = pick_model(args.endpoint, args.model, api_key_of(args))
             store = Store(args.out, settings_of(args, model))
         except (ValueError, StoreError) as exc:
             raise UsageError(str(exc)) from None
@@ -366,7 +379,8 @@ async def _run(args, fmt, model, sampling, retry, store, progress, stop_flag) ->
         loop.add_signal_handler(sig, on_signal, sig)
     if stop_flag["signal"] is not None:
         stop.set()
-    client = ChatClient(args.endpoint, model, sampling, retry, args.concurrency, args.request_timeout)
+    client = ChatClient(args.endpoint, model, sampling, retry, args.concurrency, args.request_timeout,
+                        api_key_of(args))
     try:
         return await run_rows(chatrows.iter_rows(args.input, args.form, fmt), store, client, progress, args, stop)
     finally:
