@@ -27,6 +27,7 @@ shows it, its answer, its tool calls and its end-of-turn token.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -58,7 +59,18 @@ class Layout:
 
 
 def load_tokenizer(target: str):
-    """The target's fast tokenizer, with its chat template."""
+    """The target's fast tokenizer, with its chat template (loaded once per process and target files)."""
+    if not os.path.isdir(target):
+        raise TemplateError(f"--target {target}: not a directory; give the target model's directory "
+                            "(it holds tokenizer.json and the chat template)")
+    files = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+    stamp = tuple((os.stat(p).st_mtime_ns, os.stat(p).st_size) if os.path.exists(p) else None
+                  for p in (os.path.join(target, f) for f in files))
+    return _load(os.path.abspath(target), stamp)
+
+
+@functools.lru_cache(maxsize=4)
+def _load(target: str, stamp: tuple):
     if not os.path.isdir(target):
         raise TemplateError(f"--target {target}: not a directory; give the target model's directory "
                             "(it holds tokenizer.json and the chat template)")

@@ -394,8 +394,12 @@ def prepare(
         raise DataError("no --input given; name at least one JSONL file")
     for path in inputs:
         # exists-and-not-a-directory rather than isfile: a FIFO or /dev/stdin is a fine input
-        if not os.path.exists(path) or os.path.isdir(path):
+        if not os.path.exists(path):
             raise DataError(f"{path}: input file not found; check the --input path")
+        if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, n))
+                                           for n in ("state.json", "dataset_dict.json")):
+            raise DataError(f"{path}: a directory, and not a saved Hugging Face dataset (no state.json or "
+                            "dataset_dict.json); give files, or a save_to_disk directory")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise DataError(f"{out}: already exists and is not empty; remove it or choose another --out")
     parent = os.path.dirname(out)
