@@ -372,3 +372,11 @@ def test_an_api_key_is_read_from_the_named_variable_and_sent(tmp_path, server):
     finally:
         proxy.close()
     assert len(output_rows(tmp_path / "c")) == 2 and len(proxy.bodies) == 3
+
+
+def test_regenerate_imports_no_torch():
+    # the job runs beside a server holding the GPUs: it needs neither torch nor transformers
+    code = ("import sys, trainer.regenerate as r; r.build_parser(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
