@@ -380,3 +380,29 @@ def test_regenerate_imports_no_torch():
             "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_conversations_are_spread_over_endpoints_and_a_failing_one_is_retried_on_the_next(tmp_path, server):
+    inp = write_input(tmp_path / "in.jsonl", conversations(8))
+    a, b = Proxy(server), Proxy(server)
+    try:
+        regenerate(inp, tmp_path / "ab", [a.url, b.url], check=0)
+    finally:
+        a.close()
+        b.close()
+    assert a.bodies and b.bodies
+
+    def asked(proxy) -> set:
+        return {body["messages"][-1]["content"] for body in proxy.bodies}
+    for i in (0, 3, 6):  # the two-turn rows: both turns went to one endpoint (its prefix cache)
+        holder, other = (a, b) if f"follow-up {i}" in asked(a) else (b, a)
+        assert f"question {i}" in asked(holder) and f"question {i}" not in asked(other)
+    good, bad = Proxy(server), Proxy(server, fail=lambda n, body: 503)
+    try:
+        p = regenerate(inp, tmp_path / "gb", [good.url, bad.url], "--max-attempts", "2", check=0)
+    finally:
+        good.close()
+        bad.close()
+    assert "done 8 + failed 0 + skipped 0 = 8 input rows" in summary_line(p)
+    asked = sum(len([m for m in r["messages"] if m["role"] == "user"]) for r in output_rows(tmp_path / "gb"))
+    assert bad.bodies and len(good.bodies) == asked  # every request the bad one refused was answered by the good one
