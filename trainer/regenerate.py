@@ -263,6 +263,7 @@ class _Telemetry:
             os.makedirs(self.run_dir, exist_ok=True)
             self.events = Events(self.run_dir, None, "regenerate", None)
             self.hb = Heartbeat(self.run_dir, 0, "regenerate", None)
+            self.hb.beat(0, "loading")  # the agent's start-up deadline: the job is alive before its first row
 
     def close(self) -> None:
         if self.events is not None:
@@ -293,7 +294,6 @@ def _main(args) -> int:
         if serve_argv:
             os.makedirs(args.out, exist_ok=True)
             tel.open()
-            tel.hb.beat(0, "loading")
             tel.events.emit("phase", phase="serving")
             server = Server(serve_argv, args.out)
             try:
