@@ -80,8 +80,8 @@ class Proxy:
     """A real HTTP proxy in front of the real server, in a thread of the test process: it
     records every chat request's body and, on the test's say, fails some of them.
 
-    ``fail(n_seen, body)`` → None (forward), an int status to answer with, or "drop" to
-    close the connection unanswered. ``gate``: a threading.Event; once ``hold_after``
+    ``fail(n_seen, body)`` → None (forward), an int status to answer with, "drop" to
+    close the connection unanswered, or "slow" to forward after 3 s. ``gate``: a threading.Event; once ``hold_after``
     requests went through, later ones wait on it (a run held mid-way, for kill tests).
     """
 
@@ -130,6 +130,8 @@ class Proxy:
                     self.close_connection = True
                     self.connection.shutdown(2)
                     return
+                if verdict == "slow":  # answers, but later than the client waits
+                    time.sleep(3.0)
                 if isinstance(verdict, int):
                     self._reply(verdict, json.dumps({"error": {"message": f"proxy says {verdict}"}}).encode())
                     return

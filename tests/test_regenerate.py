@@ -406,3 +406,21 @@ def test_conversations_are_spread_over_endpoints_and_a_failing_one_is_retried_on
     assert "done 8 + failed 0 + skipped 0 = 8 input rows" in summary_line(p)
     asked = sum(len([m for m in r["messages"] if m["role"] == "user"]) for r in output_rows(tmp_path / "gb"))
     assert bad.bodies and len(good.bodies) == asked  # every request the bad one refused was answered by the good one
+
+
+def test_a_request_that_times_out_is_retried(tmp_path, server):
+    inp = write_input(tmp_path / "in.jsonl", conversations(2))
+    tries: dict[str, int] = {}
+
+    def slow_first(n, body):
+        key = json.dumps(body["messages"])
+        tries[key] = tries.get(key, 0) + 1
+        return "slow" if tries[key] == 1 else None
+
+    proxy = Proxy(server, fail=slow_first)
+    try:
+        p = regenerate(inp, tmp_path / "out", proxy.url, "--request-timeout", "1", check=0)
+    finally:
+        proxy.close()
+    assert "done 2 + failed 0 + skipped 0 = 2 input rows" in summary_line(p)
+    assert len(tries) == 3 and min(tries.values()) >= 2  # every request's first attempt timed out
