@@ -60,44 +60,49 @@ CLAIM = ".dflash-ctl/rollback.claim"  # one kill-and-rollback at a time in a con
 
 
 def claim(workspace: str, holder: str, ttl_s: float) -> dict:
-    """Take the container's kill-and-rollback claim (an O_EXCL create), or say who holds it.
-    Two at once would each stop the run and each write a kill and a rollback record; the
-    second is refused instead. A claim past its ``expires`` (its ctl died without releasing)
-    is taken over."""
+    """Take the container's kill-and-rollback claim, or say who holds it. Two at once would
+    each stop the run and each write a kill and a rollback record; the second is refused
+    instead. A claim past its ``expires`` (its ctl died without releasing) is taken over.
+
+    Check and take happen under an flock of a sibling lock file, and the claim appears with
+    its content (written to a temp file, renamed): an O_EXCL create followed by a write let a
+    second taker read the still-empty file as torn, call it stale and take it too."""
     import secrets
 
     path = os.path.join(workspace, CLAIM)
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    now = time.time()
-    mine = {"holder": holder, "ts": now, "expires": now + ttl_s, "token": secrets.token_hex(8)}
-    for _ in range(2):
-        try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            held = read_json_doc(path)
-            if held is not None and float(held.get("expires") or 0) > now:
-                return {"claimed": False, "holder": held}
-            try:
-                os.unlink(path)  # stale (or torn): its ctl is gone
-            except FileNotFoundError:
-                pass
-            continue
-        with os.fdopen(fd, "w") as fh:
+    lock_fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        now = time.time()
+        held = read_json_doc(path)
+        if held is not None and float(held.get("expires") or 0) > now:
+            return {"claimed": False, "holder": held}
+        mine = {"holder": holder, "ts": now, "expires": now + ttl_s, "token": secrets.token_hex(8)}
+        tmp = f"{path}.tmp.{os.getpid()}"
+        with open(tmp, "w") as fh:
             json.dump(mine, fh)
             fh.flush()
             os.fsync(fh.fileno())
+        os.replace(tmp, path)
         return {"claimed": True, "token": mine["token"]}
-    return {"claimed": False, "holder": read_json_doc(path) or {}}
+    finally:
+        os.close(lock_fd)
 
 
 def release(workspace: str, token: str) -> bool:
     """Drop the claim if it is still the one ``token`` took."""
     path = os.path.join(workspace, CLAIM)
-    held = read_json_doc(path)
-    if held is None or held.get("token") != token:
-        return False
-    os.unlink(path)
-    return True
+    lock_fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        held = read_json_doc(path)
+        if held is None or held.get("token") != token:
+            return False
+        os.unlink(path)
+        return True
+    finally:
+        os.close(lock_fd)
 
 
 def read_history(workspace: str, run: Optional[str] = None, limit: int = 0) -> list[dict]:
