@@ -16,6 +16,7 @@ from typing import IO, Mapping, Optional, Sequence
 
 from controller import pct
 from controller.config import ContainerConfig, NodeConfig
+from controller.exitcodes import CtlExit
 from controller.transport import CommandError, Result, Runner, Stdin
 
 
@@ -25,6 +26,12 @@ class ContainerError(Exception):
 
 class ContainerStopped(ContainerError):
     """The container is not running (stopped, or restarting): a follower waits for it."""
+
+
+class ContainerMissing(ContainerError):
+    """The container id names no container on the node: bad input, like a wrong option."""
+
+    exit_code = CtlExit.USAGE
 
 
 class AgentError(ContainerError):
@@ -110,7 +117,7 @@ class Container:
         if result.ok and match:
             return match.group(1)
         if _MISSING.search(text):
-            raise ContainerError(f"container {self.ctid} does not exist on node {self.node_name}: "
+            raise ContainerMissing(f"container {self.ctid} does not exist on node {self.node_name}: "
                                  f"check the id (`{pct.command_text(self.node, 'list')}` on the node)")
         raise ContainerError(f"cannot get the status of {self}: `{result.command}` said: "
                              f"{result.tail('stderr', 3) or result.tail('stdout', 3) or f'exit code {result.returncode}'}")

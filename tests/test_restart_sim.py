@@ -84,6 +84,7 @@ def test_a_container_restart_mid_run_is_named_by_the_first_status_and_ends_the_f
         assert f"; the run died at step {step}; resume with `ctl launch --node {name} --container {CT} --config " \
                f"{env['RESTART_CONFIG']} --resume-from /workspace/runs/{run_id}/output/step_" in lines[1], lines
         assert "alive" not in status.stdout and ": ok," not in status.stdout, status.stdout
+        assert status.returncode == EXIT_CONTAINER_RESTARTED
         out, err = follower.communicate(timeout=180)
     finally:
         follower.kill()
