@@ -89,7 +89,7 @@ def wrapper_text(node: NodeConfig, user_config: Optional[Path], sock: Optional[P
 KEEP_UNUSED_S = 30 * 86400
 
 
-def wrapper_config(node: NodeConfig, user_config: Optional[Path], sock: Optional[Path] = None) -> Path:
+def wrapper_config(node: NodeConfig, user_config: Optional[Path] = None, sock: Optional[Path] = None) -> Path:
     """The ``ssh -F`` file for ``node`` (sharing the connection through ``sock``): written once
     per content (its name is its hash), so concurrent commands with different configs never
     see each other's."""
@@ -243,6 +243,12 @@ class _OpenSSHProcess(_LocalProcess):
         finally:
             os.close(fd)  # EOF on self._ended
 
+    def master_gone(self) -> bool:
+        """The command rode a shared connection that has ended: its master removes its socket
+        as it exits, before the channels it carried see their end (a mux client says nothing)."""
+        sock = self.runner.sock
+        return sock is not None and not sock.exists()
+
     def close_wake(self) -> None:
         if self._ended >= 0:
             os.close(self._ended)
@@ -311,7 +317,7 @@ class _OpenSSHProcess(_LocalProcess):
         for gate in self.gates:
             if not gate.open:  # the marker never came: what the login shell said is the diagnostic
                 gate.sink.feed(bytes(gate.noise))
-        if status == 255 and _LOST.search(self.err_tail):
+        if status == 255 and (_LOST.search(self.err_tail) or self.master_gone()):
             raise TransportError(
                 f"the connection to node {self.runner.node_name} was lost while running {shlex.join(self.argv)}; "
                 f"it may or may not have completed: check before running it again")
