@@ -220,7 +220,7 @@ def main() -> None:
             start = time.perf_counter()
             caller.call("agent.runview", ["status", "--workspace", ct.config.workspace])
             agent_warm.append(time.perf_counter() - start)
-        runner.run(["rm", "-rf", "--", run_dir])
+        ct.exec(["rm", "-rf", "--", run_dir], check=True)
     warm_conns = SSHRunner.connections_opened - before
 
     load_after = os.getloadavg()[0]
