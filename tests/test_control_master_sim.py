@@ -9,8 +9,10 @@ riding the shared connection.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 from pathlib import Path
@@ -157,6 +159,49 @@ def test_sshd_restarted_under_a_warm_master_the_next_command_gets_a_new_one(sim_
     assert accepted(sim_node) == before + 1
     assert not old_master & set(_ssh_processes())
     assert _master_and_its_children(sock)
+
+
+def _sshd_descendants(sim_node) -> set[int]:
+    listener = sim_node.sshd.pid()
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [listener]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.add(child)
+            todo.append(child)
+    return found
+
+
+def test_a_master_whose_peer_went_silent_is_replaced_within_one_command(sim_node, env, sockets):
+    """A network cut: the node's end of the master's connection stops answering (SIGSTOP of
+    its sshd processes), nothing closes. The next command neither hangs nor fails: the
+    master's keepalive gives up on the peer (5 s × 3), and the command, which had not
+    started, goes through a new connection."""
+    before_first = _sshd_descendants(sim_node)
+    assert ctl(env, "exec", "-c", CT, "--", "true").returncode == 0
+    [sock] = sockets.iterdir()
+    connection = _sshd_descendants(sim_node) - before_first  # what serves the master, and only that
+    assert connection
+    old_master = _master_and_its_children(sock)
+    for pid in connection:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        before = accepted(sim_node)
+        proc = ctl(env, "exec", "-c", CT, "--", "echo", "through a new one", timeout=120)
+    finally:
+        for pid in connection:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 0 and proc.stdout == "through a new one\n", proc.stderr
+    assert accepted(sim_node) == before + 1
+    assert not old_master & set(_ssh_processes()) and _master_and_its_children(sock)
 
 
 def test_a_master_killed_without_cleaning_up_is_replaced(sim_node, env, sockets):
