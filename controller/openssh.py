@@ -183,6 +183,9 @@ class OpenSSHRunner(Runner):
                 proc.abort()
                 raise
             if started:
+                # Our master carries this command (it was there, or this ssh just became it);
+                # with the operator's own ControlPath ours is never made.
+                proc.on_master = self.sock is not None and self.sock.exists()
                 if not shared:
                     self.connections += 1
                     self._count_connection()
@@ -233,6 +236,7 @@ class _OpenSSHProcess(_LocalProcess):
         self.early = {"stdout": bytearray(), "stderr": bytearray()}  # read while waiting for the marker
         self.gates: list[MarkerGate] = []
         self.err_tail = b""
+        self.on_master = False
         self.fds = {"stdout": popen.stdout.fileno(), "stderr": popen.stderr.fileno()}
         self._ended, ended_w = os.pipe()  # readable once ssh has exited
         threading.Thread(target=self._note_exit, args=(ended_w,), daemon=True).start()
@@ -246,8 +250,7 @@ class _OpenSSHProcess(_LocalProcess):
     def master_gone(self) -> bool:
         """The command rode a shared connection that has ended: its master removes its socket
         as it exits, before the channels it carried see their end (a mux client says nothing)."""
-        sock = self.runner.sock
-        return sock is not None and not sock.exists()
+        return self.on_master and not self.runner.sock.exists()
 
     def close_wake(self) -> None:
         if self._ended >= 0:

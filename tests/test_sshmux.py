@@ -112,3 +112,26 @@ def test_a_remote_exit_255_on_a_live_master_is_the_commands_own(sshd, sockets):
     with OpenSSHRunner("testnode", node(sshd)) as r:
         assert r.run(["true"]).ok
         assert r.run(["sh", "-c", "exit 255"]).returncode == 255  # not "connection lost"
+
+
+def test_on_the_operators_own_master_a_remote_exit_255_is_the_commands_own(sshd, sockets, tmp_path, monkeypatch):
+    theirs = Path(tempfile.mkdtemp(prefix="op", dir="/tmp"))
+    conf = tmp_path / "ssh_config"
+    conf.write_text(f"Host 127.0.0.1\n  ControlMaster auto\n  ControlPath {theirs}/%C\n  ControlPersist 30\n")
+    monkeypatch.setenv("DFLASH_CTL_SSH_CONFIG", str(conf))
+    try:
+        with OpenSSHRunner("testnode", node(sshd)) as r:
+            assert r.run(["sh", "-c", "exit 255"]).returncode == 255  # ours was never made: not "lost"
+            assert r.run(["sh", "-c", "exit 255"]).returncode == 255
+        assert len(list(theirs.iterdir())) == 1 and sshmux.masters() == []
+    finally:
+        for sock in theirs.iterdir():
+            sshmux.close_master(sock)
+        shutil.rmtree(theirs, ignore_errors=True)
+
+
+def test_stdin_reaches_the_command_through_a_new_and_a_shared_connection(sshd, sockets):
+    for _ in range(2):
+        with OpenSSHRunner("testnode", node(sshd)) as r:
+            assert r.run(["cat"], stdin=b"x" * 300_000).stdout_bytes == b"x" * 300_000
+    assert len(sshmux.masters()) == 1
