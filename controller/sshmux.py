@@ -53,9 +53,16 @@ def socket_dir() -> Path:
     if raw:
         return Path(raw).expanduser()
     runtime = os.environ.get("XDG_RUNTIME_DIR")
-    if runtime and os.path.isabs(runtime):
+    if runtime and os.path.isabs(runtime) and _owned(runtime):  # not another user's, kept across su
         return Path(runtime) / "dflash-ctl-ssh"
     return Path(f"/tmp/dflash-ctl-ssh-{os.geteuid()}")
+
+
+def _owned(path: str) -> bool:
+    try:
+        return os.stat(path).st_uid == os.geteuid()
+    except OSError:
+        return False
 
 
 def checked_socket_dir(path: Path) -> Optional[Path]:

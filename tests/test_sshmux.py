@@ -135,3 +135,15 @@ def test_stdin_reaches_the_command_through_a_new_and_a_shared_connection(sshd, s
         with OpenSSHRunner("testnode", node(sshd)) as r:
             assert r.run(["cat"], stdin=b"x" * 300_000).stdout_bytes == b"x" * 300_000
     assert len(sshmux.masters()) == 1
+
+
+def test_a_runtime_dir_that_is_not_ours_is_passed_over(monkeypatch, tmp_path):
+    monkeypatch.delenv(sshmux.ENV_SOCKET_DIR, raising=False)
+    mine, theirs = tmp_path / "mine", tmp_path / "theirs"
+    mine.mkdir()
+    theirs.mkdir()
+    os.chown(theirs, 65534, 65534)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(mine))
+    assert sshmux.socket_dir() == mine / "dflash-ctl-ssh"
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(theirs))
+    assert sshmux.socket_dir() == Path(f"/tmp/dflash-ctl-ssh-{os.geteuid()}")
