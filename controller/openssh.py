@@ -261,12 +261,10 @@ class _OpenSSHProcess(_LocalProcess):
         """Up to ``n`` bytes of one stream; b"" at its end or, once ssh exited, when nothing
         more is waiting in it."""
         fd = self.fds[name]
-        while True:
-            ready, _, _ = select.select([fd, self._ended] if self._ended >= 0 else [fd], [], [])
-            if fd in ready:
-                return os.read(fd, n)
-            if not select.select([fd], [], [], 0)[0]:
-                return b""
+        ready, _, _ = select.select([fd, self._ended] if self._ended >= 0 else [fd], [], [])
+        if fd in ready or select.select([fd], [], [], 0)[0]:
+            return os.read(fd, n)
+        return b""
 
     def wait_for_marker(self) -> bool:
         """Read both streams until the marker line comes on stdout (the command is starting:
