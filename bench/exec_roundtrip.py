@@ -24,11 +24,13 @@ to measure: `ctl` is the venv's entry point, which imports whatever is first on 
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime as dt
 import json
 import os
 import platform
 import re
+import shutil
 import shlex
 import statistics
 import subprocess
@@ -138,7 +140,7 @@ def main() -> None:
     sockets = tempfile.mkdtemp(prefix="bench-ssh-", dir="/tmp")
     env[ENV_SOCKET_DIR] = sockets
     # A finished tiny run in the container: what status and tail read.
-    run_id = f"bench-{uuid.uuid4().hex[:8]}"
+    run_id = f"bench-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}"  # the shape ctl launch makes
     run_dir = f"/workspace/runs/{run_id}"
     with SSHRunner(target) as runner:
         caller = AgentCaller(Container(runner, node_name, node, args.container))
@@ -155,6 +157,9 @@ def main() -> None:
     status = [ctl_bin, "status", "--container", args.container, "--node", node_name, "--run", run_id]
     tail = [ctl_bin, "tail", "--container", args.container, "--node", node_name, "--run", run_id]
     disconnect = [ctl_bin, "disconnect", "--node", node_name]
+    # No master outlives the bench, whatever failed (a command's failure is a SystemExit).
+    atexit.register(lambda: (subprocess.run(disconnect, env=env, capture_output=True),
+                             shutil.rmtree(sockets, ignore_errors=True)))
     ssh_opts = ["ssh", "-F", "/dev/null", "-T", "-p", str(target.port), "-o", "BatchMode=yes",
                 "-o", "StrictHostKeyChecking=yes", "-o", f"UserKnownHostsFile={target.known_hosts}",
                 *[a for k in target.key_filenames for a in ("-i", k)]]
@@ -174,6 +179,7 @@ def main() -> None:
 
     ctl_env = dict(env, DFLASH_CTL_STATS=stats)
     load_before = os.getloadavg()[0]
+
     timed(disconnect, env)
     timed(ctl, ctl_env)
     timed(ctl, ctl_env)
@@ -203,8 +209,6 @@ def main() -> None:
         as_ctl_times.append(timed(ssh_as_ctl, env))
         splits.append(phases(ctl[1:], env))
     os.unlink(stats)
-    timed(disconnect, env)
-    os.rmdir(sockets)
 
     before = SSHRunner.connections_opened
     with SSHRunner(target) as runner:
