@@ -30,6 +30,7 @@ builds that function from the spec's formulas.
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable, Optional
 
 import torch
@@ -80,6 +81,48 @@ def _grad_soft(logits, teacher_logits, lse, lse_s, lse_t, targets, g_ce, g_kl, T
     pt = torch.exp(teacher_logits.to(z.dtype) / T - lse_t.unsqueeze(-1))
     g = (p - onehot) * g_ce.unsqueeze(-1) + (q - pt) * (g_kl / T).unsqueeze(-1)
     return g.to(out_dtype)
+
+
+def grouped_topk(z: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the top-k of each row of z [R, V], best first, as ``z.topk(k)`` gives them
+    (up to the order among equal values): the top-k of each of G equal slices of the row,
+    then the top-k of those G·k. One pass over the row in short slices is faster on a GPU than
+    one selection over 151,936 columns; G is the largest power of two ≤ 128 that divides V
+    with at least k per slice (1: plain topk)."""
+    R, V = z.shape
+    g = 128
+    while g > 1 and (V % g or V // g < k):
+        g //= 2
+    if g == 1:
+        return z.topk(k, dim=-1).indices
+    w = V // g
+    v1, i1 = z.view(R, g, w).topk(k, dim=-1)  # [R, g, k]
+    i1 = i1 + torch.arange(0, V, w, device=z.device).view(1, g, 1)
+    _, i2 = v1.reshape(R, g * k).topk(k, dim=-1)
+    return i1.reshape(R, g * k).gather(-1, i2)
+
+
+# DFlash2's candidates: "grouped" (grouped_topk) or "torch" (one topk over the vocabulary)
+TOPK = os.environ.get("DFLASH_TOPK", "grouped")
+
+
+def _topk(z: torch.Tensor, k: int) -> torch.Tensor:
+    # CPU runs keep the one topk (the golden trajectories); tests check the two agree
+    return grouped_topk(z, k) if TOPK == "grouped" and z.is_cuda else z.topk(k, dim=-1).indices
+
+
+BALANCED = os.environ.get("DFLASH_HEAD_BALANCED", "1") == "1"  # "0": the old rule (bench before/after)
+
+
+def balanced_chunk_blocks(n_blocks: int, chunk_rows: int, K: int) -> int:
+    """Blocks per head chunk: at most ``chunk_rows`` positions, the blocks split into chunks of
+    one size (512 blocks of 31 slots at 4,096 rows: 4 × 128, not 3 × 132 + 116), so the compiled
+    passes see one shape and never compile a second one for a remainder chunk."""
+    per = max(1, int(chunk_rows) // K)
+    if not BALANCED:
+        return per
+    n = math.ceil(n_blocks / per)
+    return max(1, math.ceil(n_blocks / n))
 
 
 _FNS = {}
@@ -140,7 +183,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 g_kl = (grads[1] if grads[1] is not None else torch.zeros_like(kl_v)).reshape(-1).to(ce.dtype)
                 gz = grad_soft(logits, tl, lse, lse_s, lse_t, t, g_ce, g_kl, temperature, gdt)
             if top_k:  # DFlash2's candidates: the slot's top-k of these same logits
-                cand_all[sl] = logits.topk(top_k, dim=-1).indices.view(n, K, top_k)
+                cand_all[sl] = _topk(logits, top_k).view(n, K, top_k)
             del logits, tl
             grad_hidden[sl] = (gz @ w).view(n, K, H).to(hidden.dtype)
             del gz
@@ -183,7 +226,7 @@ def chunked_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [n_blocks, K, H], got {tuple(hidden.shape)}")
     K = hidden.shape[1]
-    chunk_blocks = max(1, int(chunk_rows) // K)
+    chunk_blocks = balanced_chunk_blocks(hidden.shape[0], chunk_rows, K)
     out = _ChunkedHeadLoss.apply(hidden, weight, targets.long(), teacher, loss_fn, chunk_blocks,
                                  float(temperature), bool(teacher_is_logits), int(top_k))
     return out if top_k else out[:4]
@@ -195,7 +238,7 @@ def head_ce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, c
     ``chunked_head_loss`` and with the same statistics pass, no gradient: what D-PACE's
     detached weights need before the loss pass (fast_drafter.step_backward)."""
     nb, K, H = hidden.shape
-    chunk_blocks = max(1, int(chunk_rows) // K)
+    chunk_blocks = balanced_chunk_blocks(nb, chunk_rows, K)
     stat_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     out = hidden.new_empty((nb, K), dtype=stat_dtype)
     w = weight.detach()
