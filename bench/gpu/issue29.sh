@@ -2,7 +2,9 @@
 # Issue 29's device calls (nvidia-h200, one GPU), from the repository root:
 #
 #   bash bench/gpu/issue29.sh step        # ceilings, flex options, top-k, the drafter step before/after (~8 min)
-#   bash bench/gpu/issue29.sh colocated   # python -m trainer colocated: cold, relaunch, before/after, profiled step
+#   bash bench/gpu/issue29.sh colocated   # python -m trainer colocated: cold launch, relaunch, a profiled step
+#   COLOCATED_S=300 ROOFLINE_ARGS="--phases ceilings,step --archs dflash2 --flex-options {}" \
+#     bash bench/gpu/issue29.sh colocated step    # both in one call, in this order
 #
 # Outputs go to $OUT (the device tool's folder): log.txt as it runs, results.json and
 # results.tgz (everything, small files) after each phase. A fresh compile cache under /tmp, so
@@ -19,15 +21,18 @@ pack() { tar czf "$FINAL/results.tgz.part" -C "$W" out && mv "$FINAL/results.tgz
 nvidia-smi --query-gpu=index,name,memory.total,power.limit,clocks.max.sm,driver_version --format=csv > "$W/out/gpu.csv" 2>&1 || true
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' > "$W/out/versions.txt" 2>&1
 git log -1 --format='%H %s' > "$W/out/commit.txt" 2>/dev/null || true
-case "${1:-step}" in
-  step)
-    timeout -s TERM $(( $(left) - 20 )) python3 bench/gpu/roofline.py run --out "$W/out" ${ROOFLINE_ARGS:-}
-    echo "roofline rc $?";;
-  colocated)
-    timeout -s TERM $(( $(left) - 20 )) python3 bench/gpu/colocated.py run --out "$W/out" --work "$W/work" \
-      --deadline-s $(( $(left) - 30 )) ${COLOCATED_ARGS:-}
-    echo "colocated rc $?";;
-esac
+for mode in ${@:-step}; do
+  case "$mode" in
+    step)  # ROOFLINE_ARGS: e.g. "--phases ceilings,step --archs dflash2 --flex-options {}"
+      timeout -s TERM $(( $(left) - 20 )) python3 bench/gpu/roofline.py run --out "$W/out" ${ROOFLINE_ARGS:-}
+      echo "roofline rc $?";;
+    colocated)
+      timeout -s TERM $(( $(left) - 20 )) python3 bench/gpu/colocated.py run --out "$W/co" --work "$W/cowork" \
+        --deadline-s ${COLOCATED_S:-$(( $(left) - 30 ))}
+      echo "colocated rc $?"; rm -f "$W/co/results.tgz"; cp -r "$W/cowork/out" "$W/out/colocated" 2>/dev/null;;
+  esac
+  pack
+done
 cp "$W/out/results.json" "$FINAL/" 2>/dev/null
 pack
 echo "[t+$(( $(date +%s) - T0 ))s] done"

@@ -1,7 +1,7 @@
 """Issue 29: where each millisecond of a drafter step goes, against the H200's roofline, and
 the changes that table calls for, each measured before and after in one process.
 
-    PYTHONUNBUFFERED=1 python3 bench/gpu/roofline.py run --out DIR [--phases ceilings,flex,topk,step]
+    PYTHONUNBUFFERED=1 python3 bench/gpu/roofline.py run --out DIR [--phases ceilings,flex,step]
     python3 bench/gpu/roofline.py run --out /tmp/o --smoke         # the same code on CPU, tiny widths
     python3 bench/gpu/roofline.py table DIR/results.json            # the markdown tables, anywhere
     python3 bench/gpu/roofline.py colocated DIR/kernel_profile_step3.json --events DIR/events.jsonl \
@@ -16,13 +16,11 @@ Phases (one H200; random bf16 weights made on the GPU, random tokens, no downloa
   DFlash block mask, for several kernel options (block sizes, stages, warps, flags); the best
   forward, backward and flag choices are combined and timed again; the combination is what
   the step's "after" runs.
-* ``topk``: DFlash2's candidates, top-16 over the 151,936-token vocabulary of one head chunk,
-  ``torch.topk`` against chunked_head.grouped_topk.
 * ``step``: trainer/step.py's ChunkedStep at the operators' config (Qwen3-8B widths, 5 layers,
   block 32, 1,024 anchors, 6 × 8,192 tokens, soft labels KL 0.15 at T 2, CAP 0.1, γ 10, clip,
-  fused AdamW) for DFlash and DFlash2, each "before" (torch's flex defaults, one topk over the
-  vocabulary, head chunks of 4,096 // 31 blocks) and "after" (the combined flex options, the
-  grouped top-k, balanced head chunks) in the same process: the first step's wall time and
+  fused AdamW) for DFlash and DFlash2, each "before" (torch's flex defaults, head chunks of
+  4,096 // 31 blocks, DFlash2's block convolution eager) and "after" (the combined flex
+  options, balanced head chunks, the convolution compiled) in the same process: the first step's wall time and
   compile seconds, the median of 3 timed steps (CUDA events), one profiled step
   (trainer/kernel_profile.py) as a table of kernel classes with FLOPs/bytes and the share of
   its roofline, allocated/reserved peaks beside trainer/memory.py's prediction.
@@ -195,20 +193,6 @@ def phase_flex(smoke: bool) -> dict:
     return out
 
 
-def phase_topk(smoke: bool) -> dict:
-    import torch
-
-    from trainer.chunked_head import grouped_topk
-
-    rows, V = (64, 512) if smoke else (3968, 151936)
-    dev = "cpu" if smoke else "cuda"
-    z = torch.randn(rows, V, device=dev, dtype=torch.float32 if smoke else torch.bfloat16)
-    t1, _ = _timed(lambda: z.topk(16, dim=-1).indices, 2, 10, not smoke)
-    t2, _ = _timed(lambda: grouped_topk(z, 16), 2, 10, not smoke)
-    same = bool(torch.equal(z.topk(16, dim=-1).indices.sort(-1).values, grouped_topk(z, 16).sort(-1).values))
-    return {"rows": rows, "vocab": V, "torch_s": t1, "grouped_s": t2, "same_sets": same}
-
-
 # ---------------------------------------------------------------------------------------------
 SMOKE_SHAPE = fl.ModelShape(6, 64, 4, 2, 16, 128, 512, "tiny")
 
@@ -280,12 +264,12 @@ def markdown(t: dict) -> str:
 
 
 def _set_variant(after: bool, flex_opts: dict) -> None:
-    from trainer import chunked_head, fast_drafter
+    from trainer import block_conv, chunked_head, fast_drafter
 
     fast_drafter.FLEX_OPTIONS = dict(flex_opts) if after else {}
     os.environ.pop("DFLASH_FLEX_OPTIONS", None)
-    chunked_head.TOPK = "grouped" if after else "torch"
     chunked_head.BALANCED = after
+    block_conv.COMPILE = after
 
 
 def phase_step(smoke: bool, iters: int, archs: list[str], flex_opts: dict, ceilings: dict) -> dict:
@@ -380,7 +364,7 @@ def main() -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("--out", required=True)
-    r.add_argument("--phases", default="ceilings,flex,topk,step")
+    r.add_argument("--phases", default="ceilings,flex,step")
     r.add_argument("--archs", default="dflash,dflash2")
     r.add_argument("--iters", type=int, default=3)
     r.add_argument("--flex-options", default=None, help="JSON: skip the choice, use these for 'after'")
@@ -415,10 +399,6 @@ def main() -> int:
         RESULTS["phases"]["flex"] = phase_flex(a.smoke)
         flex_opts = RESULTS["phases"]["flex"]["chosen"]
         log("flex chosen", json.dumps(flex_opts))
-        save()
-    if "topk" in phases:
-        RESULTS["phases"]["topk"] = phase_topk(a.smoke)
-        log("topk", json.dumps(RESULTS["phases"]["topk"]))
         save()
     if "step" in phases:
         RESULTS["flex_after"] = flex_opts
