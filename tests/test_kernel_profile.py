@@ -125,3 +125,17 @@ def test_the_roofline_table_names_the_three_largest_losses():
     assert rows[kp.IDLE]["roofline_share"] == 0 and rows[kp.IDLE]["lost_ms"] == pytest.approx(180)
     assert t["largest_losses"] == [kp.IDLE, kp.FLEX_FWD, kp.HEAD_ELEMENTWISE]
     assert "| flex attention forward | 200.0 |" in rl.markdown(t)
+
+
+def test_the_colocated_step_counts_the_target_forward_beside_the_drafter_step():
+    sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
+    co = importlib.import_module("colocated")
+    from trainer import flops as fl
+
+    w = co.colocated_work({"tokens": 65536})
+    drafter_only = importlib.import_module("roofline").work_of(fl.QWEN3_8B, 5, 8 * 1024, 32, 65536,
+                                                               8 * 1024 * 32 * 8192 // 2, 1_048_626_432, True)
+    target = fl.target_forward_flops(fl.QWEN3_8B, [8192] * 8)
+    assert w[kp.MATMUL_TARGET]["flop"] + w[kp.ATTN_TARGET]["flop"] == target
+    assert w["_total_flop"] == drafter_only["_total_flop"] + target
+    assert w[kp.MATMUL_DRAFTER] == drafter_only[kp.MATMUL_DRAFTER]

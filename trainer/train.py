@@ -432,6 +432,8 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
                     print(f"compile: {metrics['compile_s']:.1f} s in the first step ({metrics['compile_cache_hits']} "
                           f"cache hits, {metrics['compile_cache_misses']} misses; cache {metrics['compile_cache']})",
                           flush=True)
+                    if os.environ.get("DFLASH_COMPILE_REPORT") == "1":  # where the seconds went, per function
+                        print(torch._dynamo.utils.compile_times(repr="str"), flush=True)
         hb.beat(step)
 
         # -- checkpoint and evaluation (the log rank; everyone waits so nobody exits mid-save)

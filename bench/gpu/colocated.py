@@ -67,6 +67,7 @@ def cmd_run(a) -> int:
                 break
             os.environ["DFLASH_PROFILE_STEP"] = str(PROFILE_STEP) if name == "warm" else ""
             os.environ["DFLASH_PROFILE_DIR"] = out
+            os.environ["DFLASH_COMPILE_REPORT"] = "1"
             mc.launch(name, [*flags_, "--token-budget", a.budget], steps, left - 20, work, out)
             mc.pack(out, final)
     finally:
