@@ -139,3 +139,31 @@ def test_the_colocated_step_counts_the_target_forward_beside_the_drafter_step():
     assert w[kp.MATMUL_TARGET]["flop"] + w[kp.ATTN_TARGET]["flop"] == target
     assert w["_total_flop"] == drafter_only["_total_flop"] + target
     assert w[kp.MATMUL_DRAFTER] == drafter_only[kp.MATMUL_DRAFTER]
+
+
+@pytest.mark.parametrize("S,B,n,drop", [(256, 32, 8, 0), (256, 32, 8, 3), (384, 16, 16, 5), (256, 128, 2, 0),
+                                        (256, 128, 2, 1), (128, 32, 4, 4)])
+def test_the_direct_block_mask_has_create_block_masks_tiles(S, B, n, drop):
+    """The chunk's BlockMask from the anchors (no compile) against create_block_mask's, tile by
+    tile: which tiles are full, which partial (evaluated with the mask_mod), none missing."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from trainer.flex_mask import dflash_mask_mod, direct_block_mask
+
+    g = torch.Generator().manual_seed(S + B + n + drop)
+    a = torch.randperm(S - 1, generator=g)[:n].sort().values
+    keep = torch.ones(n, dtype=torch.bool)
+    if drop:
+        keep[-drop:] = False
+        a[-drop:] = 0  # padding blocks, as the chunked step pads them
+    mod = dflash_mask_mod(a[None], S, B, keep[None])
+    want = create_block_mask(mod, 1, None, n * B, S + n * B, device="cpu", _compile=False)
+    got = direct_block_mask(a, keep, S, B, mod)
+    for name in ("kv_num_blocks", "full_kv_num_blocks"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert torch.equal(got.to_dense(), want.to_dense())
+    for nm, idx in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
+        for t in range(want.kv_num_blocks.shape[-1]):
+            k = int(getattr(want, nm)[0, 0, t])
+            assert sorted(getattr(got, idx)[0, 0, t, :k].tolist()) == sorted(getattr(want, idx)[0, 0, t, :k].tolist())
+    assert direct_block_mask(a, keep, S, 24, mod) is None  # 24 does not divide a 128 tile: the caller falls back

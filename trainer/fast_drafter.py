@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 from trainer import fused_ops as fo
 from trainer.chunked_head import chunked_head_loss, head_ce
-from trainer.flex_mask import dense_dflash_mask, dflash_mask_mod, flex_attention_fn
+from trainer.flex_mask import dense_dflash_mask, dflash_mask_mod, direct_block_mask, flex_attention_fn
 from trainer.kernel_profile import REGION_HEAD, REGION_SELECTOR, region
 from trainer.loss import decay_weights, dflash_loss_fn, dpace_weights, selector_terms
 
@@ -47,6 +47,11 @@ _MASKS: dict = {}
 # stages measured on an H200 at the operators' chunk shape, bench/gpu/roofline.py ``flex``);
 # DFLASH_FLEX_OPTIONS (JSON) replaces them, "{}" gives torch's own defaults.
 FLEX_OPTIONS: dict = {}
+
+
+# full-attention layers' block masks from the anchors directly (flex_mask.direct_block_mask);
+# DFLASH_DIRECT_MASKS=0: create_block_mask as before (bench before/after)
+DIRECT_MASKS = os.environ.get("DFLASH_DIRECT_MASKS", "1") == "1"
 
 
 def flex_options() -> dict | None:
@@ -70,6 +75,10 @@ def _chunk_block_mask(a, kp, S_pad: int, B: int, window: int | None = None):
     a_buf, k_buf, mod = _MASKS[key]
     a_buf.copy_(a[None])
     k_buf.copy_(kp[None])
+    if window is None and DIRECT_MASKS:  # no compile: the tiles follow from the anchors (flex_mask.py)
+        bm = direct_block_mask(a, kp, S_pad, B, mod)
+        if bm is not None:
+            return bm
     return create_block_mask(mod, 1, None, n * B, S_pad + n * B, device=a.device,
                              _compile=a.device.type == "cuda")
 

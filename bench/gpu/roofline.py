@@ -19,8 +19,9 @@ Phases (one H200; random bf16 weights made on the GPU, random tokens, no downloa
 * ``step``: trainer/step.py's ChunkedStep at the operators' config (Qwen3-8B widths, 5 layers,
   block 32, 1,024 anchors, 6 × 8,192 tokens, soft labels KL 0.15 at T 2, CAP 0.1, γ 10, clip,
   fused AdamW) for DFlash and DFlash2, each "before" (torch's flex defaults, head chunks of
-  4,096 // 31 blocks, DFlash2's block convolution eager) and "after" (the combined flex
-  options, balanced head chunks, the convolution compiled) in the same process: the first step's wall time and
+  4,096 // 31 blocks, DFlash2's block convolution eager, block masks by a compiled
+  create_block_mask) and "after" (the combined flex options, balanced head chunks, the
+  convolution compiled, block masks from the anchors directly) in the same process: the first step's wall time and
   compile seconds, the median of 3 timed steps (CUDA events), one profiled step
   (trainer/kernel_profile.py) as a table of kernel classes with FLOPs/bytes and the share of
   its roofline, allocated/reserved peaks beside trainer/memory.py's prediction.
@@ -270,6 +271,7 @@ def _set_variant(after: bool, flex_opts: dict) -> None:
     os.environ.pop("DFLASH_FLEX_OPTIONS", None)
     chunked_head.BALANCED = after
     block_conv.COMPILE = after
+    fast_drafter.DIRECT_MASKS = after
 
 
 def phase_step(smoke: bool, iters: int, archs: list[str], flex_opts: dict, ceilings: dict) -> dict:
