@@ -307,3 +307,27 @@ def test_a_signal_mid_run_stops_with_nothing_written(tmp_path, targets, sig, cod
     assert proc.returncode == code, err
     assert "nothing written" in err and "Traceback" not in err
     assert not os.path.exists(out) and not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_prepare_train_evaluate_end_to_end_with_the_seeds_vocabulary(tmp_path):
+    """A tiny target with Qwen3.6's vocabulary and tokenizer: conversations → prepare → train → τ."""
+    from _qwen_target import make_target
+    from _trainer_tiny import base_args, events
+    from trainer.__main__ import main as trainer_main
+
+    target = make_target(str(tmp_path / "target"))
+    rng = np.random.default_rng(0)
+    words = " ".join(SAMPLE_TEXT).split()
+    say = lambda n: " ".join(rng.choice(words, n))  # noqa: E731
+    rows = [{"messages": [{"role": "user", "content": say(12)}, {"role": "assistant", "content": say(40)}]}
+            for _ in range(24)]
+    rc, out, err, d = prep(tmp_path, [write_jsonl(tmp_path / "chat.jsonl", rows)], target, "--thinking", "off",
+                           "--max-seq-len", "128")
+    assert rc == 0, err
+    meta = json.load(open(os.path.join(d, "meta.json")))
+    assert meta["samples"] == 24 and 0.3 < meta["loss_fraction"] < 0.9 and meta["max_token_id"] < 248_077
+    run = str(tmp_path / "run")
+    assert trainer_main(base_args(target, d, run, "--from-scratch", "--max-steps", "2", "--max-seq-len", "128",
+                                  "--token-budget", "256", "--eval-prompts", "2")) == 0
+    (ev,) = events(run, "eval")[-1:]
+    assert ev["tau"] >= 1.0

@@ -16,6 +16,8 @@ import os
 import signal
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -65,6 +67,10 @@ class ChatStats:
 
 class BadRow(ValueError):
     """--strict: the first unusable row, one line naming it."""
+
+
+class WorkerDied(RuntimeError):
+    """A worker process was killed; one line."""
 
 
 def cores() -> int:
@@ -142,10 +148,12 @@ def iter_samples(path: str, opts: ChatOptions, renderer: Renderer, stats: ChatSt
     global _RENDERER
     _RENDERER = renderer  # inherited by the forked workers: no tokenizer load per worker
     workers = opts.workers or cores()
-    ctx = multiprocessing.get_context("fork")
-    pool = ctx.Pool(workers, initializer=_init_worker, initargs=(form,))
+    # concurrent.futures, not multiprocessing.Pool: a worker that dies (the OOM killer) is a
+    # BrokenProcessPool here, where Pool would wait for its lost batch forever.
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                               initializer=_init_worker, initargs=(form,))
     pending: collections.deque = collections.deque()
-    done = False
+    finished = False
     try:
         feed = _batches(_raw_items(path, fmt), BATCH_ROWS)
         while True:
@@ -154,13 +162,18 @@ def iter_samples(path: str, opts: ChatOptions, renderer: Renderer, stats: ChatSt
                 if batch is None:
                     break
                 size = sum(len(item[0]) for item in batch) if fmt == "jsonl" else None
-                pending.append((pool.apply_async(_work, (batch,)), size))
+                pending.append((pool.submit(_work, batch), size))
             if not pending:
                 break
             job, size = pending.popleft()
+            try:
+                results = job.result()
+            except BrokenProcessPool:
+                raise WorkerDied("prepare: a worker process died (killed, perhaps for memory); "
+                                 "nothing written — try fewer --workers") from None
             if size is not None:
                 stats.done_bytes = (stats.done_bytes or 0) + size
-            for result in job.get():
+            for result in results:
                 stats.rows += 1
                 if isinstance(result[0], str):
                     if opts.strict:
@@ -176,13 +189,16 @@ def iter_samples(path: str, opts: ChatOptions, renderer: Renderer, stats: ChatSt
                     stats.truncated += 1
                     ids, mask = ids[:opts.max_seq_len], mask[:opts.max_seq_len]
                 yield ids, mask
-        done = True
+        finished = True
     finally:
-        if done:
-            pool.close()
-        else:
-            pool.terminate()
-        pool.join()
+        if finished:
+            pool.shutdown()
+        else:  # stopped early (a signal, --strict, an error): the workers' batches are not wanted
+            for job, _ in pending:
+                job.cancel()
+            for proc in list(getattr(pool, "_processes", {}).values()):
+                proc.terminate()
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 class Progress:
