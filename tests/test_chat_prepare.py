@@ -319,7 +319,7 @@ def test_prepare_train_evaluate_end_to_end_with_the_seeds_vocabulary(tmp_path):
     rng = np.random.default_rng(0)
     words = " ".join(SAMPLE_TEXT).split()
     say = lambda n: " ".join(rng.choice(words, n))  # noqa: E731
-    rows = [{"messages": [{"role": "user", "content": say(12)}, {"role": "assistant", "content": say(40)}]}
+    rows = [{"messages": [{"role": "user", "content": say(8)}, {"role": "assistant", "content": say(24)}]}
             for _ in range(24)]
     rc, out, err, d = prep(tmp_path, [write_jsonl(tmp_path / "chat.jsonl", rows)], target, "--thinking", "off",
                            "--max-seq-len", "128")
@@ -327,7 +327,7 @@ def test_prepare_train_evaluate_end_to_end_with_the_seeds_vocabulary(tmp_path):
     meta = json.load(open(os.path.join(d, "meta.json")))
     assert meta["samples"] == 24 and 0.3 < meta["loss_fraction"] < 0.9 and meta["max_token_id"] < 248_077
     run = str(tmp_path / "run")
-    assert trainer_main(base_args(target, d, run, "--from-scratch", "--max-steps", "2", "--max-seq-len", "128",
+    assert trainer_main(base_args(target, d, run, "--from-scratch", "--max-steps", "1", "--max-seq-len", "128",
                                   "--token-budget", "256", "--eval-prompts", "2")) == 0
     (ev,) = events(run, "eval")[-1:]
     assert ev["tau"] >= 1.0
