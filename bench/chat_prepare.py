@@ -19,7 +19,9 @@ Each run, in fresh processes one after the other:
   (importing transformers and loading the tokenizer, a fixed few seconds) is timed apart and
   reported beside it, not in the rate.
 
-ratio = prepare tokens/s ÷ baseline tokens/s, per run; the table gives the medians.
+ratio = prepare tokens/s ÷ baseline tokens/s, per run; the table gives the medians. Also
+the CPU-time ratio (baseline CPU seconds ÷ prepare CPU seconds for the same tokens, from
+getrusage, children included): on a shared machine it moves less with the other load.
 
     .venv/bin/python bench/chat_prepare.py [--n 20000] [--runs 3] [--write docs/benchmarks.md | --write '']
 """
@@ -110,10 +112,18 @@ def baseline(data_path: str, target: str) -> dict:
         got = r.spans(row.messages, row.tools)
         if not isinstance(got, str):
             texts.append(got[0])
-    t0 = time.perf_counter()
+    c0, t0 = cpu_seconds(), time.perf_counter()
     encodings = r.backend.encode_batch(texts, add_special_tokens=False)
-    secs = time.perf_counter() - t0
-    return {"seconds": secs, "samples": len(texts), "tokens": sum(len(e.ids) for e in encodings)}
+    secs, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+    return {"seconds": secs, "cpu": cpu, "samples": len(texts), "tokens": sum(len(e.ids) for e in encodings)}
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process (all its threads) and its reaped children."""
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def ours(data_path: str, target: str) -> dict:
@@ -127,12 +137,12 @@ def ours(data_path: str, target: str) -> dict:
     load_tokenizer(target)
     startup = time.perf_counter() - t0
     out = tempfile.mkdtemp(prefix="bench-chat-")
-    t0 = time.perf_counter()
+    c0, t0 = cpu_seconds(), time.perf_counter()
     meta = prepare([data_path], os.path.join(out, "d"), progress_every=0, log=lambda line: None,
                    chat=ChatOptions(target=target, thinking=True))
-    secs = time.perf_counter() - t0
+    secs, cpu = time.perf_counter() - t0, cpu_seconds() - c0
     subprocess.run(["rm", "-rf", out], check=True)
-    return {"seconds": secs, "samples": meta["samples"], "tokens": meta["tokens"], "startup": startup,
+    return {"seconds": secs, "cpu": cpu, "samples": meta["samples"], "tokens": meta["tokens"], "startup": startup,
             "skipped": sum(meta["chat"]["skipped"].values())}
 
 
@@ -163,19 +173,23 @@ def main() -> None:
     if not os.path.exists(data_path):
         make_dataset(data_path + ".tmp", args.n)
         os.replace(data_path + ".tmp", data_path)
-    rows = []
+    rows, loads = [], [os.getloadavg()[0]]
     for run in range(args.runs):
         b = child("baseline", data_path, target)
         o = child("ours", data_path, target)
         assert b["tokens"] == o["tokens"], (b, o)  # the same texts, the same ids
         rows.append((b, o))
+        loads.append(os.getloadavg()[0])
         print(f"run {run + 1}: baseline {b['tokens'] / b['seconds']:,.0f} tokens/s ({b['seconds']:.1f} s), "
               f"prepare {o['tokens'] / o['seconds']:,.0f} tokens/s ({o['seconds']:.1f} s), "
-              f"ratio {(o['tokens'] / o['seconds']) / (b['tokens'] / b['seconds']):.3f}", flush=True)
+              f"ratio {(o['tokens'] / o['seconds']) / (b['tokens'] / b['seconds']):.3f}; CPU s baseline "
+              f"{b['cpu']:.1f} prepare {o['cpu']:.1f} (ratio {b['cpu'] / o['cpu']:.3f}); load {os.getloadavg()[0]:.1f}",
+              flush=True)
     b_rate = statistics.median(b["tokens"] / b["seconds"] for b, _ in rows)
     o_rate = statistics.median(o["tokens"] / o["seconds"] for _, o in rows)
     ratio = statistics.median((o["tokens"] / o["seconds"]) / (b["tokens"] / b["seconds"]) for b, o in rows)
     o_samples = statistics.median(o["samples"] / o["seconds"] for _, o in rows)
+    cpu_ratio = statistics.median(b["cpu"] / o["cpu"] for b, o in rows)
     b0, o0 = rows[0]
     seed_h = SEED_TOKENS / o_rate / 3600
     cores = len(os.sched_getaffinity(0))
@@ -192,6 +206,11 @@ mean {o0['tokens'] / o0['samples']:,.0f} tokens), Qwen3.6's vocabulary and Qwen3
 | `encode_batch`, every core (baseline) | {b_rate:,.0f} | {statistics.median(b['samples'] / b['seconds'] for b, _ in rows):,.0f} |
 | `prepare`, {cores} worker processes | {o_rate:,.0f} | {o_samples:,.0f} |
 | **ratio (median of the per-run ratios)** | **{ratio:.2f}×** | |
+
+CPU time (user + system, every thread and worker process) per token, the figure a busy
+machine disturbs least: baseline ÷ prepare = **{cpu_ratio:.2f}** (median of the per-run
+ratios: {"; ".join(f"{b['cpu'] / o['cpu']:.3f}" for b, o in rows)}). The 1-minute load average on the
+machine was {min(loads):.1f}–{max(loads):.1f} during the runs (2 cores; other jobs ran beside).
 
 Start-up before the first sample (transformers import + tokenizer load), median:
 {statistics.median(o['startup'] for _, o in rows):.1f} s. Per-run ratios: {"; ".join(f"{(o['tokens'] / o['seconds']) / (b['tokens'] / b['seconds']):.3f}" for b, o in rows)}.

@@ -16,8 +16,6 @@ import os
 import signal
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -148,10 +146,8 @@ def iter_samples(path: str, opts: ChatOptions, renderer: Renderer, stats: ChatSt
     global _RENDERER
     _RENDERER = renderer  # inherited by the forked workers: no tokenizer load per worker
     workers = opts.workers or cores()
-    # concurrent.futures, not multiprocessing.Pool: a worker that dies (the OOM killer) is a
-    # BrokenProcessPool here, where Pool would wait for its lost batch forever.
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
-                               initializer=_init_worker, initargs=(form,))
+    pool = multiprocessing.get_context("fork").Pool(workers, initializer=_init_worker, initargs=(form,))
+    started = list(pool._pool)  # Pool replaces a dead worker silently and its batch is lost: watch them
     pending: collections.deque = collections.deque()
     finished = False
     try:
@@ -162,15 +158,18 @@ def iter_samples(path: str, opts: ChatOptions, renderer: Renderer, stats: ChatSt
                 if batch is None:
                     break
                 size = sum(len(item[0]) for item in batch) if fmt == "jsonl" else None
-                pending.append((pool.submit(_work, batch), size))
+                pending.append((pool.apply_async(_work, (batch,)), size))
             if not pending:
                 break
             job, size = pending.popleft()
-            try:
-                results = job.result()
-            except BrokenProcessPool:
-                raise WorkerDied("prepare: a worker process died (killed, perhaps for memory); "
-                                 "nothing written — try fewer --workers") from None
+            while True:
+                try:
+                    results = job.get(timeout=1.0)
+                    break
+                except multiprocessing.TimeoutError:
+                    if any(p.exitcode is not None for p in started):
+                        raise WorkerDied("prepare: a worker process died (killed, perhaps for memory); "
+                                         "nothing written — try fewer --workers") from None
             if size is not None:
                 stats.done_bytes = (stats.done_bytes or 0) + size
             for result in results:
@@ -192,13 +191,10 @@ def iter_samples(path: str, opts: ChatOptions, renderer: Renderer, stats: ChatSt
         finished = True
     finally:
         if finished:
-            pool.shutdown()
+            pool.close()
         else:  # stopped early (a signal, --strict, an error): the workers' batches are not wanted
-            for job, _ in pending:
-                job.cancel()
-            for proc in list(getattr(pool, "_processes", {}).values()):
-                proc.terminate()
-            pool.shutdown(wait=True, cancel_futures=True)
+            pool.terminate()
+        pool.join()
 
 
 class Progress:
