@@ -81,6 +81,48 @@ ENV_RESUME_FROM = "DFLASH_RESUME_FROM"
 ENV_WORKSPACE = "DFLASH_WORKSPACE"  # agent default workspace; runs live in <workspace>/runs/<id>
 DEFAULT_WORKSPACE = "/workspace"
 
+# --- run ids: the one grammar, made by new_run_id and checked by every command that takes
+# one (`ctl … --run ID` before anything is sent; the agent before it builds a path from it).
+# <config name>-<UTC YYYYmmdd>-<HHMMSS>-<4 hex digits>; the config name starts with a letter
+# or digit (controller/runconfig.py holds it to RUN_NAME_PATTERN), so no id is empty, names
+# a path or reads as an option.
+RUN_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
+RUN_ID_PATTERN = RUN_NAME_PATTERN + r"-[0-9]{8}-[0-9]{6}-[0-9a-f]{4}"
+RUN_ID_EXAMPLE = "tiny-20261201-114702-3fa9"
+
+
+def new_run_id(config_name: str, now: float | None = None) -> str:
+    """Sortable by start time, unique without asking the container: name-YYYYmmdd-HHMMSS-xxxx."""
+    import secrets
+    import time
+
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now or time.time()))
+    run_id = f"{config_name}-{stamp}-{secrets.token_hex(2)}"
+    problem = run_id_problem(run_id)
+    if problem:
+        raise ValueError(problem)
+    return run_id
+
+
+def run_id_problem(run_id: Any) -> str | None:
+    """None for an id of the grammar above; else one line saying what is wrong and the fix."""
+    import re
+
+    if not isinstance(run_id, str) or not run_id:
+        return (f"--run {run_id!r}: a run id cannot be empty; name one (`ctl runs` lists them), or leave --run "
+                "out for the latest run")
+    if re.fullmatch(RUN_ID_PATTERN, run_id):
+        return None
+    if run_id.startswith("-"):
+        why = "it reads as an option"
+    elif "/" in run_id or run_id in (".", ".."):
+        why = "it is a path, not a run id"
+    else:
+        why = "not a run id ctl launch makes"
+    return (f"--run {run_id!r}: {why}; a run id is NAME-YYYYmmdd-HHMMSS-xxxx, e.g. {RUN_ID_EXAMPLE} "
+            "(`ctl runs` lists them)")
+
+
 # `agent follow --run ID --from SEQ` prints the records with seq > SEQ: seq starts at 1, so
 # `--from 0` is the whole stream and a client reconnects with the last seq it saw. The last
 # record of a finished run is a "status" record whose payload state is terminal.
@@ -140,17 +182,23 @@ class StreamKind(str, enum.Enum):
 
 # Trainer events (one JSON object per line in events.jsonl). Common keys: ts, rank, role,
 # gpu, kind. Kinds and their extra keys:
-#   phase       phase: loading|probing|training|saving|evaluating|done|stopping
+#   phase       phase: loading|probing|training|saving|evaluating|done|stopping (train);
+#               serving|regenerating|done|stopping (regenerate: role "regenerate", rank null)
 #   step        step, total_steps, epoch, loss, ce, kl, cap, lr, grad_norm, tokens,
 #               tokens_per_s, drafted_per_s, acc (per-slot accuracy list), mem_peak_mib, wait_s
 #   checkpoint  step, path
 #   eval        step, tau
-#   error       error (cuda_oom|exception|nccl_timeout), message, traceback
+#   error       error (cuda_oom|exception|nccl_timeout; serve: regenerate's --serve server did not come up), message, traceback
 #   probe       peak_mib per role/gpu, fits, budget
 #   launch      (the launching parent, rank null) rdzv_endpoint, nproc, ranks [{rank, role, gpu}]: the
 #               ranks this container will run, before torchrun starts them (the start-up deadline
 #               names the ones that never heartbeat)
-EVENT_KINDS = ("phase", "step", "checkpoint", "eval", "error", "probe", "launch")
+#   progress    (a data job: python -m trainer regenerate) done, failed, skipped, total (input rows;
+#               done + failed + skipped = total once the input is gone through), skipped_by_cause,
+#               in_flight, requests, output_tokens, elapsed_s, requests_per_s, output_tokens_per_s,
+#               eta_s (null until a row finished); the last one of a run adds final: true and
+#               stopped (true: SIGTERM, resumable)
+EVENT_KINDS = ("phase", "step", "checkpoint", "eval", "error", "probe", "launch", "progress")
 
 # Agent events (stream kind "event", payload key "kind" = "agent.<name>"): the agent's own
 # observations, next to the trainer's events. "agent.failure" carries "failure" (a
@@ -344,6 +392,16 @@ def atomic_write(path: str, data: str | bytes, mode: int = 0o644) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+def fmt_duration(seconds: float | None) -> str:
+    """How every part shows a duration or an ETA (ctl status and tail, the regenerate job): 1h02m, 3m05s, 42s."""
+    if seconds is None:
+        return "—"
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
 
 def atomic_write_json(path: str, obj: Any, mode: int = 0o644) -> None:

@@ -56,6 +56,55 @@ def append_history(workspace: str, record: dict) -> dict:
     return record
 
 
+CLAIM = ".dflash-ctl/rollback.claim"  # one kill-and-rollback at a time in a container
+
+
+def claim(workspace: str, holder: str, ttl_s: float) -> dict:
+    """Take the container's kill-and-rollback claim, or say who holds it. Two at once would
+    each stop the run and each write a kill and a rollback record; the second is refused
+    instead. A claim past its ``expires`` (its ctl died without releasing) is taken over.
+
+    Check and take happen under an flock of a sibling lock file, and the claim appears with
+    its content (written to a temp file, renamed): an O_EXCL create followed by a write let a
+    second taker read the still-empty file as torn, call it stale and take it too."""
+    import secrets
+
+    path = os.path.join(workspace, CLAIM)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    lock_fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        now = time.time()
+        held = read_json_doc(path)
+        if held is not None and float(held.get("expires") or 0) > now:
+            return {"claimed": False, "holder": held}
+        mine = {"holder": holder, "ts": now, "expires": now + ttl_s, "token": secrets.token_hex(8)}
+        tmp = f"{path}.tmp.{os.getpid()}"
+        with open(tmp, "w") as fh:
+            json.dump(mine, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        return {"claimed": True, "token": mine["token"]}
+    finally:
+        os.close(lock_fd)
+
+
+def release(workspace: str, token: str) -> bool:
+    """Drop the claim if it is still the one ``token`` took."""
+    path = os.path.join(workspace, CLAIM)
+    lock_fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        held = read_json_doc(path)
+        if held is None or held.get("token") != token:
+            return False
+        os.unlink(path)
+        return True
+    finally:
+        os.close(lock_fd)
+
+
 def read_history(workspace: str, run: Optional[str] = None, limit: int = 0) -> list[dict]:
     out = [rec for _, rec in protocol.read_json_lines(history_path(workspace))
            if run is None or rec.get("run") == run]
@@ -174,6 +223,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     s = sub.add_parser("run-info")
     s.add_argument("--run", help="default: the live run, else the newest")
     sub.add_parser("history-append", help="one JSON record on stdin")
+    s = sub.add_parser("claim", help="take the container's kill-and-rollback claim")
+    s.add_argument("--holder", required=True)
+    s.add_argument("--ttl", type=float, required=True)
+    s = sub.add_parser("release", help="drop the claim taken with --token")
+    s.add_argument("--token", required=True)
     s = sub.add_parser("history")
     s.add_argument("--run")
     s.add_argument("--limit", type=int, default=0)
@@ -192,6 +246,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         from agent import gpus
 
         body = gpus.sample()
+    elif args.verb == "claim":
+        body = claim(args.workspace, args.holder, args.ttl)
+    elif args.verb == "release":
+        body = {"released": release(args.workspace, args.token)}
     elif args.verb == "history-append":
         body = {"record": append_history(args.workspace, json.load(sys.stdin))}
     else:

@@ -179,9 +179,14 @@ def load(explicit: Optional[str | Path] = None) -> Config:
             raise ConfigError(f"config file {path} does not exist")
         return Config()
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+                          "save it as UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc.strerror})") from None
     try:
         unknown = sorted(set(data) - {"default_node", "nodes"})
         if unknown:

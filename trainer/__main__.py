@@ -1,4 +1,4 @@
-"""``python -m trainer``: train a DFlash drafter; ``prepare``, ``tiny``, ``synthetic``, ``export`` and ``flags``
+"""``python -m trainer``: train a DFlash drafter; ``prepare``, ``regenerate``, ``tiny``, ``synthetic``, ``export`` and ``flags``
 subcommands.
 
 Bad input (flags, paths, an incompatible checkpoint, a missing start decision) is refused
@@ -173,6 +173,7 @@ def _subcommand(module: str):
 # `python -m trainer --help` pays for none of them.
 SUBCOMMANDS = {
     "prepare": _subcommand("trainer.data"),
+    "regenerate": _subcommand("trainer.regenerate"),
     "tiny": _subcommand("trainer.tiny"),
     "synthetic": _subcommand("trainer.synthetic"),
     "export": _subcommand("trainer.export"),

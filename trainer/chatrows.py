@@ -76,7 +76,8 @@ class ChatRow:
 
     ``id``: the row's own ``id`` field when it is a string or an integer (kept as it is),
     else the SHA-256 hex of the normalized messages (and tools) — identical conversations
-    share that id. ``messages``: OpenAI-form messages (empty when the row is unusable).
+    share that id. ``messages``: OpenAI-form messages (empty when the row is unusable,
+    except a prompt-only row, ``no_assistant_turn``, which keeps them for regenerate).
     ``where``: ``file:line`` or ``file:row N``. ``problem``: ``None``, or a ``CAUSES`` code.
     ``tools``: the row's tool schemas (OpenAI ``tools`` list) when it has them.
     """
@@ -108,13 +109,14 @@ def row_from_obj(obj: Any, where: str, form: str | None = None) -> ChatRow:
     if not raw:
         return _bad(obj, own_id, where, "empty_conversation")
     messages, problem = (_from_openai(raw) if use == "openai" else _from_sharegpt(raw, obj.get("system")))
-    if problem is None and not any(m["role"] == "assistant" for m in messages):
-        problem = "no_assistant_turn"
     tools, tools_problem = _tools(obj.get("tools"))
     problem = problem or tools_problem
     if problem:
         return _bad(obj, own_id, where, problem)
     rid = own_id if own_id is not None else conversation_id(messages, tools)
+    if not any(m["role"] == "assistant" for m in messages):
+        # A prompt-only row keeps its messages: prepare skips it, regenerate answers it.
+        return ChatRow(rid, messages, where, "no_assistant_turn", tools)
     return ChatRow(rid, messages, where, None, tools)
 
 

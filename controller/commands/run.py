@@ -7,9 +7,7 @@
 
 Every command is one SSH connection. Without --container the last launch's container is
 used (remembered beside the controller config); without --run, the latest run there.
-Exit codes: 0 ok (a followed run completed), 1 the run failed, 2 bad input, 3 launch
-refused (preflight or drift; nothing was started), 4 the run stopped or its agent is gone,
-255 the node could not be reached.
+Exit codes: controller/exitcodes.py (`ctl status` and `ctl tail` of a failed run exit 1).
 """
 
 from __future__ import annotations
@@ -21,7 +19,8 @@ from typing import Optional
 import typer
 
 from agent.protocol import RunStatus
-from controller.commands.remote import EXIT_CONFIG, EXIT_FAILED, EXIT_NOT_DONE, TrustOpt, container_session, fail
+from controller.commands.remote import (EXIT_CONFIG, EXIT_FAILED, EXIT_NOT_DONE, TrustOpt, container_session, fail,
+                                        run_option)
 from controller.container import Container
 from controller.jobview import ContainerStream, last_launch_path
 
@@ -30,7 +29,7 @@ NodeOpt = typer.Option(None, "--node", "-n", help="node name from the controller
 CtlConfigOpt = typer.Option(None, "--ctl-config", help="controller config (default: $DFLASH_CTL_CONFIG, else "
                                                        "~/.config/dflash-ctl/config.toml)")
 ContainerOpt = typer.Option(None, "--container", "-c", help="container id (default: the last launch's)")
-RunOpt = typer.Option(None, "--run", "-r", help="run id (default: the latest run in the container)")
+RunOpt = run_option("run id (default: the latest run in the container)")
 
 
 def container_or_last_launch(container: Optional[int], node: Optional[str], ctl_config: Optional[str]) -> tuple[int, Optional[str]]:
@@ -75,10 +74,12 @@ def _follow(ct: Container, caller, run_id: Optional[str], since: int, follow: bo
         typer.echo(f"ctl: connection lost ({why.splitlines()[0][:120]}); reconnecting (#{n}) from seq "
                    f"{printer_last['seq']}", err=True)
 
-    printer_last = {"seq": since}
+    printer_last = {"seq": since, "state": None}
 
     def on_record(rec: dict) -> None:
         printer_last["seq"] = rec["seq"]
+        if rec.get("kind") == "status" and isinstance(rec.get("payload"), dict):
+            printer_last["state"] = rec["payload"].get("state")
         printer(rec)
 
     with live if live else contextlib.nullcontext():
@@ -92,8 +93,8 @@ def _follow(ct: Container, caller, run_id: Optional[str], since: int, follow: bo
         return 0
     if result.gaps:
         typer.echo(f"ctl: warning: the stream skipped seq ranges {result.gaps}", err=True)
-    if not follow:
-        return 0
+    if not follow:  # what exists now: a stream that ends in the run's failure says so
+        return EXIT_FAILED if printer_last["state"] == "failed" else 0
     state = result.state
     status = RunStatus.from_json(result.status)
     if state == "failed":
@@ -182,6 +183,16 @@ def status_command(
         else:
             for line in render_status(reply, ct.ctid, ct.node_name):
                 typer.echo(line)
+    # A script's `ctl status || alert` sees a failed run (controller/exitcodes.py).
+    raise typer.Exit(EXIT_FAILED if _state_of(reply) == "failed" else 0)
+
+
+def _state_of(reply: dict) -> Optional[str]:
+    try:
+        state = RunStatus.from_json(reply.get("status")).state
+    except (ValueError, TypeError):
+        return None
+    return state.value if state else None
 
 
 def runs_command(
