@@ -174,7 +174,7 @@ def run(args, topo) -> int:
         # spin-wait for each other (measured 8 ms per 64-wide linear on a loaded 2-core VM).
         torch.set_num_threads(1)
     run_dir = run_dir_of(args)
-    os.makedirs(run_dir, exist_ok=True)
+    ckpt_io.make_public_dir(run_dir)  # often the output dir itself: readable by a server's user
     events = Events(run_dir, topo.rank, topo.role, topo.gpu)
     hb = Heartbeat(run_dir, topo.rank, topo.role, topo.gpu)
     hb.beat(0, "loading")
@@ -187,7 +187,11 @@ def run(args, topo) -> int:
         hb.beat(0, "failed")
         events.close()
         return refused
-    os.makedirs(args.output_dir, exist_ok=True)
+    ckpt_io.make_public_dir(args.output_dir)
+    if topo.is_log_rank and not args.probe_memory:
+        for gone in ckpt_io.sweep_leftovers(args.output_dir, run_dir):
+            print(f"python -m trainer: removed {gone['path']} ({gone['bytes'] / 2**20:.1f} MiB), left by an "
+                  "interrupted save", flush=True)
     try:
         if args.probe_memory:
             return probe(args, topo, events, hb)
@@ -198,7 +202,7 @@ def run(args, topo) -> int:
         events.emit("error", error="cuda_oom" if oom else ("nccl_timeout" if timeout else "exception"),
                     message=f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
                     traceback=traceback.format_exc())
-        hb.beat(-1, "failed")
+        hb.beat(None, "failed")
         raise
     finally:
         events.close()
