@@ -105,10 +105,46 @@ def release(workspace: str, token: str) -> bool:
         os.close(lock_fd)
 
 
-def read_history(workspace: str, run: Optional[str] = None, limit: int = 0) -> list[dict]:
-    out = [rec for _, rec in protocol.read_json_lines(history_path(workspace))
-           if run is None or rec.get("run") == run]
-    return out[-limit:] if limit else out
+def history_problem(rec) -> Optional[str]:
+    """Why a history line is not a record ({"event": str, "ts": number, "run": str|None, …})."""
+    if not isinstance(rec, dict):
+        return f"not a JSON object but {type(rec).__name__}"
+    ts = rec.get("ts")
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool):
+        return f"'ts' is {json.dumps(ts)[:40]}, not a number"
+    if not isinstance(rec.get("event"), str):
+        return f"'event' is {json.dumps(rec.get('event'))[:40]}, not a string"
+    if rec.get("run") is not None and not isinstance(rec.get("run"), str):
+        return f"'run' is {json.dumps(rec.get('run'))[:40]}, not a string"
+    return None
+
+
+def read_history(workspace: str, run: Optional[str] = None, limit: int = 0) -> tuple[list[dict], list[str]]:
+    """(the records, one line per line of history.jsonl that is not a record: its number
+    and why). A torn last line (a crash mid-append) is neither: it is skipped."""
+    path = history_path(workspace)
+    out, problems = [], []
+    try:
+        fh = open(path, "rb")
+    except FileNotFoundError:
+        return [], []
+    with fh:
+        for number, raw in enumerate(fh, 1):
+            if not raw.endswith(b"\n"):
+                break
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError):
+                problems.append(f"{path} line {number}: not JSON: {raw[:60].decode('utf-8', 'replace').strip()!r}")
+                continue
+            problem = history_problem(rec)
+            if problem:
+                problems.append(f"{path} line {number}: {problem}")
+            elif run is None or rec.get("run") == run:
+                out.append(rec)
+    return (out[-limit:] if limit else out), problems
 
 
 def _pid_of(path: str) -> Optional[int]:
@@ -167,8 +203,15 @@ def latest_run(workspace: str) -> Optional[str]:
 def run_info(workspace: str, run: str) -> dict:
     """State, spec, launch record and last checkpoint of one run (what the report needs)."""
     run_dir = os.path.join(workspace, "runs", run)
+    from agent.rundir import RunDir, read_status
+
     info: dict = {"run": run, "run_dir": run_dir, "exists": os.path.isdir(run_dir)}
-    status, result = protocol.RunStatus.load(os.path.join(run_dir, protocol.STATUS)), protocol.RunResult.load(os.path.join(run_dir, protocol.RESULT))
+    status, corrupt = read_status(RunDir(run_dir))
+    try:
+        result = protocol.RunResult.load(os.path.join(run_dir, protocol.RESULT))
+    except protocol.CorruptFile as exc:
+        result, corrupt = None, str(exc)
+    info["corrupt"] = corrupt
     info["status"] = status.to_json() if status.state else None
     info["result"] = result.to_json() if result else None
     info["spec"] = _read(os.path.join(run_dir, protocol.SPEC))
@@ -253,7 +296,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     elif args.verb == "history-append":
         body = {"record": append_history(args.workspace, json.load(sys.stdin))}
     else:
-        body = {"records": read_history(args.workspace, args.run, args.limit)}
+        records, problems = read_history(args.workspace, args.run, args.limit)
+        body = {"records": records, "problems": problems}
     body["ok"] = True
     sys.stdout.write(wrap_payload(body))
     return 0

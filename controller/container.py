@@ -24,6 +24,10 @@ class ContainerError(Exception):
     """Something about the container stops us; the message names it and what to do."""
 
 
+class ContainerStopped(ContainerError):
+    """The container is not running (stopped, or restarting): a follower waits for it."""
+
+
 class ContainerMissing(ContainerError):
     """The container id names no container on the node: bad input, like a wrong option."""
 
@@ -121,7 +125,7 @@ class Container:
     def check_running(self) -> None:
         state = self.status()
         if state != "running":
-            raise ContainerError(f"container {self.ctid} on node {self.node_name} is {state}: "
+            raise ContainerStopped(f"container {self.ctid} on node {self.node_name} is {state}: "
                                  f"start it with {pct.start_hint(self.node, self.ctid)}")
 
     # -- files ----------------------------------------------------------------------------

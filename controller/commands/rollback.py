@@ -89,7 +89,10 @@ def history_command(
 ) -> None:
     """Every kill and rollback in the container, oldest first (kept in its workspace)."""
     with container_session(container, node, config, trust_new_host_key) as ct:
-        records = eg.recovery(ct, "history", *(["--run", run] if run else []), "--limit", str(limit))["records"]
+        reply = eg.recovery(ct, "history", *(["--run", run] if run else []), "--limit", str(limit))
+    records = reply["records"]
+    for problem in reply.get("problems") or []:  # a line that is not a record: named, never a traceback
+        typer.echo(f"ctl: warning: container {container}: {problem} (line skipped)", err=True)
     for rec in records:
         if as_json:
             typer.echo(json.dumps(rec, sort_keys=True))
