@@ -26,7 +26,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from trainer.flags import EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED, EXIT_USAGE, UsageParser
+from trainer.flags import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED, EXIT_USAGE, UsageParser
 
 FORMAT = "dflash-prepared-data"
 FORMAT_VERSION = 1
@@ -652,6 +652,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:  # DataError, and the chat readers' one-line errors
         print(f"prepare: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    except RuntimeError as exc:  # chat_prepare.WorkerDied
+        print(str(exc), file=sys.stderr, flush=True)
+        return EXIT_FAILURE
     except _Stopped:
         print("prepare: stopped (SIGTERM); nothing written", file=sys.stderr, flush=True)
         return EXIT_STOPPED
