@@ -83,7 +83,7 @@ def test_a_run_start_removes_an_earlier_runs_torn_save_and_makes_its_dirs_world_
     try:
         assert main(base_args(*tiny, str(root / "new-run"), "--from-scratch", "--max-steps", "1",
                               "--save-interval", "1")) == 0
-        from trainer.checkpoint import make_public_dir
+        from trainer.drafter_dir import make_public_dir
 
         make_public_dir(str(tmp_path / "a" / "b" / "c"))  # every parent it creates, too
     finally:

@@ -308,7 +308,7 @@ def relaunch(argv: list[str], world: int, args, launcher: list[str] | None = Non
     job = multinode.is_job(vars(args))
     plan = topology.rank_plan(args.target_gpus, args.drafter_gpus, multinode.rank_base(vars(args)) if job else 0)
     run_dir = run_dir_of(args)
-    from trainer.checkpoint import make_public_dir
+    from trainer.drafter_dir import make_public_dir
 
     make_public_dir(run_dir)  # often the output dir itself: readable by a server's user (issue 26)
     events = Events(run_dir, None, "launcher", None)

@@ -30,6 +30,7 @@ import torch
 
 from agent import ckptcompat
 from agent.protocol import atomic_write_json
+from trainer.drafter_dir import make_public_dir  # re-exported: train.py and __main__ use it from here
 
 FORMAT = "dflash-trainer-checkpoint"
 VERSION = 1
@@ -113,26 +114,6 @@ def save(output_dir: str, step: int, drafter, meta: dict, state: dict) -> str:
             os.unlink(tmp_pt)
         raise
     return path
-
-
-def make_public_dir(path: str, mode: int = 0o755) -> None:
-    """``path`` and every parent it creates, ``mode`` whatever the umask: under umask 077 a
-    plain makedirs gives 0700 and another user (a serving container) cannot reach the 0644
-    files inside (issue 26). Directories that were already there keep their mode."""
-    path = os.path.abspath(path)
-    missing = []
-    while not os.path.isdir(path):
-        missing.append(path)
-        parent = os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    for d in reversed(missing):
-        try:
-            os.mkdir(d, mode)
-        except FileExistsError:
-            continue
-        os.chmod(d, mode)
 
 
 def sweep_leftovers(output_dir: str, run_dir: str | None = None) -> list[dict]:

@@ -218,7 +218,6 @@ def write_drafter_dir(dest: str, state_dict: dict, meta: dict, *, dtype: str = "
                     (meta.get("config") or {}).get("max_seq_len"))
     n_params = sum(t.numel() for t in tensors.values())
     from agent.leftovers import writer_tag
-    from trainer.checkpoint import make_public_dir
 
     make_public_dir(parent)
     tmp = tempfile.mkdtemp(prefix=f".{base}.tmp-{writer_tag()}-", dir=parent)  # swept once its writer is gone
@@ -300,3 +299,21 @@ def _numel(shape) -> int:
     return n
 
 
+def make_public_dir(path: str, mode: int = 0o755) -> None:
+    """``path`` and every parent it creates, ``mode`` whatever the umask: under umask 077 a
+    plain makedirs gives 0700 and another user (a serving container) cannot reach the 0644
+    files inside (issue 26). Directories that were already there keep their mode."""
+    path = os.path.abspath(path)
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, mode)
+        except FileExistsError:
+            continue
+        os.chmod(d, mode)
