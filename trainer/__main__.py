@@ -176,6 +176,7 @@ SUBCOMMANDS = {
     "tiny": _subcommand("trainer.tiny"),
     "synthetic": _subcommand("trainer.synthetic"),
     "export": _subcommand("trainer.export"),
+    "served-check": _subcommand("trainer.served"),
     "flags": _flags_main,
 }
 
