@@ -232,6 +232,15 @@ def export_command(
     else:
         typer.echo(f"{dest}: step {manifest['step']} of run {run_id} ({manifest['checkpoint']} in {ct}), "
                    f"{len(manifest['files'])} files, {manifest['bytes'] / 2**20:.1f} MiB, sha256 verified")
+    say(served_check_hint(dest))
+
+
+def served_check_hint(dest: Path) -> str:
+    """The served-τ gate, offered after every export (stderr: stdout stays the result)."""
+    from trainer.served import PROG
+
+    return (f"check that it serves with its trained τ: {PROG} {dest} --target TARGET_DIR --data DATA_DIR "
+            "(vLLM; docs/export.md)")
 
 
 class _progress:
