@@ -3,8 +3,8 @@ scripts/setup.sh) serves the tiny target of ``python -m trainer tiny`` (head_dim
 attention refuses 16) with a drafter trained on CPU and exported, greedily, through
 ``python -m trainer served-check`` (trainer/served.py). Its output must be the target's greedy
 output token for token and τ from vLLM's own counters within the gate's tolerance of our
-evaluator's on the same 10 held-out prompts; an export whose ``eagle_aux_hidden_state_layer_ids``
-(the taps vLLM reads) was altered must fail the gate, the cause named.
+evaluator's on the same 10 held-out prompts; an export one of whose layers was zeroed must fail
+the gate against its checkpoint, the cause named.
 
 Two vLLM engine starts (one per export), about a minute each on 2 cores; marked ``vllm`` so
 ``pytest -m vllm`` selects them, and they run in the non-sim pytest process.
@@ -49,9 +49,10 @@ def pair(tmp_path_factory):
     return {"root": root, "target": target, "data": data, "export": export}
 
 
-def served_check(pair, export) -> tuple[int, dict, str]:
+def served_check(pair, export, *extra) -> tuple[int, dict, str]:
     p = subprocess.run([sys.executable, "-m", "trainer", "served-check", str(export), "--target", pair["target"],
-                        "--data", pair["data"], "--eval-prompts", str(PROMPTS), "--max-new", str(MAX_NEW), "--json"],
+                        "--data", pair["data"], "--eval-prompts", str(PROMPTS), "--max-new", str(MAX_NEW), "--json",
+                        *extra],
                        cwd=REPO, capture_output=True, text=True, timeout=900,
                        env={**os.environ, "PYTHONPATH": REPO})
     assert p.stdout.strip(), p.stderr[-3000:]
@@ -83,18 +84,20 @@ def test_vllm_serves_the_export_losslessly_with_the_trained_tau(pair):
     assert abs(r["tau_served"] - r["tau_trained"]) <= TOLERANCE * r["tau_trained"]
 
 
-def test_the_gate_fails_an_export_whose_served_taps_were_altered_and_names_why(pair):
-    bad = pair["root"] / "export-bad-taps"
+def test_the_gate_fails_an_export_with_a_zeroed_layer_against_its_checkpoint_and_names_why(pair):
+    from safetensors.torch import load_file, save_file
+
+    bad = pair["root"] / "export-zeroed-layer"
     shutil.copytree(pair["export"], bad)
-    cfg = json.loads((bad / "config.json").read_text())
-    assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 3]
-    cfg["eagle_aux_hidden_state_layer_ids"] = [1, 3]  # what vLLM feeds the drafter; ours reads dflash_config
-    (bad / "config.json").write_text(json.dumps(cfg, indent=1, sort_keys=True))
-    rc, r, _ = served_check(pair, bad)
+    w = load_file(str(bad / "model.safetensors"))
+    save_file({k: (v * 0 if k.startswith("layers.0.") else v) for k, v in w.items()}, str(bad / "model.safetensors"),
+              metadata={"format": "pt"})
+    rc, r, _ = served_check(pair, bad, "--checkpoint", str(pair["root"] / "out"))
     assert rc == 1 and not r["ok"]
     assert r["tau_served"] < r["tau_trained"] * (1 - r["tolerance"])
     said = "\n".join(r["causes"])
-    assert "eagle_aux_hidden_state_layer_ids [1, 3] is not dflash_config.target_layer_ids [1, 2] + 1" in said
+    assert not any(c.startswith("not lossless") for c in r["causes"])  # verification keeps it lossless
+    assert "the export is not the checkpoint: model.safetensors: layers.0.mlp.down_proj.weight is not the checkpoint's" in said
     assert "below trained τ" in said
 
 

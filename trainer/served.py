@@ -1,7 +1,7 @@
 """``python -m trainer served-check``: does the export serve, in vLLM, with the τ it trained with?
 
     python -m trainer served-check EXPORT --target T (--prompts FILE.json | --data DIR)
-        [--eval-prompts N] [--max-new N] [--tolerance F] [--vllm-python PY] [--json]
+        [--eval-prompts N] [--max-new N] [--tolerance F] [--checkpoint CKPT] [--vllm-python PY] [--json]
 
 vLLM serves T with EXPORT as its DFlash drafter, greedy, on the prompts (``--data``: the
 run's held-out prompts, the last ``--eval-prompts`` samples, as the trainer's evaluator takes
@@ -24,8 +24,8 @@ for ``max_new + 1`` tokens: then both decode exactly the same rounds, and the fi
 
 A failing check names its cause (:func:`causes`): the prompt and position where vLLM left
 greedy; the config fields vLLM reads that disagree with what the drafter was trained with
-(``eagle_aux_hidden_state_layer_ids`` ≠ ``dflash_config.target_layer_ids`` + 1, which newer
-vLLM prefers; ``num_speculative_tokens`` ≠ ``block_size`` − 1); the first round where vLLM
+(``eagle_aux_hidden_state_layer_ids`` ≠ ``dflash_config.target_layer_ids`` + 1, which vLLM's GPU runner
+prefers; ``num_speculative_tokens`` ≠ ``block_size`` − 1); the first round where vLLM
 accepted fewer drafts than our evaluator; otherwise the τ ratio. Exit 0 pass, 1 fail, 2 bad
 input (one line).
 
@@ -43,6 +43,7 @@ import sys
 import tempfile
 
 from trainer import flags
+from trainer.drafter_dir import ExportError
 
 PROG = "python -m trainer served-check"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -161,9 +162,39 @@ def causes(report: dict, cfg: dict, tolerance: float) -> list[str]:
     return out
 
 
+def export_differences(export: str, fresh: str) -> list[str]:
+    """What the export holds that the checkpoint (exported afresh, fp32) does not: the config
+    fields the drafter reads and every tensor beyond bf16 rounding."""
+    import torch
+    from safetensors.torch import load_file
+
+    out = []
+    with open(os.path.join(export, "config.json")) as fh:
+        a = json.load(fh)
+    with open(os.path.join(fresh, "config.json")) as fh:
+        b = json.load(fh)
+    for key in ("block_size", "num_hidden_layers", "eagle_aux_hidden_state_layer_ids", "layer_types"):
+        if a.get(key) != b.get(key):
+            out.append(f"config.json {key} {a.get(key)} is not the checkpoint's {b.get(key)}")
+    for key in ("mask_token_id", "target_layer_ids"):
+        x, y = (a.get("dflash_config") or {}).get(key), (b.get("dflash_config") or {}).get(key)
+        if x != y:
+            out.append(f"config.json dflash_config.{key} {x} is not the checkpoint's {y}")
+    wa, wb = load_file(os.path.join(export, "model.safetensors")), load_file(os.path.join(fresh, "model.safetensors"))
+    for name in sorted(set(wa) | set(wb)):
+        if name not in wa or name not in wb:
+            out.append(f"model.safetensors: {name} only in the {'export' if name in wa else 'checkpoint'}")
+        elif wa[name].shape != wb[name].shape or not torch.allclose(
+                wa[name].float(), wb[name].float(), rtol=2 ** -7, atol=1e-6):
+            out.append(f"model.safetensors: {name} is not the checkpoint's (beyond bf16 rounding)")
+    return out
+
+
 def check(export: str, target: str, prompts: list[list[int]], max_new: int = MAX_NEW, tolerance: float = TOLERANCE,
-          python: str | None = None, timeout: float = 900) -> dict:
-    """The whole check: a report with ``ok`` and ``causes``."""
+          python: str | None = None, timeout: float = 900, checkpoint: str | None = None) -> dict:
+    """The whole check: a report with ``ok`` and ``causes``. ``checkpoint``: τ trained is
+    measured on the checkpoint as trained (exported afresh, fp32) instead of on the export,
+    so an export that no longer is what trained (a field or a tensor changed) fails too."""
     export, target = os.path.abspath(export), os.path.abspath(target)
     with open(os.path.join(export, "config.json")) as fh:
         cfg = json.load(fh)
@@ -178,14 +209,27 @@ def check(export: str, target: str, prompts: list[list[int]], max_new: int = MAX
         return {"export": export, "target": target, "prompts": len(prompts), "max_new": max_new,
                 "vllm_max_tokens": max_new + 1, "num_speculative_tokens": num_spec, "tolerance": tolerance,
                 "tau_trained": None, "tau_served": None, "causes": refused, "ok": False}
-    mine = ours(export, target, prompts, max_new)
+    differences = []
+    if checkpoint:
+        from trainer.export import export as export_checkpoint
+
+        with tempfile.TemporaryDirectory(prefix="served-check-trained-") as tmp:
+            fresh = os.path.join(tmp, "fp32")
+            export_checkpoint(checkpoint, fresh, dtype="fp32")
+            differences = export_differences(export, fresh)
+            mine = ours(fresh, target, prompts, max_new)
+    else:
+        mine = ours(export, target, prompts, max_new)
     # vLLM counts the prefill's token as output token 1: one more, so both decode the same rounds
     served = serve(py, target, export, prompts, max_new + 1, num_spec, timeout)
     report = {"export": export, "target": target, "prompts": len(prompts), "max_new": max_new,
               "vllm_max_tokens": max_new + 1, "num_speculative_tokens": num_spec, "tolerance": tolerance,
               "tau_trained": tau_ours(mine), "tau_served": tau_vllm(served["counters"]),
-              "counters": served["counters"], "ours": mine, "vllm": served}
+              "counters": served["counters"], "ours": mine, "vllm": served,
+              "trained_from": checkpoint and os.path.abspath(checkpoint) or export}
     report["causes"] = causes(report, cfg, tolerance)
+    if report["causes"] and differences:
+        report["causes"][-1:-1] = [f"the export is not the checkpoint: {d}" for d in differences]
     report["ok"] = not report["causes"]
     return report
 
@@ -235,6 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tolerance", type=float, default=TOLERANCE, metavar="F",
                    help=f"how far (relative) served τ may fall below trained τ (default {TOLERANCE})")
     p.add_argument("--vllm-python", metavar="PY", help=f"vLLM's interpreter (default {DEFAULT_VLLM_PYTHON})")
+    p.add_argument("--checkpoint", metavar="CKPT", help="measure τ trained on this checkpoint (python -m trainer export's "
+                   "--checkpoint forms) rather than on EXPORT: also catches an export changed since it was written")
     p.add_argument("--json", action="store_true", help="print the whole report as JSON")
     args = p.parse_args(argv)
     try:
@@ -243,8 +289,9 @@ def main(argv: list[str] | None = None) -> int:
                 raise ServedError(f"{what} {path}: no config.json there")
         if args.max_new < 1 or not 0 <= args.tolerance < 1:
             raise ServedError("--max-new must be >= 1 and --tolerance in [0, 1)")
-        report = check(args.export, args.target, load_prompts(args), args.max_new, args.tolerance, args.vllm_python)
-    except ServedError as exc:
+        report = check(args.export, args.target, load_prompts(args), args.max_new, args.tolerance, args.vllm_python,
+                       checkpoint=args.checkpoint)
+    except (ServedError, ExportError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return flags.EXIT_USAGE
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
