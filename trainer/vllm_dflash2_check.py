@@ -6,7 +6,7 @@ model runner (the CPU build has no Triton), so nothing here starts an engine: th
 built by vLLM's ``EngineArgs`` (its V1-runner refusal of candidate-head drafts skipped — this
 loads, it never serves), ``qwen3_dflash2.DFlash2Qwen3ForCausalLM`` is built and its
 ``load_weights`` reads the export's ``model.safetensors`` (the target's embedding and LM head
-are set from the target, as the engine shares them). Then one drafter forward: vLLM's
+are set from the target, as the engine shares them; then its ``process_weights_after_loading``). Then one drafter forward: vLLM's
 ``DFlash2Qwen3Model.forward`` on [bonus, mask × (B−1)] with the context K/V made by its own
 context path (``combine_hidden_states``, ``_project_context_kv``, ``_normalize_context_k``, its
 RoPE kernel); only the attention kernel, which needs the engine's paged KV cache, is replaced
@@ -76,6 +76,10 @@ def main(argv: list[str]) -> int:
         tw = load_file(os.path.join(target, "model.safetensors"))
         m.model.embed_tokens.weight.copy_(tw["model.embed_tokens.weight"].float())
         m.lm_head.weight.copy_(tw["lm_head.weight"].float())
+        # what vLLM's loader does after load_weights (the CPU linear layers' packed kernels)
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+        process_weights_after_loading(m, cfg.speculative_config.draft_model_config, torch.device("cpu"))
         mdl = m.model
 
         taps = inp["taps"].float()
@@ -93,7 +97,7 @@ def main(argv: list[str]) -> int:
             a.attn = ContextAttention(all_k[i], all_v[i], a.num_heads, a.num_kv_heads, a.head_dim)
         ids = torch.tensor([int(inp["bonus"])] + [mdl.mask_token_id] * (B - 1))
         hidden = mdl(ids, torch.arange(n, n + B))
-        unary, cand = m.compute_candidates(hidden[1:])
+        cand, unary = m.compute_candidates(hidden[1:])  # (token ids, logits), best first
         scores = mdl.candidate_selector(cand[None], unary[None], hidden[None, 1:],
                                         torch.tensor([int(inp["bonus"])]))[0]  # [slot, pred, cand]
         drafts, row = [], 0
