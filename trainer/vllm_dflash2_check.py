@@ -74,8 +74,9 @@ def main(argv: list[str]) -> int:
         m = DFlash2Qwen3ForCausalLM(vllm_config=cfg, prefix="").eval()
         m.load_weights((k, v.float()) for k, v in load_file(os.path.join(export, "model.safetensors")).items())
         tw = load_file(os.path.join(target, "model.safetensors"))
-        m.model.embed_tokens.weight.copy_(tw["model.embed_tokens.weight"].float())
-        m.lm_head.weight.copy_(tw["lm_head.weight"].float())
+        emb, head = tw["model.embed_tokens.weight"], tw["lm_head.weight"]  # vLLM pads the vocabulary (to 64)
+        m.model.embed_tokens.weight[:emb.shape[0]].copy_(emb.float())
+        m.lm_head.weight[:head.shape[0]].copy_(head.float())
         # what vLLM's loader does after load_weights (the CPU linear layers' packed kernels)
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
