@@ -1,4 +1,4 @@
-"""``python -m trainer``: train a DFlash drafter; ``prepare``, ``tiny``, ``synthetic``, ``export`` and ``flags``
+"""``python -m trainer``: train a DFlash drafter; ``prepare``, ``tiny``, ``synthetic``, ``export``, ``served-check`` and ``flags``
 subcommands.
 
 Bad input (flags, paths, an incompatible checkpoint, a missing start decision) is refused
