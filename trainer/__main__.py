@@ -1,4 +1,4 @@
-"""``python -m trainer``: train a DFlash drafter; ``prepare``, ``regenerate``, ``tiny``, ``synthetic``, ``export`` and ``flags``
+"""``python -m trainer``: train a DFlash drafter; ``prepare``, ``regenerate``, ``tiny``, ``synthetic``, ``export``, ``served-check`` and ``flags``
 subcommands.
 
 Bad input (flags, paths, an incompatible checkpoint, a missing start decision) is refused
@@ -177,6 +177,7 @@ SUBCOMMANDS = {
     "tiny": _subcommand("trainer.tiny"),
     "synthetic": _subcommand("trainer.synthetic"),
     "export": _subcommand("trainer.export"),
+    "served-check": _subcommand("trainer.served"),
     "flags": _flags_main,
 }
 

@@ -1,9 +1,9 @@
 """A tiny Qwen3 target and a dataset of its own greedy continuations, for tests and demos.
 
-``python -m trainer tiny --out DIR [--seed S] [--samples N]`` writes
+``python -m trainer tiny --out DIR [--seed S] [--samples N] [--head-dim D]`` writes
 
 - ``DIR/target``: a random-weight ``Qwen3ForCausalLM`` (vocab 512, hidden 64, 4 layers,
-  4 heads / 2 KV heads, head_dim 16), saved with ``save_pretrained`` (safetensors). The last
+  4 heads / 2 KV heads, head_dim 32 unless ``--head-dim``), saved with ``save_pretrained`` (safetensors). The last
   vocabulary id is reserved as the drafter's mask token: its LM-head row is zeroed and it is
   suppressed during generation, so it never appears in the data. ``mask_token_id`` is in
   ``config.json`` and in ``dflash_tiny.json`` beside it.
@@ -37,9 +37,13 @@ PROMPT_LEN = 8  # random prompt tokens; equal for all, so generation batches wit
 MAX_LOSS_START = 32  # the loss starts at a random position in [PROMPT_LEN, MAX_LOSS_START]
 CHUNK = 128  # samples decoded together; 40-320 measured within noise of each other on the loaded 2-core VM
 INFO = "dflash_tiny.json"
+# 32: the smallest head_dim vLLM's CPU attention serves ("Unsupported CPU attention
+# configuration: head_dim=16"), so the demo's and the tests' tiny pair can be served
+# (trainer/served.py). The projections are wider than hidden (4 × 32 = 128), which Qwen3 allows.
+HEAD_DIM = 32
 
 
-def tiny_config():
+def tiny_config(head_dim: int = HEAD_DIM):
     from transformers import Qwen3Config
 
     cfg = Qwen3Config(
@@ -49,7 +53,7 @@ def tiny_config():
         num_hidden_layers=4,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=head_dim,
         max_position_embeddings=1024,
         rope_theta=10000.0,
         tie_word_embeddings=False,
@@ -61,14 +65,14 @@ def tiny_config():
     return cfg
 
 
-def build_target(seed: int):
+def build_target(seed: int, head_dim: int = HEAD_DIM):
     """Random-weight tiny Qwen3 from ``seed``; the global torch RNG is left untouched."""
     import torch
     from transformers import Qwen3ForCausalLM
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(tiny_config())
+        model = Qwen3ForCausalLM(tiny_config(head_dim))
     with torch.no_grad():
         # A zero LM-head row gives the mask token logit 0 while the other 511 logits are
         # random around 0: plain greedy decoding practically never picks it either.
@@ -126,7 +130,7 @@ def generate_samples(model, seed: int, samples: int) -> list[tuple[np.ndarray, n
     return out  # type: ignore[return-value]
 
 
-def write_tiny(out_dir: str, seed: int = 0, samples: int = 320, log=None) -> dict:
+def write_tiny(out_dir: str, seed: int = 0, samples: int = 320, log=None, head_dim: int = HEAD_DIM) -> dict:
     """Write DIR/target and DIR/data; return a summary. Raises DataError on a bad --out."""
     import torch
 
@@ -137,6 +141,9 @@ def write_tiny(out_dir: str, seed: int = 0, samples: int = 320, log=None) -> dic
             raise data_mod.DataError(f"{path}: already exists; remove it or choose another --out")
     if samples < 1:
         raise data_mod.DataError(f"--samples {samples} must be >= 1")
+    if head_dim < 2 or head_dim % 2:
+        raise data_mod.DataError(f"--head-dim {head_dim}: give an even number >= 2 (RoPE rotates pairs); "
+                                 f"{HEAD_DIM} or more for a target vLLM's CPU attention serves")
     os.makedirs(out_dir, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tiny.partial-", dir=out_dir)
     try:
@@ -145,12 +152,13 @@ def write_tiny(out_dir: str, seed: int = 0, samples: int = 320, log=None) -> dic
         # spin-waiting made generation 3-5× slower (measured on the 2-core dev VM).
         torch.set_num_threads(1)
         try:
-            model = build_target(seed)
+            model = build_target(seed, head_dim)
             rows = generate_samples(model, seed, samples)
         finally:
             torch.set_num_threads(threads)
         _save_quietly(model, os.path.join(tmp, "target"))
         info = {"mask_token_id": MASK_TOKEN_ID, "vocab_size": VOCAB, "seed": seed, "samples": samples,
+                "head_dim": head_dim,
                 "note": "random-weight tiny Qwen3 from `python -m trainer tiny`; mask token never generated"}
         with open(os.path.join(tmp, "target", INFO), "w", encoding="utf-8") as fh:
             json.dump(info, fh, indent=1, sort_keys=True)
@@ -191,9 +199,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", required=True, metavar="DIR")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--samples", type=int, default=320)
+    p.add_argument("--head-dim", type=int, default=HEAD_DIM,
+                   help=f"attention head size (default {HEAD_DIM}: the smallest vLLM's CPU attention serves)")
     args = p.parse_args(list(argv) if argv is not None else None)
     try:
-        s = write_tiny(args.out, seed=args.seed, samples=args.samples)
+        s = write_tiny(args.out, seed=args.seed, samples=args.samples, head_dim=args.head_dim)
     except data_mod.DataError as exc:
         print(f"tiny: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE

@@ -14,6 +14,10 @@ def table(results: dict) -> str:
     budgets = results["config"]["tree_budgets"]
     head = ["variant", "steps", "τ block", "τ served fp32", "τ served bf16"] + [f"τ tree {b}" for b in budgets] + \
            ["speedup block"] + [f"speedup tree {b}" for b in budgets] + ["lossless", "final loss"]
+    # eval.served_vllm: vLLM's τ (its counters) on the bf16 export, beside the trained τ
+    vllm = any(((v.get("final") or {}).get("served") or {}).get("vllm") for v in results["variants"].values())
+    if vllm:
+        head[5:5] = ["τ served vLLM (gate)"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for name, v in results["variants"].items():
         fin = v.get("final") or {}
@@ -33,6 +37,9 @@ def table(results: dict) -> str:
         row = [name, str(v.get("steps", "—")), _f(blk.get("tau"))]
         row += [_f((served.get(k) or {}).get("tau")) + ("" if k == "bf16" or (served.get(k) or {}).get("equal_to_block") in (None, True)
                                                           else " (≠ block)") for k in ("fp32", "bf16")]
+        if vllm:
+            g = served.get("vllm") or {}
+            row += [_f(g.get("tau_served"), "{:.3f}") + ("" if not g else " (pass)" if g.get("ok") else " (FAIL)")]
         row += [_f((trees.get(str(b)) or {}).get("tau")) for b in budgets]
         row += [_f(blk.get("speedup"), "{:.2f}×")]
         row += [_f((trees.get(str(b)) or {}).get("speedup"), "{:.2f}×") for b in budgets]

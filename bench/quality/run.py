@@ -60,7 +60,7 @@ SCALES = {
                     "target_layer_ids": "1,2"},
         # served: also decode the final checkpoint's export through its own modeling file
         "eval": {"prompts": 4, "max_new": 32, "curve_prompts": 3, "curve_max_new": 24, "tree_budgets": [16, 32, 64],
-                 "served": True},
+                 "served": True, "served_vllm": False},
     },
     # One H200: ~26M-parameter target (8 layers, hidden 512), block 16, 3-layer drafters.
     "gpu": {
@@ -71,7 +71,7 @@ SCALES = {
         "drafter": {"steps": 300, "save_interval": 75, "log_interval": 25, "lr": 1e-3, "token_budget": 24576,
                     "max_batch_size": 64, "block_size": 16, "max_anchors": 48, "layers": 3},
         "eval": {"prompts": 12, "max_new": 128, "curve_prompts": 6, "curve_max_new": 64, "tree_budgets": [16, 32, 64],
-                 "served": True,
+                 "served": True, "served_vllm": False,
                  # 6 of the 12: all three budgets for all six variants fit the call (on 12, call 4
                  # reached budget 16 for three variants only)
                  "tree_prompts": 6},
@@ -211,6 +211,15 @@ def train_and_evaluate(name: str, argv: list[str], v_out: str, v: dict, c: dict)
         served = v["final"]["served"]
         said = (f"; served τ fp32 {served['fp32']['tau']:.2f} (= block: {served['fp32']['equal_to_block']}), "
                 f"bf16 {served['bf16']['tau']:.2f}")
+        if ev.get("served_vllm"):  # --set eval.served_vllm=true: the bf16 export served by vLLM (trainer/served.py)
+            from trainer import served as served_mod
+
+            r = served_mod.check(os.path.join(v_out, "served", "bf16"), c["target_dir"], c["prompts"], ev["max_new"])
+            served["vllm"] = {k: r[k] for k in ("ok", "causes", "tau_served", "tau_trained", "counters", "prompts",
+                                                "max_new", "vllm_max_tokens", "tolerance")}
+            served["vllm"]["lossless"] = not any(why.startswith("not lossless") for why in r["causes"])
+            said += (f"; vLLM τ {r['tau_served']:.3f} vs our evaluator's {r['tau_trained']:.3f} on the bf16 export "
+                     f"({'pass' if r['ok'] else 'FAIL: ' + '; '.join(r['causes'])})")
     log(f"{name}: loss {v['final_loss']:.3f}, τ block {blk['tau']:.2f}, speedup {blk['speedup']:.2f}×, "
         f"lossless {blk['lossless']}{said}, {time.time() - t0:.0f} s")
     return dr
@@ -339,7 +348,7 @@ def main(argv=None) -> int:
     del untrained
     save()
 
-    ctx = {"target": target, "head": head, "prompts": prompts, "curve_prompts": curve_prompts, "refs": refs,
+    ctx = {"target": target, "target_dir": tgt_dir, "head": head, "prompts": prompts, "curve_prompts": curve_prompts, "refs": refs,
            "ev": ev, "device": device, "tau0": tau0, "events_dir": os.path.join(out, "events")}
     drafters = {}
     longest = 60.0  # a variant (train + evaluate) is assumed to take this long until one has
