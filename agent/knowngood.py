@@ -115,6 +115,10 @@ def update(workspace: str, now: Optional[float] = None) -> dict:
         run_id = rec.get("run_id")
         if not run_id:
             continue
+        if (rec.get("kind") or "train") != "train":  # a data job (trainer/kinds.py) is never a training baseline
+            checked.add(run_id)
+            changed = True
+            continue
         base = rec.get("baseline") or {}
         run = run_dir(workspace, run_id)
         steady = steady_state(_step_events(run), int(base.get("steady_steps", 20)),

@@ -149,7 +149,13 @@ class StreamKind(str, enum.Enum):
 #   launch      (the launching parent, rank null) rdzv_endpoint, nproc, ranks [{rank, role, gpu}]: the
 #               ranks this container will run, before torchrun starts them (the start-up deadline
 #               names the ones that never heartbeat)
-EVENT_KINDS = ("phase", "step", "checkpoint", "eval", "error", "probe", "launch")
+#   progress    (a data job: trainer/kinds.py) how far it is; any of: done, failed, skipped, total
+#               (items of the input), samples, tokens, bad (rows skipped, by cause), bytes_done,
+#               bytes_total, eta_s, and rates as <what>_per_s (requests_per_s,
+#               output_tokens_per_s, samples_per_s, tokens_per_s). The agent keeps the last one
+#               as status.json's "progress"; a job that sends one has started (no heartbeats).
+EVENT_KINDS = ("phase", "step", "checkpoint", "eval", "error", "probe", "launch", "progress")
+PROGRESS_META = ("ts", "kind", "rank", "role", "gpu")  # event keys that are not progress fields
 
 # Agent events (stream kind "event", payload key "kind" = "agent.<name>"): the agent's own
 # observations, next to the trainer's events. "agent.failure" carries "failure" (a
@@ -244,6 +250,7 @@ class RunStatus:
     gpu_state: str | None = None  # "ok" | "no GPU" | "error"
     gpu_reason: str | None = None  # why there is no GPU sample
     checkpoint: Checkpoint | None = None  # the latest the trainer announced
+    progress: dict | None = None  # a data job's last progress event, less PROGRESS_META (plus its ts)
     exit: dict | None = None  # the job's exit status (job.exit.json), once it ended
     last_error: str | None = None  # the last failure's one-line reason
     reason: str | None = None  # why the run ended, once it has

@@ -451,11 +451,28 @@ def _fill(inputs: Sequence[str], writer: _ShardWriter, shard_tokens: int, progre
     max_id = -1
     sources = []
     t0 = time.monotonic()
+    from trainer.progress import Progress, eta_s
+
+    progress = Progress()
+    bytes_total = sum(os.path.getsize(p) for p in inputs if os.path.isfile(p)) or None
+    bytes_done = 0
+
+    def report(force: bool = False) -> None:
+        elapsed = progress.elapsed()
+        tokens = sum_tokens(lengths)
+        progress.update(force, samples=len(lengths), tokens=tokens, loss_tokens=loss_tokens, bytes_done=bytes_done,
+                        bytes_total=bytes_total, samples_per_s=round(len(lengths) / elapsed, 1),
+                        tokens_per_s=round(tokens / elapsed, 1), eta_s=eta_s(bytes_done, bytes_total, elapsed))
+
+    report(force=True)
     for path in inputs:
         lines = 0
         with open(path, "rb") as fh:
             for lineno, raw in enumerate(fh, start=1):
                 lines = lineno
+                bytes_done += len(raw)
+                if lineno % 256 == 0 and progress.due():
+                    report()
                 if not raw.strip():
                     continue  # blank lines (e.g. a trailing newline) are not samples
                 try:
@@ -478,6 +495,8 @@ def _fill(inputs: Sequence[str], writer: _ShardWriter, shard_tokens: int, progre
                         f"{time.monotonic() - t0:.0f} s ({path}:{lineno})")
         size = os.path.getsize(path) if os.path.isfile(path) else None
         sources.append({"file": os.path.basename(path), "bytes": size, "lines": lines})
+    report(force=True)
+    progress.close()
     if not lengths:
         raise DataError(f"{', '.join(inputs)}: no samples; the input holds no JSON lines — check the --input files")
     shards = writer.close()
