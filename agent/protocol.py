@@ -91,6 +91,7 @@ EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2  # bad input, nothing written (trainer, agent verbs)
 EXIT_STOPPED = 75  # the trainer stopped on request after a checkpoint (EX_TEMPFAIL: resumable)
+EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, the shell's convention): stopped, nothing written
 # `agent follow`: the agent is gone and the run has not finished, so the stream would never
 # end (research §4.8, ray#57002): re-attach, then follow again.
 EXIT_AGENT_GONE = 3
@@ -139,21 +140,26 @@ class StreamKind(str, enum.Enum):
 
 # Trainer events (one JSON object per line in events.jsonl). Common keys: ts, rank, role,
 # gpu, kind. Kinds and their extra keys:
-#   phase       phase: loading|probing|training|saving|evaluating|done|stopping
+#   phase       phase: loading|probing|training|saving|evaluating|done|stopping (train);
+#               serving|regenerating|done|stopping (regenerate: role "regenerate", rank null)
 #   step        step, total_steps, epoch, loss, ce, kl, cap, lr, grad_norm, tokens,
 #               tokens_per_s, drafted_per_s, acc (per-slot accuracy list), mem_peak_mib, wait_s
 #   checkpoint  step, path
 #   eval        step, tau
-#   error       error (cuda_oom|exception|nccl_timeout), message, traceback
+#   error       error (cuda_oom|exception|nccl_timeout; serve: regenerate's --serve server did not come up), message, traceback
 #   probe       peak_mib per role/gpu, fits, budget
 #   launch      (the launching parent, rank null) rdzv_endpoint, nproc, ranks [{rank, role, gpu}]: the
 #               ranks this container will run, before torchrun starts them (the start-up deadline
 #               names the ones that never heartbeat)
-#   progress    (a data job: trainer/kinds.py) how far it is; any of: done, failed, skipped, total
-#               (items of the input), samples, tokens, bad (rows skipped, by cause), bytes_done,
-#               bytes_total, eta_s, and rates as <what>_per_s (requests_per_s,
-#               output_tokens_per_s, samples_per_s, tokens_per_s). The agent keeps the last one
-#               as status.json's "progress"; a job that sends one has started (no heartbeats).
+#   progress    (a data job: python -m trainer regenerate) done, failed, skipped, total (input rows;
+#               done + failed + skipped = total once the input is gone through), skipped_by_cause,
+#               in_flight, requests, output_tokens, elapsed_s, requests_per_s, output_tokens_per_s,
+#               eta_s (null until a row finished); the last one of a run adds final: true and
+#               stopped (true: SIGTERM, resumable)
+#               Any data job may send one (trainer/kinds.py; prepare: samples, tokens, bytes_done,
+#               bytes_total, samples_per_s, tokens_per_s, eta_s); rates are named <what>_per_s.
+#               The agent keeps the last one as status.json's "progress"; a job that sends one
+#               has started.
 EVENT_KINDS = ("phase", "step", "checkpoint", "eval", "error", "probe", "launch", "progress")
 PROGRESS_META = ("ts", "kind", "rank", "role", "gpu")  # event keys that are not progress fields
 
@@ -350,6 +356,16 @@ def atomic_write(path: str, data: str | bytes, mode: int = 0o644) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+def fmt_duration(seconds: float | None) -> str:
+    """How every part shows a duration or an ETA (ctl status and tail, the regenerate job): 1h02m, 3m05s, 42s."""
+    if seconds is None:
+        return "—"
+    seconds = int(round(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
 
 def atomic_write_json(path: str, obj: Any, mode: int = 0o644) -> None:

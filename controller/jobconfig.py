@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import tomllib
 from pathlib import Path
-from typing import Any, Literal, Mapping, Optional
+from typing import Any, Literal, Mapping, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, create_model
 from typing_extensions import Annotated
@@ -57,7 +57,8 @@ def _as_list(value: Any) -> Any:
 
 
 def _field(action: argparse.Action) -> tuple[Any, Any]:
-    scalar: Any = {int: int, float: float}.get(action.type, str)
+    # a parser's own converter (e.g. "a positive int"): any scalar here, the parser judges it
+    scalar: Any = {int: int, float: float, str: str, None: str}.get(action.type, Union[int, float, str])
     if action.choices:
         scalar = Literal[tuple(action.choices)]  # type: ignore[valid-type]
     if _is_switch(action):
@@ -75,7 +76,7 @@ def _field(action: argparse.Action) -> tuple[Any, Any]:
 
 def section_model(kind: kinds.Kind) -> type[BaseModel]:
     parser = kind.build_parser()
-    fields = {a.dest: _field(a) for a in options_of(parser)}
+    fields = {a.dest: _field(a) for a in options_of(parser) if a.dest not in dict(kind.not_in_config)}
     return create_model(f"{kind.name.title()}Section",
                         __config__=ConfigDict(extra="forbid", populate_by_name=True, frozen=True), **fields)
 
@@ -197,6 +198,10 @@ def from_dict(data: dict[str, Any], *, source: str, default_name: str, sets: lis
             del section[existing]
         section[sub.replace("_", "-")] = value
     data.setdefault(kind.table, {})
+    for key in data[kind.table] if isinstance(data[kind.table], dict) else ():
+        why = dict(kind.not_in_config).get(key.replace("-", "_"))
+        if why:
+            raise RunConfigError(f"{source}: [{kind.table}] {key}: not a run-config setting: {why}")
     model = model_for(kind.name)
     try:
         config = model.model_validate(data)

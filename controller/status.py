@@ -7,7 +7,7 @@ import re
 import time
 from typing import Any, Optional
 
-from agent.protocol import RunResult, RunState, RunStatus
+from agent.protocol import RunResult, RunState, RunStatus, fmt_duration  # noqa: F401 (livetail imports it here)
 from controller.tail import fmt_rate, progress_parts
 
 
@@ -28,15 +28,6 @@ def eta_seconds(status: RunStatus | dict, started: Optional[float], now: Optiona
     if elapsed <= 0:
         return None
     return max(0.0, (total - step) * elapsed / step)
-
-
-def fmt_duration(seconds: Optional[float]) -> str:
-    if seconds is None:
-        return "—"
-    seconds = int(round(seconds))
-    h, rem = divmod(seconds, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m" if h else (f"{m}m{s:02d}s" if m else f"{s}s")
 
 
 def _chart(series) -> str:

