@@ -31,7 +31,7 @@ from tests._agent_util import wait_for
 pytestmark = [pytest.mark.sim, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parent.parent
-CTL = [str(Path(sys.executable).with_name("ctl"))]
+CTL = [sys.executable, "-c", "from controller.cli import main; main()"]  # this worktree's code (cwd first on sys.path)
 CT = 200
 BASE = "/workspace/jobs-sim"
 FIFO = f"{BASE}/rows.fifo"
@@ -85,8 +85,10 @@ def _feed(node, hold: bool) -> None:
     """Rows into the FIFO from inside the container; ``hold`` keeps it open afterwards (the job
     waits for more: mid-run for as long as the test wants)."""
     tail = "; exec sleep 600" if hold else ""
-    attach(node, CT, "sh", "-c", f"setsid sh -c 'cat {BASE}/rows.jsonl{tail}' > {FIFO} < /dev/null 2>/dev/null & "
-           f"echo $! > {BASE}/feeder.pid")
+    # the FIFO is opened inside the child (it blocks there until prepare opens it), whose
+    # inherited output is /dev/null: lxc-attach waits for nothing of it
+    attach(node, CT, "sh", "-c", f"setsid sh -c 'exec > {FIFO}; cat {BASE}/rows.jsonl{tail}' "
+           f"< /dev/null > /dev/null 2>&1 & echo $! > {BASE}/feeder.pid")
 
 
 def _run_id(proc) -> str:
@@ -98,9 +100,12 @@ def test_prepare_job_launched_tailed_stopped_and_resumed(env, sim_node):
     prep = f"{env['JOBS_DIR']}/prep.toml"
     _feed(sim_node, hold=True)
     run = _run_id(ctl(env, "launch", "--container", CT, "--config", prep))
-    status = wait_for(lambda: (p := ctl(env, "status", "--container", CT, "--run", run)).stdout
-                      if "samples 120," in p.stdout else None, timeout=120, what="the prepare job's progress")
-    assert "state    running" in status and "(prepare job)" in status and "samples/s" in status
+    def progress():
+        out = ctl(env, "status", "--container", CT, "--run", run).stdout
+        return out if "progress samples" in out else None
+
+    status = wait_for(progress, timeout=120, what="the prepare job's progress")
+    assert "state    running" in status and "(prepare job)" in status and "samples/s" in status, status
     tail = ctl(env, "tail", "--container", CT, "--run", run)
     assert tail.returncode == 0 and "-- samples" in tail.stdout, tail.stdout + tail.stderr
 
@@ -128,7 +133,8 @@ def test_prepare_job_launched_tailed_stopped_and_resumed(env, sim_node):
 
 def test_training_on_the_prepared_data_gets_the_drift_verdict_then_stops_and_resumes(env, sim_node):
     train = f"{env['JOBS_DIR']}/train.toml"
-    good = ctl(env, "launch", "--container", CT, "--config", train, "--from-scratch", "--follow")
+    good = ctl(env, "launch", "--container", CT, "--config", train, "--from-scratch", "--set", "max-steps=10",
+               "--follow")
     assert good.returncode == 0, good.stdout[-3000:] + good.stderr
     refused = ctl(env, "launch", "--container", CT, "--config", train, "--from-scratch", "--data-dir", OUT)
     assert refused.returncode == 3, refused.stdout + refused.stderr
@@ -148,4 +154,5 @@ def test_training_on_the_prepared_data_gets_the_drift_verdict_then_stops_and_res
                   "--data-dir", OUT, "--accept-drift", "--set", f"max-steps={step + 4}", "--set", "save-interval=4",
                   "--follow")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr
-    assert f"step {step + 4}" in resumed.stdout
+    end = ctl(env, "status", "--container", CT, "--run", _run_id(resumed)).stdout
+    assert f"step     {step + 4}/{step + 4}" in end and "result   completed" in end, end
