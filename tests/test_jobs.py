@@ -192,3 +192,58 @@ def test_prepare_job_that_fails_names_the_bad_row(tmp_path):
     failed = next(l for l in render_status(reply, "200", "sim") if l.startswith("FAILED"))
     assert f"{rows}:4: not valid JSON" in failed
     assert not os.path.exists(out)
+
+
+def test_regenerate_job_under_the_agent_stopped_mid_run_then_relaunched_every_id_once(tmp_path):
+    """A regenerate job (its options from regenerate's own parser) against `transformers
+    serve` of a tiny target, held mid-run by a real proxy, stopped through the agent, and the
+    same config launched again: every id exactly once, and the accounting in `ctl status`."""
+    import subprocess
+
+    from tests._regen_target import Proxy, free_port, make_chat_target, serve_argv, wait_healthy
+    from tests.test_regenerate import ENV, conversations, expected_ids, output_rows, write_input
+
+    target = make_chat_target(str(tmp_path / "target"))
+    port = free_port()
+    server = subprocess.Popen(serve_argv(target, port), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proxy = None
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, server)
+        proxy = Proxy(url, hold_after=6)
+        workspace = str(tmp_path / "ws")
+        os.makedirs(workspace)
+        inp = write_input(tmp_path / "in.jsonl", conversations(16))
+        out = os.path.join(workspace, "regen")
+        cfg = _config(tmp_path, f'name = "regen"\nkind = "regenerate"\n[regenerate]\ninput = "{inp}"\nout = "{out}"\n'
+                                f'endpoint = ["{proxy.url}"]\nmax-tokens = 4\ntemperature = 0\nconcurrency = 2\n'
+                                'flush-rows = 1\n', "regen.toml")
+
+        def launch(run_id: str) -> str:
+            run_dir = os.path.join(workspace, "runs", run_id)
+            values = cfg.resolve(run_id=run_id, run_dir=run_dir, workspace=workspace)
+            _launch(workspace, run_id, cfg.argv(values), {"kind": "regenerate", "config": "regen",
+                                                          "paths": cfg.paths(values), "gpus": {}})
+            return run_dir
+
+        first = launch("regen-1")
+        assert proxy.held.acquire(timeout=120) and proxy.held.acquire(timeout=60)  # mid-run, both workers held
+        stopped = payload("stop", "--workspace", workspace, "--run", "regen-1", "--grace", "10")
+        assert stopped.get("ok") and wait_terminal(first)["state"] == "stopped"
+        before = output_rows(out)
+        assert 0 < len(before) < 16
+        proxy.gate.set()  # the endpoint answers again
+
+        second = launch("regen-2")
+        assert wait_terminal(second, timeout=180)["state"] == "completed"
+        ids = [r["id"] for r in output_rows(out)]
+        assert len(ids) == len(set(ids)) == 16 and sorted(map(str, ids)) == sorted(map(str, expected_ids(inp)))
+        reply = extract_payload(agent_module("agent.runview", "status", "--workspace", workspace).stdout)
+        progress = next(l for l in render_status(reply, "200", "sim") if l.startswith("progress"))
+        assert "done 16/16 (100 %)" in progress and "(regenerate job)" in progress, progress
+    finally:
+        if proxy is not None:
+            proxy.gate.set()
+            proxy.close()
+        server.terminate()
+        server.wait(30)
