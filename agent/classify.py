@@ -277,14 +277,19 @@ def classify_event(event: dict, ts: float | None = None) -> Failure | None:
 def exit_failure(rank: int | None, pid: int | None, gpu: int | None, status: dict | None,
                  had_traceback: bool, evidence: list[str], oom_kills: int = 0,
                  what: str | None = None, slot: str = "GPU") -> Failure:
-    """A process (a rank, or the whole job) that ended badly.
+    """A process (a rank, or the whole job) that ended badly, said as what is known.
 
-    SIGKILL with no Python traceback is the host OOM killer's signature (research §6:
-    torchelastic leaves no error file for a signalled worker); a cgroup oom_kill increase
-    confirms it. ``slot``: what ``gpu`` names ("GPU", or "rank slot" on CPU).
+    OOM only with evidence: the cgroup's oom_kill counter rose (the kernel's OOM event for
+    this cgroup; CUDA OOM text is classified from the lines, not here). A SIGKILL without
+    that is not an OOM: an operator's or another tool's ``kill -9`` reads exactly the same
+    (issue 26: an external kill -9 was reported as "host_oom (suspected)"), so it is named
+    "killed by signal 9 (not by us)" — the agent never signals a rank before it has
+    classified the failure. ``slot``: what ``gpu`` names ("GPU", or "rank slot" on CPU);
+    None names no device at all.
     """
     who = what or (f"rank {rank}" if rank is not None else "the job")
-    where = ", ".join(x for x in (f"pid {pid}" if pid else "", f"{slot} {gpu}" if gpu is not None else "") if x)
+    device = f"{slot} {gpu}" if gpu is not None and slot else ""
+    where = ", ".join(x for x in (f"pid {pid}" if pid else "", device) if x)
     who_full = f"{who} ({where})" if where else who
     status = status or {}
     sig = status.get("signal")
@@ -292,18 +297,17 @@ def exit_failure(rank: int | None, pid: int | None, gpu: int | None, status: dic
         reason = f"host OOM kill: {who_full} killed (cgroup oom_kill counter +{oom_kills})"
         return Failure(FailureKind.HOST_OOM, reason, rank, gpu, pid, evidence=evidence,
                        details=dict(status, oom_kills=oom_kills))
-    if sig == 9 and not had_traceback:
-        reason = f"host OOM kill (suspected): {who_full} killed by SIGKILL with no traceback"
-        return Failure(FailureKind.HOST_OOM, reason, rank, gpu, pid, evidence=evidence, details=dict(status))
+    details = dict(status)
     if sig:
-        reason = f"{who_full} killed by {status.get('signal_name') or sig}"
+        reason = f"{who_full} killed by signal {sig} (not by us)"
+        details["by_us"] = False
     elif status.get("exit_code") is not None:
         reason = f"{who_full} exited with code {status['exit_code']}"
     else:
         reason = f"{who_full} exited (status unknown: not our child)"
-        status = dict(status, status_unknown=True)
+        details["status_unknown"] = True
     return Failure(FailureKind.RANK_EXIT if rank is not None else FailureKind.JOB_EXIT, reason, rank, gpu, pid,
-                   evidence=evidence, details=dict(status))
+                   evidence=evidence, details=details)
 
 
 # --- heartbeats: stalls -------------------------------------------------------------------------

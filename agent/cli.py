@@ -12,7 +12,7 @@ import time
 from agent import protocol
 from agent.options import Options
 from agent.protocol import RunResult, RunStatus
-from agent.rundir import RunDir, agent_live_or_none, agent_alive, read_json, resolve
+from agent.rundir import RunDir, agent_live_or_none, agent_alive, finished, read_json, read_status, resolve
 
 
 def _print(obj: dict) -> None:
@@ -63,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
             x.add_argument("--grace", type=float, default=30.0, help="seconds between SIGTERM and SIGKILL")
     ls = sub.add_parser("list", help="runs in the workspace and their states")
     ls.add_argument("--workspace")
+    ls.add_argument("--prune", action="store_true",
+                    help="also remove temp files of interrupted saves whose writer is gone (agent/leftovers.py)")
     sub.add_parser("gpus", help="one GPU sample")
     fp = sub.add_parser("fingerprint", help="python, torch + CUDA build, driver, packages and their hash")
     fp.add_argument("--python", help="the python to describe (default: python3 on PATH)")
@@ -82,10 +84,14 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     head, tail = _split_argv(argv)
     args = build_parser().parse_args(head)
-    return VERBS[args.verb](args, tail) or 0
+    try:
+        return VERBS[args.verb](args, tail) or 0
+    except protocol.CorruptFile as exc:  # a state file that is not its record: one line, no traceback
+        return _fail(str(exc), protocol.EXIT_FAILURE, corrupt=exc.path)
 
 
 def _result(rd: RunDir) -> dict | None:
+    """result.json as a record; a corrupt one raises CorruptFile (main says it in one line)."""
     res = RunResult.load(rd.result)
     return res.to_json() if res else None
 
@@ -99,16 +105,22 @@ def cmd_start(args, job_argv: list[str]) -> int:
     from agent import daemon
 
     rd = RunDir(args.run_dir)
-    existing = read_json(rd.spec)
+    try:
+        existing = protocol.load_json_object(rd.spec)
+    except protocol.CorruptFile as exc:
+        return _fail(f"{exc}; refusing to start or re-attach a run whose spec cannot be read")
     if existing:
-        st = RunStatus.load(rd.status)
+        st, corrupt = read_status(rd)
         if agent_alive(rd):
-            _print({"ok": True, "run_id": existing["run_id"], "run_dir": rd.path,
+            _print({"ok": True, "run_id": existing.get("run_id"), "run_dir": rd.path,
                     "state": st.state.value if st.state else None, "already_supervised": True, "seq": st.seq})
             return 0
-        if st.terminal:
-            return _fail(f"run {existing['run_id']} in {rd.path} already ended ({st.state.value}); "
+        if finished(rd):
+            said = st.state.value if st.state else "result.json is there"
+            return _fail(f"run {existing.get('run_id')} in {rd.path} already ended ({said}); its records are final: "
                          "start a new run in a new --run-dir")
+        if corrupt:
+            return _fail(f"{corrupt}; refusing to re-attach on a guess", protocol.EXIT_FAILURE)
         if args.auto:
             reply = daemon.revive_if_gone(rd, args.by or "agent start --auto", args.why)
             if reply is None:
@@ -184,9 +196,10 @@ def cmd_status(args, _tail) -> int:
     rd = _rd(args)
     if not os.path.isdir(rd.path):
         return _fail(f"no run directory {rd.path}")
+    st, corrupt = read_status(rd)
     out = {"ok": True, "run_dir": rd.path, "run_id": rd.run_id, "agent_alive": agent_alive(rd),
-           "status": RunStatus.load(rd.status).to_json() if os.path.exists(rd.status) else None,
-           "result": _result(rd)}
+           "status": st.to_json() if os.path.exists(rd.status) else None,
+           "result": _result(rd), "warnings": [corrupt] if corrupt else []}
     job = agent_live_or_none(rd.job_pid)
     out["job_alive"] = job
     return _print(out) or 0
@@ -200,12 +213,40 @@ def cmd_list(args, _tail) -> int:
         rd = RunDir(os.path.join(base, name))
         if not os.path.exists(rd.spec):
             continue
-        st = RunStatus.load(rd.status)
-        res = RunResult.load(rd.result)
+        st, corrupt = read_status(rd)
+        try:
+            res = RunResult.load(rd.result)
+        except protocol.CorruptFile as exc:
+            res, corrupt = None, str(exc)
         runs.append({"run_id": rd.run_id, "run_dir": rd.path, "state": st.state.value if st.state else None,
-                     "step": st.step, "updated": st.updated, "reason": res.reason if res else None,
-                     "agent_alive": agent_alive(rd)})
-    return _print({"ok": True, "workspace": ws, "runs": runs}) or 0
+                     "step": st.step, "updated": st.updated, "reason": res.reason if res else corrupt,
+                     "agent_alive": agent_alive(rd), "corrupt": corrupt})
+    reply = {"ok": True, "workspace": ws, "runs": runs}
+    if args.prune:
+        reply["pruned"] = _prune(ws, [RunDir(r["run_dir"]) for r in runs])
+    return _print(reply) or 0
+
+
+def _prune(ws: str, rds: list[RunDir]) -> list[dict]:
+    """Every run directory, and every run's output root (--output-dir in its start.sh or job
+    argv), swept of dead writers' temp files."""
+    import shlex
+
+    from agent import leftovers
+    from agent.job import _flag_value
+
+    roots = [(os.path.join(ws, "runs"), 4)]
+    for rd in rds:
+        argv = list((read_json(rd.spec) or {}).get("argv") or [])
+        try:
+            with open(os.path.join(rd.path, protocol.START_SCRIPT), encoding="utf-8") as fh:
+                argv += shlex.split(fh.read(), comments=True)
+        except (OSError, ValueError):
+            pass
+        out = _flag_value(argv, "--output-dir")
+        if out:
+            roots += leftovers.output_roots(out if os.path.isabs(out) else os.path.join(rd.path, out))
+    return leftovers.sweep(roots)
 
 
 def cmd_gpus(args, _tail) -> int:
@@ -234,9 +275,10 @@ def cmd_stop(args, _tail) -> int:
     spec = read_json(rd.spec)
     if not spec:
         return _fail(f"no run at {rd.path}")
-    st = RunStatus.load(rd.status)
-    if st.terminal:
-        return _print({"ok": True, "already_ended": True, "state": st.state.value, "result": _result(rd)}) or 0
+    st, _ = read_status(rd)
+    if finished(rd):
+        return _print({"ok": True, "already_ended": True, "state": st.state.value if st.state else None,
+                       "result": _result(rd)}) or 0
     protocol.atomic_write_json(rd.stop_request, {"ts": time.time(), "grace": args.grace,
                                                  "by": f"agent stop (pid {os.getpid()})"})
     from agent.rundir import Lock

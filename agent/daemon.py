@@ -94,11 +94,12 @@ def revive_if_gone(rd: RunDir, by: str, why: str | None = None) -> dict | None:
     agent holds its lock, start one that re-attaches, and return its report; None when an
     agent is there, the run has ended, or the run's --revive is 0 (re-attach by hand)."""
     from agent.options import Options
-    from agent.protocol import RunStatus
     from agent.rundir import agent_alive
 
+    from agent.rundir import finished
+
     spec = read_json(rd.spec)
-    if not spec or agent_alive(rd) or RunStatus.load(rd.status).terminal or Options.from_spec(spec).revive <= 0:
+    if not spec or agent_alive(rd) or finished(rd) or Options.from_spec(spec).revive <= 0:
         return None
     previous = (read_json(rd.agent_pid) or {}).get("pid")
     return launch(rd, reattach=True, by=by, why=why or f"{by} found no agent supervising the run "
@@ -141,8 +142,21 @@ def main(run_dir: str, ready_fd: int | None, reattach: bool, by: str | None = No
     if not spec:
         ready({"ok": False, "error": f"{rd.spec} is missing or unreadable"})
         return 1
+    from agent.rundir import finished
+
+    if reattach and finished(rd):
+        ready({"ok": False, "error": f"run {spec.get('run_id')} in {rd.path} has ended; its records are final"})
+        lock.release()
+        return 1
+    from agent.protocol import CorruptFile
+
     atomic_write_json(rd.agent_pid, procs.Identity.of(os.getpid(), marker=spec["run_id"]).to_json())
-    sup = Supervisor(rd, spec, reattach=reattach, lock=lock, by=by, why=why)
+    try:
+        sup = Supervisor(rd, spec, reattach=reattach, lock=lock, by=by, why=why)
+    except CorruptFile as exc:
+        ready({"ok": False, "error": str(exc)})
+        lock.release()
+        return 1
 
     def started(s: Supervisor) -> None:
         ready({"ok": True, "run_id": s.run_id, "run_dir": rd.path, "agent_pid": os.getpid(),

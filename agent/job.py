@@ -123,7 +123,13 @@ class JobProcess:
         self.child_status = None
         self.ident = procs.Identity.of(self.child.pid, marker=self.run_id)
         self.spawned = time.time()
-        atomic_write_json(self.rd.job_pid, dict(self.ident.to_json(), argv=argv, attempt=attempt, spawned=self.spawned))
+        atomic_write_json(self.rd.job_pid, dict(self.ident.to_json(), argv=argv, attempt=attempt, spawned=self.spawned,
+                                                boot=procs.boot_marks()))
+
+    def restarted(self) -> dict | None:
+        """The container restart or node reboot since the job was spawned (every process of
+        it died then), or None."""
+        return procs.restart_since((read_json(self.rd.job_pid) or {}).get("boot"))
 
     def attach(self) -> bool:
         """Re-attach to the job recorded in job.pid; False when none was ever started."""
@@ -163,7 +169,8 @@ class JobProcess:
     def tree(self) -> set[int]:
         """Every live process of the job: below the monitor, below us when we spawned it (as
         subreaper we inherit its orphans), and every process carrying the run's marker."""
-        roots = [self.ident.pid] if self.ident else []
+        # only a monitor that is still ours: after a container restart its pid is another's
+        roots = [self.ident.pid] if self.ident and (self.ident.alive() or self.ident.zombie_status() is not None) else []
         if self.child is not None:
             roots.append(os.getpid())
         return procs.descendants(roots, self.marker)

@@ -87,33 +87,41 @@ def _step_events(run: str) -> list[dict]:
     return [rec for _, rec in read_json_lines(os.path.join(run, EVENTS)) if rec.get("kind") == "step"]
 
 
+HISTORY_KEEP = 20  # earlier baselines kept, to fall back to when a provisional one is taken back
+
+
 def update(workspace: str, now: Optional[float] = None) -> dict:
     """Fold every launch record not yet judged into the known-good record; return it.
 
-    A launch is judged once it reached steady state (→ baseline) or its run ended without it
-    (→ never a baseline). A launch that accepted drift becomes the baseline only once its
-    run completed. Runs still going are looked at again next time.
+    What becomes known good: a run that reached steady state — ``2 × steady_steps`` step
+    events whose throughput settled (``steady_state``) — and did not fail. A run still going
+    when it reaches steady state is known good provisionally ("pending"): if it then ends
+    FAILED it is taken back and the baseline before it returns; a run that ended in a
+    failure never becomes known good (issue 26). A launch that accepted drift becomes the
+    baseline only once its run completed. Runs still going are looked at again next time.
     """
     doc = load(workspace)
     directory = os.path.join(state_dir(workspace), LAUNCHES)
+    changed = _settle_pending(workspace, doc)
     try:
         names = sorted(os.listdir(directory))
     except FileNotFoundError:
-        return doc
+        names = []
     checked = set(doc.get("checked", []))
-    changed = False
     records = []
     for name in names:
         if not name.endswith(".json") or name[:-5] in checked:
             continue
         try:
             with open(os.path.join(directory, name), encoding="utf-8") as fh:
-                records.append(json.load(fh))
+                rec = json.load(fh)
         except (OSError, ValueError):
             continue
-    for rec in sorted(records, key=lambda r: r.get("ts", 0)):
+        if isinstance(rec, dict):
+            records.append(rec)
+    for rec in sorted(records, key=lambda r: r.get("ts", 0) if isinstance(r.get("ts"), (int, float)) else 0):
         run_id = rec.get("run_id")
-        if not run_id:
+        if not isinstance(run_id, str) or not run_id:
             continue
         if (rec.get("kind") or "train") != "train":  # a data job (trainer/kinds.py) is never a training baseline
             checked.add(run_id)
@@ -121,6 +129,11 @@ def update(workspace: str, now: Optional[float] = None) -> dict:
             continue
         base = rec.get("baseline") or {}
         run = run_dir(workspace, run_id)
+        state = _state(run)
+        if state == "failed":  # ended in a failure: never a baseline, however steady it was
+            checked.add(run_id)
+            changed = True
+            continue
         steady = steady_state(_step_events(run), int(base.get("steady_steps", 20)),
                               float(base.get("throughput_tolerance", 0.25)))
         if steady is None:
@@ -131,7 +144,6 @@ def update(workspace: str, now: Optional[float] = None) -> dict:
         if rec.get("accepted_drift"):
             # Launched on an environment that differed from the known good: steady speed is
             # not enough (the story's run OOMed later, not at ramp-up); it must complete.
-            state = _state(run)
             if state != "completed":
                 if _finished(run) or not os.path.isdir(run):
                     checked.add(run_id)
@@ -139,11 +151,12 @@ def update(workspace: str, now: Optional[float] = None) -> dict:
                 continue
         entry = {"run_id": run_id, "ts": now or time.time(), "launched": rec.get("ts"),
                  "steady": steady, "config": rec.get("config")}
-        doc["env"] = {**entry, "fingerprint": rec.get("fingerprint")}
+        _push(doc, "env", {**entry, "fingerprint": rec.get("fingerprint")})
         if rec.get("config"):
-            doc.setdefault("configs", {})[rec["config"]] = {
-                **entry, "data_dir": rec.get("data_dir"), "data": rec.get("data"),
-                "gpus": rec.get("gpus")}
+            _push(doc, "configs", {**entry, "data_dir": rec.get("data_dir"), "data": rec.get("data"),
+                                   "gpus": rec.get("gpus")}, rec["config"])
+        if not _finished(run):
+            doc["pending"] = sorted(set(doc.get("pending") or []) | {run_id})
         checked.add(run_id)
         changed = True
     if changed:
@@ -153,14 +166,66 @@ def update(workspace: str, now: Optional[float] = None) -> dict:
     return doc
 
 
-def _state(run: str) -> Optional[str]:
-    from agent.protocol import STATUS, RunStatus
+def _push(doc: dict, key: str, entry: dict, config: Optional[str] = None) -> None:
+    """Make ``entry`` the baseline (env, or the config's), keeping the one it replaces."""
+    history = doc.setdefault("history", {})
+    slot = f"config:{config}" if config else "env"
+    old = doc.get("env") if config is None else (doc.get("configs") or {}).get(config)
+    if old:
+        history[slot] = ([*history.get(slot, []), old])[-HISTORY_KEEP:]
+    if config is None:
+        doc[key] = entry
+    else:
+        doc.setdefault("configs", {})[config] = entry
 
-    try:
-        state = RunStatus.load(os.path.join(run, STATUS)).state
-    except ValueError:
-        return None
-    return state.value if state else None
+
+def _settle_pending(workspace: str, doc: dict) -> bool:
+    """Provisional baselines whose runs have ended since: kept when they did not fail, taken
+    back (the previous baseline returns) when they did."""
+    pending = list(doc.get("pending") or [])
+    if not pending:
+        return False
+    left = []
+    for run_id in pending:
+        run = run_dir(workspace, run_id)
+        if _state(run) == "failed":
+            _revoke(doc, run_id)
+        elif not (_finished(run) or not os.path.isdir(run)):
+            left.append(run_id)
+    doc["pending"] = left
+    return left != pending
+
+
+def _revoke(doc: dict, run_id: str) -> None:
+    history = doc.setdefault("history", {})
+    for slot in list(history):
+        history[slot] = [e for e in history[slot] if e.get("run_id") != run_id]
+    if (doc.get("env") or {}).get("run_id") == run_id:
+        earlier = history.get("env") or []
+        doc["env"] = earlier[-1] if earlier else None
+        history["env"] = earlier[:-1]
+    for config, entry in list((doc.get("configs") or {}).items()):
+        if (entry or {}).get("run_id") == run_id:
+            earlier = history.get(f"config:{config}") or []
+            if earlier:
+                doc["configs"][config] = earlier[-1]
+                history[f"config:{config}"] = earlier[:-1]
+            else:
+                del doc["configs"][config]
+
+
+def _state(run: str) -> Optional[str]:
+    """The run's state: result.json's (final) when there is one, else status.json's."""
+    from agent.protocol import RESULT, STATUS, RunResult, RunStatus
+
+    for load, name in ((RunResult.load, RESULT), (RunStatus.load, STATUS)):
+        try:
+            rec = load(os.path.join(run, name))
+        except ValueError:  # corrupt (agent/protocol.py CorruptFile): ask the other
+            continue
+        if rec is not None and rec.state is not None:
+            return rec.state.value
+    return None
 
 
 def _finished(run: str) -> bool:

@@ -30,7 +30,7 @@ from agent import procs
 from agent import protocol
 from agent.options import Options
 from agent.protocol import EXIT_FAILURE, EXIT_SPAWN_FAILED, atomic_write_json
-from agent.rundir import RunDir, agent_alive, read_json
+from agent.rundir import RunDir, agent_alive, finished, read_json
 
 POLL = 0.2  # seconds between reaping passes
 GRACE = 5.0  # a new agent gets this long to take its lock before it counts as gone
@@ -66,7 +66,7 @@ class AgentGuard:
             return  # the agent just started has not taken its lock yet
         if self.gone_since is None:
             self.gone_since = now
-        if now - self.gone_since < self.delay or protocol.RunStatus.load(self.rd.status).terminal:
+        if now - self.gone_since < self.delay or finished(self.rd):
             return
         self.revive(now - self.gone_since)
 
@@ -128,6 +128,6 @@ def main(run_dir: str, argv: list[str]) -> int:
             atomic_write_json(rd.job_exit, info)
             code = info["exit_code"] if info["exit_code"] is not None else 128 + info["signal"]
     # The job is over. With no agent left to read its exit, the run would never be finalized.
-    if guard.base > 0 and not agent_alive(rd) and not protocol.RunStatus.load(rd.status).terminal:
+    if guard.base > 0 and not agent_alive(rd) and not finished(rd):
         guard.revive(0.0)
     return code if code is not None else EXIT_FAILURE

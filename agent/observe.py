@@ -278,10 +278,11 @@ class Observer:
         now = cgroup.oom_kills(self.oom_path)
         return max(0, (now or 0) - self.seen.oom_base) if now is not None else 0
 
-    def rank_exit_failures(self, reaped: dict[int, dict]) -> list[Failure]:
+    def rank_exit_failures(self, reaped: dict[int, dict], job_exit: dict | None = None) -> list[Failure]:
         """The ranks that died without a failure of their own already named: a rank whose
         exception, OOM or lost peer was seen exited *because* of it, and naming its exit too
-        would put a consequence next to its cause."""
+        would put a consequence next to its cause. ``job_exit``: the job's exit status, the
+        status of a rank that was the job's top process (its monitor reaped it, not us)."""
         seen = self.seen
         oom = self.oom_delta()
         explained = {f.rank for f in seen.failures if f.rank is not None}
@@ -290,7 +291,8 @@ class Observer:
             if rank in seen.done_ranks or None in seen.done_ranks or rank in explained:
                 continue
             status = dead["status"] or seen.classifier.exit_by_pid.get(dead["pid"]) \
-                or seen.classifier.exit_by_rank.get(rank) or reaped.get(dead["pid"])
+                or seen.classifier.exit_by_rank.get(rank) or reaped.get(dead["pid"]) \
+                or (job_exit if job_exit and job_exit.get("pid") == dead["pid"] else None)
             if status and status.get("exit_code") == 0:
                 continue
             f = exit_failure(rank, dead["pid"], dead["gpu"], status, seen.classifier.had_traceback(rank),
@@ -300,10 +302,10 @@ class Observer:
             out.append(f)
         return out
 
-    def collect(self, reaped: dict[int, dict]) -> list[Failure]:
+    def collect(self, reaped: dict[int, dict], job_exit: dict | None = None) -> list[Failure]:
         """Every failure of this attempt: the ones seen as they happened, and the rank deaths
         named now (a death's cause is only known once its evidence has settled)."""
-        return self.seen.failures + self.rank_exit_failures(reaped)
+        return self.seen.failures + self.rank_exit_failures(reaped, job_exit)
 
     def job_exit_failure(self, ex: dict) -> Failure:
         """The job's own non-zero exit as a failure: of rank 0 when it was the only rank."""
@@ -313,7 +315,7 @@ class Observer:
         gpu = seen.heartbeats.get(0, {}).get("gpu") if rank is not None else None
         f = exit_failure(rank, ex.get("pid"), gpu, ex, had_tb,
                          seen.classifier.evidence(None) or seen.classifier.evidence(rank), self.oom_delta(),
-                         "the job" if rank is None else None)
+                         "the job" if rank is None else None, slot=self.slot())
         if ex.get("spawn_error"):
             f.kind, f.reason = FailureKind.JOB_EXIT, f"failed to start: {ex['spawn_error']}"
         elif ex.get("exit_code") == EXIT_USAGE and f.kind == FailureKind.JOB_EXIT:

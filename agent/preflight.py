@@ -24,13 +24,15 @@ about what that python holds.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from agent import ckptcompat, envfp, gpuview, knowngood
 from agent import gpus as nvml_gpus
@@ -326,7 +328,46 @@ def check(req: dict) -> dict:
 
 # --- commit ------------------------------------------------------------------------------------
 
+LAUNCH_LOCK = ".dflash-ctl/launch.lock"  # under the workspace: held by one commit at a time
+LAUNCH_LOCK_WAIT_S = 150.0  # longer than one commit can take (the agent's start: 120 s at most)
+
+
+@contextlib.contextmanager
+def launch_lock(workspace: str) -> Iterator[None]:
+    """The container's launch lock (agent/rundir.py's flock Lock): the busy-slot check and the
+    run's creation happen under it, so of N launches at once exactly one claims a GPU or rank
+    slot. The kernel drops it with the process, so a killed commit never leaves it held."""
+    from agent.rundir import Lock
+
+    path = os.path.join(workspace, LAUNCH_LOCK)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    lock = Lock(path)
+    if not lock.acquire(timeout=LAUNCH_LOCK_WAIT_S):
+        raise RuntimeError(f"another launch in {workspace} has held {path} for over {LAUNCH_LOCK_WAIT_S:g} s; "
+                           "try again")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 def commit(req: dict) -> dict:
+    """The launch's last step under the container's launch lock: the rank-slot claim (no live
+    run holds any of ``req["claim"]["ids"]``, unless it says ``share``) and the run's
+    creation (:func:`create_run`), so two launches at once can never both pass the check."""
+    claim = req.get("claim") or {}
+    try:
+        with launch_lock(req.get("workspace") or "/workspace"):
+            if claim and not claim.get("share"):
+                held = busy(req.get("workspace") or "/workspace", list(claim.get("ids") or []),
+                            bool(claim.get("cuda")))
+                if held:
+                    return {"ok": False, "run_id": req["run_id"], "busy": held, "error": "; ".join(held)}
+            return create_run(req)
+    except RuntimeError as exc:
+        return {"ok": False, "run_id": req["run_id"], "error": str(exc)}
+
+def create_run(req: dict) -> dict:
     """Create the run directory with its start.sh, the run's secret file (0600), start the
     run with the agent's own start verb, and record the launch for the known-good baseline.
 
@@ -396,6 +437,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if argv[0] == "check":
         reply = check(req)
     elif argv[0] == "commit":
+        # A dropped connection (SIGHUP) or a Ctrl-C that reaches this far must not cut the
+        # commit in half: it finishes (the controller knows the run id and says it) or undoes
+        # itself. Handlers, not SIG_IGN, so the run's own processes do not inherit them.
+        for sig in (signal.SIGHUP, signal.SIGINT):
+            signal.signal(sig, lambda *_: None)
         reply = commit(req)
     else:
         reply = {"ok": True, "known_good": knowngood.update(req["workspace"])}

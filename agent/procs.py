@@ -25,6 +25,62 @@ def boot_id() -> str:
         return ""
 
 
+def node_boot_time() -> float | None:
+    """When the node (the kernel) booted, as time.time(): from CLOCK_BOOTTIME (no container
+    runtime virtualizes it, unlike lxcfs's /proc/stat), else btime of /proc/stat."""
+    try:
+        return time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+    except (AttributeError, OSError):
+        pass
+    try:
+        with open("/proc/stat", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"btime "):
+                    return float(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+# A node reboot moves the node's boot time by at least the reboot; a clock step of NTP by
+# seconds. (The boot id cannot tell: LXC gives each container start a boot id of its own.)
+NODE_BOOT_SLACK_S = 10.0
+
+
+def boot_marks() -> dict:
+    """What names this boot of the node and of the container we run in: the kernel's boot
+    id and boot time, the start time of pid 1 of our pid namespace (the container's init:
+    a container restart gives it a new one, a node reboot a new boot id) and the namespace
+    itself. Recorded with a run's job; compared by ``restart_since``."""
+    init = stat(1)
+    try:
+        pidns = os.readlink("/proc/self/ns/pid")
+    except OSError:
+        pidns = None
+    return {"boot_id": boot_id(), "node_boot": node_boot_time(),
+            "init_start": init["starttime"] if init else None, "pidns": pidns}
+
+
+def restart_since(marks: dict | None) -> dict | None:
+    """Whether the node rebooted or the container restarted since ``marks`` (boot_marks() of
+    then) were taken: {"kind": "node"|"container", "at": time.time() of the new boot}, or None."""
+    if not isinstance(marks, dict):
+        return None
+    now = boot_marks()
+    then_boot = marks.get("node_boot")
+    if isinstance(then_boot, (int, float)) and now["node_boot"] is not None \
+            and abs(now["node_boot"] - then_boot) > NODE_BOOT_SLACK_S:
+        return {"kind": "node", "at": now["node_boot"]}
+    moved = marks.get("init_start") is not None and now["init_start"] is not None \
+        and marks["init_start"] != now["init_start"]
+    if moved or any(marks.get(k) and now[k] and marks[k] != now[k] for k in ("pidns", "boot_id")):
+        at = None
+        if now["node_boot"] is not None and now["init_start"] is not None:
+            at = now["node_boot"] + now["init_start"] / os.sysconf("SC_CLK_TCK")
+        return {"kind": "container", "at": at}
+    return None
+
+
 def stat(pid: int) -> dict | None:
     """Fields of /proc/<pid>/stat we use, or None when the process is gone.
 

@@ -81,6 +81,48 @@ ENV_RESUME_FROM = "DFLASH_RESUME_FROM"
 ENV_WORKSPACE = "DFLASH_WORKSPACE"  # agent default workspace; runs live in <workspace>/runs/<id>
 DEFAULT_WORKSPACE = "/workspace"
 
+# --- run ids: the one grammar, made by new_run_id and checked by every command that takes
+# one (`ctl … --run ID` before anything is sent; the agent before it builds a path from it).
+# <config name>-<UTC YYYYmmdd>-<HHMMSS>-<4 hex digits>; the config name starts with a letter
+# or digit (controller/runconfig.py holds it to RUN_NAME_PATTERN), so no id is empty, names
+# a path or reads as an option.
+RUN_NAME_PATTERN = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
+RUN_ID_PATTERN = RUN_NAME_PATTERN + r"-[0-9]{8}-[0-9]{6}-[0-9a-f]{4}"
+RUN_ID_EXAMPLE = "tiny-20261201-114702-3fa9"
+
+
+def new_run_id(config_name: str, now: float | None = None) -> str:
+    """Sortable by start time, unique without asking the container: name-YYYYmmdd-HHMMSS-xxxx."""
+    import secrets
+    import time
+
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now or time.time()))
+    run_id = f"{config_name}-{stamp}-{secrets.token_hex(2)}"
+    problem = run_id_problem(run_id)
+    if problem:
+        raise ValueError(problem)
+    return run_id
+
+
+def run_id_problem(run_id: Any) -> str | None:
+    """None for an id of the grammar above; else one line saying what is wrong and the fix."""
+    import re
+
+    if not isinstance(run_id, str) or not run_id:
+        return (f"--run {run_id!r}: a run id cannot be empty; name one (`ctl runs` lists them), or leave --run "
+                "out for the latest run")
+    if re.fullmatch(RUN_ID_PATTERN, run_id):
+        return None
+    if run_id.startswith("-"):
+        why = "it reads as an option"
+    elif "/" in run_id or run_id in (".", ".."):
+        why = "it is a path, not a run id"
+    else:
+        why = "not a run id ctl launch makes"
+    return (f"--run {run_id!r}: {why}; a run id is NAME-YYYYmmdd-HHMMSS-xxxx, e.g. {RUN_ID_EXAMPLE} "
+            "(`ctl runs` lists them)")
+
+
 # `agent follow --run ID --from SEQ` prints the records with seq > SEQ: seq starts at 1, so
 # `--from 0` is the whole stream and a client reconnects with the last seq it saw. The last
 # record of a finished run is a "status" record whose payload state is terminal.
@@ -95,6 +137,9 @@ EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, the shell's convention): stopped
 # `agent follow`: the agent is gone and the run has not finished, so the stream would never
 # end (research §4.8, ray#57002): re-attach, then follow again.
 EXIT_AGENT_GONE = 3
+# `ctl tail --follow` (and `ctl launch --follow`): the run died because its container restarted
+# or its node rebooted (every process of it is gone; resume from its last checkpoint).
+EXIT_CONTAINER_RESTARTED = 5
 EXIT_SPAWN_FAILED = 127  # the job monitor could not start the job's command (the shell's code)
 # `python3 -m agent.envgen`: a refusal (nothing changed) is told apart from a failure.
 ENVGEN_EXIT_FAILED = 1
@@ -184,6 +229,9 @@ class FailureKind(str, enum.Enum):
     PEER_FAILURE = "peer_failure"
     NETWORK_FAILURE = "network_failure"
     STARTUP_TIMEOUT = "startup_timeout"  # a rank sent no heartbeat within --startup-timeout
+    # every process of the run went with its container's restart / its node's reboot
+    CONTAINER_RESTART = "container_restart"
+    NODE_REBOOT = "node_reboot"
 
 
 # --- status.json and result.json --------------------------------------------------------------
@@ -192,9 +240,71 @@ class FailureKind(str, enum.Enum):
 # only through from_json(). Unknown keys are ignored and missing ones take their defaults, so
 # a reader of a newer or older agent's file still gets a record.
 
-def _pick(cls, doc: Any) -> dict:
-    doc = doc if isinstance(doc, dict) else {}
-    return {f.name: doc[f.name] for f in fields(cls) if f.name in doc}
+class CorruptFile(ValueError):
+    """A state file that exists but is not its record (torn by hand, emptied, garbage):
+    readers say it in one line naming the file, never a traceback, never act on a guess."""
+
+    def __init__(self, path: str, why: str):
+        self.path, self.why = path, why
+        super().__init__(f"{path} is corrupt: {why}")
+
+
+# Annotation names of the record fields → the JSON types they accept (bool is never a number).
+_JSON_TYPES = {"str": (str,), "int": (int,), "float": (int, float), "list": (list,), "dict": (dict,),
+               "RunState": (str,), "Checkpoint": (dict,), "RankHealth": (dict,)}
+
+
+def _type_problem(annotation: str, value: Any) -> str | None:
+    """Why ``value`` does not fit the field's annotation (a string: annotations are lazy)."""
+    if value is None:
+        return None if "None" in annotation or "=" in annotation else "is null"
+    kinds = [part.strip().split("[")[0] for part in annotation.split("|")]
+    allowed = tuple(t for k in kinds for t in _JSON_TYPES.get(k, ()))
+    if not allowed or (isinstance(value, allowed) and not isinstance(value, bool)):
+        return None
+    return f"is {type(value).__name__} {json.dumps(value)[:40]}, not {' or '.join(k for k in kinds if k != 'None')}"
+
+
+def _pick(cls, doc: Any, where: str | None = None) -> dict:
+    """The known fields of ``doc``. With ``where`` (the file it came from) each is checked
+    against its type and a misfit raises CorruptFile; without, a non-object is empty."""
+    if not isinstance(doc, dict):
+        if where is not None:
+            raise CorruptFile(where, f"not a JSON object but {type(doc).__name__}")
+        doc = {}
+    out = {}
+    for f in fields(cls):
+        if f.name not in doc:
+            continue
+        if doc[f.name] is None and "None" not in str(f.type):
+            continue  # null for a field with a default (restarts, lists): the default
+        if where is not None:
+            problem = _type_problem(str(f.type), doc[f.name])
+            if problem:
+                raise CorruptFile(where, f"{f.name!r} {problem}")
+        out[f.name] = doc[f.name]
+    return out
+
+
+def load_json_object(path: str) -> dict | None:
+    """The JSON object in ``path``; None when the file does not exist; CorruptFile when it
+    exists but is empty, unreadable, not UTF-8 JSON, or not an object."""
+    try:
+        with open(path, "rb") as fh:
+            raw = fh.read()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CorruptFile(path, f"unreadable ({exc.strerror})") from None
+    if not raw.strip():
+        raise CorruptFile(path, "empty file")
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CorruptFile(path, f"not JSON ({str(exc).splitlines()[0][:80]})") from None
+    if not isinstance(doc, dict):
+        raise CorruptFile(path, f"not a JSON object but {type(doc).__name__}")
+    return doc
 
 
 @dataclass(frozen=True)
@@ -211,7 +321,8 @@ class Checkpoint:
     def from_json(cls, doc: Any) -> "Checkpoint | None":
         if not isinstance(doc, dict) or not doc.get("path"):
             return None
-        return cls(int(doc.get("step") or 0), str(doc["path"]))
+        step = doc.get("step")
+        return cls(step if isinstance(step, int) and not isinstance(step, bool) else 0, str(doc["path"]))
 
 
 @dataclass
@@ -264,6 +375,9 @@ class RunStatus:
     # Every time an agent took over a run whose agent was gone: {ts, by, why, agent_pid,
     # previous_agent_pid, seq} (agent/daemon.py: the job's monitor, `ctl status`, `ctl tail`).
     reattaches: list[dict] = field(default_factory=list)
+    # The run died with its container or node: {"kind": "container"|"node", "at": the new
+    # boot's time.time(), "step": the last completed step} (agent/procs.py restart_since).
+    host_restart: dict | None = None
 
     def to_json(self) -> dict:
         doc = asdict(self)
@@ -273,11 +387,16 @@ class RunStatus:
         return doc
 
     @classmethod
-    def from_json(cls, doc: Any) -> "RunStatus":
-        kw = _pick(cls, doc)
-        if kw.get("state") is not None:
-            kw["state"] = RunState(kw["state"])
-        kw["ranks"] = {int(r): RankHealth(**_pick(RankHealth, h)) for r, h in (kw.get("ranks") or {}).items()}
+    def from_json(cls, doc: Any, where: str | None = None) -> "RunStatus":
+        """``where``: the file ``doc`` came from; its fields are then type-checked (CorruptFile)."""
+        kw = _pick(cls, doc, where)
+        kw["state"] = _state(kw.get("state"), where)
+        try:
+            kw["ranks"] = {int(r): RankHealth(**_pick(RankHealth, h, where)) for r, h in (kw.get("ranks") or {}).items()}
+        except ValueError as exc:
+            if isinstance(exc, CorruptFile) or where is None:
+                raise
+            raise CorruptFile(where, f"'ranks' has a key that is not a rank number ({exc})") from None
         kw["checkpoint"] = Checkpoint.from_json(kw.get("checkpoint"))
         kw["failures_history"] = list(kw.get("failures_history") or [])
         kw["reattaches"] = list(kw.get("reattaches") or [])
@@ -289,8 +408,10 @@ class RunStatus:
 
     @classmethod
     def load(cls, path: str) -> "RunStatus":
-        """The status.json at ``path``; an empty record when there is none (yet)."""
-        return cls.from_json(read_json_doc(path))
+        """The status.json at ``path``; an empty record when there is none (yet);
+        CorruptFile when it is there but not a status record."""
+        doc = load_json_object(path)
+        return cls() if doc is None else cls.from_json(doc, path)
 
     def save(self, path: str) -> None:
         atomic_write_json(path, self.to_json())
@@ -318,23 +439,35 @@ class RunResult:
         return doc
 
     @classmethod
-    def from_json(cls, doc: Any) -> "RunResult | None":
-        if not isinstance(doc, dict):
+    def from_json(cls, doc: Any, where: str | None = None) -> "RunResult | None":
+        if not isinstance(doc, dict) and where is None:
             return None
-        kw = _pick(cls, doc)
-        if kw.get("state") is not None:
-            kw["state"] = RunState(kw["state"])
+        kw = _pick(cls, doc, where)
+        kw["state"] = _state(kw.get("state"), where)
         kw["checkpoint"] = Checkpoint.from_json(kw.get("checkpoint"))
         kw["failures_history"] = list(kw.get("failures_history") or [])
         return cls(**kw)
 
     @classmethod
     def load(cls, path: str) -> "RunResult | None":
-        """The result.json at ``path``; None while the run has not ended."""
-        return cls.from_json(read_json_doc(path))
+        """The result.json at ``path``; None while the run has not ended; CorruptFile when
+        it is there but not a result record."""
+        doc = load_json_object(path)
+        return None if doc is None else cls.from_json(doc, path)
 
     def save(self, path: str) -> None:
         atomic_write_json(path, self.to_json())
+
+
+def _state(value: Any, where: str | None) -> "RunState | None":
+    if value is None:
+        return None
+    try:
+        return RunState(value)
+    except ValueError:
+        if where is None:
+            raise
+        raise CorruptFile(where, f"'state' is {value!r}, not one of {', '.join(s.value for s in RunState)}") from None
 
 
 def atomic_write(path: str, data: str | bytes, mode: int = 0o644) -> None:

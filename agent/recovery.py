@@ -56,10 +56,95 @@ def append_history(workspace: str, record: dict) -> dict:
     return record
 
 
-def read_history(workspace: str, run: Optional[str] = None, limit: int = 0) -> list[dict]:
-    out = [rec for _, rec in protocol.read_json_lines(history_path(workspace))
-           if run is None or rec.get("run") == run]
-    return out[-limit:] if limit else out
+CLAIM = ".dflash-ctl/rollback.claim"  # one kill-and-rollback at a time in a container
+
+
+def claim(workspace: str, holder: str, ttl_s: float) -> dict:
+    """Take the container's kill-and-rollback claim, or say who holds it. Two at once would
+    each stop the run and each write a kill and a rollback record; the second is refused
+    instead. A claim past its ``expires`` (its ctl died without releasing) is taken over.
+
+    Check and take happen under an flock of a sibling lock file, and the claim appears with
+    its content (written to a temp file, renamed): an O_EXCL create followed by a write let a
+    second taker read the still-empty file as torn, call it stale and take it too."""
+    import secrets
+
+    path = os.path.join(workspace, CLAIM)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    lock_fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        now = time.time()
+        held = read_json_doc(path)
+        if held is not None and float(held.get("expires") or 0) > now:
+            return {"claimed": False, "holder": held}
+        mine = {"holder": holder, "ts": now, "expires": now + ttl_s, "token": secrets.token_hex(8)}
+        tmp = f"{path}.tmp.{os.getpid()}"
+        with open(tmp, "w") as fh:
+            json.dump(mine, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        return {"claimed": True, "token": mine["token"]}
+    finally:
+        os.close(lock_fd)
+
+
+def release(workspace: str, token: str) -> bool:
+    """Drop the claim if it is still the one ``token`` took."""
+    path = os.path.join(workspace, CLAIM)
+    lock_fd = os.open(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX)
+        held = read_json_doc(path)
+        if held is None or held.get("token") != token:
+            return False
+        os.unlink(path)
+        return True
+    finally:
+        os.close(lock_fd)
+
+
+def history_problem(rec) -> Optional[str]:
+    """Why a history line is not a record ({"event": str, "ts": number, "run": str|None, …})."""
+    if not isinstance(rec, dict):
+        return f"not a JSON object but {type(rec).__name__}"
+    ts = rec.get("ts")
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool):
+        return f"'ts' is {json.dumps(ts)[:40]}, not a number"
+    if not isinstance(rec.get("event"), str):
+        return f"'event' is {json.dumps(rec.get('event'))[:40]}, not a string"
+    if rec.get("run") is not None and not isinstance(rec.get("run"), str):
+        return f"'run' is {json.dumps(rec.get('run'))[:40]}, not a string"
+    return None
+
+
+def read_history(workspace: str, run: Optional[str] = None, limit: int = 0) -> tuple[list[dict], list[str]]:
+    """(the records, one line per line of history.jsonl that is not a record: its number
+    and why). A torn last line (a crash mid-append) is neither: it is skipped."""
+    path = history_path(workspace)
+    out, problems = [], []
+    try:
+        fh = open(path, "rb")
+    except FileNotFoundError:
+        return [], []
+    with fh:
+        for number, raw in enumerate(fh, 1):
+            if not raw.endswith(b"\n"):
+                break
+            if not raw.strip():
+                continue
+            try:
+                rec = json.loads(raw.decode("utf-8"))
+            except (UnicodeDecodeError, ValueError):
+                problems.append(f"{path} line {number}: not JSON: {raw[:60].decode('utf-8', 'replace').strip()!r}")
+                continue
+            problem = history_problem(rec)
+            if problem:
+                problems.append(f"{path} line {number}: {problem}")
+            elif run is None or rec.get("run") == run:
+                out.append(rec)
+    return (out[-limit:] if limit else out), problems
 
 
 def _pid_of(path: str) -> Optional[int]:
@@ -118,8 +203,15 @@ def latest_run(workspace: str) -> Optional[str]:
 def run_info(workspace: str, run: str) -> dict:
     """State, spec, launch record and last checkpoint of one run (what the report needs)."""
     run_dir = os.path.join(workspace, "runs", run)
+    from agent.rundir import RunDir, read_status
+
     info: dict = {"run": run, "run_dir": run_dir, "exists": os.path.isdir(run_dir)}
-    status, result = protocol.RunStatus.load(os.path.join(run_dir, protocol.STATUS)), protocol.RunResult.load(os.path.join(run_dir, protocol.RESULT))
+    status, corrupt = read_status(RunDir(run_dir))
+    try:
+        result = protocol.RunResult.load(os.path.join(run_dir, protocol.RESULT))
+    except protocol.CorruptFile as exc:
+        result, corrupt = None, str(exc)
+    info["corrupt"] = corrupt
     info["status"] = status.to_json() if status.state else None
     info["result"] = result.to_json() if result else None
     info["spec"] = _read(os.path.join(run_dir, protocol.SPEC))
@@ -174,6 +266,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     s = sub.add_parser("run-info")
     s.add_argument("--run", help="default: the live run, else the newest")
     sub.add_parser("history-append", help="one JSON record on stdin")
+    s = sub.add_parser("claim", help="take the container's kill-and-rollback claim")
+    s.add_argument("--holder", required=True)
+    s.add_argument("--ttl", type=float, required=True)
+    s = sub.add_parser("release", help="drop the claim taken with --token")
+    s.add_argument("--token", required=True)
     s = sub.add_parser("history")
     s.add_argument("--run")
     s.add_argument("--limit", type=int, default=0)
@@ -192,10 +289,15 @@ def main(argv: Optional[list[str]] = None) -> int:
         from agent import gpus
 
         body = gpus.sample()
+    elif args.verb == "claim":
+        body = claim(args.workspace, args.holder, args.ttl)
+    elif args.verb == "release":
+        body = {"released": release(args.workspace, args.token)}
     elif args.verb == "history-append":
         body = {"record": append_history(args.workspace, json.load(sys.stdin))}
     else:
-        body = {"records": read_history(args.workspace, args.run, args.limit)}
+        records, problems = read_history(args.workspace, args.run, args.limit)
+        body = {"records": records, "problems": problems}
     body["ok"] = True
     sys.stdout.write(wrap_payload(body))
     return 0

@@ -32,11 +32,15 @@ class RunDir:
 
 
 def read_json(path: str) -> dict | None:
+    """A JSON object from ``path``, or None (missing, torn, not an object): for files that are
+    rewritten while read (heartbeats, pid files). State files go through agent/protocol.py's
+    typed loaders, which tell a corrupt file from a missing one."""
     try:
-        with open(path) as fh:
-            return json.load(fh)
+        with open(path, encoding="utf-8") as fh:
+            doc = json.load(fh)
     except (OSError, ValueError):
         return None
+    return doc if isinstance(doc, dict) else None
 
 
 def resolve(run: str | None = None, workspace: str | None = None, run_dir: str | None = None) -> RunDir:
@@ -48,6 +52,51 @@ def resolve(run: str | None = None, workspace: str | None = None, run_dir: str |
         raise ValueError("name the run: --run ID (with --workspace W) or --run-dir DIR")
     ws = workspace or os.environ.get(protocol.ENV_WORKSPACE) or protocol.DEFAULT_WORKSPACE
     return RunDir(os.path.join(ws, "runs", run))
+
+
+def last_stream_status(rd: RunDir, window: int = 4 << 20) -> dict | None:
+    """The payload of the stream's last status record (within its last ``window`` bytes)."""
+    try:
+        with open(rd.stream, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            fh.seek(max(0, fh.tell() - window))
+            lines = fh.read().split(b"\n")
+    except OSError:
+        return None
+    for raw in reversed(lines):
+        if b'"kind":"status"' in raw:
+            try:
+                payload = json.loads(raw).get("payload")
+            except (ValueError, AttributeError):
+                continue
+            if isinstance(payload, dict):
+                return payload
+    return None
+
+
+def read_status(rd: RunDir) -> tuple[protocol.RunStatus, str | None]:
+    """The run's status and, when status.json is corrupt, one line saying so. A corrupt
+    status.json is never taken for "no status": the stream's last status record (the same
+    document, written at every state change) stands in, so a finished run stays finished
+    with its step and checkpoint (issue 26: an emptied status.json of a completed run was
+    re-attached and lost both)."""
+    try:
+        return protocol.RunStatus.load(rd.status), None
+    except protocol.CorruptFile as exc:
+        payload = last_stream_status(rd)
+        try:
+            st = protocol.RunStatus.from_json(payload, rd.stream) if payload else None
+        except protocol.CorruptFile:
+            st = None
+        if st is None:
+            return protocol.RunStatus(), f"{exc}; the stream has no status record to show instead"
+        return st, f"{exc}; shown from the stream's last status record (seq {st.seq})"
+
+
+def finished(rd: RunDir) -> bool:
+    """The run has ended: result.json is there (whatever it holds: it is written once, just
+    before the terminal status) or its status says so. A finished run is never re-attached."""
+    return os.path.exists(rd.result) or read_status(rd)[0].terminal
 
 
 class Lock:

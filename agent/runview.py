@@ -24,11 +24,11 @@ import os
 import sys
 from typing import Optional
 
-from agent import knowngood
+from agent import knowngood, procs
 from agent.daemon import revive_if_gone
-from agent.protocol import (DEFAULT_WORKSPACE, ENV_WORKSPACE, EVENTS, SPEC, RunResult, RunStatus, read_json_lines,
-                            wrap_payload)
-from agent.rundir import RunDir, agent_alive, agent_live_or_none, read_json
+from agent.protocol import (DEFAULT_WORKSPACE, ENV_WORKSPACE, EVENTS, SPEC, CorruptFile, RunResult, load_json_object,
+                            read_json_lines, wrap_payload)
+from agent.rundir import RunDir, agent_alive, agent_live_or_none, finished, read_json, read_status
 
 
 def runs(workspace: str) -> list[dict]:
@@ -36,10 +36,13 @@ def runs(workspace: str) -> list[dict]:
     base = os.path.join(workspace, "runs")
     out = []
     for name in os.listdir(base) if os.path.isdir(base) else []:
-        spec = read_json(os.path.join(base, name, SPEC))
-        if spec:
-            out.append({"run_id": spec.get("run_id") or name, "run_dir": os.path.join(base, name),
-                        "created": spec.get("created") or 0})
+        path = os.path.join(base, name, SPEC)
+        if not os.path.exists(path):
+            continue
+        spec = read_json(path) or {}  # a corrupt spec still names a run (status says what is wrong)
+        created = spec.get("created")
+        out.append({"run_id": name, "run_dir": os.path.join(base, name),
+                    "created": created if isinstance(created, (int, float)) else os.path.getmtime(path)})
     return sorted(out, key=lambda r: (r["created"], r["run_id"]))
 
 
@@ -76,8 +79,22 @@ def status(workspace: str, run: Optional[str] = None) -> dict:
     if not os.path.exists(rd.spec):
         known = ", ".join(r["run_id"] for r in all_runs[-5:]) or "none"
         return {"ok": False, "error": f"no run {run!r} in {workspace}/runs (latest: {known}); `ctl runs` lists them"}
+    try:
+        spec = load_json_object(rd.spec) or {}
+        result = RunResult.load(rd.result)
+    except CorruptFile as exc:
+        return {"ok": False, "corrupt": exc.path, "run_id": run,
+                "error": f"run {run}: {exc}; nothing was started or changed"}
+    st, corrupt = read_status(rd)
+    # Read before anything is started: a container restart or node reboot under an
+    # unfinished run is said even where no agent may be started (--revive 0).
+    restart = None if finished(rd) else procs.restart_since((read_json(rd.job_pid) or {}).get("boot"))
     # Nobody supervises a run whose agent died: the one who looks brings one back (issue 18).
-    revived = revive_if_gone(rd, "ctl status")
+    # Never one that has ended (result.json is there) or whose status cannot be read.
+    revived = None if corrupt else revive_if_gone(rd, "ctl status")
+    if revived:
+        st, corrupt = read_status(rd)
+        result = RunResult.load(rd.result)
     try:
         known_good = knowngood.update(workspace)
     except OSError:
@@ -85,11 +102,12 @@ def status(workspace: str, run: Optional[str] = None) -> dict:
     launch = read_json(knowngood.launch_record_path(workspace, run)) or {}
     config = launch.get("config")
     baseline = ((known_good.get("configs") or {}).get(config) or {}) if config else {}
-    spec = read_json(rd.spec) or {}
-    result = RunResult.load(rd.result)
     return {"ok": True, "run_id": run, "run_dir": rd.path, "latest": all_runs[-1]["run_id"] == run,
             "spec": {k: spec.get(k) for k in ("run_id", "created", "argv", "cwd", "options")},
-            "status": RunStatus.load(rd.status).to_json(), "result": result.to_json() if result else None,
+            "status": st.to_json(), "result": result.to_json() if result else None,
+            "warnings": [corrupt] if corrupt else [],
+            "host_restart": st.host_restart or (dict(restart, step=st.step) if restart else None),
+            "resume": {k: launch.get(k) for k in ("config", "config_file", "sets")},
             "agent_alive": agent_alive(rd), "job_alive": agent_live_or_none(rd.job_pid), "revived": revived,
             "config": config, "start": launch.get("start"), "gpus": launch.get("gpus"),
             "kind": launch.get("kind") or "train",

@@ -111,7 +111,10 @@ class Supervisor:
 
     # --- start ---------------------------------------------------------------------------------
     def start(self) -> None:
-        if self.reattach and self.job.attach():
+        if self.reattach and self.job.attach() and (restart := self.job.restarted()):
+            self.died_with_host(restart)
+            return
+        if self.reattach and self.job.ident is not None:
             previous = self.status.agent_pid
             record = {"ts": time.time(), "by": self.reattach_by or "agent start",
                       "why": self.reattach_why or f"its agent (pid {previous}) was gone",
@@ -127,6 +130,37 @@ class Supervisor:
         self.event("agent.started", agent_pid=os.getpid(), argv=self.spec["argv"], options=self.spec.get("options"))
         self.spawn(self.spec["argv"])
         self.store.set(RunState.RUNNING)
+
+    def died_with_host(self, restart: dict) -> None:
+        """The container restarted (or the node rebooted) under the run: every process of it
+        is gone, nothing is to be stopped or restarted here; the run ends FAILED saying so, at
+        its last completed step (issue 26: the first status after a restart said healthy)."""
+        import datetime
+
+        step = self.status.step
+        at = restart.get("at")
+        when = datetime.datetime.fromtimestamp(at, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC") \
+            if at else "an unknown time"
+        what = "the container restarted" if restart["kind"] == "container" else "the node rebooted"
+        ckpt = self.obs.checkpoint
+        reason = (f"{what} at {when}; the run died at step {step if step is not None else 0}"
+                  + (f"; its last checkpoint is step {ckpt.step}: {ckpt.path}" if ckpt else "; it has no checkpoint"))
+        self.status.host_restart = dict(restart, step=step)
+        self.obs.seen.launch = self.status.launch
+        self.obs.read_heartbeats()
+        for rank, hb in self.obs.seen.heartbeats.items():
+            self.obs.seen.dead_ranks[rank] = {"pid": hb.get("pid"), "gpu": hb.get("gpu"), "ts": time.time(),
+                                              "status": None}
+        kind = FailureKind.CONTAINER_RESTART if restart["kind"] == "container" else FailureKind.NODE_REBOOT
+        self.final_failure = Failure(kind, reason, details=dict(restart, step=step))
+        self.event("agent.reattached", agent_pid=os.getpid(), job_pid=self.job.pid, job_alive=False,
+                   seq_before=self.stream.seq, offsets=dict(self.stream.offsets), by=self.reattach_by or "agent start",
+                   why=reason)
+        self.obs.announce(self.final_failure)
+        self.status.exit = {"exit_code": None, "signal": None, "error": reason}
+        self.history.append({"attempt": self.restarts, "root_cause": self.final_failure.to_json(),
+                             "failures": [reason]})
+        self.finish(RunState.FAILED)
 
     def spawn(self, argv: list[str], resume_from: str | None = None) -> None:
         self.job.spawn(argv, self.restarts, resume_from)
@@ -176,7 +210,7 @@ class Supervisor:
                 ex = self.job.exit_status()
                 if ex is not None:
                     self.obs.drain()
-                    return Outcome(OutcomeKind.EXIT, exit=ex, failures=self.obs.collect(self.job.reaped))
+                    return Outcome(OutcomeKind.EXIT, exit=ex, failures=self.obs.collect(self.job.reaped, ex))
             first = self.obs.seen.first_failure_at
             if first is not None and now - first >= self.opts.settle:
                 return Outcome(OutcomeKind.FAILURE, failures=self.obs.collect(self.job.reaped))
@@ -198,7 +232,10 @@ class Supervisor:
             self.store.set(RunState.STOPPING)
             self.finish(RunState.STOPPED)
             return
-        self.on_failure([*outcome.failures, self.obs.job_exit_failure(ex)])
+        # One record per death: when a rank's death (or another failure) already explains
+        # the job's exit, the exit is its consequence, not a second failure (issue 26: a
+        # one-rank run's kill -9 gave "rank slot 0" and "GPU 0" records for one death).
+        self.on_failure(outcome.failures or [self.obs.job_exit_failure(ex)])
 
     def on_failure(self, failures: list[Failure]) -> None:
         cause = root_cause(failures) or Failure(FailureKind.JOB_EXIT, "the job failed for an unknown reason")

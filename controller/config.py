@@ -85,7 +85,9 @@ class NodeConfig:
     root; identity_file: private key; known_hosts: the file holding this node's (and its
     bastions') host keys; pct: the pct command (its full path with sudo); sudo: run pct
     through `sudo -n`; proxy_jump: [user@]host[:port] of a bastion, a comma list hops in
-    order (like ProxyJump, which ~/.ssh/config may set instead); containers: per CT id."""
+    order (like ProxyJump, which ~/.ssh/config may set instead); control_persist: seconds the
+    one-shot commands' shared SSH connection is kept after its last use (default 300; 0: no
+    sharing; controller/sshmux.py); containers: per CT id."""
 
     host: str
     port: Optional[int] = None
@@ -96,6 +98,7 @@ class NodeConfig:
     pct: str = "pct"
     sudo: bool = False
     proxy_jump: Optional[str] = None
+    control_persist: Optional[int] = None
     containers: dict[str, ContainerConfig] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -106,6 +109,11 @@ class NodeConfig:
                 raise _Invalid("port", "must be between 1 and 65535", self.port)
         for name in ("user", "identity_file", "known_hosts", "proxy_jump"):
             _check(name, getattr(self, name), str, optional=True)
+        if self.control_persist is not None:
+            _check("control_persist", self.control_persist, int)
+            if self.control_persist < 0:
+                raise _Invalid("control_persist", "must be 0 (no shared connection) or more seconds",
+                               self.control_persist)
         _check("pct", self.pct, str)
         _check("sudo", self.sudo, bool)
         if self.transport not in ("ssh", "local"):
@@ -179,9 +187,14 @@ def load(explicit: Optional[str | Path] = None) -> Config:
             raise ConfigError(f"config file {path} does not exist")
         return Config()
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+                          "save it as UTF-8") from None
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read it ({exc.strerror})") from None
     try:
         unknown = sorted(set(data) - {"default_node", "nodes"})
         if unknown:

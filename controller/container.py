@@ -16,11 +16,22 @@ from typing import IO, Mapping, Optional, Sequence
 
 from controller import pct
 from controller.config import ContainerConfig, NodeConfig
+from controller.exitcodes import CtlExit
 from controller.transport import CommandError, Result, Runner, Stdin
 
 
 class ContainerError(Exception):
     """Something about the container stops us; the message names it and what to do."""
+
+
+class ContainerStopped(ContainerError):
+    """The container is not running (stopped, or restarting): a follower waits for it."""
+
+
+class ContainerMissing(ContainerError):
+    """The container id names no container on the node: bad input, like a wrong option."""
+
+    exit_code = CtlExit.USAGE
 
 
 class AgentError(ContainerError):
@@ -106,7 +117,7 @@ class Container:
         if result.ok and match:
             return match.group(1)
         if _MISSING.search(text):
-            raise ContainerError(f"container {self.ctid} does not exist on node {self.node_name}: "
+            raise ContainerMissing(f"container {self.ctid} does not exist on node {self.node_name}: "
                                  f"check the id (`{pct.command_text(self.node, 'list')}` on the node)")
         raise ContainerError(f"cannot get the status of {self}: `{result.command}` said: "
                              f"{result.tail('stderr', 3) or result.tail('stdout', 3) or f'exit code {result.returncode}'}")
@@ -114,7 +125,7 @@ class Container:
     def check_running(self) -> None:
         state = self.status()
         if state != "running":
-            raise ContainerError(f"container {self.ctid} on node {self.node_name} is {state}: "
+            raise ContainerStopped(f"container {self.ctid} on node {self.node_name} is {state}: "
                                  f"start it with {pct.start_hint(self.node, self.ctid)}")
 
     # -- files ----------------------------------------------------------------------------

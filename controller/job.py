@@ -38,6 +38,7 @@ from typing import Callable, Iterator, Optional
 
 from agent.protocol import FailureKind, RunResult, RunState, RunStatus
 from controller import config as cfg
+from controller import interrupts
 from controller.container import Container
 
 JOBS_DIR = "jobs"
@@ -210,6 +211,7 @@ def launch(cts: list[Container], members: list[Member], run_config, start: dict,
                 raise JobError(f"container {m.label}: " + "; ".join(problems))
         launchers.append(launcher)
     # Every container is assessed before any starts, and every refusal is shown at once.
+    interrupts.pause_point("launch.preflight")
     preflights, verdicts = [], []
     for launcher in launchers:
         pf = launcher.preflight()
@@ -227,6 +229,9 @@ def launch(cts: list[Container], members: list[Member], run_config, start: dict,
         refused.raise_if_refused(f"job {run_id}")
     result = JobResult(run_id, endpoint, members)
     started: list[tuple[Container, Member]] = []
+    # From here a Ctrl-C waits until the command has printed the run id (controller/interrupts.py).
+    interrupts.hold()
+    interrupts.pause_point("launch.commit")
     try:
         for launcher, pf, ct, m in zip(launchers, preflights, cts, members):
             reply = launcher.commit(pf)

@@ -29,6 +29,7 @@ from typing import Any, Literal, Mapping, Optional, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, ValidationError, create_model
 from typing_extensions import Annotated
 
+from agent.protocol import RUN_NAME_PATTERN
 from controller.runconfig import PLACEHOLDERS, RunConfigError, SupervisionSection, fill, parse_set
 from trainer import kinds
 
@@ -84,7 +85,7 @@ def section_model(kind: kinds.Kind) -> type[BaseModel]:
 class _DataJob(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
 
-    name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    name: str = Field(..., pattern=f"^{RUN_NAME_PATTERN}$")  # run ids start with it
     supervision: SupervisionSection = Field(default_factory=SupervisionSection)  # type: ignore[valid-type]
     _source_file: Optional[str] = PrivateAttr(default=None)
     _command_line_sets: list[str] = PrivateAttr(default_factory=list)

@@ -30,9 +30,10 @@ from typing import Callable, Optional
 
 from agent.protocol import RunState, RunStatus
 from controller import config as cfg
-from controller.container import Container, ContainerError
+from controller.container import Container, ContainerError, ContainerStopped
 from controller.job import Member
 from controller.tail import FOLLOW_AGENT_GONE
+from controller.transport import TransportError
 
 LAST_LAUNCH = "last-launch.json"
 
@@ -41,6 +42,12 @@ class NoSuchRun(ContainerError):
     """The run named does not exist in the container (bad input: ctl exits 2)."""
 
     exit_code = 2
+
+
+class CorruptRun(ContainerError):
+    """A state file of the run is not its record: the status cannot be known (ctl exits 1)."""
+
+    exit_code = 1
 
 # --- where: remembered last launch ------------------------------------------------------------
 
@@ -76,7 +83,13 @@ class ContainerStream:
             module, args = "agent.runview", ["stream", "--workspace", self.workspace, *named, "--from", after]
         else:
             module, args = "agent", ["follow", "--workspace", self.workspace, *named, "--from", after]
-        result = self.caller.run(module, args, capture=False, on_stdout=on_line)
+        try:
+            result = self.caller.run(module, args, capture=False, on_stdout=on_line)
+        except ContainerStopped as exc:
+            # stopped under the follow (a restart): reconnect once it is back, then say so
+            raise TransportError(str(exc)) from None
+        if result.failed and Container.looks_unreachable(result):  # stopped, and already back
+            raise TransportError(f"container {self.ct.ctid} was not running: {result.tail('stderr', 1)}")
         if result.failed and result.returncode != FOLLOW_AGENT_GONE:
             tail = result.tail("stderr", 3)
             if "no run directory" in tail:
@@ -87,8 +100,21 @@ class ContainerStream:
         return result.returncode
 
     def state(self, run_id: str) -> dict:
-        reply = self.caller.call("agent.runview", ["status", "--workspace", self.workspace, "--run", run_id])
-        return reply.get("status") or {}
+        from controller.agentcall import AgentCallError
+
+        try:
+            reply = self.caller.call("agent.runview", ["status", "--workspace", self.workspace, "--run", run_id])
+        except ContainerStopped as exc:
+            raise TransportError(str(exc)) from None
+        except AgentCallError as exc:
+            if exc.result is not None and Container.looks_unreachable(exc.result):  # stopped, and already back
+                raise TransportError(f"container {self.ct.ctid} was not running") from None
+            raise
+        if not reply.get("ok"):
+            # A run that cannot be read (a corrupt state file, gone) ends the follow with its
+            # one line: asking again would never get a better answer (issue 26: it hung).
+            raise CorruptRun(f"container {self.ct.ctid}: {reply.get('error')}")
+        return dict(reply.get("status") or {}, _reply=reply)
 
     def revive(self, run_id: str) -> bool:
         """The run's agent is gone: start one that re-attaches (the stream goes on from where

@@ -15,11 +15,11 @@ directory and no process.
 from __future__ import annotations
 
 import posixpath
-import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from agent.protocol import new_run_id  # noqa: F401  (the launcher's id maker; callers import it here)
 from controller import drift
 from controller.agentcall import AgentCallError, AgentCaller
 from controller import render
@@ -31,11 +31,14 @@ SECRETS_DIR = ".dflash-ctl/secrets"  # under the workspace; one 0600 file per ru
 
 
 class LaunchRefused(Exception):
-    """The launch was refused before anything was started; ``lines`` is the full report."""
+    """The launch was refused before anything was started; ``lines`` is the full report.
+    ``certain`` False: the commit was sent and its reply lost (a Ctrl-C that also reached
+    ssh, a dropped link), so the run may have started after all."""
 
-    def __init__(self, message: str, lines: Optional[list[str]] = None):
+    def __init__(self, message: str, lines: Optional[list[str]] = None, certain: bool = True):
         super().__init__(message)
         self.lines = lines or []
+        self.certain = certain
 
 
 @dataclass
@@ -47,12 +50,6 @@ class LaunchResult:
     preflight: dict
     round_trips: int
     timings: dict = field(default_factory=dict)
-
-
-def new_run_id(config_name: str, now: Optional[float] = None) -> str:
-    """Sortable by start time, unique without asking the container: name-YYYYmmdd-HHMMSS-xxxx."""
-    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime(now or time.time()))
-    return f"{config_name}-{stamp}-{secrets.token_hex(2)}"
 
 
 def start_kind(start: dict) -> dict:
@@ -88,11 +85,12 @@ class Launcher:
         self.agent_options = {**config.supervision.agent_options(), **(agent_options or {})}
         self.share_gpus = share_gpus  # start although a live run in the container holds these GPUs
 
-    def _call(self, module_argv: list[str], request: dict, what: str) -> dict:
+    def _call(self, module_argv: list[str], request: dict, what: str, commit: bool = False) -> dict:
         try:
             return self.caller.call(module_argv[0], module_argv[1:], request, what)
         except AgentCallError as exc:
-            raise LaunchRefused(str(exc)) from None
+            # no readable reply to the commit: the container may have finished it regardless
+            raise LaunchRefused(str(exc), certain=not commit) from None
 
     @property
     def round_trips(self) -> int:
@@ -195,8 +193,14 @@ class Launcher:
         request = {"workspace": self.workspace, "run_id": self.run_id, "record": record,
                    "run_dir": self.run_dir, "script": script, "secrets_file": secrets_file,
                    "secret": f"WANDB_API_KEY={self.wandb_key}\n" if self.wandb_key else None,
-                   "start_argv": start_argv(self.ct, self.run_dir, self.run_id, options)}
-        reply = self._call(["agent.preflight", "commit"], request, "starting the run")
+                   "start_argv": start_argv(self.ct, self.run_dir, self.run_id, options),
+                   # the GPUs (or CPU rank slots) this run claims, checked again under the container's
+                   # launch lock as the run is created (agent/preflight.py: commit)
+                   "claim": {"ids": sorted(set(self.values["target_gpus"]) | set(self.values["drafter_gpus"])),
+                             "cuda": pf.get("device") == "cuda", "share": self.share_gpus}}
+        reply = self._call(["agent.preflight", "commit"], request, "starting the run", commit=True)
+        if reply.get("busy"):
+            raise LaunchRefused(f"refused in {self.ct} as the run was being created:\n  " + "\n  ".join(reply["busy"]))
         if not reply.get("ok"):
             raise LaunchRefused(f"the run did not start in {self.ct}: {reply.get('error')}; nothing was left behind")
         return reply

@@ -31,14 +31,18 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import select
 import selectors
 import shlex
 import subprocess
+import threading
 from pathlib import Path
 from typing import Optional
 
 from controller.config import NodeConfig
-from controller.sshconfig import CONNECT_TIMEOUT_S, KEEPALIVE_S, missing_config_message, ssh_config_path
+from controller import sshmux
+from controller.sshconfig import (CONNECT_TIMEOUT_S, SERVER_ALIVE_COUNT, SERVER_ALIVE_S, missing_config_message,
+                                  ssh_config_path)
 from controller.transport import CHUNK, MarkerGate, Process, Runner, TransportError, _LocalProcess, marked_command
 
 SSH = "ssh"
@@ -61,15 +65,18 @@ def _arg(value: str) -> str:
     return '"' + str(Path(value).expanduser()).replace("%", "%%") + '"'
 
 
-def wrapper_text(node: NodeConfig, user_config: Optional[Path]) -> str:
+def wrapper_text(node: NodeConfig, user_config: Optional[Path], sock: Optional[Path] = None) -> str:
     lines = ["# Written by dflash-ctl for its ssh commands (controller/openssh.py); rewritten when it changes.",
              "# First, for every host on the way: what no Host block below may turn off.",
              "BatchMode yes", "StrictHostKeyChecking yes", "UpdateHostKeys no"]
     if user_config is not None:
         lines.append(f"Include {_arg(str(user_config))}")
+    if sock is not None:
+        lines += ["# The node's shared connection (controller/sshmux.py), where the config above sets none.",
+                  *sshmux.config_lines(node, sock, _arg)]
     lines += ["# Last: the node config's defaults, where the config above says nothing (its bastions too).",
               "Host *", f"  User {node.user or 'root'}", f"  ConnectTimeout {CONNECT_TIMEOUT_S}",
-              f"  ServerAliveInterval {KEEPALIVE_S}", "  ServerAliveCountMax 3"]
+              f"  ServerAliveInterval {SERVER_ALIVE_S}", f"  ServerAliveCountMax {SERVER_ALIVE_COUNT}"]
     if node.identity_file:
         lines += [f"  IdentityFile {_arg(node.identity_file)}", "  IdentitiesOnly yes"]
     if node.known_hosts:
@@ -82,13 +89,11 @@ def wrapper_text(node: NodeConfig, user_config: Optional[Path]) -> str:
 KEEP_UNUSED_S = 30 * 86400
 
 
-def wrapper_config(node: NodeConfig) -> Path:
-    """The ``ssh -F`` file for ``node``: written once per content (its name is its hash), so
-    concurrent commands with different configs never see each other's."""
-    user_config = ssh_config_path()
-    if user_config is not None and not user_config.exists():
-        raise TransportError(missing_config_message(user_config))
-    text = wrapper_text(node, user_config)
+def wrapper_config(node: NodeConfig, user_config: Optional[Path] = None, sock: Optional[Path] = None) -> Path:
+    """The ``ssh -F`` file for ``node`` (sharing the connection through ``sock``): written once
+    per content (its name is its hash), so concurrent commands with different configs never
+    see each other's."""
+    text = wrapper_text(node, user_config, sock)
     path = cache_dir() / "ssh" / f"{hashlib.sha256(text.encode()).hexdigest()[:20]}.conf"
     if not path.exists():
         import time
@@ -106,8 +111,35 @@ def wrapper_config(node: NodeConfig) -> Path:
     return path
 
 
+def ssh_options(node: NodeConfig, sock: Optional[Path]) -> list[str]:
+    """``ssh`` and its options for ``node``, up to the host: the wrapper config, then the node
+    config's own fields, which win over any file."""
+    user_config = ssh_config_path()
+    if user_config is not None and not user_config.exists():
+        raise TransportError(missing_config_message(user_config))
+    argv = [SSH, "-F", str(wrapper_config(node, user_config, sock)), "-T"]
+    if node.port:
+        argv += ["-p", str(node.port)]
+    if node.user:
+        argv += ["-l", node.user]
+    if node.identity_file:
+        argv += ["-o", f"IdentityFile={_arg(node.identity_file)}", "-o", "IdentitiesOnly=yes"]
+    if node.known_hosts:
+        argv += ["-o", f"UserKnownHostsFile={_arg(node.known_hosts)}"]
+    if node.proxy_jump:  # "none" too: then no ProxyJump of the ssh config applies, as with paramiko
+        argv += ["-J", node.proxy_jump]
+    return argv
+
+
+def node_socket(node: NodeConfig) -> Optional[Path]:
+    """Where ``node``'s shared connection listens (controller/sshmux.py), or None for none."""
+    return sshmux.control_path(node, ssh_config_path())
+
+
 class OpenSSHRunner(Runner):
-    """Runs each argv on ``node`` through one ``ssh`` process (one connection)."""
+    """Runs each argv on ``node`` through one ``ssh`` process: a channel of the node's shared
+    connection when there is one (controller/sshmux.py), else a connection of its own that
+    stays behind as the shared one."""
 
     def __init__(self, node_name: str, node: NodeConfig):
         self.node_name = node_name
@@ -115,22 +147,12 @@ class OpenSSHRunner(Runner):
         self.where = f"node {node_name}"
         self.connections = 0
         self._fallback: Optional[Runner] = None  # the paramiko runner, once ssh could not connect
+        self.sock: Optional[Path] = None
 
     def ssh_argv(self, remote: str) -> list[str]:
-        n = self.node
-        argv = [SSH, "-F", str(wrapper_config(n)), "-T"]
-        if n.port:
-            argv += ["-p", str(n.port)]
-        if n.user:
-            argv += ["-l", n.user]
-        if n.identity_file:
-            argv += ["-o", f"IdentityFile={_arg(n.identity_file)}", "-o", "IdentitiesOnly=yes"]
-        if n.known_hosts:
-            argv += ["-o", f"UserKnownHostsFile={_arg(n.known_hosts)}"]
-        if n.proxy_jump:  # "none" too: then no ProxyJump of the ssh config applies, as with paramiko
-            argv += ["-J", n.proxy_jump]
+        self.sock = node_socket(self.node)
         # "--": the host is never read as an option, and nothing after it either.
-        return [*argv, "--", n.host, remote]
+        return [*ssh_options(self.node, self.sock), "--", self.node.host, remote]
 
     def paramiko(self) -> Runner:
         if self._fallback is None:
@@ -147,30 +169,48 @@ class OpenSSHRunner(Runner):
             command = self.ssh_argv(remote)
         except OSError:  # no writable cache for the config file
             return self.paramiko()._start(argv, with_stdin)
-        try:
-            popen = subprocess.Popen(command, stdin=subprocess.PIPE if with_stdin else subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        except OSError:  # no ssh binary here
-            return self.paramiko()._start(argv, with_stdin)
-        proc = _OpenSSHProcess(self, popen, marker, argv)
-        try:
-            started = proc.wait_for_marker()
-        except BaseException:
-            proc.abort()
-            raise
-        if started:
-            self.connections += 1
-            self._count_connection()
-            return proc
-        if popen.wait() != 255:
-            return proc  # the login shell ended before our command; its words are the diagnostic
-        said = bytes(proc.early["stderr"])
-        if _LOST.search(said):
-            raise TransportError(f"the connection to node {self.node_name} was lost as {shlex.join(argv)} was "
-                                 f"starting; it may or may not have run: check before running it again "
-                                 f"({said.decode(errors='replace').strip().splitlines()[-1]})")
+        for attempt in (1, 2):
+            shared = self.sock is not None and self.sock.exists()
+            try:
+                popen = subprocess.Popen(command, stdin=subprocess.PIPE if with_stdin else subprocess.DEVNULL,
+                                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            except OSError:  # no ssh binary here
+                return self.paramiko()._start(argv, with_stdin)
+            proc = _OpenSSHProcess(self, popen, marker, argv)
+            try:
+                started = proc.wait_for_marker()
+            except BaseException:
+                proc.abort()
+                raise
+            if started:
+                # Our master carries this command (it was there, or this ssh just became it);
+                # with the operator's own ControlPath ours is never made.
+                proc.on_master = self.sock is not None and self.sock.exists()
+                if not shared:
+                    self.connections += 1
+                    self._count_connection()
+                return proc
+            if popen.wait() != 255:
+                return proc  # the login shell ended before our command; its words are the diagnostic
+            said = bytes(proc.early["stderr"])
+            proc.close_wake()
+            if _LOST.search(said):
+                raise TransportError(f"the connection to node {self.node_name} was lost as {shlex.join(argv)} was "
+                                     f"starting; it may or may not have run: check before running it again "
+                                     f"({said.decode(errors='replace').strip().splitlines()[-1]})")
+            if not (shared and attempt == 1):
+                break
+            # The shared connection failed before the command began (its peer gone: rebooted,
+            # restarted, cut off, found out by ServerAlive): once more, through a new one.
+            self._drop_master()
         # ssh did not get as far as the command: the paramiko runner says why, or gets through.
         return self.paramiko()._start(argv, with_stdin)
+
+    def _drop_master(self) -> None:
+        """A master that can no longer open a session: asked to exit, its socket removed, so the
+        next ``ssh`` starts a new one."""
+        if self.sock is not None:
+            sshmux.close_master(self.sock)
 
     def close(self) -> None:
         if self._fallback is not None:
@@ -180,7 +220,11 @@ class OpenSSHRunner(Runner):
 
 class _OpenSSHProcess(_LocalProcess):
     """One ``ssh`` process. Its stdout and stderr before the marker lines are the login
-    shell's noise and ssh's own messages."""
+    shell's noise and ssh's own messages.
+
+    Its streams end when ``ssh`` exits, even while another process holds them open: the
+    proxy command of a new master (``ssh -W`` to the bastion) inherited ``ssh``'s stderr and
+    lives as long as the master, minutes after this command ended."""
 
     timeout_note = "it may still be running there (stopping ssh does not stop it)"
 
@@ -192,27 +236,61 @@ class _OpenSSHProcess(_LocalProcess):
         self.early = {"stdout": bytearray(), "stderr": bytearray()}  # read while waiting for the marker
         self.gates: list[MarkerGate] = []
         self.err_tail = b""
+        self.on_master = False
+        self.fds = {"stdout": popen.stdout.fileno(), "stderr": popen.stderr.fileno()}
+        self._ended, ended_w = os.pipe()  # readable once ssh has exited
+        threading.Thread(target=self._note_exit, args=(ended_w,), daemon=True).start()
+
+    def _note_exit(self, fd: int) -> None:
+        try:
+            self.popen.wait()
+        finally:
+            os.close(fd)  # EOF on self._ended
+
+    def master_gone(self) -> bool:
+        """The command rode a shared connection that has ended: its master removes its socket
+        as it exits, before the channels it carried see their end (a mux client says nothing)."""
+        return self.on_master and not self.runner.sock.exists()
+
+    def close_wake(self) -> None:
+        if self._ended >= 0:
+            os.close(self._ended)
+            self._ended = -1
+
+    def _read(self, name: str, n: int) -> bytes:
+        """Up to ``n`` bytes of one stream; b"" at its end or, once ssh exited, when nothing
+        more is waiting in it."""
+        fd = self.fds[name]
+        ready, _, _ = select.select([fd, self._ended] if self._ended >= 0 else [fd], [], [])
+        if fd in ready or select.select([fd], [], [], 0)[0]:
+            return os.read(fd, n)
+        return b""
 
     def wait_for_marker(self) -> bool:
         """Read both streams until the marker line comes on stdout (the command is starting:
         True) or ssh's output ends without it (False). Both are drained meanwhile: a login
         shell's noise must not fill a pipe while we wait on the other."""
         line = b"\n" + self.marker + b"\n"
-        streams = {self.popen.stdout.fileno(): "stdout", self.popen.stderr.fileno(): "stderr"}
+        streams = {self.fds["stdout"]: "stdout", self.fds["stderr"]: "stderr"}
         with selectors.DefaultSelector() as sel:
             for fd in streams:
                 sel.register(fd, selectors.EVENT_READ)
+            sel.register(self._ended, selectors.EVENT_READ)
             while streams:
-                for key, _ in sel.select():
-                    data = os.read(key.fd, CHUNK)
+                events = sel.select()
+                fds = {key.fd for key, _ in events}
+                for fd in [f for f in fds if f in streams]:
+                    data = os.read(fd, CHUNK)
                     if not data:
-                        sel.unregister(key.fd)
-                        del streams[key.fd]
+                        sel.unregister(fd)
+                        del streams[fd]
                         continue
-                    name = streams[key.fd]
+                    name = streams[fd]
                     self.early[name] += data
                     if name == "stdout" and line in b"\n" + self.early["stdout"]:
                         return True
+                if self._ended in fds and not fds & set(streams):
+                    return False  # ssh exited and nothing more is waiting in its streams
         return False
 
     def gate(self, stream, sink):
@@ -224,22 +302,23 @@ class _OpenSSHProcess(_LocalProcess):
         if self.early["stdout"]:
             data, self.early["stdout"] = bytes(self.early["stdout"]), bytearray()
             return data
-        return self.popen.stdout.read1(n)
+        return self._read("stdout", n)
 
     def recv_err(self, n: int) -> bytes:
         if self.early["stderr"]:
             data, self.early["stderr"] = bytes(self.early["stderr"]), bytearray()
         else:
-            data = self.popen.stderr.read1(n)
+            data = self._read("stderr", n)
         self.err_tail = (self.err_tail + data)[-4096:]
         return data
 
     def wait(self, timeout):
         status, _ = super().wait(timeout)
+        self.close_wake()
         for gate in self.gates:
             if not gate.open:  # the marker never came: what the login shell said is the diagnostic
                 gate.sink.feed(bytes(gate.noise))
-        if status == 255 and _LOST.search(self.err_tail):
+        if status == 255 and (_LOST.search(self.err_tail) or self.master_gone()):
             raise TransportError(
                 f"the connection to node {self.runner.node_name} was lost while running {shlex.join(self.argv)}; "
                 f"it may or may not have completed: check before running it again")

@@ -23,11 +23,12 @@ first change and names what to do.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from agent.protocol import RunResult, RunStatus
 from controller import envgen_client as eg
@@ -227,6 +228,35 @@ def make_plan(ct: Container, run: Optional[str], to: str, grace: float) -> Plan:
 
 
 # --- acting -------------------------------------------------------------------------------
+
+# How long a claim outlives a ctl that died holding it, past the stop's grace.
+CLAIM_SLACK_S = 900.0
+
+
+@contextlib.contextmanager
+def claimed(ct: Container, grace: float) -> Iterator[None]:
+    """The container's kill-and-rollback claim (agent/recovery.py) for the whole command:
+    two at once would both stop the run and both record a kill and a rollback; the second
+    is refused, naming the first."""
+    import getpass
+    import os
+    import socket
+
+    holder = f"ctl pid {os.getpid()} of {getpass.getuser()}@{socket.gethostname()}"
+    got = eg.recovery(ct, "claim", "--holder", holder, "--ttl", f"{grace + CLAIM_SLACK_S:g}")
+    if not got.get("claimed"):
+        held = got.get("holder") or {}
+        since = time.strftime("%H:%M:%S", time.gmtime(held["ts"])) + "Z" if held.get("ts") else "an unknown time"
+        raise RollbackRefused(f"another kill-and-rollback in container {ct.ctid} ({held.get('holder')}, since "
+                              f"{since}) is under way; let it finish, then see "
+                              f"`ctl history --container {ct.ctid}`")
+    try:
+        yield
+    finally:
+        try:
+            eg.recovery(ct, "release", "--token", got["token"])
+        except Exception:  # noqa: BLE001 - a snapshot rollback took the claim file with it, or the
+            pass  # container is gone: the claim expires on its own
 
 @dataclass
 class Report:

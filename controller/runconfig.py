@@ -30,6 +30,7 @@ from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr
 from typing_extensions import Annotated
 
 from agent.options import Options as AgentOptions
+from agent.protocol import RUN_NAME_PATTERN
 from trainer import flags
 
 
@@ -57,10 +58,46 @@ DEFAULT_OUTPUT_DIR = "{run_dir}/output"
 PLACEHOLDERS = ("run_id", "run_dir", "workspace")
 
 
+def exact(kind: str, value: Any) -> Any:
+    """``value`` unchanged when its type is the one ``kind`` names, else ValueError: TOML's
+    true is not 1, 1.0 is not 1, and 0.5 is no GPU index (pydantic's lax mode would take
+    all three). Text (--set KEY=VALUE) is left to the field's own parsing."""
+    if isinstance(value, str) or value is None:
+        return value
+    if kind in ("int", "budget") and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ValueError(f"must be a whole number, not {_toml_text(value)}")
+    if kind == "float" and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ValueError(f"must be a number, not {_toml_text(value)}")
+    if kind == "bool" and not isinstance(value, bool):
+        raise ValueError(f"must be true or false, not {_toml_text(value)}")
+    if kind in ("gpus", "layers") and isinstance(value, (list, tuple)):
+        for item in value:
+            if isinstance(item, bool) or not isinstance(item, (int, str)):
+                raise ValueError(f"{_toml_text(item)} is not a GPU index: give whole numbers, e.g. [0, 1]")
+    return value
+
+
+def _shown(value: Any) -> str:
+    """A value as the operator wrote it: TOML's spelling for true and lists ([true, 0.5])."""
+    import json
+
+    if isinstance(value, str):
+        return repr(value)
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _toml_text(value: Any) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else repr(value)
+
+
 def _parser(flag: flags.Flag):
     def parse(value: Any) -> Any:
         if value is None:
             return None
+        value = exact(flag.kind, value)
         if flag.kind in ("gpus", "layers") and isinstance(value, (list, tuple)):
             return flags.parse_gpus(list(value))
         if flag.kind in ("gpus", "layers", "budget"):
@@ -68,6 +105,15 @@ def _parser(flag: flags.Flag):
         return value  # pydantic's own coercion for scalars gives the better message
 
     return parse
+
+
+def _exact(kind: str):
+    return BeforeValidator(lambda value: exact(kind, value))
+
+
+# Finite numbers only, everywhere: `lr = nan` or `kill-grace = inf` compare false against
+# every bound, so a bound alone never refused them.
+_MODEL_CONFIG = ConfigDict(extra="forbid", populate_by_name=True, frozen=True, allow_inf_nan=False)
 
 
 def _field_type(flag: flags.Flag) -> Any:
@@ -95,7 +141,7 @@ def _trainer_model() -> type[BaseModel]:
                                                       description=flag.help))
     return create_model(
         "TrainerSection",
-        __config__=ConfigDict(extra="forbid", populate_by_name=True, frozen=True),
+        __config__=_MODEL_CONFIG,
         **fields,
     )
 
@@ -146,7 +192,9 @@ class WandbSection(BaseModel):
         if self.api_key_file:
             path = Path(self.api_key_file).expanduser()
             try:
-                value = path.read_text().strip()
+                value = path.read_text(encoding="utf-8").strip()
+            except UnicodeDecodeError as exc:
+                raise RunConfigError(f"[wandb] api-key-file = {self.api_key_file!r}: {not_utf8(exc)}") from None
             except OSError as exc:
                 raise RunConfigError(f"[wandb] api-key-file = {self.api_key_file!r}: cannot read it "
                                      f"({exc.strerror}); create it holding only the key (chmod 600), "
@@ -161,18 +209,18 @@ class BaselineSection(BaseModel):
     """When a run counts as known good: the median tokens/s of its last ``steady_steps``
     steps is within ``throughput_tolerance`` (relative) of the median of the steps before."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+    model_config = _MODEL_CONFIG
 
-    steady_steps: int = Field(20, alias="steady-steps", ge=1)
-    throughput_tolerance: float = Field(0.15, alias="throughput-tolerance", gt=0, le=1)
+    steady_steps: Annotated[int, _exact("int")] = Field(20, alias="steady-steps", ge=1)
+    throughput_tolerance: Annotated[float, _exact("float")] = Field(0.15, alias="throughput-tolerance", gt=0, le=1)
     # Data statistics that differ by more than these count as drift.
-    length_tolerance: float = Field(0.10, alias="length-tolerance", ge=0)
-    loss_fraction_tolerance: float = Field(0.02, alias="loss-fraction-tolerance", ge=0)
-    samples_tolerance: float = Field(0.10, alias="samples-tolerance", ge=0)
+    length_tolerance: Annotated[float, _exact("float")] = Field(0.10, alias="length-tolerance", ge=0)
+    loss_fraction_tolerance: Annotated[float, _exact("float")] = Field(0.02, alias="loss-fraction-tolerance", ge=0)
+    samples_tolerance: Annotated[float, _exact("float")] = Field(0.10, alias="samples-tolerance", ge=0)
     # A run whose steady tokens/s falls more than this below the known-good run of its config
     # is stopped by the agent with a named reason (the story: 20 → 5.4 Ktok/s, nobody told).
     # 0 hands the agent no baseline (e.g. CPU runs on a shared machine, whose rate swings 3×).
-    regression_fraction: float = Field(AgentOptions.regression_fraction, alias="regression-fraction", ge=0, lt=1)
+    regression_fraction: Annotated[float, _exact("float")] = Field(AgentOptions.regression_fraction, alias="regression-fraction", ge=0, lt=1)
 
 
 # Agent options the [baseline] table decides (controller/launch.py hands the agent the
@@ -181,11 +229,16 @@ _BASELINE_OPTIONS = ("baseline_tokens_per_s", "regression_fraction")
 
 
 class _Supervision(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+    model_config = _MODEL_CONFIG
 
     def agent_options(self) -> dict[str, Any]:
         """{option: value} for `agent start` (agent/options.py names)."""
         return self.model_dump()
+
+
+# The agent's timings are seconds: a week is past any start-up, stall or grace anyone means.
+MAX_SUPERVISION_S = 7 * 86400
+MAX_RESTARTS = 1000
 
 
 def _supervision_model() -> type[BaseModel]:
@@ -197,8 +250,10 @@ def _supervision_model() -> type[BaseModel]:
     for f in dc_fields(AgentOptions):
         if f.name in _BASELINE_OPTIONS:
             continue
-        fields[f.name] = (f.metadata["type"], Field(f.default, alias=f.name.replace("_", "-"), ge=0,
-                                                    description=f.metadata["help"]))
+        kind = f.metadata["type"]
+        fields[f.name] = (Annotated[kind, _exact(kind.__name__)],
+                          Field(f.default, alias=f.name.replace("_", "-"), ge=0,
+                                le=MAX_RESTARTS if kind is int else MAX_SUPERVISION_S, description=f.metadata["help"]))
     return create_model("SupervisionSection", __base__=_Supervision, **fields)
 
 
@@ -231,7 +286,8 @@ class RunConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
 
-    name: str = Field(..., min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    # run ids start with the name (agent/protocol.py: the run-id grammar)
+    name: str = Field(..., pattern=f"^{RUN_NAME_PATTERN}$")
     # the job kind (trainer/kinds.py); the data kinds' configs are controller/jobconfig.py's
     kind: Literal["train"] = "train"
     trainer: TrainerSection  # type: ignore[valid-type]
@@ -328,12 +384,14 @@ def load(path: str | Path, overrides: Mapping[str, Any] | None = None,
     A config whose ``kind`` is a data kind gives controller/jobconfig.py's model instead."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise RunConfigError(f"run config {path} does not exist: pass --config with an existing file "
                              "(examples/tiny.toml is one)") from None
     except OSError as exc:
         raise RunConfigError(f"run config {path}: cannot read it ({exc.strerror})") from None
+    except UnicodeDecodeError as exc:
+        raise RunConfigError(f"run config {path}: {not_utf8(exc)}") from None
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -341,7 +399,7 @@ def load(path: str | Path, overrides: Mapping[str, Any] | None = None,
     if data.get("kind", "train") != "train":
         config = _data_job(data, path, overrides, sets)
     else:
-            config = from_dict(data, source=str(path), default_name=path.stem, overrides=overrides, sets=sets)
+        config = from_dict(data, source=str(path), default_name=path.stem, overrides=overrides, sets=sets)
     config._source_file = str(path.resolve())
     config._command_line_sets = [
         *(f"{dest.replace('_', '-')}={_set_text(v)}" for dest, v in (overrides or {}).items() if v is not None),
@@ -362,6 +420,11 @@ def _data_job(data: dict[str, Any], path: Path, overrides: Mapping[str, Any] | N
         raise RunConfigError(f"--{given[0].replace('_', '-')}: a training option, and {path} is a {kind.name} job; "
                              f"set its options in [{kind.table}] or with --set {kind.table}.KEY=VALUE")
     return jobconfig.from_dict(data, source=str(path), default_name=path.stem, sets=sets)
+
+
+def not_utf8(exc: UnicodeDecodeError) -> str:
+    """One line for a file that is not UTF-8 text (TOML files must be)."""
+    return (f"not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); save it as UTF-8")
 
 
 def _set_text(value: Any) -> str:
@@ -420,7 +483,7 @@ def format_errors(exc: ValidationError, source: str) -> str:
                                                          f"; known: {', '.join(known)}" if known else ""))
             continue
         got = err.get("input")
-        value = f" = {got!r}" if got is not None and not isinstance(got, dict) else ""
+        value = f" = {_shown(got)}" if got is not None and not isinstance(got, dict) else ""
         fix = f" ({flag.help})" if flag else ""
         lines.append(f"{where}{value}: {msg}{fix}")
     return f"{source}: " + "\n  ".join(lines)

@@ -16,6 +16,10 @@ DEFAULT_SSH_CONFIG = "~/.ssh/config"
 DEFAULT_KNOWN_HOSTS = "~/.ssh/known_hosts"
 
 KEEPALIVE_S = 15
+# The ssh binary's keepalive (its shared master's above all): a peer that stopped answering is
+# given up after 5 × 3 s, as SkyPilot's ssh options do (sky/utils/command_runner.py).
+SERVER_ALIVE_S = 5
+SERVER_ALIVE_COUNT = 3
 CONNECT_TIMEOUT_S = 10
 CONNECT_ATTEMPTS = 4
 

@@ -42,6 +42,28 @@ def _chart(series) -> str:
     return f"   {sparkline(values, 24)}  ({span} over the run)"
 
 
+def restart_message(reply: dict, ctid: str, node: Optional[str]) -> Optional[str]:
+    """"container 200 restarted at …; the run died at step N; resume with `ctl launch …`" when
+    the run's container restarted (or its node rebooted) under it (agent.runview's
+    ``host_restart``), else None."""
+    from types import SimpleNamespace
+
+    from controller.rollback import resume_line
+
+    restart = reply.get("host_restart")
+    if not isinstance(restart, dict):
+        return None
+    at = restart.get("at")
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at)) if isinstance(at, (int, float)) else "an unknown time"
+    what = (f"container {ctid} restarted at {when}" if restart.get("kind") == "container"
+            else f"node {node} rebooted at {when} (and container {ctid} with it)")
+    st = RunStatus.from_json(reply.get("status"))
+    step = restart.get("step") if restart.get("step") is not None else (st.step or 0)
+    ckpt = {"path": st.checkpoint.path} if st.checkpoint else None
+    line = resume_line(SimpleNamespace(ctid=str(ctid), node_name=node), reply.get("resume"), ckpt)
+    return f"{what}; the run died at step {step}; resume with `{line}`"
+
+
 def render_status(reply: dict, ctid: str, node: str) -> list[str]:
     st = RunStatus.from_json(reply.get("status"))
     res = RunResult.from_json(reply.get("result"))
@@ -50,6 +72,14 @@ def render_status(reply: dict, ctid: str, node: str) -> list[str]:
     lines = [f"run      {reply.get('run_id')}  (container {ctid} on node {node}"
              + (", latest" if reply.get("latest") else "") + ")"]
     reason = _reason(st, res)
+    died = restart_message(reply, ctid, node)
+    if died:
+        # Never "running — agent alive" for a run whose every process went with its container.
+        lines.append(f"FAILED   {died}")
+        lines.append(f"state    {state if terminal else f'{state} (recorded; nothing of it runs)'}")
+        if st.checkpoint:
+            lines.append(f"ckpt     step {st.checkpoint.step}: {st.checkpoint.path}")
+        return lines
     if st.state == RunState.FAILED and reason:
         lines.append(f"FAILED   {reason}")
         lines += [f"         | {line}" for line in ((res.root_cause or {}).get("evidence") or [])[-EVIDENCE_LINES:]]

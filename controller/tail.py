@@ -67,6 +67,7 @@ def tail(source: StreamSource, run_id: str, on_record: Callable[[dict], None], *
     consecutive = 0
     revivals = 0
     gaps: list[tuple[int, int]] = []
+    said: dict = {}  # the stream's last status record
 
     def handle(line: str) -> None:
         nonlocal last, consecutive
@@ -84,6 +85,8 @@ def tail(source: StreamSource, run_id: str, on_record: Callable[[dict], None], *
             gaps.append((last, seq))  # the agent promises none; if it happens, say so
         last = seq
         consecutive = 0
+        if rec.get("kind") == "status" and isinstance(rec.get("payload"), dict):
+            said["status"] = rec["payload"]
         on_record(rec)
 
     try:
@@ -101,7 +104,12 @@ def tail(source: StreamSource, run_id: str, on_record: Callable[[dict], None], *
                 continue
             if not follow:  # what exists now, printed: nothing is decided from the state
                 return TailResult(last, None, reconnects, gaps=gaps)
-            status = _state(source, run_id)
+            if rc == 0 and _terminal((said.get("status") or {}).get("state")):
+                # The stream itself ended with the run's terminal status record: that is the
+                # answer, whatever the status file says now (a corrupt one looped us forever).
+                status = said["status"]
+            else:
+                status = _state(source, run_id)
             state = status.get("state") if status else None
             if _terminal(state):
                 return TailResult(last, state, reconnects, gaps=gaps, status=status)

@@ -162,7 +162,7 @@ def write_tokenizer(directory: str, generation_markers: bool = False, cache: str
 
 # Vocabulary rounded up as Qwen's checkpoints do (248,077 tokens → an embedding of 248,320).
 VOCAB_SIZE = 248_320
-TINY_QWEN = dict(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+TINY_QWEN = dict(vocab_size=VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                  num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=1024,
                  initializer_range=0.1, tie_word_embeddings=True, eos_token_id=248046, pad_token_id=248044,
                  bos_token_id=None)

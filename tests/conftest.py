@@ -32,6 +32,26 @@ from _simnode import session_node
 
 
 
+@pytest.fixture(scope="session", autouse=True)
+def ssh_sockets(tmp_path_factory):
+    """The one-shot commands' shared SSH connections (controller/sshmux.py) of this test session
+    go to a directory of its own, never the developer's, and are closed at its end: no ssh
+    master outlives the tests."""
+    from controller import sshmux
+
+    path = tmp_path_factory.mktemp("ssh-sockets")
+    path.chmod(0o700)
+    old = os.environ.get(sshmux.ENV_SOCKET_DIR)
+    os.environ[sshmux.ENV_SOCKET_DIR] = str(path)
+    yield path
+    for sock in sshmux.masters():
+        sshmux.close_master(sock)
+    if old is None:
+        os.environ.pop(sshmux.ENV_SOCKET_DIR, None)
+    else:
+        os.environ[sshmux.ENV_SOCKET_DIR] = old
+
+
 @pytest.fixture(scope="session")
 def sim_node():
     with session_node("sim") as node:

@@ -37,9 +37,9 @@ def test_kill9_of_one_of_four_workers_stops_the_run_within_10s_naming_the_rank(r
     assert "rank 2" in res["reason"], res["reason"]
     assert res["root_cause"]["rank"] == 2 and res["root_cause"]["gpu"] == 2
     assert res["root_cause"]["pid"] == victim
-    # SIGKILL without a traceback: the host OOM killer's signature
-    assert res["root_cause"]["kind"] == "host_oom"
-    assert "SIGKILL" in res["reason"]
+    # an external SIGKILL with no OOM evidence is said as such, never "host_oom (suspected)"
+    assert res["root_cause"]["kind"] == "rank_exit"
+    assert "killed by signal 9 (not by us)" in res["reason"], res["reason"]
     assert res["stop"]["survivors"] == []
     assert no_run_pids(run_dir), run_pids(run_dir)
 
@@ -76,16 +76,22 @@ def test_rank_without_heartbeat_progress_while_others_progress_is_a_stall(run_di
     assert no_run_pids(run_dir), run_pids(run_dir)
 
 
-def test_sigkill_with_no_traceback_is_classified_as_host_oom(run_dir):
-    # --ranks 0: the job's top process is the only rank (no launcher to report anything)
+def test_an_external_kill9_is_killed_by_signal_9_not_by_us_in_one_record_naming_no_gpu(run_dir):
+    # --ranks 0: the job's top process is the only rank (no launcher to report anything).
+    # Issue 26: this was "host_oom (suspected)", in two records ("rank slot 0" and "GPU 0").
     start(run_dir, [PY, FAKE, "--ranks", "0", "--step-time", "0.1"])
     hb = wait_for(lambda: heartbeats(run_dir).get(0), 30, what="rank 0")
     os.kill(hb["pid"], signal.SIGKILL)
     res = wait_terminal(run_dir, timeout=15)
     rc = res["root_cause"]
-    assert rc["kind"] == "host_oom", res
-    assert "SIGKILL with no traceback" in res["reason"]
+    assert rc["kind"] == "rank_exit", res
+    assert res["reason"] == f"rank 0 (pid {hb['pid']}, rank slot 0) killed by signal 9 (not by us)"
+    assert rc["details"]["signal"] == 9 and rc["details"]["by_us"] is False
     assert res["exit"]["signal"] == 9
+    failures = _failures(run_dir)
+    assert len(failures) == 1, [f["reason"] for f in failures]
+    assert all("GPU" not in f["reason"] for f in failures)
+    assert len(res["failures_history"][0]["failures"]) == 1
 
 
 def test_steady_state_throughput_below_baseline_is_a_regression(run_dir):

@@ -194,6 +194,6 @@ def test_a_job_that_failed_while_no_agent_ran_is_finalized_on_reattach(run_dir):
     payload("start", "--run-dir", run_dir)  # re-attach
     res = wait_terminal(run_dir, 30)
     assert res["state"] == "failed" and res["exit"]["signal"] == 9
-    assert res["root_cause"]["kind"] == "host_oom"
+    assert res["root_cause"]["kind"] == "rank_exit"
     recs = records(run_dir)
     assert [r["seq"] for r in recs] == list(range(1, len(recs) + 1))

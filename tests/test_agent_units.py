@@ -57,8 +57,9 @@ def test_torchrun_failure_line_gives_the_signal_of_a_worker():
     assert c.exit_by_rank[2]["signal"] == 9 and c.exit_by_pid[4242]["signal_name"] == "SIGKILL"
 
 
-def test_sigkill_without_traceback_is_host_oom_but_with_traceback_is_not():
-    assert exit_failure(1, 10, 1, {"signal": 9, "signal_name": "SIGKILL"}, False, []).kind == "host_oom"
+def test_sigkill_is_host_oom_only_with_the_cgroups_evidence():
+    f = exit_failure(1, 10, 1, {"signal": 9, "signal_name": "SIGKILL"}, False, [])
+    assert f.kind == "rank_exit" and f.reason == "rank 1 (pid 10, GPU 1) killed by signal 9 (not by us)"
     assert exit_failure(1, 10, 1, {"signal": 9, "signal_name": "SIGKILL"}, True, []).kind == "rank_exit"
     f = exit_failure(1, 10, 1, {"exit_code": 1}, True, [], oom_kills=1)
     assert f.kind == "host_oom" and "oom_kill counter +1" in f.reason

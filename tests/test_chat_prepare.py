@@ -287,16 +287,22 @@ def test_conversations_without_a_target_are_one_clear_line(tmp_path):
     assert data.main(["--input", src, "--out", str(tmp_path / "out")]) == 2
 
 
-@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 75), (signal.SIGINT, 130)])
-def test_a_signal_mid_run_stops_with_nothing_written(tmp_path, targets, sig, code):
+def start_big_prepare(tmp_path, target):
+    """The real command on 6,000 conversations (long enough to be stopped mid-run); (process, out dir)."""
     rows = [{"messages": [{"role": "user", "content": f"question {i} " * 20},
-                          {"role": "assistant", "content": f"answer {i} " * 40}]} for i in range(20_000)]
+                          {"role": "assistant", "content": f"answer {i} " * 40}]} for i in range(6_000)]
     src = write_jsonl(tmp_path / "big.jsonl", rows)
     out = str(tmp_path / "out")
     proc = subprocess.Popen([sys.executable, "-m", "trainer", "prepare", "--input", src, "--out", out, "--target",
-                             targets["header"], "--thinking", "off", "--workers", "2", "--progress-every", "256"],
+                             target, "--thinking", "off", "--workers", "2", "--progress-every", "256"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                             env={**os.environ, "PYTHONPATH": REPO})
+    return proc, out
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 75), (signal.SIGINT, 130)])
+def test_a_signal_mid_run_stops_with_nothing_written(tmp_path, targets, sig, code):
+    proc, out = start_big_prepare(tmp_path, targets["header"])
     try:
         first = proc.stderr.readline()  # the first progress line: it is under way, workers and all
         assert first.startswith("prepare: 256 samples"), first
@@ -306,4 +312,44 @@ def test_a_signal_mid_run_stops_with_nothing_written(tmp_path, targets, sig, cod
         proc.kill()
     assert proc.returncode == code, err
     assert "nothing written" in err and "Traceback" not in err
+    assert not os.path.exists(out) and not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_prepare_train_evaluate_end_to_end_with_the_seeds_vocabulary(tmp_path):
+    """A tiny target with Qwen3.6's vocabulary and tokenizer: conversations → prepare → train → τ."""
+    from _qwen_target import make_target
+    from _trainer_tiny import base_args, events
+    from trainer.__main__ import main as trainer_main
+
+    target = make_target(str(tmp_path / "target"))
+    rng = np.random.default_rng(0)
+    words = " ".join(SAMPLE_TEXT).split()
+    say = lambda n: " ".join(rng.choice(words, n))  # noqa: E731
+    rows = [{"messages": [{"role": "user", "content": say(8)}, {"role": "assistant", "content": say(24)}]}
+            for _ in range(24)]
+    rc, out, err, d = prep(tmp_path, [write_jsonl(tmp_path / "chat.jsonl", rows)], target, "--thinking", "off",
+                           "--max-seq-len", "128")
+    assert rc == 0, err
+    meta = json.load(open(os.path.join(d, "meta.json")))
+    assert meta["samples"] == 24 and 0.3 < meta["loss_fraction"] < 0.9 and meta["max_token_id"] < 248_077
+    run = str(tmp_path / "run")
+    assert trainer_main(base_args(target, d, run, "--from-scratch", "--max-steps", "1", "--max-seq-len", "128",
+                                  "--token-budget", "256", "--eval-prompts", "2")) == 0
+    (ev,) = events(run, "eval")[-1:]
+    assert ev["tau"] >= 1.0
+
+
+def test_a_killed_worker_is_one_line_and_nothing_written(tmp_path, targets):
+    proc, out = start_big_prepare(tmp_path, targets["header"])
+    try:
+        assert proc.stderr.readline().startswith("prepare: 256 samples")
+        with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as fh:
+            workers = [int(p) for p in fh.read().split()]
+        os.kill(workers[0], signal.SIGKILL)  # as the OOM killer would
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 1, err
+    assert err.strip().splitlines()[-1] == ("prepare: a worker process died (killed, perhaps for memory); "
+                                            "nothing written — try fewer --workers")
     assert not os.path.exists(out) and not list(tmp_path.glob(".out.partial-*"))

@@ -133,7 +133,7 @@ def test_refusals_leave_nothing_behind(run, env, tmp_path):
     refused(env, ["--container", CT, "--run", run["run_id"], "--step", 3, "--to", tmp_path / "x"],
             "--step 3: ", tmp_path)
     # a run that never saved: a run directory with no checkpoint events
-    empty = f"{NAME}-nockpt"
+    empty = f"{NAME}-20261201-000000-0000"  # the run-id grammar; a run with no checkpoint
     sh(env, "mkdir", "-p", f"{WS}/runs/{empty}")
     try:
         refused(env, ["--container", CT, "--run", empty, "--to", tmp_path / "y"], "no complete checkpoint", tmp_path)

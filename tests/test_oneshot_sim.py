@@ -31,7 +31,7 @@ pytestmark = pytest.mark.sim
 
 REPO = Path(__file__).resolve().parent.parent
 CT = "200"
-RUN_ID = f"oneshot-{uuid.uuid4().hex[:8]}"
+RUN_ID = f"oneshot-20261201-000000-{uuid.uuid4().hex[:4]}"  # the run-id grammar (agent/protocol.py)
 RUN_DIR = f"/workspace/runs/{RUN_ID}"
 # `ctl` as its entry point runs it, writing the names of the modules it imported when it exits.
 CTL_LISTING_MODULES = [sys.executable, "-c", (

@@ -91,6 +91,15 @@ def second_generation(config, cur: str) -> str:
     return other
 
 
+def launch_long(config, long_config: Path) -> str:
+    """A run that trains until stopped; its id."""
+    proc = ctl_popen(config, "launch", "--container", CT, "--config", str(long_config), "--from-scratch",
+                     "--accept-drift")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out + err
+    return started_run(out)
+
+
 def survivors(h: Handle, run_id: str) -> list:
     from controller import envgen_client as eg
 
@@ -163,11 +172,7 @@ def test_the_story_good_run_upgrade_breaks_kill_and_rollback_resume(node, rb_con
 def test_kill_of_a_live_run_checkpoints_and_resume_line_names_that_checkpoint(node, rb_config, long_config):
     h = node
     base = env_list(rb_config)["current"]
-    proc = ctl_popen(rb_config, "launch", "--container", CT, "--config", str(long_config), "--from-scratch",
-                     "--accept-drift")
-    out, err = proc.communicate(timeout=600)
-    assert proc.returncode == 0, out + err
-    run_id = started_run(out)
+    run_id = launch_long(rb_config, long_config)
     # Wait until it trains, then stop it through kill-and-rollback (target: the current gen).
     events = f"/workspace/runs/{run_id}/events.jsonl"
     deadline = time.monotonic() + 300
@@ -190,6 +195,21 @@ def test_kill_of_a_live_run_checkpoints_and_resume_line_names_that_checkpoint(no
     assert h.sh("test", "-e", ckpt).ok, ckpt
 
 
+def test_two_kill_and_rollbacks_at_once_make_one_kill_and_one_rollback(node, rb_config, long_config):
+    """Issue 26: both used to stop the run and both wrote a kill and a rollback record. The
+    container's claim (agent/recovery.py) lets one through and refuses the other (exit 3)."""
+    base = env_list(rb_config)["current"]
+    run_id = launch_long(rb_config, long_config)
+    both = [ctl_popen(rb_config, "kill-and-rollback", "--container", CT, "--run", run_id, "--to", f"env:{base}",
+                      "--yes", "--grace", "5") for _ in range(2)]
+    done = [(p.wait(timeout=600), *p.communicate()) for p in both]
+    assert sorted(rc for rc, _, _ in done) == [0, 3], done
+    loser = next(err for rc, _, err in done if rc == 3)
+    assert "another kill-and-rollback in container" in loser and "under way" in loser, loser
+    assert [r["event"] for r in history(rb_config) if r["run"] == run_id] == ["kill", "rollback"]
+    assert survivors(node, run_id) == []
+
+
 def test_refusals_change_nothing(node, rb_config):
     h = node
     before = env_list(rb_config)
@@ -208,7 +228,7 @@ def test_a_run_that_cannot_be_stopped_refuses_the_rollback(node, rb_config):
     """Something outside the run keeps restarting its processes (the marker DFLASH_RUN_ID is
     what the agent's stop and our scan look for): the rollback must not happen."""
     h = node
-    run_id = "unstoppable-1"
+    run_id = "unstoppable-20261201-000000-0001"  # the run-id grammar (agent/protocol.py)
     h.sh("mkdir", "-p", f"/workspace/runs/{run_id}")
     h.ct.write_file(f"/workspace/runs/{run_id}/status.json", json.dumps({"state": "running"}))
     respawner = ("while :; do env DFLASH_RUN_ID=" + run_id + " sleep 2 & sleep 0.2; done")

@@ -74,3 +74,28 @@ def test_a_dflash2_layer_keeps_for_backward_what_the_memory_model_adds_for_it():
     modelled = (memory.drafter_act_elems_per_position_layer(shape, "dflash2")
                 - memory.drafter_act_elems_per_position_layer(shape, "dflash")) * 4
     assert slope["dflash2"] - slope["dflash"] == modelled
+
+
+def test_the_compiled_convolution_gives_the_eager_numbers(monkeypatch):
+    """On CUDA the forward formula and the backward arithmetic run compiled (issue 29); the
+    same compiled functions, here on CPU, against the eager path."""
+    monkeypatch.setattr(block_conv, "_COMPILED_ON", {"cuda", "cpu"})
+    monkeypatch.setattr(block_conv, "_COMPILED", {})
+    g = torch.Generator().manual_seed(5)
+    b, nb, block, H, gs, taps = 1, 3, 8, 32, 16, 2
+    x = torch.randn(b, nb * block, H, generator=g)
+    dyn = torch.randn(b, nb * block, taps, H // gs, generator=g)
+    base = torch.randn(taps, H, generator=g)
+    grad = torch.randn(b, nb * block, H, generator=g)
+
+    def run(compiled: bool):
+        monkeypatch.setattr(block_conv, "COMPILE", compiled)
+        xs, ds, bs = (t.clone().requires_grad_(True) for t in (x, dyn, base))
+        out = block_conv.grouped_conv(xs, ds, bs, gs, block)
+        out.backward(grad)
+        return out.detach(), xs.grad, ds.grad, bs.grad
+
+    eager, compiled = run(False), run(True)
+    assert len(block_conv._COMPILED) == 2  # the forward formula and the backward, each compiled once
+    for want, got in zip(eager, compiled):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

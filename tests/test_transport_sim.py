@@ -199,11 +199,12 @@ def one_line_error(proc: subprocess.CompletedProcess) -> str:
 
 
 def test_unknown_container_is_named_clearly():
-    proc = ctl("exec", "--container", "999", "--", "true")
-    assert proc.returncode == 1
-    assert "container 999 does not exist on node sim" in one_line_error(proc)
-    proc = ctl("env", "--container", "999")
-    assert "container 999 does not exist on node sim" in one_line_error(proc)
+    # exit 2, bad input (controller/exitcodes.py): 1 would read as "the run failed" (issue 26)
+    for args in (("exec", "--container", "999", "--", "true"), ("env", "--container", "999"),
+                 ("status", "--container", "999")):
+        proc = ctl(*args)
+        assert proc.returncode == 2, (args, proc.returncode)
+        assert "container 999 does not exist on node sim" in one_line_error(proc)
 
 
 def test_stopped_container_is_named_with_how_to_start_it(stopped_ctid):

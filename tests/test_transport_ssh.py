@@ -265,7 +265,8 @@ def _lose_the_connection_under_a_sleep(r, sshd) -> dict:
     worker = threading.Thread(target=run)
     worker.start()
     deadline = time.monotonic() + 20
-    while not any(c.startswith(b"sleep\0") for c in _descendants_of(sshd.proc.pid).values()):
+    # `sleep 8` itself: an earlier test's `sleep 3` may still be running there.
+    while not any(c.startswith(b"sleep\x008\0") for c in _descendants_of(sshd.proc.pid).values()):
         assert time.monotonic() < deadline, "the command never started on the server"
         time.sleep(0.05)
     for pid, cmdline in _descendants_of(sshd.proc.pid).items():

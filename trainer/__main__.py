@@ -308,7 +308,9 @@ def relaunch(argv: list[str], world: int, args, launcher: list[str] | None = Non
     job = multinode.is_job(vars(args))
     plan = topology.rank_plan(args.target_gpus, args.drafter_gpus, multinode.rank_base(vars(args)) if job else 0)
     run_dir = run_dir_of(args)
-    os.makedirs(run_dir, exist_ok=True)
+    from trainer.checkpoint import make_public_dir
+
+    make_public_dir(run_dir)  # often the output dir itself: readable by a server's user (issue 26)
     events = Events(run_dir, None, "launcher", None)
     events.emit("launch", rdzv_endpoint=launcher[launcher.index("--rdzv-endpoint") + 1], nproc=world,
                 device="cuda" if args.device == "cuda" or (args.device == "auto" and _cuda_available()) else "cpu",

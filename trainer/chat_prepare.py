@@ -67,6 +67,10 @@ class BadRow(ValueError):
     """--strict: the first unusable row, one line naming it."""
 
 
+class WorkerDied(RuntimeError):
+    """A worker process was killed; one line."""
+
+
 def cores() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -142,10 +146,10 @@ def iter_samples(path: str, opts: ChatOptions, renderer: Renderer, stats: ChatSt
     global _RENDERER
     _RENDERER = renderer  # inherited by the forked workers: no tokenizer load per worker
     workers = opts.workers or cores()
-    ctx = multiprocessing.get_context("fork")
-    pool = ctx.Pool(workers, initializer=_init_worker, initargs=(form,))
+    pool = multiprocessing.get_context("fork").Pool(workers, initializer=_init_worker, initargs=(form,))
+    started = list(pool._pool)  # Pool replaces a dead worker silently and its batch is lost: watch them
     pending: collections.deque = collections.deque()
-    done = False
+    finished = False
     try:
         feed = _batches(_raw_items(path, fmt), BATCH_ROWS)
         while True:
@@ -158,9 +162,17 @@ def iter_samples(path: str, opts: ChatOptions, renderer: Renderer, stats: ChatSt
             if not pending:
                 break
             job, size = pending.popleft()
+            while True:
+                try:
+                    results = job.get(timeout=1.0)
+                    break
+                except multiprocessing.TimeoutError:
+                    if any(p.exitcode is not None for p in started):
+                        raise WorkerDied("prepare: a worker process died (killed, perhaps for memory); "
+                                         "nothing written — try fewer --workers") from None
             if size is not None:
                 stats.done_bytes = (stats.done_bytes or 0) + size
-            for result in job.get():
+            for result in results:
                 stats.rows += 1
                 if isinstance(result[0], str):
                     if opts.strict:
@@ -176,11 +188,11 @@ def iter_samples(path: str, opts: ChatOptions, renderer: Renderer, stats: ChatSt
                     stats.truncated += 1
                     ids, mask = ids[:opts.max_seq_len], mask[:opts.max_seq_len]
                 yield ids, mask
-        done = True
+        finished = True
     finally:
-        if done:
+        if finished:
             pool.close()
-        else:
+        else:  # stopped early (a signal, --strict, an error): the workers' batches are not wanted
             pool.terminate()
         pool.join()
 

@@ -86,9 +86,10 @@ def save(output_dir: str, step: int, drafter, meta: dict, state: dict) -> str:
     checkpoint.pt path. ``meta`` is JSON-able; ``state`` adds the tensors."""
     from trainer import drafter_dir as export
 
+    from agent.leftovers import writer_tag
+
     d = step_dir(output_dir, step)
-    os.makedirs(d, exist_ok=True)
-    os.chmod(d, 0o755)  # a server running as another user must reach drafter/ inside
+    make_public_dir(d)  # a server running as another user must reach drafter/ inside
     meta = {"format": FORMAT, "version": VERSION, "step": step, **meta}
     if "target_config" not in meta:  # what the export needs of the target, so it needs no target dir later
         meta["target_config"] = export.target_facts((meta.get("config") or {}).get("target_model"))
@@ -98,18 +99,48 @@ def save(output_dir: str, step: int, drafter, meta: dict, state: dict) -> str:
                              evals=export.read_evals(d))
     atomic_write_json(os.path.join(d, META), meta)
     path = os.path.join(d, CHECKPOINT)
-    fd, tmp_pt = tempfile.mkstemp(prefix=".checkpoint-", suffix=".tmp", dir=d)
+    # named with its writer: an interrupted save's temp is removed once that writer is gone
+    fd, tmp_pt = tempfile.mkstemp(prefix=f".checkpoint-{writer_tag()}-", suffix=".tmp", dir=d)
     try:
         with os.fdopen(fd, "wb") as fh:
             torch.save({**meta, **state, "rng": rng_state()}, fh)
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp_pt, 0o644)  # mkstemp's 0600 would hide it from a reader of another user
         os.replace(tmp_pt, path)
     except BaseException:
         if os.path.exists(tmp_pt):
             os.unlink(tmp_pt)
         raise
     return path
+
+
+def make_public_dir(path: str, mode: int = 0o755) -> None:
+    """``path`` and every parent it creates, ``mode`` whatever the umask: under umask 077 a
+    plain makedirs gives 0700 and another user (a serving container) cannot reach the 0644
+    files inside (issue 26). Directories that were already there keep their mode."""
+    path = os.path.abspath(path)
+    missing = []
+    while not os.path.isdir(path):
+        missing.append(path)
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, mode)
+        except FileExistsError:
+            continue
+        os.chmod(d, mode)
+
+
+def sweep_leftovers(output_dir: str, run_dir: str | None = None) -> list[dict]:
+    """Remove temp files of interrupted saves of dead writers in this run's output root
+    (agent/leftovers.py): at every start, so a failed run's torn saves do not stay forever."""
+    from agent import leftovers
+
+    return leftovers.sweep(leftovers.output_roots(output_dir, run_dir))
 
 
 def steps(output_dir: str) -> list[tuple[int, str, bool]]:

@@ -30,6 +30,7 @@ builds that function from the spec's formulas.
 from __future__ import annotations
 
 import math
+import os
 from typing import Callable, Optional
 
 import torch
@@ -80,6 +81,20 @@ def _grad_soft(logits, teacher_logits, lse, lse_s, lse_t, targets, g_ce, g_kl, T
     pt = torch.exp(teacher_logits.to(z.dtype) / T - lse_t.unsqueeze(-1))
     g = (p - onehot) * g_ce.unsqueeze(-1) + (q - pt) * (g_kl / T).unsqueeze(-1)
     return g.to(out_dtype)
+
+
+BALANCED = os.environ.get("DFLASH_HEAD_BALANCED", "1") == "1"  # "0": the old rule (bench before/after)
+
+
+def balanced_chunk_blocks(n_blocks: int, chunk_rows: int, K: int) -> int:
+    """Blocks per head chunk: at most ``chunk_rows`` positions, the blocks split into chunks of
+    one size (512 blocks of 31 slots at 4,096 rows: 4 × 128, not 3 × 132 + 116), so the compiled
+    passes see one shape and never compile a second one for a remainder chunk."""
+    per = max(1, int(chunk_rows) // K)
+    if not BALANCED:
+        return per
+    n = math.ceil(n_blocks / per)
+    return max(1, math.ceil(n_blocks / n))
 
 
 _FNS = {}
@@ -183,7 +198,7 @@ def chunked_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [n_blocks, K, H], got {tuple(hidden.shape)}")
     K = hidden.shape[1]
-    chunk_blocks = max(1, int(chunk_rows) // K)
+    chunk_blocks = balanced_chunk_blocks(hidden.shape[0], chunk_rows, K)
     out = _ChunkedHeadLoss.apply(hidden, weight, targets.long(), teacher, loss_fn, chunk_blocks,
                                  float(temperature), bool(teacher_is_logits), int(top_k))
     return out if top_k else out[:4]
@@ -195,7 +210,7 @@ def head_ce(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, c
     ``chunked_head_loss`` and with the same statistics pass, no gradient: what D-PACE's
     detached weights need before the loss pass (fast_drafter.step_backward)."""
     nb, K, H = hidden.shape
-    chunk_blocks = max(1, int(chunk_rows) // K)
+    chunk_blocks = balanced_chunk_blocks(nb, chunk_rows, K)
     stat_dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     out = hidden.new_empty((nb, K), dtype=stat_dtype)
     w = weight.detach()

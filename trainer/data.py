@@ -26,7 +26,7 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
-from trainer.flags import EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED, EXIT_USAGE, UsageParser
+from trainer.flags import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED, EXIT_USAGE, UsageParser
 
 FORMAT = "dflash-prepared-data"
 FORMAT_VERSION = 1
@@ -650,20 +650,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                            too_long=args.too_long, form=args.form, strict=args.strict, workers=args.workers)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     started = time.monotonic()
+    stopped = False
     try:
         meta = prepare(args.input, args.out, shard_tokens=args.shard_tokens, progress_every=args.progress_every,
                        chat=chat)
     except ValueError as exc:  # DataError, and the chat readers' one-line errors
         print(f"prepare: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+    except RuntimeError as exc:  # chat_prepare.WorkerDied
+        print(str(exc), file=sys.stderr, flush=True)
+        return EXIT_FAILURE
     except _Stopped:
+        stopped = True
         print("prepare: stopped (SIGTERM); nothing written", file=sys.stderr, flush=True)
         return EXIT_STOPPED
     except KeyboardInterrupt:
         print("prepare: interrupted; nothing written", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if not stopped:  # stopped: later SIGTERMs (the agent sends several) stay ignored until the exit
+            signal.signal(signal.SIGTERM, previous)
     workers = (chat.workers or _cores()) if chat else 1
     for line in summary(meta, os.path.abspath(args.out), time.monotonic() - started, workers):
         print(line, flush=True)

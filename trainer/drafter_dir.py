@@ -217,8 +217,11 @@ def write_drafter_dir(dest: str, state_dict: dict, meta: dict, *, dtype: str = "
     cfg = hf_config(meta["drafter_config"], meta.get("target_config") or {}, dtype,
                     (meta.get("config") or {}).get("max_seq_len"))
     n_params = sum(t.numel() for t in tensors.values())
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=f".{base}.tmp-", dir=parent)
+    from agent.leftovers import writer_tag
+    from trainer.checkpoint import make_public_dir
+
+    make_public_dir(parent)
+    tmp = tempfile.mkdtemp(prefix=f".{base}.tmp-{writer_tag()}-", dir=parent)  # swept once its writer is gone
     try:
         save_file(tensors, os.path.join(tmp, WEIGHTS), metadata={"format": "pt"})
         _write(os.path.join(tmp, CONFIG), json.dumps(cfg, indent=1, sort_keys=True) + "\n")
@@ -231,7 +234,7 @@ def write_drafter_dir(dest: str, state_dict: dict, meta: dict, *, dtype: str = "
             os.chmod(path, FILE_MODE)
         os.chmod(tmp, DIR_MODE)
         if os.path.isdir(dest) and replace:
-            old = os.path.join(parent, f".{base}.old-{uuid.uuid4().hex[:8]}")
+            old = os.path.join(parent, f".{base}.old-{writer_tag()}-{uuid.uuid4().hex[:8]}")
             os.rename(dest, old)
             os.rename(tmp, dest)
             shutil.rmtree(old, ignore_errors=True)

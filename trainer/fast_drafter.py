@@ -28,17 +28,36 @@ The layer math is the drafter's own (trainer/model.py: ``Drafter.context_kv`` an
 
 from __future__ import annotations
 
+import json
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 
 from trainer import fused_ops as fo
 from trainer.chunked_head import chunked_head_loss, head_ce
-from trainer.flex_mask import dense_dflash_mask, dflash_mask_mod, flex_attention_fn
+from trainer.flex_mask import dense_dflash_mask, dflash_mask_mod, direct_block_mask, flex_attention_fn
+from trainer.kernel_profile import REGION_HEAD, REGION_SELECTOR, region
 from trainer.loss import decay_weights, dflash_loss_fn, dpace_weights, selector_terms
 
 _MASKS: dict = {}
+
+# flex attention's kernel options for the DFlash masks on CUDA (issue 29: block sizes and
+# stages measured on an H200 at the operators' chunk shape, bench/gpu/roofline.py ``flex``);
+# DFLASH_FLEX_OPTIONS (JSON) replaces them, "{}" gives torch's own defaults.
+FLEX_OPTIONS: dict = {}
+
+
+# full-attention layers' block masks from the anchors directly (flex_mask.direct_block_mask);
+# DFLASH_DIRECT_MASKS=0: create_block_mask as before (bench before/after)
+DIRECT_MASKS = os.environ.get("DFLASH_DIRECT_MASKS", "1") == "1"
+
+
+def flex_options() -> dict | None:
+    env = os.environ.get("DFLASH_FLEX_OPTIONS")
+    opts = json.loads(env) if env else FLEX_OPTIONS
+    return dict(opts) or None
 
 
 def _chunk_block_mask(a, kp, S_pad: int, B: int, window: int | None = None):
@@ -56,6 +75,10 @@ def _chunk_block_mask(a, kp, S_pad: int, B: int, window: int | None = None):
     a_buf, k_buf, mod = _MASKS[key]
     a_buf.copy_(a[None])
     k_buf.copy_(kp[None])
+    if window is None and DIRECT_MASKS:  # no compile: the tiles follow from the anchors (flex_mask.py)
+        bm = direct_block_mask(a, kp, S_pad, B, mod)
+        if bm is not None:
+            return bm
     return create_block_mask(mod, 1, None, n * B, S_pad + n * B, device=a.device,
                              _compile=a.device.type == "cuda")
 
@@ -153,7 +176,8 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
         """attend(q, k, v) under the DFlash mask of one chunk for layers of this window."""
         if attn == "flex":
             bm = _chunk_block_mask(a, kp, S_pad, B, window)
-            return lambda q, k, v: flex(q, k, v, block_mask=bm, enable_gqa=k.shape[1] != q.shape[1])
+            opts = flex_options() if dev.type == "cuda" else None
+            return lambda q, k, v: flex(q, k, v, block_mask=bm, enable_gqa=k.shape[1] != q.shape[1], kernel_options=opts)
         m = dense_dflash_mask(a[None], S_pad, B, kp[None], window)[:, None]
 
         def attend(q, k, v):
@@ -191,11 +215,15 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
             teacher = teacher_final[s].index_select(0, tpos.reshape(-1)).view(n_c, B - 1, -1).to(dtype)
         fn = dflash_loss_fn(weights[s, sl], kl_weight=kl_weight if soft else 0.0, temperature=temperature,
                             cap_lambda=cap_lambda, block_valid=kp, denom=denom, n_valid_blocks=n_valid_blocks)
-        loss, ce, kl, correct, *cand = chunked_head_loss(h, lm_head, labels[s, sl], fn, teacher=teacher,
-                                                         temperature=temperature, chunk_rows=head_chunk_rows, top_k=top_k)
+        with region(REGION_HEAD):
+            loss, ce, kl, correct, *cand = chunked_head_loss(h, lm_head, labels[s, sl], fn, teacher=teacher,
+                                                             temperature=temperature, chunk_rows=head_chunk_rows,
+                                                             top_k=top_k)
         if top_k:
-            nll, cov, hit = selector_terms(h.reshape(-1, h.shape[-1]), lm_head, cand[0].view(-1, top_k),
-                                           labels[s, sl].reshape(-1), preds[s, sl].reshape(-1), scorer, head_chunk_rows)
+            with region(REGION_SELECTOR):
+                nll, cov, hit = selector_terms(h.reshape(-1, h.shape[-1]), lm_head, cand[0].view(-1, top_k),
+                                               labels[s, sl].reshape(-1), preds[s, sl].reshape(-1), scorer,
+                                               head_chunk_rows)
             cov, hit = cov.view(n_c, B - 1), hit.view(n_c, B - 1)
             sel_part = (weights[s, sl] * cov * nll.view(n_c, B - 1).to(wdt)).sum()
             loss = loss + selector_weight * (sel_part / denom).to(loss.dtype)

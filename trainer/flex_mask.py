@@ -154,3 +154,52 @@ def flex_attention_fn(device_type: str, dynamic: bool = False):
     if (compiled, dynamic) not in _FLEX:
         _FLEX[compiled, dynamic] = torch.compile(flex_attention, dynamic=dynamic) if compiled else flex_attention
     return _FLEX[compiled, dynamic]
+
+
+def direct_block_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int, mask_mod,
+                      tile: int = 128):
+    """The BlockMask of one sequence's chunk of blocks under the full-attention DFlash mask,
+    computed from the anchors with a few tensor operations instead of evaluating
+    ``mask_mod`` over every (q, kv) pair: ``create_block_mask(_compile=True)`` spent ~40 s
+    compiling at the operators' shape on an H200 (issue 29's cold launch), the larger part of
+    the first step's compile. None where the layout does not tile exactly (block size not a
+    divisor of ``tile``, ``ctx_len`` or the query length not a multiple of it): the caller
+    falls back to create_block_mask.
+
+    A query tile t holds blocks m·t .. m·t+m−1 (m = tile / block size). Context tile j is
+    *full* when every block of the tile is kept and its anchor ≥ tile·(j+1), *partial* when
+    some kept block's anchor > tile·j, else empty; the blocks' own columns fall in kv tile
+    ctx_len/tile + t, always partial (block diagonal) unless a block fills the tile. The
+    result equals create_block_mask's (tests/test_kernel_profile.py compares them)."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    n = anchors.shape[0]
+    B = int(block_size)
+    if tile % B or ctx_len % tile or (n * B) % tile:
+        return None
+    m = tile // B
+    nq, nctx = n * B // tile, ctx_len // tile
+    nk = nctx + nq
+    dev = anchors.device
+    a = anchors.long().view(nq, m)
+    k = keep.bool().view(nq, m)
+    all_kept = k.all(-1)
+    full = torch.where(all_kept, a.min(-1).values // tile, 0)  # [nq] full context tiles 0..F-1
+    reach = torch.where(k, a, 0).max(-1).values  # the largest kept anchor (0: none)
+    part_end = (reach + tile - 1) // tile  # context tiles F..P-1 are partial
+    pos = torch.arange(nk, device=dev)[None]
+    n_part = part_end - full
+    own = nctx + torch.arange(nq, device=dev)
+    own_full = m == 1  # a block fills the tile: its own tile is full
+    if own_full:
+        kv_num, kv_idx = n_part, torch.where(pos < n_part[:, None], full[:, None] + pos, 0)
+        f_num = full + 1
+        f_idx = torch.where(pos < full[:, None], pos, torch.where(pos == full[:, None], own[:, None], 0))
+    else:
+        kv_num = n_part + 1
+        kv_idx = torch.where(pos < n_part[:, None], full[:, None] + pos,
+                             torch.where(pos == n_part[:, None], own[:, None], 0))
+        f_num, f_idx = full, torch.where(pos < full[:, None], pos, 0)
+    as32 = lambda t: t.to(torch.int32)[None, None]  # noqa: E731  [1, 1, nq(, nk)]
+    return BlockMask.from_kv_blocks(as32(kv_num), as32(kv_idx), as32(f_num), as32(f_idx), BLOCK_SIZE=tile,
+                                    mask_mod=mask_mod, seq_lengths=(n * B, ctx_len + n * B))

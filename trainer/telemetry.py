@@ -36,9 +36,14 @@ class Heartbeat:
         os.makedirs(d, exist_ok=True)
         self.path = os.path.join(d, f"rank-{rank}")
         self.base = {"rank": rank, "role": role, "gpu": gpu, "pid": os.getpid()}
+        self.step = 0
 
-    def beat(self, step: int, state: str = "running") -> None:
-        atomic_write_json(self.path, {**self.base, "step": step, "ts": time.time(), "state": state})
+    def beat(self, step: int | None = None, state: str = "running") -> None:
+        """``step``: the last completed optimizer step; None keeps the last one said (a
+        failure's beat names where the rank was, never a made-up step: issue 26)."""
+        if step is not None:
+            self.step = step
+        atomic_write_json(self.path, {**self.base, "step": self.step, "ts": time.time(), "state": state})
 
 
 class NullLogger:

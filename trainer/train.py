@@ -17,12 +17,14 @@ import signal
 import sys
 import time
 import traceback
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from agent.protocol import ENV_RUN_DIR
 from trainer import checkpoint as ckpt_io
+from trainer import kernel_profile
 from trainer import runtime_env
 from trainer import topology as topo_mod
 from trainer.data import PreparedData, make_batches
@@ -106,7 +108,8 @@ def produce(target: Target, data: PreparedData, stream, m: int, args, device) ->
     anchors, keep = sample_anchors(loss_mask, lengths, args.max_anchors, keys)
     t = lambda a: torch.from_numpy(a).to(device, non_blocking=True)  # noqa: E731
     input_ids_t = t(input_ids)
-    taps, final = target.forward(input_ids_t, want_final=args.use_soft_labels)
+    with kernel_profile.region(kernel_profile.REGION_TARGET):
+        taps, final = target.forward(input_ids_t, want_final=args.use_soft_labels)
     return MicroBatch(m, epoch, torch.tensor(ids, dtype=torch.int64, device=device), input_ids_t, t(loss_mask),
                       t(lengths), t(anchors), t(keep), taps, final)
 
@@ -171,7 +174,7 @@ def run(args, topo) -> int:
         # spin-wait for each other (measured 8 ms per 64-wide linear on a loaded 2-core VM).
         torch.set_num_threads(1)
     run_dir = run_dir_of(args)
-    os.makedirs(run_dir, exist_ok=True)
+    ckpt_io.make_public_dir(run_dir)  # often the output dir itself: readable by a server's user
     events = Events(run_dir, topo.rank, topo.role, topo.gpu)
     hb = Heartbeat(run_dir, topo.rank, topo.role, topo.gpu)
     hb.beat(0, "loading")
@@ -184,7 +187,11 @@ def run(args, topo) -> int:
         hb.beat(0, "failed")
         events.close()
         return refused
-    os.makedirs(args.output_dir, exist_ok=True)
+    ckpt_io.make_public_dir(args.output_dir)
+    if topo.is_log_rank and not args.probe_memory:
+        for gone in ckpt_io.sweep_leftovers(args.output_dir, run_dir):
+            print(f"python -m trainer: removed {gone['path']} ({gone['bytes'] / 2**20:.1f} MiB), left by an "
+                  "interrupted save", flush=True)
     try:
         if args.probe_memory:
             return probe(args, topo, events, hb)
@@ -195,7 +202,7 @@ def run(args, topo) -> int:
         events.emit("error", error="cuda_oom" if oom else ("nccl_timeout" if timeout else "exception"),
                     message=f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}",
                     traceback=traceback.format_exc())
-        hb.beat(-1, "failed")
+        hb.beat(None, "failed")
         raise
     finally:
         events.close()
@@ -329,9 +336,10 @@ def optimizer_step(opt, drafter, step: int, schedule: dict, grad_clip: float):
     lr = lr_at(step, schedule["peak_lr"], schedule["total_steps"], schedule["warmup_steps"])
     for group in opt.param_groups:
         group["lr"] = lr
-    grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip if grad_clip > 0 else float("inf"))
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    with kernel_profile.region(kernel_profile.REGION_OPTIMIZER):
+        grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
     return lr, grad_norm
 
 
@@ -385,24 +393,26 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
     step, stopped, ahead = start.step, False, {}
     while step < start.last_step:
         t0 = time.time()
-        base = start.position + (step - start.step) * per_step
-        # -- target role (split): make this step's micro-batches and ship them
-        if topo.is_target and not topo.colocated:
-            ship(target, data, stream, base, per_step, args, topo, ahead, more=step + 1 < start.last_step)
-        # -- drafter role: the step on each micro-batch, gradients averaged over ranks, one optimizer step
-        if topo.is_drafter:
-            amp = noise_amplitude(step, args.noise_start, args.noise_end, start.schedule["total_steps"])
-            stats = StepStats.zero(args.block_size, dev, selector=drafter.selector is not None)
-            for j in topo.consumed_here(per_step):
-                tw = time.time()
-                mb = produce(target, data, stream, base + j, args, dev) if topo.colocated else recv_microbatch(topo.producer(base + j), dev)
-                stats.wait_s += time.time() - tw
-                stats += drafter_step(mb, add_noise(mb.taps, amp, args.noise_type, key(args.seed, "noise", mb.index)))
-                # its taps and final state go before the next micro-batch's are made: held
-                # over, they sat beside the next target forward (trainer/memory.py counts one)
-                del mb
-            topo_mod.average_gradients(topo, drafter)
-            lr, grad_norm = optimizer_step(opt, drafter, step, start.schedule, args.grad_clip)
+        # DFLASH_PROFILE_STEP=N: this step's kernels by class (trainer/kernel_profile.py)
+        with kernel_profile.maybe_profile(step + 1) if dev.type == "cuda" else nullcontext():
+            base = start.position + (step - start.step) * per_step
+            # -- target role (split): make this step's micro-batches and ship them
+            if topo.is_target and not topo.colocated:
+                ship(target, data, stream, base, per_step, args, topo, ahead, more=step + 1 < start.last_step)
+            # -- drafter role: the step on each micro-batch, gradients averaged over ranks, one optimizer step
+            if topo.is_drafter:
+                amp = noise_amplitude(step, args.noise_start, args.noise_end, start.schedule["total_steps"])
+                stats = StepStats.zero(args.block_size, dev, selector=drafter.selector is not None)
+                for j in topo.consumed_here(per_step):
+                    tw = time.time()
+                    mb = produce(target, data, stream, base + j, args, dev) if topo.colocated else recv_microbatch(topo.producer(base + j), dev)
+                    stats.wait_s += time.time() - tw
+                    stats += drafter_step(mb, add_noise(mb.taps, amp, args.noise_type, key(args.seed, "noise", mb.index)))
+                    # its taps and final state go before the next micro-batch's are made: held
+                    # over, they sat beside the next target forward (trainer/memory.py counts one)
+                    del mb
+                topo_mod.average_gradients(topo, drafter)
+                lr, grad_norm = optimizer_step(opt, drafter, step, start.schedule, args.grad_clip)
         step += 1
 
         # -- all ranks agree whether to stop after this step (SIGTERM may reach them apart)
@@ -426,6 +436,8 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
                     print(f"compile: {metrics['compile_s']:.1f} s in the first step ({metrics['compile_cache_hits']} "
                           f"cache hits, {metrics['compile_cache_misses']} misses; cache {metrics['compile_cache']})",
                           flush=True)
+                    if os.environ.get("DFLASH_COMPILE_REPORT") == "1":  # where the seconds went, per function
+                        print(torch._dynamo.utils.compile_times(repr="str"), flush=True)
         hb.beat(step)
 
         # -- checkpoint and evaluation (the log rank; everyone waits so nobody exits mid-save)

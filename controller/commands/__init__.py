@@ -17,6 +17,7 @@ COMMANDS: dict[str, str] = {
     "kill-and-rollback": "rollback", "history": "rollback",
     "sim": "sim",
     "export": "export",
+    "disconnect": "disconnect",
 }
 
 

@@ -30,7 +30,8 @@ from typing import Callable, Optional
 
 import typer
 
-from controller.commands.remote import EXIT_CONFIG, EXIT_CONTAINER, TrustOpt, container_session, fail
+from controller.commands.remote import (EXIT_CONFIG, EXIT_CONTAINER, EXIT_INTERRUPTED, TrustOpt, container_session, fail,
+                                        run_option)
 
 EXPORTS_DIR = ".dflash-ctl/exports"  # under the workspace; one temp dir per export, always removed
 
@@ -43,14 +44,38 @@ class ExportFailed(Exception):
         self.code = code
 
 
-def check_destination(dest: Path) -> None:
+def check_destination(dest: Path) -> bool:
+    """Refuse a --to that cannot take the export. True when it already holds files that may be
+    a complete earlier export (a retry after a Ctrl-C late in the last one): :func:`fetch`
+    compares them with the container's manifest and reports the export complete if they match."""
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        if dest.is_dir() and (dest / "config.json").is_file() and all(p.is_file() for p in dest.iterdir()):
+            return True
         raise ExportFailed(f"--to {dest} is not empty; name a new or empty directory", EXIT_CONFIG)
     parent = dest.parent
     if not parent.is_dir():
         raise ExportFailed(f"--to {dest}: its parent {parent} does not exist; create it first", EXIT_CONFIG)
     if not os.access(parent, os.W_OK):
         raise ExportFailed(f"--to {dest}: {parent} is not writable", EXIT_CONFIG)
+    return False
+
+
+def holds_export(dest: Path, manifest: dict) -> bool:
+    """``dest`` holds exactly the manifest's files, each of its size and sha256."""
+    want = {f["path"]: f for f in manifest["files"]}
+    if sorted(p.name for p in dest.iterdir()) != sorted(want):
+        return False
+    for name, f in want.items():
+        path = dest / name
+        if path.stat().st_size != f["size"]:
+            return False
+        h = hashlib.sha256()
+        with open(path, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        if h.hexdigest() != f["sha256"]:
+            return False
+    return True
 
 
 class TarReceiver:
@@ -126,9 +151,12 @@ def verify(got: dict[str, dict], manifest: dict) -> None:
 
 
 def fetch(ct, caller, run_dir: str, step: Optional[int], dtype: str, dest: Path, say: Callable[[str], None],
-          progress_factory) -> dict:
-    """Export in the container, stream, verify, place at ``dest``. Returns the manifest."""
+          progress_factory, earlier: bool = False) -> dict:
+    """Export in the container, stream, verify, place at ``dest``. Returns the manifest
+    (``already``: True when ``dest`` held this very export before: ``earlier`` from
+    :func:`check_destination`)."""
     from agent.protocol import PayloadError, extract_payload
+    from controller import interrupts
 
     remote = posixpath.join(ct.config.workspace, EXPORTS_DIR, f"{posixpath.basename(run_dir)}-{secrets.token_hex(4)}")
     args = ["export", "--checkpoint", run_dir, "--out", remote, "--dtype", dtype, "--json"]
@@ -145,6 +173,12 @@ def fetch(ct, caller, run_dir: str, step: Optional[int], dtype: str, dest: Path,
         if not manifest.get("ok"):
             code = EXIT_CONFIG if result.returncode == 2 else EXIT_CONTAINER
             raise ExportFailed(f"{ct}: {manifest.get('error')}", code)
+        if earlier:
+            if not holds_export(dest, manifest):
+                raise ExportFailed(f"--to {dest} is not empty and does not hold this export (step "
+                                   f"{manifest.get('step')}, {dtype}); name a new or empty directory", EXIT_CONFIG)
+            return dict(manifest, already=True)
+        interrupts.pause_point("export.transfer")
         local.mkdir(mode=0o755)
         with progress_factory(manifest["bytes"]) as advance:
             receiver = TarReceiver(local, {f["path"]: f for f in manifest["files"]}, advance)
@@ -162,7 +196,11 @@ def fetch(ct, caller, run_dir: str, step: Optional[int], dtype: str, dest: Path,
         local.chmod(0o755)
         if dest.exists():
             dest.rmdir()  # empty: checked before anything ran
+        # From the rename on, --to holds the complete, verified export: a Ctrl-C now waits
+        # until that is reported (controller/interrupts.py).
+        interrupts.hold()
         local.rename(dest)
+        interrupts.pause_point("export.placed")
         return manifest
     finally:
         if local.exists():
@@ -177,7 +215,7 @@ def export_command(
     container: Optional[int] = typer.Option(None, "--container", "-c",
                                             help="container id (default: the last launch's); for a job, any of its "
                                                  "containers or none with --run"),
-    run: Optional[str] = typer.Option(None, "--run", "-r", help="run id (default: the latest run in the container)"),
+    run: Optional[str] = run_option("run id (default: the latest run in the container)"),
     step: Optional[int] = typer.Option(None, "--step", metavar="N",
                                        help="export the checkpoint of step N (default: the run's newest complete one)"),
     to: Path = typer.Option(..., "--to", metavar="DIR", help="where the drafter directory goes on this machine; "
@@ -194,6 +232,7 @@ def export_command(
     (docs/export.md). Checksums verified; nothing is left at --to unless all of it arrived."""
     import json
 
+    from controller import interrupts
     from controller.agentcall import AgentCaller
     from controller.commands import job as job_cmd
     from controller.commands.run import resolve_run, container_or_last_launch
@@ -202,7 +241,7 @@ def export_command(
         raise fail(f"--dtype {dtype}: expected bf16 or fp32", EXIT_CONFIG)
     dest = to.expanduser().absolute()
     try:
-        check_destination(dest)
+        earlier = check_destination(dest)
     except ExportFailed as exc:
         raise fail(str(exc), exc.code) from None
     say = lambda line: typer.echo(line, err=True)  # noqa: E731  (stdout: the result only)
@@ -215,23 +254,31 @@ def export_command(
         say(f"job {run_id}: exporting from {saver.label} (the first drafter rank's container)")
     else:
         ctid, node = container_or_last_launch(container, node, ctl_config)
-    with container_session(ctid, node, ctl_config, trust_new_host_key) as ct:
-        caller = AgentCaller(ct, say)
-        if not found:
-            run_id = run or resolve_run(ct, caller, None)["run_id"]
-        run_dir = posixpath.join(ct.config.workspace, "runs", run_id)
-        say(f"exporting run {run_id} from {ct}")
-        try:
-            manifest = fetch(ct, caller, run_dir, step, dtype, dest, say, _progress)
-        except ExportFailed as exc:
-            raise fail(str(exc), exc.code) from None
-    if json_out:
-        typer.echo(json.dumps({"run_id": run_id, "container": ct.ctid, "node": ct.node_name, "to": str(dest),
-                               **{k: manifest[k] for k in ("step", "checkpoint", "dtype", "files", "bytes")}},
-                              sort_keys=True))
-    else:
-        typer.echo(f"{dest}: step {manifest['step']} of run {run_id} ({manifest['checkpoint']} in {ct}), "
-                   f"{len(manifest['files'])} files, {manifest['bytes'] / 2**20:.1f} MiB, sha256 verified")
+    with interrupts.guarded():  # the report too: a Ctrl-C after the rename waits for it
+        with container_session(ctid, node, ctl_config, trust_new_host_key) as ct:
+            caller = AgentCaller(ct, say)
+            if not found:
+                run_id = run or resolve_run(ct, caller, None)["run_id"]
+            run_dir = posixpath.join(ct.config.workspace, "runs", run_id)
+            say(f"exporting run {run_id} from {ct}")
+            try:
+                manifest = fetch(ct, caller, run_dir, step, dtype, dest, say, _progress, earlier=earlier)
+            except ExportFailed as exc:
+                raise fail(str(exc), exc.code) from None
+            except KeyboardInterrupt:
+                raise fail(f"interrupted before the export was complete: nothing was kept at {dest}; run the same "
+                           "command again", EXIT_INTERRUPTED) from None
+        if interrupts.interrupted():
+            say(f"ctl: interrupted after the export was complete: {dest} holds all of it, verified")
+        if json_out:
+            typer.echo(json.dumps({"run_id": run_id, "container": ct.ctid, "node": ct.node_name, "to": str(dest),
+                                   "already": bool(manifest.get("already")),
+                                   **{k: manifest[k] for k in ("step", "checkpoint", "dtype", "files", "bytes")}},
+                                  sort_keys=True))
+        else:
+            typer.echo(f"{dest}: step {manifest['step']} of run {run_id} ({manifest['checkpoint']} in {ct}), "
+                       f"{len(manifest['files'])} files, {manifest['bytes'] / 2**20:.1f} MiB, sha256 verified"
+                       + (" (it was already there, complete)" if manifest.get("already") else ""))
 
 
 class _progress:

@@ -10,7 +10,8 @@ import typer
 
 from controller import config as cfg
 from controller import job
-from controller.commands.remote import EXIT_CONFIG, EXIT_FAILED, EXIT_NOT_DONE, EXIT_REFUSED, EXIT_TRANSPORT, fail
+from controller.commands.remote import (EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NOT_DONE, EXIT_REFUSED,
+                                        EXIT_TRANSPORT, fail)
 from controller.jobview import ContainerStream, last_launch_path, remember
 from controller.session import open_containers
 
@@ -53,27 +54,38 @@ def launch(containers: list[str], run_config, start: dict, *, node: Optional[str
     except job.JobError as exc:
         raise fail(str(exc), EXIT_CONFIG) from None
     say = (lambda line: typer.echo(line, err=True)) if json_out else typer.echo
-    try:
-        with open_containers(members, ctl_config, trust_new_host_key) as cts:
-            result = job.launch(cts, members, run_config, start, say=say, accept_drift=accept_drift,
-                                wandb_key=wandb_key, dist_timeout=dist_timeout, share_gpus=share_gpus)
-    except (job.JobError, RunConfigError, RenderError, cfg.ConfigError) as exc:
-        raise fail(str(exc), EXIT_CONFIG) from None
-    except LaunchRefused as exc:
-        raise fail(f"job refused — nothing was started:\n  {exc}", EXIT_REFUSED) from None
-    except TransportError as exc:
-        raise fail(str(exc), EXIT_TRANSPORT) from None
-    job.save_record(ctl_config, result)
-    remember(ctl_config, members[0].node, members[0].ctid, result.run_id)
-    labels = [m.label for m in members]
-    if json_out:
-        typer.echo(json.dumps({"run_id": result.run_id, "job": True, "containers": labels, "endpoint": result.endpoint,
-                               "layout": job.layout(members), "starts": result.starts, "timings": result.timings},
-                              sort_keys=True))
-    else:
-        typer.echo(f"job {result.run_id} started in {', '.join(labels)} (rendezvous {result.endpoint}, "
-                   f"{result.timings['total_s']:.1f} s)")
-        typer.echo(f"  follow: ctl tail --run {result.run_id} --follow")
+    from controller import interrupts
+
+    # Ctrl-C before the first commit starts nothing; from it on it waits for the report below
+    # (controller/interrupts.py; a container that did not start stops the others: controller/job.py).
+    with interrupts.guarded():
+        try:
+            with open_containers(members, ctl_config, trust_new_host_key) as cts:
+                result = job.launch(cts, members, run_config, start, say=say, accept_drift=accept_drift,
+                                    wandb_key=wandb_key, dist_timeout=dist_timeout, share_gpus=share_gpus)
+        except (job.JobError, RunConfigError, RenderError, cfg.ConfigError) as exc:
+            raise fail(str(exc), EXIT_CONFIG) from None
+        except LaunchRefused as exc:
+            raise fail(f"job refused — nothing was started:\n  {exc}", EXIT_REFUSED) from None
+        except TransportError as exc:
+            raise fail(str(exc), EXIT_TRANSPORT) from None
+        except KeyboardInterrupt:
+            raise fail("interrupted before the job's runs were created: nothing was started", EXIT_INTERRUPTED) from None
+        job.save_record(ctl_config, result)
+        remember(ctl_config, members[0].node, members[0].ctid, result.run_id)
+        labels = [m.label for m in members]
+        if json_out:
+            typer.echo(json.dumps({"run_id": result.run_id, "job": True, "containers": labels,
+                                   "endpoint": result.endpoint, "layout": job.layout(members), "starts": result.starts,
+                                   "timings": result.timings}, sort_keys=True))
+        else:
+            typer.echo(f"job {result.run_id} started in {', '.join(labels)} (rendezvous {result.endpoint}, "
+                       f"{result.timings['total_s']:.1f} s)")
+            typer.echo(f"  follow: ctl tail --run {result.run_id} --follow")
+            typer.echo(f"  stop:   ctl kill-and-rollback --run {result.run_id}")
+    if interrupts.interrupted():
+        raise fail(f"interrupted after job {result.run_id} started: it goes on; follow: `ctl tail --run "
+                   f"{result.run_id} --follow`; stop: `ctl kill-and-rollback --run {result.run_id}`", EXIT_INTERRUPTED)
     if follow:
         return tail(members, result.run_id, ctl_config=ctl_config, follow=True, raw=False, since=0,
                     trust_new_host_key=trust_new_host_key)
@@ -123,7 +135,7 @@ def status(members: list[job.Member], run_id: str, *, ctl_config: Optional[str],
     else:
         for line in job.render_job_status(run_id, replies):
             typer.echo(line)
-    return 0
+    return EXIT_FAILED if job.job_verdict(replies)["state"] == "failed" else 0
 
 
 def find(run: Optional[str], containers: Optional[list[str]], node: Optional[str],
@@ -156,7 +168,15 @@ def kill_and_rollback(members: list[job.Member], run_id: str, *, to: str, grace:
     from controller import envgen_client as eg
     from controller import rollback as rb
 
-    with open_containers(members, ctl_config, trust_new_host_key) as cts:
+    import contextlib
+
+    with open_containers(members, ctl_config, trust_new_host_key) as cts, contextlib.ExitStack() as claims:
+        if not dry_run:  # every container's claim first, as in a single container (controller/rollback.py)
+            for m, ct in zip(members, cts):
+                try:
+                    claims.enter_context(rb.claimed(ct, grace))
+                except rb.RollbackRefused as exc:
+                    raise fail(f"refused in {m.label}, nothing changed anywhere: {exc}", EXIT_REFUSED) from None
         plans = []
         for m, ct in zip(members, cts):
             try:

@@ -17,7 +17,8 @@ from typing import List, Optional
 
 import typer
 
-from controller.commands.remote import EXIT_CONFIG, EXIT_REFUSED, TrustOpt, container_session, fail
+from controller.commands.remote import (EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_REFUSED, EXIT_TRANSPORT, TrustOpt,
+                                        container_session, fail)
 from controller.commands.run import CtlConfigOpt, NodeOpt, _follow
 from controller.container import Container
 from controller.jobview import remember
@@ -107,26 +108,57 @@ def launch_command(
         raise fail(f"--container {container[0]!r}: give a container id, e.g. 200", EXIT_CONFIG)
     container = int(container[0])
     say = (lambda line: typer.echo(line, err=True)) if json_out else typer.echo
+    from agent.protocol import new_run_id
+    from controller import interrupts
+    from controller.transport import TransportError
+
+    run_id = new_run_id(run_config.name)
     with container_session(container, node, ctl_config, trust_new_host_key) as ct:
-        try:
-            result = _launch_one(ct, run_config, start, snapshot=snapshot, say=say, accept_drift=accept_drift,
-                                 wandb_key=wandb_key, share_gpus=share_gpus)
-        except (runconfig.RunConfigError, RenderError) as exc:
-            raise fail(str(exc), EXIT_CONFIG) from None
-        except LaunchRefused as exc:
-            raise fail(f"launch refused — nothing was started:\n  {exc}", EXIT_REFUSED) from None
-        remember(ctl_config, ct.node_name, ct.ctid, result.run_id)
-        first = result.starts[0]
-        if json_out:
-            typer.echo(json.dumps({"run_id": result.run_id, "run_dir": f"{ct.config.workspace}/runs/{result.run_id}",
-                                   "container": ct.ctid,
-                                   "node": ct.node_name, "start": first, "round_trips": result.round_trips,
-                                   "timings": result.timings}, sort_keys=True))
-        else:
-            typer.echo(f"run {result.run_id} started in {ct}: state {first.get('state')}, agent pid "
-                       f"{first.get('agent_pid')}, job pid {first.get('job_pid')} ({result.round_trips} round trips, "
-                       f"{result.timings['total_s']:.1f} s)")
-            typer.echo(f"  follow: ctl tail --container {ct.ctid} --run {result.run_id} --follow")
+        follow_line = f"ctl tail --container {ct.ctid} --run {run_id} --follow"
+        stop_line = f"ctl kill-and-rollback --container {ct.ctid} --run {run_id}"
+
+        def maybe_started(why: object, code: int) -> typer.Exit:
+            """The commit was sent and its reply lost: the run may have started regardless."""
+            return fail(f"{why}; run {run_id} may have started in {ct}: check with `ctl status --container {ct.ctid} "
+                        f"--run {run_id}`; follow: `{follow_line}`; stop: `{stop_line}`",
+                        EXIT_INTERRUPTED if interrupts.interrupted() else code)
+        # Ctrl-C before the commit: nothing started; from the commit on: held until the run id
+        # and how to follow and stop it are printed (controller/interrupts.py).
+        with interrupts.guarded():
+            try:
+                result = _launch_one(ct, run_config, start, snapshot=snapshot, say=say, accept_drift=accept_drift,
+                                     wandb_key=wandb_key, share_gpus=share_gpus, run_id=run_id)
+            except (runconfig.RunConfigError, RenderError) as exc:
+                raise fail(str(exc), EXIT_CONFIG) from None
+            except LaunchRefused as exc:
+                if not exc.certain:
+                    raise maybe_started(exc, EXIT_REFUSED) from None
+                raise fail(f"launch refused — nothing was started:\n  {exc}", EXIT_REFUSED) from None
+            except KeyboardInterrupt:
+                raise fail(f"interrupted before run {run_id} was created in {ct}: nothing was started",
+                           EXIT_INTERRUPTED) from None
+            except TransportError as exc:
+                if not interrupts.holding():
+                    raise
+                raise maybe_started(exc, EXIT_TRANSPORT) from None
+            interrupts.pause_point("launch.started")
+            remember(ctl_config, ct.node_name, ct.ctid, result.run_id)
+            first = result.starts[0]
+            if json_out:
+                typer.echo(json.dumps({"run_id": result.run_id,
+                                       "run_dir": f"{ct.config.workspace}/runs/{result.run_id}",
+                                       "container": ct.ctid,
+                                       "node": ct.node_name, "start": first, "round_trips": result.round_trips,
+                                       "timings": result.timings}, sort_keys=True))
+            else:
+                typer.echo(f"run {result.run_id} started in {ct}: state {first.get('state')}, agent pid "
+                           f"{first.get('agent_pid')}, job pid {first.get('job_pid')} ({result.round_trips} round "
+                           f"trips, {result.timings['total_s']:.1f} s)")
+                typer.echo(f"  follow: {follow_line}")
+                typer.echo(f"  stop:   {stop_line}")
+        if interrupts.interrupted():
+            raise fail(f"interrupted after run {run_id} started in {ct}: it goes on; follow: `{follow_line}`; "
+                       f"stop: `{stop_line}`", EXIT_INTERRUPTED)
         code = 0
         if follow:
             code = _follow(ct, AgentCaller(ct), result.run_id, 0, True, False)
@@ -138,7 +170,7 @@ def _data_kind(config: Path) -> Optional[str]:
     import tomllib
 
     try:
-        kind = tomllib.loads(Path(config).read_text()).get("kind", "train")
+        kind = tomllib.loads(Path(config).read_text(encoding="utf-8")).get("kind", "train")
     except (OSError, ValueError):
         return None  # runconfig.load says what is wrong with it
     return None if kind == "train" else str(kind)
@@ -192,7 +224,7 @@ def _launch_data_job(container: List[str], config: Path, *, node, sets, follow, 
 
 
 def _launch_one(ct: Container, run_config, start: dict, *, snapshot: bool, say, accept_drift: bool,
-                wandb_key: Optional[str], share_gpus: bool = False):
+                wandb_key: Optional[str], share_gpus: bool = False, run_id: Optional[str] = None):
     """A job of one member (controller/job.py: the one launch path), with kill-and-rollback's
     snapshot first when asked (controller/snapshots.py)."""
     from controller.job import Member, launch
@@ -200,11 +232,11 @@ def _launch_one(ct: Container, run_config, start: dict, *, snapshot: bool, say, 
     member = Member(ct.node_name, ct.ctid)
     if not snapshot:
         return launch([ct], [member], run_config, start, say=say, accept_drift=accept_drift, wandb_key=wandb_key,
-                      share_gpus=share_gpus)
+                      share_gpus=share_gpus, run_id=run_id)
     from controller.launch import new_run_id
     from controller.snapshots import launch_snapshot, undo_launch_snapshot
 
-    run_id = new_run_id(run_config.name)
+    run_id = run_id or new_run_id(run_config.name)
     snap = launch_snapshot(ct, run_id, say)
     try:
         return launch([ct], [member], run_config, start, say=say, accept_drift=accept_drift,

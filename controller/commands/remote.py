@@ -16,20 +16,23 @@ import typer
 
 from controller import config as cfg
 from controller.container import Container, ContainerError
+from controller.exitcodes import CtlExit
 from controller.session import open_runner
 from controller.transport import CommandError, TransportError
 
 # When set, `ctl` writes {"ssh_connections": N} here on exit (bench/exec_roundtrip.py, tests).
 ENV_STATS = "DFLASH_CTL_STATS"
 
-# Exit codes of ctl itself (a remote command's own code passes through unchanged); the one
-# home of them, every command module imports these.
-EXIT_CONFIG = 2
-EXIT_CONTAINER = 1
-EXIT_FAILED = 1  # a followed run failed
-EXIT_REFUSED = 3  # a launch or rollback refused: nothing was started or changed
-EXIT_NOT_DONE = 4  # the run stopped, or its agent is gone, before it completed
-EXIT_TRANSPORT = 255  # like ssh(1): could not reach the node
+# Exit codes of ctl itself (a remote command's own code passes through unchanged); their
+# one home is controller/exitcodes.py, these are the names the command modules import.
+EXIT_CONFIG = CtlExit.USAGE
+EXIT_CONTAINER = CtlExit.FAILED  # a command in the container failed
+EXIT_FAILED = CtlExit.FAILED  # a followed run failed
+EXIT_REFUSED = CtlExit.REFUSED  # a launch or rollback refused: nothing was started or changed
+EXIT_NOT_DONE = CtlExit.NOT_DONE  # the run stopped, or its agent is gone, before it completed
+EXIT_RESTARTED = CtlExit.CONTAINER_RESTARTED
+EXIT_INTERRUPTED = CtlExit.INTERRUPTED
+EXIT_TRANSPORT = CtlExit.TRANSPORT  # like ssh(1): could not reach the node
 
 ContainerOpt = typer.Option(..., "--container", "-c", help="container id (Proxmox VMID), e.g. 200")
 NodeOpt = typer.Option(None, "--node", "-n", help="node name from the config (default: the only one / default_node)")
@@ -38,6 +41,25 @@ ConfigOpt = typer.Option(None, "--config", help="controller config file (default
 TrustOpt = typer.Option(False, "--trust-new-host-key",
                         help="record the node's SSH host key in known_hosts if none is there yet "
                              "(a changed key is still refused)")
+
+
+def check_run_option(value: Optional[str]) -> Optional[str]:
+    """The callback of every `--run` option: the launcher's run-id grammar
+    (agent/protocol.py), checked before any connection is opened, so no empty id (an unset
+    $RUN), path or option-like value ever reaches the node."""
+    if value is None:
+        return None
+    from agent.protocol import run_id_problem
+
+    problem = run_id_problem(value)
+    if problem:
+        raise fail(problem, EXIT_CONFIG)
+    return value
+
+
+def run_option(help: str) -> typer.models.OptionInfo:  # noqa: A002 - typer's own word
+    """A `--run`/`-r` option with the run-id check."""
+    return typer.Option(None, "--run", "-r", help=help, callback=check_run_option)
 
 
 def fail(message: str, code: int) -> "typer.Exit":
@@ -72,7 +94,7 @@ def container_session(container: int, node: Optional[str], config_path: Optional
         # pct exec does not forward signals (research §1.1): closing our side is not a kill.
         raise fail(f"interrupted; whatever was started in container {container} may still be running "
                    f"(pct exec does not forward signals): check with `ctl exec -c {container} -- ps -ef`",
-                   130) from None
+                   EXIT_INTERRUPTED) from None
     finally:
         if runner is not None:
             runner.close()

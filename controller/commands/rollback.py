@@ -3,6 +3,7 @@ that worked (controller/rollback.py), and the container's record of every kill a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -21,7 +22,7 @@ def kill_and_rollback_command(
     container: Optional[int] = typer.Option(None, "--container", "-c",
                                             help="container id (Proxmox VMID), e.g. 200; not needed for a job's "
                                                  "--run (every container of the job is acted on)"),
-    run: Optional[str] = typer.Option(None, "--run", help="run id (default: the live run, else the newest)"),
+    run: Optional[str] = remote.run_option("run id (default: the live run, else the newest)"),
     to: str = typer.Option("last-good", "--to", help="last-good | env:GENERATION | snapshot:NAME"),
     grace: float = typer.Option(60.0, "--grace", help="seconds between SIGTERM and SIGKILL (the trainer "
                                                       "checkpoints in between)"),
@@ -44,31 +45,42 @@ def kill_and_rollback_command(
         raise remote.fail("--container is required (or --run of a job launched across containers)", remote.EXIT_CONFIG)
     with container_session(container, node, config, trust_new_host_key) as ct:
         try:
-            plan = rb.make_plan(ct, run, to, grace)
-        except (rb.RollbackRefused, eg.EnvGenRefused) as exc:
+            with (contextlib.nullcontext() if dry_run else rb.claimed(ct, grace)):
+                _kill_and_rollback(ct, run, to, grace, dry_run, yes)
+        except rb.RollbackRefused as exc:  # the claim: another one is under way
             raise remote.fail(f"refused, nothing changed: {exc}", EXIT_REFUSED) from None
-        for line in plan.lines():
-            typer.echo(line)
-        if dry_run:
-            typer.echo("dry run: nothing was changed")
-            return
-        if not yes:
-            if not sys.stdin.isatty():
-                raise remote.fail("this stops the run and changes the container's environment: "
-                                  "confirm with --yes (no terminal to ask on)", EXIT_ABORTED)
-            if not typer.confirm("proceed?", default=False):
-                raise remote.fail("aborted; nothing was changed", EXIT_ABORTED)
-        try:
-            report = rb.execute(ct, plan, say=typer.echo)
-        except (rb.RollbackRefused, eg.EnvGenRefused) as exc:
-            raise remote.fail(f"refused: {exc}", EXIT_REFUSED) from None
-        for line in report.lines():
-            typer.echo(line)
+
+
+def _kill_and_rollback(ct, run: Optional[str], to: str, grace: float, dry_run: bool, yes: bool) -> None:
+    from controller.interrupts import pause_point
+
+    pause_point("rollback.claimed")
+    try:
+        plan = rb.make_plan(ct, run, to, grace)
+    except (rb.RollbackRefused, eg.EnvGenRefused) as exc:
+        raise remote.fail(f"refused, nothing changed: {exc}", EXIT_REFUSED) from None
+    for line in plan.lines():
+        typer.echo(line)
+    if dry_run:
+        typer.echo("dry run: nothing was changed")
+        return
+    if not yes:
+        if not sys.stdin.isatty():
+            raise remote.fail("this stops the run and changes the container's environment: "
+                              "confirm with --yes (no terminal to ask on)", EXIT_ABORTED)
+        if not typer.confirm("proceed?", default=False):
+            raise remote.fail("aborted; nothing was changed", EXIT_ABORTED)
+    try:
+        report = rb.execute(ct, plan, say=typer.echo)
+    except (rb.RollbackRefused, eg.EnvGenRefused) as exc:
+        raise remote.fail(f"refused: {exc}", EXIT_REFUSED) from None
+    for line in report.lines():
+        typer.echo(line)
 
 
 def history_command(
     container: int = ContainerOpt,
-    run: Optional[str] = typer.Option(None, "--run", help="only this run's records"),
+    run: Optional[str] = remote.run_option("only this run's records"),
     limit: int = typer.Option(0, "--limit", help="only the last N records"),
     as_json: bool = typer.Option(False, "--json", help="one JSON record per line"),
     node: Optional[str] = NodeOpt,
@@ -77,7 +89,10 @@ def history_command(
 ) -> None:
     """Every kill and rollback in the container, oldest first (kept in its workspace)."""
     with container_session(container, node, config, trust_new_host_key) as ct:
-        records = eg.recovery(ct, "history", *(["--run", run] if run else []), "--limit", str(limit))["records"]
+        reply = eg.recovery(ct, "history", *(["--run", run] if run else []), "--limit", str(limit))
+    records = reply["records"]
+    for problem in reply.get("problems") or []:  # a line that is not a record: named, never a traceback
+        typer.echo(f"ctl: warning: container {container}: {problem} (line skipped)", err=True)
     for rec in records:
         if as_json:
             typer.echo(json.dumps(rec, sort_keys=True))

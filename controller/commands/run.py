@@ -7,9 +7,7 @@
 
 Every command is one SSH connection. Without --container the last launch's container is
 used (remembered beside the controller config); without --run, the latest run there.
-Exit codes: 0 ok (a followed run completed), 1 the run failed, 2 bad input, 3 launch
-refused (preflight or drift; nothing was started), 4 the run stopped or its agent is gone,
-255 the node could not be reached.
+Exit codes: controller/exitcodes.py (`ctl status` and `ctl tail` of a failed run exit 1).
 """
 
 from __future__ import annotations
@@ -21,16 +19,19 @@ from typing import Optional
 import typer
 
 from agent.protocol import RunStatus
-from controller.commands.remote import EXIT_CONFIG, EXIT_FAILED, EXIT_NOT_DONE, TrustOpt, container_session, fail
+from controller.commands.remote import (EXIT_CONFIG, EXIT_FAILED, EXIT_NOT_DONE, TrustOpt, container_session, fail,
+                                        run_option)
 from controller.container import Container
 from controller.jobview import ContainerStream, last_launch_path
+from controller.exitcodes import CtlExit
+from controller.status import restart_message
 
 
 NodeOpt = typer.Option(None, "--node", "-n", help="node name from the controller config (default: default_node)")
 CtlConfigOpt = typer.Option(None, "--ctl-config", help="controller config (default: $DFLASH_CTL_CONFIG, else "
                                                        "~/.config/dflash-ctl/config.toml)")
 ContainerOpt = typer.Option(None, "--container", "-c", help="container id (default: the last launch's)")
-RunOpt = typer.Option(None, "--run", "-r", help="run id (default: the latest run in the container)")
+RunOpt = run_option("run id (default: the latest run in the container)")
 
 
 def container_or_last_launch(container: Optional[int], node: Optional[str], ctl_config: Optional[str]) -> tuple[int, Optional[str]]:
@@ -75,10 +76,12 @@ def _follow(ct: Container, caller, run_id: Optional[str], since: int, follow: bo
         typer.echo(f"ctl: connection lost ({why.splitlines()[0][:120]}); reconnecting (#{n}) from seq "
                    f"{printer_last['seq']}", err=True)
 
-    printer_last = {"seq": since}
+    printer_last = {"seq": since, "state": None}
 
     def on_record(rec: dict) -> None:
         printer_last["seq"] = rec["seq"]
+        if rec.get("kind") == "status" and isinstance(rec.get("payload"), dict):
+            printer_last["state"] = rec["payload"].get("state")
         printer(rec)
 
     with live if live else contextlib.nullcontext():
@@ -92,10 +95,21 @@ def _follow(ct: Container, caller, run_id: Optional[str], since: int, follow: bo
         return 0
     if result.gaps:
         typer.echo(f"ctl: warning: the stream skipped seq ranges {result.gaps}", err=True)
-    if not follow:
-        return 0
+    if not follow:  # what exists now: a stream that ends in the run's failure says so
+        return EXIT_FAILED if printer_last["state"] == "failed" else 0
     state = result.state
     status = RunStatus.from_json(result.status)
+    reply = (result.status or {}).get("_reply")
+    if reply is None and status.host_restart:  # the stream said it: ask once for the resume line's launch
+        try:
+            reply = ContainerStream(ct, caller).state(run_id).get("_reply")
+        except Exception:  # noqa: BLE001 - the message goes out without the launch's config then
+            reply = None
+    died = restart_message(reply or {"status": result.status, "host_restart": status.host_restart},
+                           ct.ctid, ct.node_name)
+    if died:
+        typer.echo(f"ctl: run {run_id}: {died}", err=True)
+        return CtlExit.CONTAINER_RESTARTED
     if state == "failed":
         typer.echo(f"ctl: run {run_id} FAILED: {status.reason or status.last_error}", err=True)
     elif state == "completed":
@@ -119,7 +133,10 @@ def resolve_run(ct: Container, caller, run: Optional[str]) -> dict:
     except AgentCallError as exc:
         raise fail(str(exc), EXIT_FAILED) from None
     if not reply.get("ok"):
-        raise fail(f"container {ct.ctid}: {reply.get('error')}", EXIT_CONFIG)
+        # a corrupt state file is the run's trouble, not the operator's input
+        raise fail(f"container {ct.ctid}: {reply.get('error')}", EXIT_FAILED if reply.get("corrupt") else EXIT_CONFIG)
+    for warning in reply.get("warnings") or []:
+        typer.echo(f"ctl: warning: container {ct.ctid}: {warning}", err=True)
     return reply
 
 
@@ -182,11 +199,25 @@ def status_command(
         else:
             for line in render_status(reply, ct.ctid, ct.node_name):
                 typer.echo(line)
+    # A script's `ctl status || alert` sees a failed run (controller/exitcodes.py).
+    if reply.get("host_restart"):  # died with its container, whatever state its files still say
+        raise typer.Exit(CtlExit.CONTAINER_RESTARTED)
+    raise typer.Exit(EXIT_FAILED if _state_of(reply) == "failed" else 0)
+
+
+def _state_of(reply: dict) -> Optional[str]:
+    try:
+        state = RunStatus.from_json(reply.get("status")).state
+    except (ValueError, TypeError):
+        return None
+    return state.value if state else None
 
 
 def runs_command(
     container: Optional[int] = ContainerOpt,
     json_out: bool = typer.Option(False, "--json"),
+    prune: bool = typer.Option(False, "--prune", help="also remove temp files that interrupted checkpoint saves "
+                                                       "left (only of writers that are gone)"),
     node: Optional[str] = NodeOpt,
     ctl_config: Optional[str] = CtlConfigOpt,
     trust_new_host_key: bool = TrustOpt,
@@ -197,7 +228,8 @@ def runs_command(
 
     container, node = container_or_last_launch(container, node, ctl_config)
     with container_session(container, node, ctl_config, trust_new_host_key, one_shot=True) as ct:
-        reply = AgentCaller(ct).call("agent", ["list", "--workspace", ct.config.workspace], what="agent list")
+        reply = AgentCaller(ct).call("agent", ["list", "--workspace", ct.config.workspace, *(["--prune"] if prune else [])],
+                                     what="agent list")
         runs = reply.get("runs") or []
         # The agent lists by directory name; run ids start with the config name, so sort by
         # the time the agent recorded, which it keeps in status.json's "updated" only —
@@ -208,6 +240,10 @@ def runs_command(
         else:
             for line in render_runs(reply, ct.ctid):
                 typer.echo(line)
+            if prune:
+                gone = reply.get("pruned") or []
+                typer.echo(f"pruned   {len(gone)} temp file(s) of interrupted saves, "
+                           f"{sum(g['bytes'] for g in gone) / 2**20:.1f} MiB" + "".join(f"\n         {g['path']}" for g in gone))
 
 
 def _stamp(run_id: str) -> str:

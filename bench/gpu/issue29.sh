@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Issue 29's device calls (nvidia-h200, one GPU), from the repository root:
+#
+#   bash bench/gpu/issue29.sh step        # ceilings, flex options, top-k, the drafter step before/after (~8 min)
+#   bash bench/gpu/issue29.sh colocated   # python -m trainer colocated: cold launch, relaunch, a profiled step
+#   COLOCATED_S=300 ROOFLINE_ARGS="--phases ceilings,step --archs dflash2 --flex-options {}" \
+#     bash bench/gpu/issue29.sh colocated step    # both in one call, in this order
+#
+# Outputs go to $OUT (the device tool's folder): log.txt as it runs, results.json and
+# results.tgz (everything, small files) after each phase. A fresh compile cache under /tmp, so
+# the first step's compile is a cold one.
+set -u
+export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
+FINAL=${OUT:-/tmp/out}; W=/tmp/issue29; rm -rf "$W"; mkdir -p "$W/out" "$FINAL"
+export TORCHINDUCTOR_CACHE_DIR=$W/cache/inductor TRITON_CACHE_DIR=$W/cache/triton
+exec > >(tee "$FINAL/log.txt") 2>&1
+T0=$(date +%s)
+CALL_S=${CALL_S:-570}
+left() { echo $(( CALL_S - ($(date +%s) - T0) )); }
+pack() { tar czf "$FINAL/results.tgz.part" -C "$W" out && mv "$FINAL/results.tgz.part" "$FINAL/results.tgz"; }
+nvidia-smi --query-gpu=index,name,memory.total,power.limit,clocks.max.sm,driver_version --format=csv > "$W/out/gpu.csv" 2>&1 || true
+python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' > "$W/out/versions.txt" 2>&1
+git log -1 --format='%H %s' > "$W/out/commit.txt" 2>/dev/null || true
+for mode in ${@:-step}; do
+  case "$mode" in
+    step)  # ROOFLINE_ARGS: e.g. "--phases ceilings,step --archs dflash2 --flex-options {}"
+      timeout -s TERM $(( $(left) - 20 )) python3 bench/gpu/roofline.py run --out "$W/out" ${ROOFLINE_ARGS:-}
+      echo "roofline rc $?";;
+    colocated)
+      timeout -s TERM $(( $(left) - 20 )) python3 bench/gpu/colocated.py run --out "$W/co" --work "$W/cowork" \
+        --deadline-s ${COLOCATED_S:-$(( $(left) - 30 ))}
+      echo "colocated rc $?"; rm -f "$W/co/results.tgz"; cp -r "$W/cowork/out" "$W/out/colocated" 2>/dev/null;;
+  esac
+  pack
+done
+cp "$W/out/results.json" "$FINAL/" 2>/dev/null
+pack
+echo "[t+$(( $(date +%s) - T0 ))s] done"

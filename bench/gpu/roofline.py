@@ -1,0 +1,421 @@
+"""Issue 29: where each millisecond of a drafter step goes, against the H200's roofline, and
+the changes that table calls for, each measured before and after in one process.
+
+    PYTHONUNBUFFERED=1 python3 bench/gpu/roofline.py run --out DIR [--phases ceilings,flex,step]
+    python3 bench/gpu/roofline.py run --out /tmp/o --smoke         # the same code on CPU, tiny widths
+    python3 bench/gpu/roofline.py table DIR/results.json            # the markdown tables, anywhere
+    python3 bench/gpu/roofline.py colocated DIR/kernel_profile_step3.json --events DIR/events.jsonl \
+        --ceilings DIR/results.json                                 # a trainer step's table
+
+Phases (one H200; random bf16 weights made on the GPU, random tokens, no download):
+
+* ``ceilings``: a bf16 8192³ matmul on random data and a 4 GiB device copy (bytes read +
+  written), median of 10 after 3 warm-ups: the roofline's two ceilings.
+* ``flex``: flex attention forward and forward + backward at the chunked step's shape (512
+  anchors × block 32 = 16,384 queries, 32/8 heads × 128, context 8,192 + the blocks) under the
+  DFlash block mask, for several kernel options (block sizes, stages, warps, flags); the best
+  forward, backward and flag choices are combined and timed again; the combination is what
+  the step's "after" runs.
+* ``step``: trainer/step.py's ChunkedStep at the operators' config (Qwen3-8B widths, 5 layers,
+  block 32, 1,024 anchors, 6 × 8,192 tokens, soft labels KL 0.15 at T 2, CAP 0.1, γ 10, clip,
+  fused AdamW) for DFlash and DFlash2, each "before" (torch's flex defaults, head chunks of
+  4,096 // 31 blocks, DFlash2's block convolution eager, block masks by a compiled
+  create_block_mask) and "after" (the combined flex options, balanced head chunks, the
+  convolution compiled, block masks from the anchors directly) in the same process: the first step's wall time and
+  compile seconds, the median of 3 timed steps (CUDA events), one profiled step
+  (trainer/kernel_profile.py) as a table of kernel classes with FLOPs/bytes and the share of
+  its roofline, allocated/reserved peaks beside trainer/memory.py's prediction.
+
+Everything lands in DIR/results.json after every phase (a cut-off call keeps what finished).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from types import SimpleNamespace
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "gpu")]
+
+from trainer import flops as fl  # noqa: E402
+from trainer import kernel_profile as kp  # noqa: E402
+
+GIB = 1024 ** 3
+RESULTS: dict = {"phases": {}}
+OUT = "."
+
+FLEX_VARIANTS = {
+    "default": {},
+    "rows_safe": {"ROWS_GUARANTEED_SAFE": True},
+    "tma": {"USE_TMA": True},
+    "fwd_128x128_s2_w8": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_stages": 2, "fwd_num_warps": 8},
+    "fwd_64x128_s3_w4": {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 128, "fwd_num_stages": 3, "fwd_num_warps": 4},
+    "bwd_64_128_s2_w8": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
+                         "bwd_num_stages": 2, "bwd_num_warps": 8},
+    "bwd_64_64_s3_w4": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
+                        "bwd_num_stages": 3, "bwd_num_warps": 4},
+    "bwd_32_128_s3_w4": {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 32,
+                         "bwd_num_stages": 3, "bwd_num_warps": 4},
+}
+
+
+def log(*a):
+    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+def save():
+    with open(os.path.join(OUT, "results.json"), "w") as fh:
+        json.dump(RESULTS, fh, indent=1)
+
+
+def _timed(fn, warmup: int = 2, iters: int = 5, cuda: bool = True):
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(iters):
+        if cuda:
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            torch.cuda.synchronize()
+            ts.append(s.elapsed_time(e) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return statistics.median(ts), ts
+
+
+# ---------------------------------------------------------------------------------------------
+def phase_ceilings(smoke: bool) -> dict:
+    import torch
+
+    dev, n = ("cpu", 256) if smoke else ("cuda", 8192)
+    a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    t, _ = _timed(lambda: a @ b, 3, 10, not smoke)
+    x = torch.randn((64 if smoke else 1024) * 2 ** 20, device=dev, dtype=torch.float32)  # 4 GiB on GPU
+    y = torch.empty_like(x)
+    tc, _ = _timed(lambda: y.copy_(x), 3, 10, not smoke)
+    return {"matmul_flop_s": 2 * n ** 3 / t, "copy_bytes_s": 2 * x.numel() * 4 / tc, "matmul_n": n}
+
+
+def _flex_inputs(shape, n_anchors: int, B: int, S: int, dev, dtype):
+    import torch
+
+    from trainer import fast_drafter as fd
+
+    g = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randperm(S - 1, device=dev, generator=g)[:n_anchors].sort().values
+    kp_ = torch.ones(n_anchors, dtype=torch.bool, device=dev)
+    bm = fd._chunk_block_mask(a, kp_, S, B)
+    Q = n_anchors * B
+    q = torch.randn(1, shape.n_heads, Q, shape.head_dim, device=dev, dtype=dtype, generator=g, requires_grad=True)
+    k = torch.randn(1, shape.n_kv_heads, S + Q, shape.head_dim, device=dev, dtype=dtype, generator=g, requires_grad=True)
+    v = torch.randn(1, shape.n_kv_heads, S + Q, shape.head_dim, device=dev, dtype=dtype, generator=g, requires_grad=True)
+    pairs = int(a.sum()) * B + n_anchors * B * B
+    return q, k, v, bm, pairs
+
+
+def phase_flex(smoke: bool) -> dict:
+    import torch
+
+    from trainer.flex_mask import flex_attention_fn
+
+    shape, n_anchors, B, S = (SMOKE_SHAPE, 16, 8, 128) if smoke else (fl.QWEN3_8B, 512, 32, 8192)
+    dev = torch.device("cpu" if smoke else "cuda")
+    q, k, v, bm, pairs = _flex_inputs(shape, n_anchors, B, S, dev, torch.float32 if smoke else torch.bfloat16)
+    if smoke:  # flex attention on CPU runs forward only, on inputs that need no gradient
+        q, k, v = q.detach(), k.detach(), v.detach()
+    flex = flex_attention_fn(dev.type)
+    fwd_flop = 4 * shape.q_dim * pairs
+    go = torch.randn_like(q)
+    out = {"pairs": pairs, "fwd_flop": fwd_flop, "variants": {}}
+
+    def measure(opts):
+        kw = {"kernel_options": opts or None} if not smoke else {}
+
+        def fwd():
+            with torch.no_grad():
+                return flex(q, k, v, block_mask=bm, enable_gqa=True, **kw)
+
+        def fwdbwd():
+            o = flex(q, k, v, block_mask=bm, enable_gqa=True, **kw)
+            if not smoke:
+                o.backward(go)
+                q.grad = k.grad = v.grad = None
+        t0 = time.perf_counter()
+        fwd()
+        if not smoke:
+            fwdbwd()
+            torch.cuda.synchronize()
+        first = time.perf_counter() - t0
+        tf, _ = _timed(fwd, 2, 7, not smoke)
+        tb, _ = _timed(fwdbwd, 1, 5, not smoke) if not smoke else (tf, [])
+        return {"fwd_s": tf, "fwdbwd_s": tb, "bwd_s": tb - tf, "compile_and_first_s": first,
+                "fwd_tflop_s": fwd_flop / tf / 1e12, "bwd_tflop_s": 2.5 * fwd_flop / max(1e-9, tb - tf) / 1e12}
+
+    names = list(FLEX_VARIANTS)[:2] if smoke else list(FLEX_VARIANTS)
+    for name in names:
+        try:
+            out["variants"][name] = {"options": FLEX_VARIANTS[name], **measure(FLEX_VARIANTS[name])}
+        except Exception as exc:  # noqa: BLE001 — a config the kernel refuses is a result too
+            out["variants"][name] = {"options": FLEX_VARIANTS[name], "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        log("flex", name, json.dumps(out["variants"][name]))
+        RESULTS["phases"]["flex"] = out
+        save()
+    ok = {n: r for n, r in out["variants"].items() if "error" not in r}
+    base = ok.get("default")
+    combined: dict = {}
+    if base:
+        fw = min((n for n in ok if n.startswith("fwd_") or n == "default"), key=lambda n: ok[n]["fwd_s"])
+        bw = min((n for n in ok if n.startswith("bwd_") or n == "default"), key=lambda n: ok[n]["bwd_s"])
+        combined = {**FLEX_VARIANTS[fw], **FLEX_VARIANTS[bw]}
+        for flag in ("rows_safe", "tma"):
+            if flag in ok and ok[flag]["fwdbwd_s"] < 0.98 * base["fwdbwd_s"]:
+                combined.update(FLEX_VARIANTS[flag])
+        try:
+            out["variants"]["combined"] = {"options": combined, **measure(combined)}
+            if out["variants"]["combined"]["fwdbwd_s"] > base["fwdbwd_s"]:
+                combined = {}  # the parts did not add up: keep torch's defaults
+        except Exception as exc:  # noqa: BLE001
+            out["variants"]["combined"] = {"options": combined, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            combined = {}
+    out["chosen"] = combined
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+SMOKE_SHAPE = fl.ModelShape(6, 64, 4, 2, 16, 128, 512, "tiny")
+
+
+def work_of(shape, layers: int, n_blocks: int, B: int, ctx_tokens: int, pairs: int, params: int,
+            soft: bool, top_k: int = 0) -> dict:
+    """FLOPs (matrix classes) and the fewest bytes (memory-bound classes, an estimate: each
+    pass reads its inputs once and writes its outputs once) of one drafter step, per class of
+    trainer/kernel_profile.py."""
+    hp = n_blocks * (B - 1)
+    f = fl.drafter_step_flops(shape, n_layers=layers, block_size=B, n_blocks=n_blocks, ctx_tokens=ctx_tokens,
+                              visible_ctx_pairs=pairs, teacher_positions=hp if soft else 0)
+    P = n_blocks * B
+    V, H, I = shape.vocab, shape.hidden, shape.intermediate
+    qkv = shape.q_dim + 2 * shape.kv_dim
+    # per position and layer, forward: two residual add + norm (4H each), q/k norm + RoPE
+    # (2·qkv), SiLU·up (3I); backward ≈ twice that; bf16
+    elem = 3 * (8 * H + 2 * qkv + 3 * I) * 2 * P * layers
+    # head passes: statistics read the logits (and teacher logits), the gradient pass reads them
+    # again and writes ∂L/∂z (bf16); top-k reads the logits once more
+    head_b = hp * V * 2 * ((2 + 3) if soft else (1 + 2) + (1 if top_k else 0))
+    return {kp.MATMUL_DRAFTER: {"flop": f["layers"] + f["context"]},
+            kp.MATMUL_HEAD: {"flop": f["head"]},
+            kp.FLEX_FWD: {"flop": f["attention"] / 3.5},
+            kp.FLEX_BWD: {"flop": f["attention"] * 2.5 / 3.5},
+            kp.HEAD_ELEMENTWISE: {"bytes": head_b},
+            kp.OPTIMIZER: {"bytes": fl.OPTIMIZER_BYTES_PER_PARAM * params},
+            kp.ELEMENTWISE: {"bytes": elem},
+            # fp32 → bf16 weight casts per anchor chunk and the bf16 → fp32 gradient adds: 16 B/param/chunk
+            kp.COPIES: {"bytes": 16 * params * max(1, P // (512 * B))},
+            "_total_flop": f["total"]}
+
+
+def table(summary: dict, work: dict, ceilings: dict, step_s: float | None = None) -> dict:
+    """Rows (class, ms, share of the step, FLOPs or bytes, achieved rate, share of its roofline,
+    ms lost to it) and the three largest losses."""
+    mm_peak, bw = ceilings["matmul_flop_s"], ceilings["copy_bytes_s"]
+    span = summary["span_us"] / 1e6
+    scale = (step_s / span) if step_s else 1.0  # the profiled step runs slower (profiler): shares stay
+    rows = []
+    for c in kp.CLASSES:
+        rec = summary["classes"].get(c, {"us": 0.0, "n": 0})
+        t = rec["us"] / 1e6 * scale
+        w = work.get(c, {})
+        floor = max(w.get("flop", 0) / mm_peak, w.get("bytes", 0) / bw)
+        if t <= 0 and not floor:
+            continue
+        rate = (f"{w['flop'] / t / 1e12:.0f} TFLOP/s" if "flop" in w and t > 0 else
+                f"{w['bytes'] / t / 1e12:.2f} TB/s" if "bytes" in w and t > 0 else "")
+        rows.append({"class": c, "ms": t * 1e3, "share": t / (span * scale) if span else 0, "kernels": rec["n"],
+                     "flop": w.get("flop"), "bytes": w.get("bytes"), "rate": rate,
+                     "roofline_share": (floor / t) if t > 0 else None, "lost_ms": max(0.0, t - floor) * 1e3})
+    losses = sorted(rows, key=lambda r: -r["lost_ms"])[:3]
+    return {"rows": rows, "largest_losses": [r["class"] for r in losses], "step_s": span * scale,
+            "floor_s": sum(r["ms"] - r["lost_ms"] for r in rows) / 1e3}
+
+
+def markdown(t: dict) -> str:
+    out = ["| kernel class | ms | share of step | kernels | FLOP / bytes | achieved | share of its roofline | ms over its floor |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in t["rows"]:
+        amount = (f"{r['flop'] / 1e12:.1f} TFLOP" if r["flop"] else f"{r['bytes'] / 1e9:.1f} GB" if r["bytes"] else "—")
+        share = "—" if r["roofline_share"] is None else f"{100 * r['roofline_share']:.0f} %"
+        out.append(f"| {r['class']} | {r['ms']:.1f} | {100 * r['share']:.1f} % | {r['kernels']} | {amount} | "
+                   f"{r['rate'] or '—'} | {share} | {r['lost_ms']:.1f} |")
+    out.append(f"\nLargest losses: {', '.join(t['largest_losses'])}; the floor of the whole step "
+               f"{t['floor_s'] * 1e3:.0f} ms of {t['step_s'] * 1e3:.0f}.")
+    return "\n".join(out)
+
+
+def _set_variant(after: bool, flex_opts: dict) -> None:
+    from trainer import block_conv, chunked_head, fast_drafter
+
+    fast_drafter.FLEX_OPTIONS = dict(flex_opts) if after else {}
+    os.environ.pop("DFLASH_FLEX_OPTIONS", None)
+    chunked_head.BALANCED = after
+    block_conv.COMPILE = after
+    fast_drafter.DIRECT_MASKS = after
+
+
+def phase_step(smoke: bool, iters: int, archs: list[str], flex_opts: dict, ceilings: dict) -> dict:
+    import torch
+
+    import dflash2_step as ds
+    from trainer import budget, flags
+    from trainer import memory as mm
+    from trainer.model import Drafter, DrafterConfig, FrozenHead
+    from trainer.step import make_step
+    from trainer.train import compile_stats
+
+    shape, config, device = (SMOKE_SHAPE, ds.SMOKE, "cpu") if smoke else (fl.QWEN3_8B, ds.OPERATORS, "cuda")
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    out = RESULTS["phases"].setdefault("step", {})
+    for arch in archs:
+        for variant in ("before", "after"):
+            name = f"{arch}:{variant}"
+            try:
+                _set_variant(variant == "after", flex_opts)
+                values = {**flags.defaults(), **config, "drafter_arch": arch}
+                args = SimpleNamespace(**values)
+                if cuda:
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                torch.manual_seed(0)
+                dcfg = DrafterConfig.for_shape(shape, args.num_draft_layers, args.block_size, drafter_arch=arch)
+                with torch.device(dev):
+                    drafter = Drafter(dcfg)
+                g = torch.Generator(device=dev).manual_seed(1)
+                dtype = torch.bfloat16 if cuda else torch.float32
+                head = FrozenHead(torch.randn(shape.vocab, shape.hidden, device=dev, dtype=dtype, generator=g) * 0.02,
+                                  torch.randn(shape.vocab, shape.hidden, device=dev, dtype=dtype, generator=g) * 0.02)
+                opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4, weight_decay=0.01, fused=cuda or None)
+                step = make_step(args, drafter, head, dcfg)
+                b = args.token_budget // args.max_seq_len
+                mb = ds.batch(shape, b, args.max_seq_len, args.max_anchors, len(dcfg.target_layer_ids), dev, dtype)
+
+                def one():
+                    stats = step(mb, mb.taps)
+                    with kp.region(kp.REGION_OPTIMIZER):
+                        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0, foreach=True)
+                        opt.step()
+                        opt.zero_grad(set_to_none=True)
+                    return stats
+                c0 = compile_stats()["compile_s"]
+                t0 = time.perf_counter()
+                stats = one()
+                if cuda:
+                    torch.cuda.synchronize()
+                first_s, first_compile = time.perf_counter() - t0, compile_stats()["compile_s"] - c0
+                med, times = _timed(one, 1, iters, cuda)
+                loss = float(stats.loss)
+                rec = {"arch": arch, "variant": variant, "first_step_s": first_s, "first_step_compile_s": first_compile,
+                       "median_s": med, "times": times, "loss_first_step": loss,
+                       "params": sum(p.numel() for p in drafter.parameters())}
+                positions = b * args.max_anchors * args.block_size
+                pairs = int(mb.anchors.sum()) * args.block_size
+                top_k = dcfg.selector_top_k if drafter.selector is not None else 0
+                work = work_of(shape, args.num_draft_layers, b * args.max_anchors, args.block_size,
+                               b * args.max_seq_len, pairs, rec["params"], True, top_k)
+                extra = ds.dflash2_extra_flops(shape, args.num_draft_layers, positions,
+                                               b * args.max_anchors * (args.block_size - 1)) if arch == "dflash2" else 0
+                rec.update(drafted_pos_s=positions / med, tokens_s=b * args.max_seq_len / med,
+                           mfu=fl.mfu(work["_total_flop"], med), mfu_own=fl.mfu(work["_total_flop"] + extra, med))
+                pred = mm.predict(budget.run_spec(values, ds.config_of(shape), "drafter", args.token_budget))
+                if cuda:
+                    rec.update(peak_alloc_gib=torch.cuda.max_memory_allocated() / GIB,
+                               peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB)
+                    with kp.profile_step() as res:
+                        one()
+                    rec["profile"] = res["summary"]
+                    rec["profile_wall_s"] = res["wall_s"]
+                    rec["table"] = table(res["summary"], work, ceilings, med)
+                rec.update(model_allocated_gib=pred.allocated / GIB, model_reserved_gib=pred.reserved / GIB)
+                del step, opt, drafter, head, mb
+            except Exception as exc:  # noqa: BLE001 — recorded; the next variant still runs
+                rec = {"arch": arch, "variant": variant, "error": f"{type(exc).__name__}: {str(exc)[:400]}",
+                       "trace": traceback.format_exc()[-1500:]}
+            out[name] = rec
+            log(name, json.dumps({k: v for k, v in rec.items() if k not in ("profile", "table", "trace")}))
+            if "table" in rec:
+                print(markdown(rec["table"]), flush=True)
+            save()
+    return out
+
+
+def main() -> int:
+    global OUT
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run")
+    r.add_argument("--out", required=True)
+    r.add_argument("--phases", default="ceilings,flex,step")
+    r.add_argument("--archs", default="dflash,dflash2")
+    r.add_argument("--iters", type=int, default=3)
+    r.add_argument("--flex-options", default=None, help="JSON: skip the choice, use these for 'after'")
+    r.add_argument("--smoke", action="store_true")
+    t = sub.add_parser("table")
+    t.add_argument("results")
+    a = p.parse_args()
+    if a.cmd == "table":
+        res = json.load(open(a.results))
+        for name, rec in res["phases"].get("step", {}).items():
+            if "table" in rec:
+                print(f"\n### {name}: {rec['median_s']:.3f} s, {rec['drafted_pos_s']:.0f} drafted positions/s, "
+                      f"MFU {100 * rec['mfu']:.1f} %\n")
+                print(markdown(rec["table"]))
+        return 0
+    import torch
+
+    if not a.smoke and not torch.cuda.is_available():
+        p.error("needs a CUDA device (or --smoke)")
+    OUT = a.out
+    os.makedirs(OUT, exist_ok=True)
+    RESULTS.update(gpu=torch.cuda.get_device_name(0) if not a.smoke else "cpu", torch=torch.__version__,
+                   date=time.strftime("%F %T %Z"))
+    phases = a.phases.split(",")
+    ceilings = {"matmul_flop_s": 787e12, "copy_bytes_s": 4.24e12}
+    if "ceilings" in phases:
+        ceilings = RESULTS["phases"]["ceilings"] = phase_ceilings(a.smoke)
+        log("ceilings", json.dumps(ceilings))
+        save()
+    flex_opts = json.loads(a.flex_options) if a.flex_options else {}
+    if "flex" in phases and a.flex_options is None:
+        RESULTS["phases"]["flex"] = phase_flex(a.smoke)
+        flex_opts = RESULTS["phases"]["flex"]["chosen"]
+        log("flex chosen", json.dumps(flex_opts))
+        save()
+    if "step" in phases:
+        RESULTS["flex_after"] = flex_opts
+        phase_step(a.smoke, a.iters, a.archs.split(","), flex_opts, ceilings)
+    steps = RESULTS["phases"].get("step", {})
+    for arch in a.archs.split(","):
+        b, f = steps.get(f"{arch}:before", {}), steps.get(f"{arch}:after", {})
+        if "median_s" in b and "median_s" in f:
+            log(f"{arch}: before {b['median_s']:.3f} s, after {f['median_s']:.3f} s: {b['median_s'] / f['median_s']:.3f}×")
+    d, d2 = steps.get("dflash:after", {}), steps.get("dflash2:after", {})
+    if "drafted_pos_s" in d and "drafted_pos_s" in d2:
+        log(f"DFlash2 / DFlash (after): {d2['drafted_pos_s'] / d['drafted_pos_s']:.3f}")
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

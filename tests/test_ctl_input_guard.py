@@ -1,0 +1,237 @@
+"""What an operator types is checked before anything is sent to a node (issue 26, findings 3
+and 5): one run-id grammar for every `--run`, exact types and finite numbers in run
+configs, UTF-8 files, and ctl's exit codes in one home that docs/launch.md follows.
+
+No node is needed: the controller config names a node nobody listens on (port 1), so a
+command that got as far as connecting would exit 255, not 2."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent.protocol import RUN_ID_PATTERN, new_run_id, run_id_problem
+from controller import runconfig as R
+from controller.exitcodes import CtlExit, MEANINGS, table_markdown
+
+REPO = Path(__file__).resolve().parent.parent
+CTL = [sys.executable, "-c", "from controller.cli import main; main()"]
+TINY = (REPO / "examples" / "tiny.toml").read_text()
+
+BAD_RUN_IDS = ["", "../../etc", "..", ".", "runs/x", "/etc", "-x", "-h", "--help", "--yes",
+               "tiny", "tiny-20261201-114702", "tiny-20261201-114702-3FA9", "tiny-20261201-114702-3fa9/..",
+               "tiny-20261201-114702-3fa9 --yes", "-tiny-20261201-114702-3fa9"]
+
+# every command that takes --run, with what else it needs to get as far as sending
+COMMANDS = [
+    ["status", "-c", "200"],
+    ["status"],  # without --container: a job's record is looked up by the run id first
+    ["tail", "-c", "200"],
+    ["tail", "-c", "200", "--follow"],
+    ["kill-and-rollback", "-c", "200", "--yes"],
+    ["kill-and-rollback", "--yes"],
+    ["history", "-c", "200"],
+    ["export", "-c", "200", "--to", "{tmp}/out"],
+]
+
+
+@pytest.fixture()
+def env(tmp_path):
+    config = tmp_path / "ctl.toml"
+    config.write_text('default_node = "x"\n[nodes.x]\nhost = "127.0.0.1"\nport = 1\nuser = "root"\n')
+    import os
+
+    return {**os.environ, "PYTHONPATH": str(REPO), "DFLASH_CTL_CONFIG": str(config), "DFLASH_CTL_SSH_CONFIG": "none",
+            "COLUMNS": "200"}
+
+
+def ctl(env, *args) -> subprocess.CompletedProcess:
+    return subprocess.run(CTL + [str(a) for a in args], env=env, capture_output=True, text=True, timeout=120)
+
+
+def one_line(proc) -> str:
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("ctl: error: "), proc.stderr
+    return lines[0]
+
+
+# --- run ids --------------------------------------------------------------------------------
+
+def test_the_launcher_makes_only_ids_of_the_grammar():
+    for name in ("tiny", "a", "my.run_2", "x" * 64):
+        run_id = new_run_id(name)
+        assert run_id_problem(run_id) is None, run_id
+    with pytest.raises(ValueError):
+        new_run_id("-x")
+    with pytest.raises(ValueError):
+        new_run_id("../etc")
+
+
+@pytest.mark.parametrize("bad", BAD_RUN_IDS)
+def test_a_bad_run_id_is_named(bad):
+    assert run_id_problem(bad) is not None
+    assert repr(bad) in run_id_problem(bad)
+
+
+def test_run_config_names_follow_the_run_id_grammar():
+    for name in ("-x", "..", ".hidden", "a/b", "", "x" * 65):
+        with pytest.raises(R.RunConfigError, match="name"):
+            R.from_dict({"name": name, "trainer": {"target-model": "/t", "data-dir": "/d"}})
+
+
+def _app():
+    from controller.cli import app
+    from controller.commands import register
+
+    register(app)
+    return app
+
+
+def test_every_bad_run_id_on_every_command_is_refused_before_anything_is_sent(env, tmp_path, monkeypatch):
+    """Exit 2 and one line naming the id, never 255 (which would mean a connection was tried).
+    In-process (typer's runner on the real app): 8 commands × 16 ids × 3 spellings."""
+    from typer.testing import CliRunner
+
+    monkeypatch.setenv("DFLASH_CTL_CONFIG", env["DFLASH_CTL_CONFIG"])
+    app, runner = _app(), CliRunner()
+    for command in COMMANDS:
+        command = [c.replace("{tmp}", str(tmp_path)) for c in command]
+        for bad in BAD_RUN_IDS:
+            for form in (["--run", bad], [f"--run={bad}"], ["-r", bad]):
+                result = runner.invoke(app, command + form)
+                assert result.exit_code == CtlExit.USAGE, (command, form, result.exit_code, result.output)
+                lines = [line for line in result.stderr.splitlines() if line.strip()]
+                assert len(lines) == 1 and lines[0].startswith(f"ctl: error: --run {bad!r}: "), result.stderr
+        assert not (tmp_path / "out").exists()
+
+
+def test_a_bad_run_id_as_the_operator_types_it(env):
+    """The same through a real `ctl` process: `--run ""` (an unset $RUN) and a path."""
+    for args in (["kill-and-rollback", "-c", "200", "--run", "", "--yes"], ["tail", "--run", "", "--follow"],
+                 ["kill-and-rollback", "-c", "200", "--run", "../../etc", "--yes"], ["status", "--run=-x"]):
+        proc = ctl(env, *args)
+        assert proc.returncode == CtlExit.USAGE, (args, proc.stderr)
+        assert "--run '" in one_line(proc)
+
+
+def test_the_grammar_is_one_pattern():
+    import re
+
+    assert re.fullmatch(RUN_ID_PATTERN, "tiny-20261201-114702-3fa9")
+
+
+# --- values and encodings ---------------------------------------------------------------------
+
+BAD_SETS = [
+    ("lr=nan", "[trainer] lr"), ("lr=inf", "[trainer] lr"), ("warmup-ratio=nan", "[trainer] warmup-ratio"),
+    ("weight-decay=nan", "[trainer] weight-decay"), ("grad-clip=nan", "[trainer] grad-clip"),
+    ("grad-clip=-inf", "[trainer] grad-clip"),
+    ("supervision.kill-grace=inf", "[supervision] kill-grace"),
+    ("supervision.startup-timeout=nan", "[supervision] startup-timeout"),
+    ("supervision.stall-timeout=1e12", "[supervision] stall-timeout"),
+    ("supervision.max-restarts=1.5", "[supervision] max-restarts"),
+    ("baseline.throughput-tolerance=nan", "[baseline] throughput-tolerance"),
+    ("baseline.steady-steps=true", "[baseline] steady-steps"),
+    ("drafter-gpus=0.5", "[trainer] drafter-gpus"),
+]
+
+# (TOML line replaced, by what, where the error points)
+BAD_FILE_VALUES = [
+    ("steady-steps = 5", "steady-steps = true", "[baseline] steady-steps = true: must be a whole number"),
+    ("drafter-gpus = [0]", "drafter-gpus = [0.5]", "[trainer] drafter-gpus = [0.5]: 0.5 is not a GPU index"),
+    ("drafter-gpus = [0]", "drafter-gpus = [1.0]", "[trainer] drafter-gpus = [1.0]: 1.0 is not a GPU index"),
+    ("target-gpus = [0]", "target-gpus = [true]", "[trainer] target-gpus = [true]: true is not a GPU index"),
+    ("max-steps = 24", "max-steps = 24.0", "[trainer] max-steps = 24.0: must be a whole number"),
+    ("max-steps = 24", "max-steps = true", "[trainer] max-steps = true: must be a whole number"),
+    ("lr = 3e-3", "lr = true", "[trainer] lr = true: must be a number"),
+    ("lr = 3e-3", "lr = nan", "[trainer] lr"),
+    ("token-budget = 1024", "token-budget = true", "[trainer] token-budget = true: must be a whole number"),
+    ("epochs = 1", "epochs = 1\nprobe-first = 1", "[trainer] probe-first = 1: must be true or false"),
+    ("regression-fraction = 0", "regression-fraction = inf", "[baseline] regression-fraction"),
+]
+
+
+def _tiny(**replace) -> dict:
+    import tomllib
+
+    return tomllib.loads(TINY)
+
+
+@pytest.mark.parametrize("item,where", BAD_SETS)
+def test_a_bad_set_value_is_refused_naming_the_key(item, where):
+    with pytest.raises(R.RunConfigError) as err:
+        R.from_dict(_tiny(), source="tiny.toml", sets=[item])
+    assert where in str(err.value), str(err.value)
+    assert len(str(err.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize("old,new,said", BAD_FILE_VALUES)
+def test_a_value_of_the_wrong_type_in_the_file_is_refused(tmp_path, old, new, said):
+    assert old in TINY
+    path = tmp_path / "run.toml"
+    path.write_text(TINY.replace(old, new))
+    with pytest.raises(R.RunConfigError) as err:
+        R.load(path)
+    assert said in str(err.value), str(err.value)
+
+
+def test_good_values_still_pass():
+    config = R.from_dict(_tiny(), sets=["lr=1e-3", "supervision.kill-grace=30", "baseline.steady-steps=7",
+                                        "drafter-gpus=0", "supervision.max-restarts=2"])
+    assert config.trainer.lr == 1e-3 and config.baseline.steady_steps == 7
+    assert config.supervision.kill_grace == 30 and config.supervision.max_restarts == 2
+
+
+def test_a_bad_value_on_the_command_line_is_one_line_and_exit_2(env):
+    proc = ctl(env, "launch", "-c", "200", "--config", REPO / "examples" / "tiny.toml", "--from-scratch",
+               "--set", "lr=nan")
+    assert proc.returncode == CtlExit.USAGE
+    assert "[trainer] lr = 'nan': Input should be a finite number" in one_line(proc)
+
+
+def test_a_run_config_that_is_not_utf8_is_one_line(env, tmp_path):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(TINY.replace('name = "tiny"', 'name = "tiny" # caf\xe9').encode("latin-1"))
+    proc = ctl(env, "launch", "-c", "200", "--config", path, "--from-scratch")
+    assert proc.returncode == CtlExit.USAGE
+    assert f"run config {path}: not UTF-8 text (byte 0xe9" in one_line(proc)
+
+
+def test_a_wandb_key_file_that_is_not_utf8_is_one_line(env, tmp_path):
+    key = tmp_path / "wandb.key"
+    key.write_bytes(b"\xff\xfe")
+    path = tmp_path / "run.toml"
+    path.write_text(TINY.replace('mode = "offline"', f'mode = "offline"\napi-key-file = "{key}"'))
+    proc = ctl(env, "launch", "-c", "200", "--config", path, "--from-scratch")
+    assert proc.returncode == CtlExit.USAGE
+    assert "api-key-file" in one_line(proc) and "not UTF-8" in one_line(proc)
+
+
+def test_a_controller_config_that_is_not_utf8_is_one_line(env, tmp_path):
+    bad = tmp_path / "ctl-latin1.toml"
+    bad.write_bytes('default_node = "n\xf6de"\n'.encode("latin-1"))
+    for args in (["status", "-c", "200"], ["runs", "-c", "200"], ["exec", "-c", "200", "--", "true"]):
+        proc = ctl({**env, "DFLASH_CTL_CONFIG": str(bad)}, *args)
+        assert proc.returncode == CtlExit.USAGE, (args, proc.stderr)
+        assert f"{bad}: not UTF-8 text (byte 0xf6" in one_line(proc)
+
+
+# --- exit codes -------------------------------------------------------------------------------
+
+def test_every_exit_code_has_its_meaning_and_the_docs_table_is_generated_from_them():
+    assert set(MEANINGS) == set(CtlExit)
+    assert CtlExit.CONTAINER_RESTARTED == 5
+    docs = (REPO / "docs" / "launch.md").read_text()
+    assert table_markdown() in docs, "docs/launch.md: regenerate the table with `python -m controller.exitcodes`"
+
+
+def test_the_command_modules_use_the_one_home():
+    from controller.commands import remote
+
+    assert (remote.EXIT_CONFIG, remote.EXIT_FAILED, remote.EXIT_REFUSED, remote.EXIT_NOT_DONE,
+            remote.EXIT_TRANSPORT) == (CtlExit.USAGE, CtlExit.FAILED, CtlExit.REFUSED, CtlExit.NOT_DONE,
+                                       CtlExit.TRANSPORT)

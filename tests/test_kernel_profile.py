@@ -1,0 +1,169 @@
+"""Issue 29's profile table and the step changes it called for, on CPU: kernels land in the
+class their name and region say, the table's idle time is the span minus the kernels' union,
+balanced head chunks change no number, and
+the flex options switch reads its environment."""
+
+import importlib
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+from trainer import chunked_head as ch
+from trainer import fast_drafter as fd
+from trainer import kernel_profile as kp
+from trainer.loss import dflash_loss_fn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("name,region,want", [
+    ("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_TNT", None, kp.MATMUL_DRAFTER),
+    ("nvjet_tst_256x128_64x4_1x2_h_bz_coopA_TNT", kp.REGION_HEAD, kp.MATMUL_HEAD),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", kp.REGION_TARGET, kp.MATMUL_TARGET),
+    ("triton_tem_fused_flex_attention_0", None, kp.FLEX_FWD),
+    ("triton_tem_fused_flex_attention_backward_1", None, kp.FLEX_BWD),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", kp.REGION_TARGET, kp.ATTN_TARGET),
+    ("triton_red_fused__to_copy_exp_logsumexp_sub_0", kp.REGION_HEAD, kp.HEAD_ELEMENTWISE),
+    ("void at::native::sbtopk::gatherTopK<c10::BFloat16, unsigned int, 2, false>", kp.REGION_HEAD, kp.HEAD_ELEMENTWISE),
+    ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdam>", kp.REGION_OPTIMIZER, kp.OPTIMIZER),
+    ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0", None, kp.ELEMENTWISE),
+    ("triton_per_fused__to_copy_add_mean_mul_pow_rsqrt_0", kp.REGION_TARGET, kp.ELEMENTWISE_TARGET),
+    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>", None, kp.COPIES),
+    ("Memset (Device)", None, kp.COPIES),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>", kp.REGION_SELECTOR, kp.SELECTOR),
+])
+def test_each_kernel_lands_in_the_class_its_name_and_region_say(name, region, want):
+    assert kp.kernel_class(name, region) == want
+
+
+def _trace(kernels, notes):
+    ev = [{"ph": "X", "cat": "kernel", "name": n, "ts": t, "dur": d} for t, d, n in kernels]
+    ev += [{"ph": "X", "cat": "gpu_user_annotation", "name": n, "ts": t, "dur": d} for t, d, n in notes]
+    ev += [{"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 1000}]  # host side: not counted
+    return {"traceEvents": ev}
+
+
+def test_the_summary_attributes_kernels_to_their_innermost_region_and_counts_the_gaps():
+    kernels = [(0, 10, "nvjet_a"),  # drafter layers
+               (10, 5, "triton_tem_fused_flex_attention_0"),
+               (20, 30, "nvjet_a"),  # inside the head region: the head's GEMM
+               (50, 10, "triton_red_fused_logsumexp_0"),
+               (55, 10, "triton_poi_fused_mul_1"),  # overlaps the one before by 5 (another stream)
+               (80, 20, "void multi_tensor_apply_kernel<FusedAdam>")]
+    notes = [(18, 50, kp.REGION_HEAD), (75, 30, kp.REGION_OPTIMIZER)]
+    s = kp.summarize_trace(_trace(kernels, notes), wall_us=120)
+    c = s["classes"]
+    assert c[kp.MATMUL_DRAFTER] == {"us": 10, "n": 1} and c[kp.MATMUL_HEAD] == {"us": 30, "n": 1}
+    assert c[kp.FLEX_FWD]["us"] == 5 and c[kp.HEAD_ELEMENTWISE] == {"us": 20, "n": 2}
+    assert c[kp.OPTIMIZER]["us"] == 20
+    # busy = union of intervals: 0-15, 20-65, 80-100 = 15 + 45 + 20 = 80 of a 120 µs span
+    assert s["busy_us"] == 80 and c[kp.IDLE]["us"] == 40
+    assert s["top"][0]["name"] == "nvjet_a" and s["top"][0]["us"] == 40
+
+
+def test_the_trainer_hook_profiles_only_the_step_it_is_asked_for(monkeypatch):
+    monkeypatch.delenv("DFLASH_PROFILE_STEP", raising=False)
+    assert type(kp.maybe_profile(3)).__name__ == "nullcontext"
+    monkeypatch.setenv("DFLASH_PROFILE_STEP", "3")
+    assert type(kp.maybe_profile(2)).__name__ == "nullcontext"
+    assert type(kp.maybe_profile(3)).__name__ != "nullcontext"
+
+
+def test_balanced_head_chunks_have_one_size_and_change_no_number(monkeypatch):
+    assert ch.balanced_chunk_blocks(512, 4096, 31) == 128  # 4 × 128, not 3 × 132 + 116
+    assert ch.balanced_chunk_blocks(1024, 4096, 15) == 256
+    assert ch.balanced_chunk_blocks(3, 4096, 31) == 3
+    g = torch.Generator().manual_seed(0)
+    nb, K = 12, 7  # 35 rows = 5 blocks a chunk: 5 + 5 + 2 before, 4 + 4 + 4 balanced
+    h = torch.randn(nb, K, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    W = torch.randn(50, 16, dtype=torch.float64, generator=g)
+    t = torch.randint(0, 50, (nb, K), generator=g)
+    teacher = torch.randn(nb, K, 16, dtype=torch.float64, generator=g)
+    fn = dflash_loss_fn(torch.rand(nb, K, dtype=torch.float64, generator=g), kl_weight=0.15, temperature=2.0,
+                        cap_lambda=0.1, block_valid=torch.ones(nb, dtype=torch.bool), denom=torch.tensor(30.0),
+                        n_valid_blocks=torch.tensor(nb))
+    outs = {}
+    for balanced, size in ((False, 5), (True, 4)):
+        monkeypatch.setattr(ch, "BALANCED", balanced)
+        assert ch.balanced_chunk_blocks(nb, 35, K) == size
+        loss, ce, kl, _ = ch.chunked_head_loss(h, W, t, fn, teacher=teacher, temperature=2.0, chunk_rows=35)
+        (grad,) = torch.autograd.grad(loss, h)
+        outs[balanced] = (loss.detach(), ce, kl, grad)
+    for a, b in zip(outs[False], outs[True]):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+    ref = ch.naive_head_loss(h, W, t, fn, teacher=teacher, temperature=2.0)
+    assert torch.allclose(outs[True][0], ref, rtol=1e-10)
+
+
+def test_flex_options_come_from_the_module_or_the_environment(monkeypatch):
+    monkeypatch.delenv("DFLASH_FLEX_OPTIONS", raising=False)
+    monkeypatch.setattr(fd, "FLEX_OPTIONS", {"fwd_BLOCK_N": 128})
+    assert fd.flex_options() == {"fwd_BLOCK_N": 128}
+    monkeypatch.setenv("DFLASH_FLEX_OPTIONS", "{}")
+    assert fd.flex_options() is None  # torch's own defaults
+    monkeypatch.setenv("DFLASH_FLEX_OPTIONS", json.dumps({"USE_TMA": True}))
+    assert fd.flex_options() == {"USE_TMA": True}
+
+
+def test_the_roofline_table_names_the_three_largest_losses():
+    sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
+    rl = importlib.import_module("roofline")
+    summary = {"span_us": 1_000_000, "classes": {
+        kp.MATMUL_DRAFTER: {"us": 500_000, "n": 10}, kp.FLEX_FWD: {"us": 200_000, "n": 5},
+        kp.HEAD_ELEMENTWISE: {"us": 100_000, "n": 4}, kp.OPTIMIZER: {"us": 20_000, "n": 1},
+        kp.IDLE: {"us": 180_000, "n": 0}}}
+    work = {kp.MATMUL_DRAFTER: {"flop": 350e12}, kp.FLEX_FWD: {"flop": 70e12},
+            kp.HEAD_ELEMENTWISE: {"bytes": 212e9}, kp.OPTIMIZER: {"bytes": 42.4e9}}
+    t = rl.table(summary, work, {"matmul_flop_s": 700e12, "copy_bytes_s": 4.24e12})
+    rows = {r["class"]: r for r in t["rows"]}
+    assert rows[kp.MATMUL_DRAFTER]["roofline_share"] == pytest.approx(1.0)
+    assert rows[kp.FLEX_FWD]["roofline_share"] == pytest.approx(0.5) and rows[kp.FLEX_FWD]["lost_ms"] == pytest.approx(100)
+    assert rows[kp.HEAD_ELEMENTWISE]["roofline_share"] == pytest.approx(0.5)
+    assert rows[kp.IDLE]["roofline_share"] == 0 and rows[kp.IDLE]["lost_ms"] == pytest.approx(180)
+    assert t["largest_losses"] == [kp.IDLE, kp.FLEX_FWD, kp.HEAD_ELEMENTWISE]
+    assert "| flex attention forward | 200.0 |" in rl.markdown(t)
+
+
+def test_the_colocated_step_counts_the_target_forward_beside_the_drafter_step():
+    sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
+    co = importlib.import_module("colocated")
+    from trainer import flops as fl
+
+    w = co.colocated_work({"tokens": 65536})
+    drafter_only = importlib.import_module("roofline").work_of(fl.QWEN3_8B, 5, 8 * 1024, 32, 65536,
+                                                               8 * 1024 * 32 * 8192 // 2, 1_048_626_432, True)
+    target = fl.target_forward_flops(fl.QWEN3_8B, [8192] * 8)
+    assert w[kp.MATMUL_TARGET]["flop"] + w[kp.ATTN_TARGET]["flop"] == target
+    assert w["_total_flop"] == drafter_only["_total_flop"] + target
+    assert w[kp.MATMUL_DRAFTER] == drafter_only[kp.MATMUL_DRAFTER]
+
+
+@pytest.mark.parametrize("S,B,n,drop", [(256, 32, 8, 0), (256, 32, 8, 3), (384, 16, 16, 5), (256, 128, 2, 0),
+                                        (256, 128, 2, 1), (128, 32, 4, 4)])
+def test_the_direct_block_mask_has_create_block_masks_tiles(S, B, n, drop):
+    """The chunk's BlockMask from the anchors (no compile) against create_block_mask's, tile by
+    tile: which tiles are full, which partial (evaluated with the mask_mod), none missing."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from trainer.flex_mask import dflash_mask_mod, direct_block_mask
+
+    g = torch.Generator().manual_seed(S + B + n + drop)
+    a = torch.randperm(S - 1, generator=g)[:n].sort().values
+    keep = torch.ones(n, dtype=torch.bool)
+    if drop:
+        keep[-drop:] = False
+        a[-drop:] = 0  # padding blocks, as the chunked step pads them
+    mod = dflash_mask_mod(a[None], S, B, keep[None])
+    want = create_block_mask(mod, 1, None, n * B, S + n * B, device="cpu", _compile=False)
+    got = direct_block_mask(a, keep, S, B, mod)
+    for name in ("kv_num_blocks", "full_kv_num_blocks"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert torch.equal(got.to_dense(), want.to_dense())
+    for nm, idx in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices")):
+        for t in range(want.kv_num_blocks.shape[-1]):
+            k = int(getattr(want, nm)[0, 0, t])
+            assert sorted(getattr(got, idx)[0, 0, t, :k].tolist()) == sorted(getattr(want, idx)[0, 0, t, :k].tolist())
+    assert direct_block_mask(a, keep, S, 24, mod) is None  # 24 does not divide a 128 tile: the caller falls back
