@@ -206,8 +206,24 @@ class Progress:
         self.tty = self.stream.isatty()
         self.t0 = time.monotonic()
         self.last_draw = 0.0
+        from trainer.progress import Progress as JobProgress
+
+        # Under the agent (a prepare job: trainer/kinds.py) the same figures go to events.jsonl.
+        self.job = JobProgress()
+        self._event(0, 0, 0 if total_bytes else None, force=True)
+
+    def _event(self, samples: int, tokens: int, done_bytes: int | None, force: bool = False) -> None:
+        from trainer.progress import eta_s
+
+        secs = self.job.elapsed()
+        self.job.update(force, samples=samples, tokens=tokens, bytes_done=done_bytes, bytes_total=self.total_bytes,
+                        samples_per_s=round(samples / secs, 1), tokens_per_s=round(tokens / secs, 1),
+                        eta_s=eta_s(done_bytes or 0, self.total_bytes, secs) if done_bytes is not None else None)
 
     def update(self, samples: int, tokens: int, done_bytes: int | None, where: str) -> None:
+        self.last = (samples, tokens, done_bytes)
+        if self.job.due():
+            self._event(samples, tokens, done_bytes)
         now = time.monotonic()
         if self.tty:
             if now - self.last_draw >= 0.2:
@@ -230,6 +246,8 @@ class Progress:
         return ", ".join(parts) if not bar else "prepare " + "  ".join(parts)
 
     def finish(self) -> None:
+        self._event(*getattr(self, "last", (0, 0, None)), force=True)
+        self.job.close()
         if self.tty and self.last_draw:
             self.stream.write("\n")
             self.stream.flush()
