@@ -36,8 +36,11 @@ RECIPE = {
     # torch is pinned to the CPU wheel this machine's pip finds in /opt/wheels: an unpinned
     # torch resolves to a multi-GB CUDA build. The rest are pinned so the cache key is stable.
     # wandb: the demo's runs log offline into their run directory (docs/sim.md).
-    "requirements": ["torch==2.13.0", "transformers==5.24.0", "safetensors==0.8.0", "numpy==2.4.5",
-                     "wandb==0.31.0"],
+    # httpx, tenacity, pyarrow: `python -m trainer regenerate` (endpoint client, retries, parquet);
+    # transformers[serving]: `transformers serve`, the target a regenerate job's --serve starts.
+    # pyarrow matches the controller venv's, so parquet written here reads the same there.
+    "requirements": ["torch==2.13.0", "transformers[serving]==5.24.0", "safetensors==0.8.0", "numpy==2.4.5",
+                     "wandb==0.31.0", "httpx==0.29.0", "tenacity==9.2.1", "pyarrow==26.0.1"],
     # Not installed: wheels left in <workspace>/wheelhouse, as an operator's offline wheelhouse
     # holds the next release of a package (the demo's upgrade: `ctl env install numpy==2.4.6
     # --wheelhouse /workspace/wheelhouse`).
