@@ -282,9 +282,13 @@ def test_a_template_with_enable_thinking_needs_thinking_on_or_off(tmp_path, targ
                                         "target is served"]
 
 
-def test_conversations_without_a_target_are_one_clear_line(tmp_path):
+def test_conversations_without_a_target_are_one_clear_line(tmp_path, capsys):
     src = write_jsonl(tmp_path / "c.jsonl", OPENAI_ROWS)
     assert data.main(["--input", src, "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"prepare: error: {src}: holds conversations (openai rows); give --target DIR, the target model's "
+        "directory, for its tokenizer and chat template"]
+    assert not os.path.exists(tmp_path / "out")
 
 
 def start_big_prepare(tmp_path, target):
