@@ -124,8 +124,9 @@ class Bench:
         run_dir = f"{self.container.workspace}/manual-bench/run-{int(time.time())}-{i}"
         from trainer import flags as F
         from controller import runconfig as R
+        from controller import configfile
 
-        rc = R.load(REPO / "examples" / "tiny.toml", sets=SHORT[1::2])
+        rc = configfile.load(REPO / "examples" / "tiny.toml", sets=SHORT[1::2])
         values = rc.resolve({"from_scratch": True}, run_id=f"manual-{i}", run_dir=run_dir,
                             workspace=self.container.workspace)
         script = "\n".join([

@@ -378,50 +378,6 @@ def parse_set(items: list[str]) -> list[tuple[str, str]]:
     return out
 
 
-def load(path: str | Path, overrides: Mapping[str, Any] | None = None,
-         sets: list[str] | None = None) -> RunConfig:
-    """Read, merge CLI overrides (None values ignored), validate. Raises RunConfigError.
-    A config whose ``kind`` is a data kind gives controller/jobconfig.py's model instead."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise RunConfigError(f"run config {path} does not exist: pass --config with an existing file "
-                             "(examples/tiny.toml is one)") from None
-    except OSError as exc:
-        raise RunConfigError(f"run config {path}: cannot read it ({exc.strerror})") from None
-    except UnicodeDecodeError as exc:
-        raise RunConfigError(f"run config {path}: {not_utf8(exc)}") from None
-    try:
-        data = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise RunConfigError(f"run config {path} is not valid TOML: {exc}") from None
-    if data.get("kind", "train") != "train":
-        config = _data_job(data, path, overrides, sets)
-    else:
-        config = from_dict(data, source=str(path), default_name=path.stem, overrides=overrides, sets=sets)
-    config._source_file = str(path.resolve())
-    config._command_line_sets = [
-        *(f"{dest.replace('_', '-')}={_set_text(v)}" for dest, v in (overrides or {}).items() if v is not None),
-        *(sets or [])]
-    return config
-
-
-def _data_job(data: dict[str, Any], path: Path, overrides: Mapping[str, Any] | None, sets: list[str] | None):
-    from controller import jobconfig
-    from trainer import kinds
-
-    try:
-        kind = kinds.get(str(data["kind"]))
-    except ValueError as exc:
-        raise RunConfigError(f"run config {path}: {exc}") from None
-    given = sorted(k for k, v in (overrides or {}).items() if v is not None)
-    if given:
-        raise RunConfigError(f"--{given[0].replace('_', '-')}: a training option, and {path} is a {kind.name} job; "
-                             f"set its options in [{kind.table}] or with --set {kind.table}.KEY=VALUE")
-    return jobconfig.from_dict(data, source=str(path), default_name=path.stem, sets=sets)
-
-
 def not_utf8(exc: UnicodeDecodeError) -> str:
     """One line for a file that is not UTF-8 text (TOML files must be)."""
     return (f"not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); save it as UTF-8")

@@ -271,7 +271,7 @@ def progress_parts(p: dict, eta: bool = True) -> list[str]:
         if key.endswith("_per_s") and isinstance(value, (int, float)):
             parts.append(f"{fmt_rate(value)} {key[:-6].replace('_', ' ')}/s")
     if eta and isinstance(p.get("eta_s"), (int, float)):
-        from controller.status import fmt_duration
+        from agent.protocol import fmt_duration
 
         parts.append(f"ETA {fmt_duration(p['eta_s'])}")
     return parts

@@ -15,6 +15,7 @@ import pytest
 
 from agent.protocol import RUN_ID_PATTERN, new_run_id, run_id_problem
 from controller import runconfig as R
+from controller import configfile
 from controller.exitcodes import CtlExit, MEANINGS, table_markdown
 
 REPO = Path(__file__).resolve().parent.parent
@@ -175,7 +176,7 @@ def test_a_value_of_the_wrong_type_in_the_file_is_refused(tmp_path, old, new, sa
     path = tmp_path / "run.toml"
     path.write_text(TINY.replace(old, new))
     with pytest.raises(R.RunConfigError) as err:
-        R.load(path)
+        configfile.load(path)
     assert said in str(err.value), str(err.value)
 
 

@@ -18,7 +18,7 @@ import pytest
 
 from agent import preflight
 from agent.protocol import extract_payload
-from controller import jobconfig, runconfig
+from controller import configfile, jobconfig, runconfig
 from controller.config import ContainerConfig
 from controller.render import render_job_script
 from controller.status import render_status
@@ -28,7 +28,7 @@ from tests._agent_util import REPO, agent, payload, wait_for, wait_terminal
 def _config(tmp_path, text: str, name: str = "prep.toml"):
     path = tmp_path / name
     path.write_text(text)
-    return runconfig.load(path)
+    return configfile.load(path)
 
 
 def _refused(tmp_path, text: str) -> str:
@@ -73,14 +73,14 @@ def test_prepare_config_is_validated_from_prepares_own_parser(tmp_path):
     # --set reaches the kind's table; a training override is refused with the table to use.
     path = tmp_path / "p.toml"
     path.write_text('kind = "prepare"\n[prepare]\ninput = "a"\nout = "/o"\n')
-    cfg = runconfig.load(path, sets=["out=/elsewhere", "supervision.kill-grace=3"])
+    cfg = configfile.load(path, sets=["out=/elsewhere", "supervision.kill-grace=3"])
     assert cfg.values()["out"] == "/elsewhere" and cfg.supervision.kill_grace == 3
     with pytest.raises(runconfig.RunConfigError, match=r"--data-dir: a training option.*\[prepare\]"):
-        runconfig.load(path, overrides={"data_dir": "/d"})
+        configfile.load(path, overrides={"data_dir": "/d"})
     # A training config still is one, with or without the explicit kind.
     train = tmp_path / "t.toml"
     train.write_text((open(os.path.join(REPO, "examples", "tiny.toml")).read()).replace('name =', 'kind = "train"\nname =', 1))
-    assert isinstance(runconfig.load(train), runconfig.RunConfig)
+    assert isinstance(configfile.load(train), runconfig.RunConfig)
 
 
 def _samples(n: int, length: int = 12) -> str:

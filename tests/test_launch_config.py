@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from controller import runconfig as R
+from controller import configfile
 from trainer import flags as F
 
 BASE = {"trainer": {"target-model": "/m", "data-dir": "/d", "target-gpus": [0], "drafter-gpus": "0",
@@ -96,7 +97,7 @@ def test_unknown_placeholder_is_named():
 def test_the_shipped_tiny_example_validates():
     from pathlib import Path
 
-    config = R.load(Path(__file__).resolve().parent.parent / "examples" / "tiny.toml")
+    config = configfile.load(Path(__file__).resolve().parent.parent / "examples" / "tiny.toml")
     assert config.trainer.device == "cpu"
 
 
@@ -108,7 +109,7 @@ def test_the_printed_resume_line_names_the_config_file_the_run_was_launched_with
     class _Ct:
         ctid, node_name = "200", "sim"
 
-    config = R.load("examples/tiny.toml")
+    config = configfile.load("examples/tiny.toml")
     assert config._source_file and config._source_file.endswith("/examples/tiny.toml")
     line = resume_line(_Ct(), {"config": config.name, "config_file": config._source_file},
                        {"path": "/workspace/runs/r/output/step_8/checkpoint.pt"})

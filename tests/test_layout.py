@@ -94,3 +94,19 @@ def test_no_one_letter_alias_for_a_project_module():
             if target.split(".")[0] in PACKAGES:
                 found.append(f"{m}: {target} as {alias}")
     assert found == []
+
+
+def test_no_file_holds_a_merge_conflict_marker():
+    # A merge once committed `<<<<<<< HEAD` into controller/commands/export.py: `ctl export`
+    # was a SyntaxError and only the sim tests that export noticed.
+    import subprocess
+
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    marker = re.compile(r"^(<{7} |>{7} |={7}$)", re.M)
+    hits = []
+    for name in tracked:
+        path = REPO / name
+        if path.suffix in (".py", ".md", ".toml", ".sh", ".j2", ".txt", ".json", ".cfg") and path.is_file():
+            if marker.search(path.read_text(errors="replace")):
+                hits.append(name)
+    assert hits == []

@@ -150,9 +150,9 @@ def test_values_the_trainer_would_refuse_are_not_rendered(tmp_path):
 
 
 def test_operators_example_renders_their_exact_flag_set(tmp_path):
-    from controller import runconfig
+    from controller import configfile, runconfig
 
-    config = runconfig.load(Path(__file__).resolve().parent.parent / "examples" / "operators.toml")
+    config = configfile.load(Path(__file__).resolve().parent.parent / "examples" / "operators.toml")
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     values = config.resolve(runconfig.start_decision(True, None, None), run_id="r1", run_dir=str(run_dir),

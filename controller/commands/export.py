@@ -254,34 +254,6 @@ def export_command(
         say(f"job {run_id}: exporting from {saver.label} (the first drafter rank's container)")
     else:
         ctid, node = container_or_last_launch(container, node, ctl_config)
-<<<<<<< HEAD
-    with container_session(ctid, node, ctl_config, trust_new_host_key) as ct:
-        caller = AgentCaller(ct, say)
-        if not found:
-            run_id = run or resolve_run(ct, caller, None)["run_id"]
-        run_dir = posixpath.join(ct.config.workspace, "runs", run_id)
-        say(f"exporting run {run_id} from {ct}")
-        try:
-            manifest = fetch(ct, caller, run_dir, step, dtype, dest, say, _progress)
-        except ExportFailed as exc:
-            raise fail(str(exc), exc.code) from None
-    if json_out:
-        typer.echo(json.dumps({"run_id": run_id, "container": ct.ctid, "node": ct.node_name, "to": str(dest),
-                               **{k: manifest[k] for k in ("step", "checkpoint", "dtype", "files", "bytes")}},
-                              sort_keys=True))
-    else:
-        typer.echo(f"{dest}: step {manifest['step']} of run {run_id} ({manifest['checkpoint']} in {ct}), "
-                   f"{len(manifest['files'])} files, {manifest['bytes'] / 2**20:.1f} MiB, sha256 verified")
-    say(served_check_hint(dest))
-
-
-def served_check_hint(dest: Path) -> str:
-    """The served-τ gate, offered after every export (stderr: stdout stays the result)."""
-    from trainer.served import PROG
-
-    return (f"check that it serves with its trained τ: {PROG} {dest} --target TARGET_DIR --data DATA_DIR "
-            "(vLLM; docs/export.md)")
-=======
     with interrupts.guarded():  # the report too: a Ctrl-C after the rename waits for it
         with container_session(ctid, node, ctl_config, trust_new_host_key) as ct:
             caller = AgentCaller(ct, say)
@@ -307,7 +279,15 @@ def served_check_hint(dest: Path) -> str:
             typer.echo(f"{dest}: step {manifest['step']} of run {run_id} ({manifest['checkpoint']} in {ct}), "
                        f"{len(manifest['files'])} files, {manifest['bytes'] / 2**20:.1f} MiB, sha256 verified"
                        + (" (it was already there, complete)" if manifest.get("already") else ""))
->>>>>>> main
+        say(served_check_hint(dest))
+
+
+def served_check_hint(dest: Path) -> str:
+    """The served-τ gate, offered after every export (stderr: stdout stays the result)."""
+    from trainer.served import PROG
+
+    return (f"check that it serves with its trained τ: {PROG} {dest} --target TARGET_DIR --data DATA_DIR "
+            "(vLLM; docs/export.md)")
 
 
 class _progress:

@@ -67,7 +67,7 @@ def launch_command(
     """Preflight, drift check and start of a training run in a container: one SSH connection."""
     # Here, not at the top: the run config's models (pydantic) are a third of what `ctl status`
     # or `ctl tail` would otherwise spend starting (docs/benchmarks.md).
-    from controller import runconfig
+    from controller import configfile, runconfig
     from controller.agentcall import AgentCaller
     from controller.launch import LaunchRefused
     from controller.render import RenderError
@@ -86,7 +86,7 @@ def launch_command(
     # Everything that can be checked here is, before any connection is opened.
     try:
         start = runconfig.start_decision(from_scratch, resume_from, init_from)
-        run_config = runconfig.load(config, overrides={"target_model": target_model, "data_dir": data_dir,
+        run_config = configfile.load(config, overrides={"target_model": target_model, "data_dir": data_dir,
                                                "output_dir": output_dir,
                                                "target_gpus": None if is_job else target_gpus,
                                                "drafter_gpus": None if is_job else drafter_gpus,
@@ -179,14 +179,14 @@ def _data_kind(config: Path) -> Optional[str]:
 def _launch_data_job(container: List[str], config: Path, *, node, sets, follow, json_out, ctl_config,
                      trust_new_host_key, start, snapshot, overrides) -> int:
     """A prepare or regenerate job (controller/datalaunch.py) in one container."""
-    from controller import runconfig
+    from controller import configfile, runconfig
     from controller.agentcall import AgentCaller
     from controller.datalaunch import DataLauncher
     from controller.launch import LaunchRefused
     from controller.render import RenderError
 
     try:
-        run_config = runconfig.load(config, overrides=overrides, sets=sets)
+        run_config = configfile.load(config, overrides=overrides, sets=sets)
     except runconfig.RunConfigError as exc:
         raise fail(str(exc), EXIT_CONFIG) from None
     kind = run_config.job_kind
