@@ -85,7 +85,8 @@ class Proxy:
     requests went through, later ones wait on it (a run held mid-way, for kill tests).
     """
 
-    def __init__(self, upstream: str, fail=None, hold_after: int | None = None, api_key: str | None = None):
+    def __init__(self, upstream: str, fail=None, hold_after: int | None = None, api_key: str | None = None,
+                 port: int = 0):
         import http.server
         import threading
 
@@ -155,7 +156,7 @@ class Proxy:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)

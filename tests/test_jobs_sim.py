@@ -11,6 +11,11 @@ against the known-good run of its config.
 - training: a run on the tiny data becomes known good; a launch on the prepared (longer,
   more loss tokens) data is refused with the drift named; with --accept-drift it starts, is
   stopped after a checkpoint and resumed with --resume-from to the end.
+- regenerate: its [regenerate] serve starts `transformers serve` of a tiny chat target made
+  in the container (tests/_regen_target.py) behind that file's Proxy, which holds requests
+  after the 6th until a gate file exists (mid-run, no timing); `ctl tail` shows the server
+  healthy and the progress, `ctl stop` → stopped; the relaunch asks only the rest and ends
+  with every id once and done + failed + skipped = input.
 
 Every run here is this module's (names ``jobs-…``) and is removed at the end.
 """
@@ -160,3 +165,93 @@ def test_training_on_the_prepared_data_gets_the_drift_verdict_then_stops_and_res
         "ckpt     " + ckpt.group(2) in resumed.stdout, resumed.stdout  # the preflight read the checkpoint
     end = ctl(env, "status", "--container", CT, "--run", _run_id(resumed)).stdout
     assert "result   completed" in end, end
+
+
+REGEN = f"{BASE}/regen"
+N_CONV, HOLD_AFTER = 24, 6
+SERVE_PORT, GATE_PORT = 18732, 18731  # the container's own loopback (its network is empty)
+# The job's --serve: `transformers serve` of the tiny chat target behind tests/_regen_target.py's
+# Proxy, which holds every request after the HOLD_AFTER-th until the gate file exists — the
+# job is mid-run for as long as the test wants. One process group: regenerate stops both.
+GATE_MAIN = """import os, signal, sys, time
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _regen_target import Proxy
+signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
+proxy = Proxy(sys.argv[1], hold_after=int(sys.argv[4]), port=int(sys.argv[2]))
+while not os.path.exists(sys.argv[3]):
+    time.sleep(0.1)
+proxy.gate.set()
+signal.pause()
+"""
+
+
+def _put(ct, path: str, text: str) -> None:
+    """A file into the container through the product's own exec (stdin), written atomically."""
+    import shlex
+
+    q = shlex.quote(path)
+    ct.exec(["sh", "-c", f"mkdir -p $(dirname {q}) && cat > {q}.tmp && mv {q}.tmp {q}"], stdin=text.encode(),
+            check=True)
+
+
+@pytest.fixture(scope="module")
+def regen_config(env, ctl_config):
+    """The tiny chat target made inside container 200 by tests/_regen_target.py (its trainer.tiny
+    from the agent bundle), the gate, the input, and the job's config."""
+    from controller import config as cfg
+    from controller.agentcall import AgentCaller
+    from controller.container import Container
+    from controller.session import open_runner
+
+    name, conf = cfg.load(str(ctl_config)).node()
+    with open_runner(name, conf) as runner:
+        ct = Container(runner, name, conf, CT)
+        _put(ct, f"{REGEN}/_regen_target.py", (REPO / "tests" / "_regen_target.py").read_text())
+        _put(ct, f"{REGEN}/gate.py", GATE_MAIN)
+        rows = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"question {i}"},
+                                             {"role": "assistant", "content": "DATASET ANSWER"}]} for i in range(N_CONV)]
+        _put(ct, f"{REGEN}/in.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+        caller = AgentCaller(ct)
+        made = ct.exec([caller.python, "-c", f"import sys; sys.path.insert(0, {REGEN!r}); "
+                        f"from _regen_target import make_chat_target; make_chat_target({REGEN + '/target'!r})"],
+                       env=caller.env(), timeout=300)
+        assert made.ok, made.stderr[-2000:]
+    serve = (f"sh -c '/root/venv/bin/transformers serve {REGEN}/target --host 127.0.0.1 --port {SERVE_PORT} "
+             f"--device cpu --dtype float32 & exec /root/venv/bin/python {REGEN}/gate.py "
+             f"http://127.0.0.1:{SERVE_PORT} {GATE_PORT} {REGEN}/open {HOLD_AFTER}'")
+    path = Path(env["JOBS_DIR"]) / "regen.toml"
+    path.write_text(f'name = "jobs-regen"\nkind = "regenerate"\n[regenerate]\ninput = "{REGEN}/in.jsonl"\n'
+                    f'out = "{REGEN}/out"\nendpoint = ["http://127.0.0.1:{GATE_PORT}"]\nmax-tokens = 4\n'
+                    f'temperature = 0\nconcurrency = 2\nflush-rows = 1\nprogress-s = 0.2\n'
+                    f'serve = {json.dumps(serve)}\n')
+    return str(path)
+
+
+def test_regenerate_job_with_its_server_launched_tailed_stopped_and_resumed(env, regen_config):
+    run = _run_id(ctl(env, "launch", "--container", CT, "--config", regen_config))
+
+    def held():  # both workers wait at the gate: HOLD_AFTER answered, none after
+        out = ctl(env, "status", "--container", CT, "--run", run).stdout
+        return out if f"done {HOLD_AFTER}/{N_CONV}" in out else None
+
+    status = wait_for(held, timeout=240, what="the regenerate job held mid-run")
+    assert "state    running" in status and "(regenerate job)" in status, status
+    tail = ctl(env, "tail", "--container", CT, "--run", run)
+    assert tail.returncode == 0 and "the server is healthy" in tail.stdout, tail.stdout + tail.stderr
+    assert f"done {HOLD_AFTER}" in tail.stdout or f"{HOLD_AFTER}/{N_CONV}" in tail.stdout, tail.stdout
+
+    stopped = ctl(env, "stop", "--container", CT, "--run", run, "--grace", "20")
+    assert stopped.returncode == 0 and "state    stopped" in stopped.stdout, stopped.stdout + stopped.stderr
+    ctl(env, "exec", "--container", CT, "--", "touch", f"{REGEN}/open")  # the endpoint answers again
+
+    again = ctl(env, "launch", "--container", CT, "--config", regen_config, "--follow")
+    done = ctl(env, "status", "--container", CT, "--run", _run_id(again)).stdout
+    assert "result   completed" in done and f"done {N_CONV}/{N_CONV}" in done, again.stdout[-3000:] + done
+    out = ctl(env, "exec", "--container", CT, "--", "cat", f"{REGEN}/out/regenerated.jsonl")
+    ids = [json.loads(line)["id"] for line in out.stdout.splitlines() if line.startswith("{")]
+    assert sorted(ids) == sorted(f"c{i}" for i in range(N_CONV)), ids  # every id exactly once
+    manifest = ctl(env, "exec", "--container", CT, "--", "cat", f"{REGEN}/out/regenerate.json").stdout
+    summary = json.loads(manifest[manifest.index("{"):])
+    s = summary["summary"]
+    assert s["adds_up"] and s["done"] + s["failed"] + s["skipped"] == s["total"] == N_CONV, s
+    assert s["requests"] == N_CONV - HOLD_AFTER, s  # resumed: the rows done before the stop were not asked again
