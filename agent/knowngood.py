@@ -123,6 +123,10 @@ def update(workspace: str, now: Optional[float] = None) -> dict:
         run_id = rec.get("run_id")
         if not isinstance(run_id, str) or not run_id:
             continue
+        if (rec.get("kind") or "train") != "train":  # a data job (trainer/kinds.py) is never a training baseline
+            checked.add(run_id)
+            changed = True
+            continue
         base = rec.get("baseline") or {}
         run = run_dir(workspace, run_id)
         state = _state(run)

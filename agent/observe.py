@@ -21,7 +21,7 @@ from agent.capture import LineTail
 from agent.classify import (Failure, LineClassifier, StallMonitor, ThroughputMonitor, classify_event,
                             exit_failure, split_rank)
 from agent.options import Options
-from agent.protocol import Checkpoint, FailureKind, RankHealth, StreamKind
+from agent.protocol import EXIT_USAGE, PROGRESS_META, Checkpoint, FailureKind, RankHealth, StreamKind
 from agent.rundir import RunDir, read_json
 from agent.stream import StreamWriter
 
@@ -48,6 +48,7 @@ class Observation:
     started: float = field(default_factory=time.time)  # when this attempt's job was spawned
     launch: dict | None = None  # the trainer's launch event: the ranks it starts, the rendezvous
     startup_checked: bool = False  # the start-up deadline has been judged
+    progress: dict | None = None  # a data job's last progress event (agent/protocol.py: progress)
 
     def rank_health(self, now: float) -> dict[int, RankHealth]:
         """Every rank that heartbeats, and the planned ones that have not yet ("not started")."""
@@ -164,6 +165,8 @@ class Observer:
                 self.add_failure(failure)
         elif kind == "launch":
             seen.launch = ev
+        elif kind == "progress":
+            seen.progress = {**{k: v for k, v in ev.items() if k not in PROGRESS_META}, "ts": ev.get("ts")}
 
     def add_failure(self, failure: Failure, batch: list | None = None) -> None:
         """Record a failure and announce it in the stream (within ``batch`` when a batch of
@@ -245,7 +248,9 @@ class Observer:
             return
         seen.startup_checked = True
         planned = {int(r["rank"]): r for r in (seen.launch or {}).get("ranks") or [] if r.get("rank") is not None}
-        missing = sorted(set(planned) - set(seen.heartbeats)) if planned else ([] if seen.heartbeats else [None])
+        # a data job has no ranks: its first progress event says it started
+        started = seen.heartbeats or seen.progress is not None
+        missing = sorted(set(planned) - set(seen.heartbeats)) if planned else ([] if started else [None])
         if not missing:
             return
         endpoint = (seen.launch or {}).get("rdzv_endpoint")
@@ -313,6 +318,11 @@ class Observer:
                          "the job" if rank is None else None, slot=self.slot())
         if ex.get("spawn_error"):
             f.kind, f.reason = FailureKind.JOB_EXIT, f"failed to start: {ex['spawn_error']}"
+        elif ex.get("exit_code") == EXIT_USAGE and f.kind == FailureKind.JOB_EXIT:
+            # Bad input is said in one line on stderr (every trainer command): that line is the reason.
+            said = [line for line in f.evidence or [] if ": error: " in line]
+            if said:
+                f.reason = f"{f.reason} (bad input): {said[-1].strip()}"
         return f
 
     # --- GPUs --------------------------------------------------------------------------------

@@ -175,9 +175,36 @@ def active_runs(workspace: str) -> list[dict]:
             continue
         rec = read_json(knowngood.launch_record_path(workspace, name)) or {}
         gpus = rec.get("gpus") or {}
-        out.append({"run_id": name, "state": st.state.value,
-                    "gpus": sorted(set(gpus.get("target", [])) | set(gpus.get("drafter", [])))})
+        out.append({"run_id": name, "state": st.state.value, "kind": rec.get("kind") or "train",
+                    "gpus": sorted(set(gpus.get("target", [])) | set(gpus.get("drafter", []))),
+                    "paths": rec.get("paths") or {}})
     return out
+
+
+def _overlap(a: str, b: str) -> bool:
+    """One path is the other or lies inside it."""
+    a, b = os.path.normpath(a), os.path.normpath(b)
+    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
+
+
+def path_conflicts(workspace: str, paths: dict) -> list[str]:
+    """One line per live run (of any kind) that writes what this launch reads or writes, or
+    reads what it writes: a prepare writing the data dir a training run reads, two regenerate
+    jobs appending to one output file (each id would no longer be there exactly once)."""
+    mine_r, mine_w = list(paths.get("reads") or []), list(paths.get("writes") or [])
+    lines = []
+    for other in active_runs(workspace):
+        theirs = other.get("paths") or {}
+        their_r, their_w = list(theirs.get("reads") or []), list(theirs.get("writes") or [])
+        clash = [(m, t, "writes") for m in mine_w + mine_r for t in their_w if _overlap(m, t)] + \
+                [(m, t, "reads") for m in mine_w for t in their_r if _overlap(m, t)]
+        if clash:
+            mine, theirs_path, how = clash[0]
+            verb = "write" if mine in mine_w else "read"
+            lines.append(f"run {other['run_id']} ({other['kind']}, {other['state']}) {how} {theirs_path}, which this "
+                         f"launch would {verb} ({mine}): wait for it, stop it (`ctl kill-and-rollback --run "
+                         f"{other['run_id']}`), or use another path")
+    return lines
 
 
 def busy(workspace: str, wanted: list[int], use_cuda: bool) -> list[str]:
@@ -197,9 +224,32 @@ def busy(workspace: str, wanted: list[int], use_cuda: bool) -> list[str]:
 
 # --- the check ---------------------------------------------------------------------------------
 
+def check_data_job(req: dict) -> dict:
+    """The preflight of a data job (trainer/kinds.py): what runs it, its input paths, and no
+    live run sharing its paths. No GPU, torch, model or checkpoint checks: it holds no GPU,
+    so it never collides with a training run on one (only on paths)."""
+    workspace = req.get("workspace") or "/workspace"
+    paths = req.get("paths") or {}
+    errors: list[str] = []
+    for path, option in zip(paths.get("reads") or [], req.get("read_options") or []):
+        if not os.path.exists(path):
+            errors.append(f"{option} {path}: no such file in this container; copy it there or fix the path")
+    errors += path_conflicts(workspace, paths)
+    run_id = req.get("run_id")
+    if run_id and os.path.exists(knowngood.run_dir(workspace, run_id)):
+        errors.append(f"run {run_id} already exists in {workspace}/runs; launch again for a new run id")
+    fp = fingerprint(None)
+    first = (paths.get("writes") or [None])[0]
+    return {"ok": not errors, "errors": errors, "warnings": [], "python": python_info(),
+            "packages_count": len(fp["packages"]), "fingerprint": fp, "kind": req.get("kind"),
+            "disk": disk_info(first), "workspace": workspace, "ts": time.time()}
+
+
 def check(req: dict) -> dict:
     """The whole preflight. ``req`` keys: workspace, run_id, flags (trainer values by dest),
     start {kind, path}, config (name), share_gpus (start although a live run holds a GPU)."""
+    if (req.get("kind") or "train") != "train":
+        return check_data_job(req)
     workspace = req.get("workspace") or "/workspace"
     flags = req.get("flags") or {}
     errors: list[str] = []
@@ -248,6 +298,7 @@ def check(req: dict) -> dict:
 
     disk = disk_info(flags.get("output_dir"))
 
+    errors += path_conflicts(workspace, req.get("paths") or {})
     held = busy(workspace, roles["target"] + roles["drafter"], use_cuda)
     if req.get("share_gpus"):
         warnings += [line.split(": stop it first")[0] + ": shared, as --share-gpus asks" for line in held]

@@ -201,7 +201,12 @@ class StreamKind(str, enum.Enum):
 #               in_flight, requests, output_tokens, elapsed_s, requests_per_s, output_tokens_per_s,
 #               eta_s (null until a row finished); the last one of a run adds final: true and
 #               stopped (true: SIGTERM, resumable)
+#               Any data job may send one (trainer/kinds.py; prepare: samples, tokens, bytes_done,
+#               bytes_total, samples_per_s, tokens_per_s, eta_s); rates are named <what>_per_s.
+#               The agent keeps the last one as status.json's "progress"; a job that sends one
+#               has started.
 EVENT_KINDS = ("phase", "step", "checkpoint", "eval", "error", "probe", "launch", "progress")
+PROGRESS_META = ("ts", "kind", "rank", "role", "gpu")  # event keys that are not progress fields
 
 # Agent events (stream kind "event", payload key "kind" = "agent.<name>"): the agent's own
 # observations, next to the trainer's events. "agent.failure" carries "failure" (a
@@ -362,6 +367,7 @@ class RunStatus:
     gpu_state: str | None = None  # "ok" | "no GPU" | "error"
     gpu_reason: str | None = None  # why there is no GPU sample
     checkpoint: Checkpoint | None = None  # the latest the trainer announced
+    progress: dict | None = None  # a data job's last progress event, less PROGRESS_META (plus its ts)
     exit: dict | None = None  # the job's exit status (job.exit.json), once it ended
     last_error: str | None = None  # the last failure's one-line reason
     reason: str | None = None  # why the run ended, once it has

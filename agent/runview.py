@@ -110,6 +110,7 @@ def status(workspace: str, run: Optional[str] = None) -> dict:
             "resume": {k: launch.get(k) for k in ("config", "config_file", "sets")},
             "agent_alive": agent_alive(rd), "job_alive": agent_live_or_none(rd.job_pid), "revived": revived,
             "config": config, "start": launch.get("start"), "gpus": launch.get("gpus"),
+            "kind": launch.get("kind") or "train",
             "baseline": {"run_id": baseline.get("run_id"), "steady": baseline.get("steady")} if baseline else None,
             "known_good_run": (known_good.get("env") or {}).get("run_id"), "history": history(rd.path)}
 

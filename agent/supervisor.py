@@ -104,6 +104,7 @@ class Supervisor:
             st.gpus, st.gpu_state = self.obs.gpu.get("gpus"), self.obs.gpu.get("state")
             st.gpu_reason = self.obs.gpu.get("reason")
         st.checkpoint = self.obs.checkpoint
+        st.progress = seen.progress or st.progress
         st.save(self.rd.status)
         self._last_status_write = now
         self.obs.changed = False

@@ -205,10 +205,10 @@ mean {o0['tokens'] / o0['samples']:,.0f} tokens), Qwen3.6's vocabulary and Qwen3
 | --- | --- | --- |
 | `encode_batch`, every core (baseline) | {b_rate:,.0f} | {statistics.median(b['samples'] / b['seconds'] for b, _ in rows):,.0f} |
 | `prepare`, {cores} worker processes | {o_rate:,.0f} | {o_samples:,.0f} |
-| **ratio (median of the per-run ratios)** | **{ratio:.2f}×** | |
+| **ratio (median of the per-run ratios)** | **{ratio:.3f}×** | |
 
 CPU time (user + system, every thread and worker process) per token, the figure a busy
-machine disturbs least: baseline ÷ prepare = **{cpu_ratio:.2f}** (median of the per-run
+machine disturbs least: baseline ÷ prepare = **{cpu_ratio:.3f}** (median of the per-run
 ratios: {"; ".join(f"{b['cpu'] / o['cpu']:.3f}" for b, o in rows)}). The 1-minute load average on the
 machine was {min(loads):.1f}–{max(loads):.1f} during the runs (2 cores; other jobs ran beside).
 
@@ -216,7 +216,7 @@ Start-up before the first sample (transformers import + tokenizer load), median:
 {statistics.median(o['startup'] for _, o in rows):.1f} s. Per-run ratios: {"; ".join(f"{(o['tokens'] / o['seconds']) / (b['tokens'] / b['seconds']):.3f}" for b, o in rows)}.
 At the median rate the seed's 1.1 M samples (2.4 B tokens) take about {seed_h:.1f} h on these
 {cores} cores; prepare scales with cores (one worker process each), so about
-{seed_h * cores / 32:.1f} h on a 32-core container if the per-core rate holds.
+{seed_h * cores / 32 * 60:.0f} min on a 32-core container if the per-core rate holds (not measured here).
 """
     print(section)
     if args.write:

@@ -96,11 +96,19 @@ class Launcher:
     def round_trips(self) -> int:
         return self.caller.round_trips
 
+    def paths(self) -> dict:
+        """What this run reads and writes (trainer/kinds.py), so no live job of any kind shares them."""
+        from trainer.kinds import KINDS, TRAIN
+
+        kind = KINDS[TRAIN]
+        return {key: [str(self.values[d]) for d in dests if self.values.get(d)]
+                for key, dests in (("reads", kind.reads), ("writes", kind.writes))}
+
     # -- the steps -----------------------------------------------------------------------------
     def preflight(self) -> dict:
         request = {"workspace": self.workspace, "run_id": self.run_id, "config": self.config.name,
                    "flags": {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.values.items()},
-                   "start": start_kind(self.start), "share_gpus": self.share_gpus}
+                   "start": start_kind(self.start), "share_gpus": self.share_gpus, "paths": self.paths()}
         return self._call(["agent.preflight", "check"], request, "the launch preflight")
 
     def report(self, pf: dict) -> tuple[list[str], list[drift.Finding]]:
@@ -169,7 +177,8 @@ class Launcher:
         if base.get("tokens_per_s") and b.regression_fraction > 0 and "baseline_tokens_per_s" not in options:
             options["baseline_tokens_per_s"] = base["tokens_per_s"]
             options["regression_fraction"] = b.regression_fraction
-        record = {"run_id": self.run_id, "ts": time.time(), "config": self.config.name,
+        record = {"run_id": self.run_id, "ts": time.time(), "config": self.config.name, "kind": "train",
+                  "paths": self.paths(),
                   "config_file": self.config._source_file,
                   "sets": list(self.config._command_line_sets),
                   # drift that would have refused it, overridden: known good only once it completes

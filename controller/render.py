@@ -102,6 +102,7 @@ def render_start_script(values: Mapping[str, Any], *, container: ContainerConfig
             break
         start_at += len(tokens)
     return environment().get_template(START_TEMPLATE).render(
+        subcommand=(),
         start_at=start_at,
         start_len=start_len,
         resume_flag=flags.BY_DEST["resume_from"].name,
@@ -114,3 +115,27 @@ def render_start_script(values: Mapping[str, Any], *, container: ContainerConfig
         venv=container.venv,
         generation_var=runtime_env.ENV_GENERATION,
     )
+
+
+def render_job_script(argv: list[str], *, container: ContainerConfig, bundle: str, run_id: str, run_dir: str,
+                      secrets_file: str, secret_keys: Iterable[str] = DEFAULT_SECRET_KEYS) -> str:
+    """The start.sh of a data job (trainer/kinds.py): the same clean environment and secrets
+    as a training run's, then ``python -m trainer SUBCOMMAND FLAGS``. ``argv`` is the
+    subcommand and its flags, already checked by the kind's own parser (controller/jobconfig.py).
+    No start decision, so nothing for an agent restart to replace: a restart reruns it."""
+    if any("\0" in t for t in argv):
+        raise RenderError("a job argument contains a NUL byte")
+    if not run_dir.startswith("/"):
+        raise RenderError(f"run directory {run_dir!r} must be an absolute path in the container")
+    sub = [t for t in argv[:1] if not t.startswith("-")]
+    lines: list[list[str]] = []
+    for token in argv[len(sub):]:
+        if token.startswith("--") or not lines:
+            lines.append([token])
+        else:
+            lines[-1].append(token)
+    return environment().get_template(START_TEMPLATE).render(
+        subcommand=sub, start_at=0, start_len=0, resume_flag=None, run_dir=run_dir, secrets_file=secrets_file,
+        secret_keys=tuple(secret_keys), flag_lines=lines,
+        env=start_env(container, bundle=bundle, run_id=run_id, run_dir=run_dir),
+        python=container.python, venv=container.venv, generation_var=runtime_env.ENV_GENERATION)

@@ -325,7 +325,9 @@ def resume_line(ct: Container, launch: Optional[dict], checkpoint: Optional[dict
     argv = ["ctl", "launch", "--container", ct.ctid, "--config", config]
     if ct.node_name:
         argv[2:2] = ["--node", ct.node_name]
-    if checkpoint and checkpoint.get("exists", True):
+    if (launch.get("kind") or "train") != "train":
+        pass  # a data job resumes by launching its config again (trainer/kinds.py)
+    elif checkpoint and checkpoint.get("exists", True):
         argv += ["--resume-from", checkpoint["path"]]
     else:
         argv += ["--from-scratch"]

@@ -288,6 +288,8 @@ class RunConfig(BaseModel):
 
     # run ids start with the name (agent/protocol.py: the run-id grammar)
     name: str = Field(..., pattern=f"^{RUN_NAME_PATTERN}$")
+    # the job kind (trainer/kinds.py); the data kinds' configs are controller/jobconfig.py's
+    kind: Literal["train"] = "train"
     trainer: TrainerSection  # type: ignore[valid-type]
     # The file it was read from (absolute), so a printed resume line names it exactly.
     _source_file: Optional[str] = PrivateAttr(default=None)
@@ -378,7 +380,8 @@ def parse_set(items: list[str]) -> list[tuple[str, str]]:
 
 def load(path: str | Path, overrides: Mapping[str, Any] | None = None,
          sets: list[str] | None = None) -> RunConfig:
-    """Read, merge CLI overrides (None values ignored), validate. Raises RunConfigError."""
+    """Read, merge CLI overrides (None values ignored), validate. Raises RunConfigError.
+    A config whose ``kind`` is a data kind gives controller/jobconfig.py's model instead."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -393,12 +396,30 @@ def load(path: str | Path, overrides: Mapping[str, Any] | None = None,
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise RunConfigError(f"run config {path} is not valid TOML: {exc}") from None
-    config = from_dict(data, source=str(path), default_name=path.stem, overrides=overrides, sets=sets)
+    if data.get("kind", "train") != "train":
+        config = _data_job(data, path, overrides, sets)
+    else:
+        config = from_dict(data, source=str(path), default_name=path.stem, overrides=overrides, sets=sets)
     config._source_file = str(path.resolve())
     config._command_line_sets = [
         *(f"{dest.replace('_', '-')}={_set_text(v)}" for dest, v in (overrides or {}).items() if v is not None),
         *(sets or [])]
     return config
+
+
+def _data_job(data: dict[str, Any], path: Path, overrides: Mapping[str, Any] | None, sets: list[str] | None):
+    from controller import jobconfig
+    from trainer import kinds
+
+    try:
+        kind = kinds.get(str(data["kind"]))
+    except ValueError as exc:
+        raise RunConfigError(f"run config {path}: {exc}") from None
+    given = sorted(k for k, v in (overrides or {}).items() if v is not None)
+    if given:
+        raise RunConfigError(f"--{given[0].replace('_', '-')}: a training option, and {path} is a {kind.name} job; "
+                             f"set its options in [{kind.table}] or with --set {kind.table}.KEY=VALUE")
+    return jobconfig.from_dict(data, source=str(path), default_name=path.stem, sets=sets)
 
 
 def not_utf8(exc: UnicodeDecodeError) -> str:
@@ -472,7 +493,7 @@ def _known_keys(table: str) -> list[str]:
     model = {"trainer": TrainerSection, "wandb": WandbSection, "baseline": BaselineSection,
              "supervision": SupervisionSection}.get(table)
     if model is None:
-        return ["name", "trainer", "wandb", "baseline", "supervision", "job"]
+        return ["name", "kind", "trainer", "wandb", "baseline", "supervision", "job"]
     return [(f.alias or n) for n, f in model.model_fields.items()]
 
 

@@ -8,7 +8,7 @@ import time
 from typing import Any, Optional
 
 from agent.protocol import RunResult, RunState, RunStatus, fmt_duration  # noqa: F401 (livetail imports it here)
-from controller.tail import fmt_rate
+from controller.tail import fmt_rate, progress_parts
 
 
 def _run_started(reply: dict) -> Optional[float]:
@@ -87,6 +87,10 @@ def render_status(reply: dict, ctid: str, node: str) -> list[str]:
     alive = "" if terminal else (" — agent alive" if reply.get("agent_alive") else " — AGENT NOT RUNNING")
     lines.append(f"state    {state}{phase}{alive}")
     lines += _supervision(st, reply.get("revived"), now=time.time())
+    if st.progress:  # a data job (trainer/kinds.py): done / failed / rates / ETA
+        kind = reply.get("kind")
+        lines.append(f"progress {' · '.join(progress_parts(st.progress, eta=not terminal))}"
+                     + (f"  ({kind} job)" if kind else ""))
     if st.step is not None:
         pct = f" ({100 * st.step / st.total:.0f} %)" if st.total else ""
         eta = "" if terminal else f", ETA {fmt_duration(eta_seconds(st, _run_started(reply)))}"

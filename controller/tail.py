@@ -174,6 +174,7 @@ class Printer:
         self.state: Optional[str] = None
         self.steps_seen = 0
         self.status_is_last = False  # the last line written was a status line
+        self.progress: Optional[dict] = None  # a data job's last progress event
 
     def __call__(self, rec: dict) -> None:
         if self.raw:
@@ -211,6 +212,9 @@ class Printer:
             self.steps_seen += 1
             if self.on_step is not None:
                 self.on_step(ev)
+        elif kind == "progress":  # a data job's (agent/protocol.py): shown as its status line
+            self.progress = ev
+            self.steps_seen += 1
         elif kind == "phase":
             self.write(f"== phase {ev.get('phase')}")
         elif kind == "checkpoint":
@@ -227,6 +231,8 @@ class Printer:
             self.write(f"== {kind[6:].replace('_', ' ')}" + (f": {detail}" if detail else ""))
 
     def status_line(self) -> str:
+        if self.progress is not None and not self.step:
+            return "-- " + " | ".join(progress_parts(self.progress))
         s = self.step
         total = s.get("total_steps")
         parts = [f"step {s.get('step', '—')}" + (f"/{total}" if total else ""),
@@ -241,6 +247,34 @@ class Printer:
         if mems:
             parts.append("mem " + " ".join(mems))
         return "-- " + " | ".join(parts)
+
+
+def progress_parts(p: dict, eta: bool = True) -> list[str]:
+    """A data job's progress event (agent/protocol.py: progress) as short parts: how far,
+    bad rows, each rate, ETA. Only the fields the job sent."""
+    parts = []
+    if isinstance(p.get("done"), (int, float)):
+        total = p.get("total")
+        pct = f" ({100 * p['done'] / total:.0f} %)" if isinstance(total, (int, float)) and total else ""
+        parts.append(f"done {p['done']:,}" + (f"/{total:,}" if isinstance(total, (int, float)) else "") + pct)
+        parts += [f"{key} {p[key]:,}" for key in ("failed", "skipped") if isinstance(p.get(key), (int, float))]
+    elif isinstance(p.get("samples"), (int, float)):
+        done, total = p.get("bytes_done"), p.get("bytes_total")
+        pct = f" ({100 * done / total:.0f} % of the input)" if isinstance(done, (int, float)) and total else ""
+        parts.append(f"samples {p['samples']:,}, tokens {p.get('tokens') or 0:,}" + pct)
+    bad = p.get("bad")
+    if isinstance(bad, dict) and bad:
+        parts.append("bad rows " + ", ".join(f"{k} {v:,}" for k, v in sorted(bad.items())))
+    elif isinstance(bad, (int, float)) and bad:
+        parts.append(f"bad rows {bad:,}")
+    for key, value in p.items():
+        if key.endswith("_per_s") and isinstance(value, (int, float)):
+            parts.append(f"{fmt_rate(value)} {key[:-6].replace('_', ' ')}/s")
+    if eta and isinstance(p.get("eta_s"), (int, float)):
+        from controller.status import fmt_duration
+
+        parts.append(f"ETA {fmt_duration(p['eta_s'])}")
+    return parts
 
 
 def _failure_reason(status: dict) -> Optional[str]:

@@ -282,9 +282,13 @@ def test_a_template_with_enable_thinking_needs_thinking_on_or_off(tmp_path, targ
                                         "target is served"]
 
 
-def test_conversations_without_a_target_are_one_clear_line(tmp_path):
+def test_conversations_without_a_target_are_one_clear_line(tmp_path, capsys):
     src = write_jsonl(tmp_path / "c.jsonl", OPENAI_ROWS)
     assert data.main(["--input", src, "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"prepare: error: {src}: holds conversations (openai rows); give --target DIR, the target model's "
+        "directory, for its tokenizer and chat template"]
+    assert not os.path.exists(tmp_path / "out")
 
 
 def start_big_prepare(tmp_path, target):
@@ -353,3 +357,25 @@ def test_a_killed_worker_is_one_line_and_nothing_written(tmp_path, targets):
     assert err.strip().splitlines()[-1] == ("prepare: a worker process died (killed, perhaps for memory); "
                                             "nothing written — try fewer --workers")
     assert not os.path.exists(out) and not list(tmp_path.glob(".out.partial-*"))
+
+
+def test_on_a_terminal_progress_is_one_redrawn_bar_with_rates_and_eta():
+    import io
+
+    from trainer.chat_prepare import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+
+    lines, term = [], Terminal()
+    p = Progress(lines.append, every=1, total_bytes=1000, stream=term)
+    p.update(10, 20_000, 250, "chat.jsonl")
+    p.finish()
+    shown = term.getvalue()
+    assert shown.startswith("\rprepare [######..................]  25%") and shown.endswith("\x1b[K\n")
+    assert "10 samples" in shown and "samples/s" in shown and "tokens/s" in shown and "ETA " in shown
+    assert lines == []  # no plain lines on a terminal
+    plain = Progress(lines.append, every=10, total_bytes=1000, stream=io.StringIO())
+    plain.update(10, 20_000, 500, "chat.jsonl")
+    assert len(lines) == 1 and lines[0].startswith("prepare: 10 samples, 20,000 tokens, ") and "ETA " in lines[0]

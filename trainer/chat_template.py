@@ -77,6 +77,11 @@ def _load(target: str, stamp: tuple):
     if not os.path.isfile(os.path.join(target, "tokenizer.json")):
         raise TemplateError(f"--target {target}: no tokenizer.json there; prepare needs the target's fast tokenizer")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # prepare's workers are processes
+    try:
+        import jinja2  # noqa: F401  (transformers renders chat templates with it, and does not require it)
+    except ImportError:
+        raise TemplateError("rendering the chat template needs jinja2, which this environment lacks: "
+                            "pip install 'jinja2>=3.1' (part of dflash-ctl[trainer])") from None
     from transformers import AutoTokenizer
 
     try:

@@ -626,6 +626,10 @@ class _Stopped(Exception):
 
 
 def _on_sigterm(signum, frame):
+    # Once: the agent signals the job's group and then each of its processes, and a second
+    # _Stopped raised inside the first one's cleanup would end the job with a traceback and
+    # exit 1 instead of EXIT_STOPPED (tests/test_jobs.py saw it).
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     raise _Stopped()
 
 
@@ -646,6 +650,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                            too_long=args.too_long, form=args.form, strict=args.strict, workers=args.workers)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     started = time.monotonic()
+    stopped = False
     try:
         meta = prepare(args.input, args.out, shard_tokens=args.shard_tokens, progress_every=args.progress_every,
                        chat=chat)
@@ -656,13 +661,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(str(exc), file=sys.stderr, flush=True)
         return EXIT_FAILURE
     except _Stopped:
+        stopped = True
         print("prepare: stopped (SIGTERM); nothing written", file=sys.stderr, flush=True)
         return EXIT_STOPPED
     except KeyboardInterrupt:
         print("prepare: interrupted; nothing written", file=sys.stderr, flush=True)
         return EXIT_INTERRUPTED
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        if not stopped:  # stopped: later SIGTERMs (the agent sends several) stay ignored until the exit
+            signal.signal(signal.SIGTERM, previous)
     workers = (chat.workers or _cores()) if chat else 1
     for line in summary(meta, os.path.abspath(args.out), time.monotonic() - started, workers):
         print(line, flush=True)

@@ -74,6 +74,13 @@ def launch_command(
 
     from controller.commands import job as job_cmd
 
+    if _data_kind(config):
+        raise typer.Exit(_launch_data_job(container, config, node=node, sets=sets, follow=follow, json_out=json_out,
+                                          ctl_config=ctl_config, trust_new_host_key=trust_new_host_key,
+                                          start=(from_scratch, resume_from, init_from), snapshot=snapshot,
+                                          overrides={"target_model": target_model, "data_dir": data_dir,
+                                                     "output_dir": output_dir, "target_gpus": target_gpus,
+                                                     "drafter_gpus": drafter_gpus, "wandb_run_name": wandb_run_name}))
     # Several containers (or none, and the config's [[job.containers]]): one job (controller/job.py).
     is_job = job_cmd.is_job(container) or not container
     # Everything that can be checked here is, before any connection is opened.
@@ -156,6 +163,64 @@ def launch_command(
         if follow:
             code = _follow(ct, AgentCaller(ct), result.run_id, 0, True, False)
     raise typer.Exit(code)
+
+
+def _data_kind(config: Path) -> Optional[str]:
+    """The config's kind when it is a data kind (trainer/kinds.py), read without validating."""
+    import tomllib
+
+    try:
+        kind = tomllib.loads(Path(config).read_text(encoding="utf-8")).get("kind", "train")
+    except (OSError, ValueError):
+        return None  # runconfig.load says what is wrong with it
+    return None if kind == "train" else str(kind)
+
+
+def _launch_data_job(container: List[str], config: Path, *, node, sets, follow, json_out, ctl_config,
+                     trust_new_host_key, start, snapshot, overrides) -> int:
+    """A prepare or regenerate job (controller/datalaunch.py) in one container."""
+    from controller import runconfig
+    from controller.agentcall import AgentCaller
+    from controller.datalaunch import DataLauncher
+    from controller.launch import LaunchRefused
+    from controller.render import RenderError
+
+    try:
+        run_config = runconfig.load(config, overrides=overrides, sets=sets)
+    except runconfig.RunConfigError as exc:
+        raise fail(str(exc), EXIT_CONFIG) from None
+    kind = run_config.job_kind
+    given = [name for name, v in zip(("--from-scratch", "--resume-from", "--init-from"), start) if v]
+    if given:
+        raise fail(f"{given[0]}: a {kind.name} job has no start decision; launching its config again resumes it "
+                   f"by {kind.resumes_by}", EXIT_CONFIG)
+    if snapshot:
+        raise fail(f"--snapshot: a {kind.name} job changes no environment; launch it without --snapshot", EXIT_CONFIG)
+    if len(container) != 1 or not container[0].isdigit():
+        raise fail(f"--container: a {kind.name} job runs in one container; give its id, e.g. --container 200",
+                   EXIT_CONFIG)
+    say = (lambda line: typer.echo(line, err=True)) if json_out else typer.echo
+    with container_session(int(container[0]), node, ctl_config, trust_new_host_key) as ct:
+        try:
+            result = DataLauncher(ct, run_config, say=say).run()
+        except RenderError as exc:
+            raise fail(str(exc), EXIT_CONFIG) from None
+        except LaunchRefused as exc:
+            raise fail(f"launch refused — nothing was started:\n  {exc}", EXIT_REFUSED) from None
+        remember(ctl_config, ct.node_name, ct.ctid, result.run_id)
+        first = result.start_reply
+        if json_out:
+            typer.echo(json.dumps({"run_id": result.run_id, "run_dir": result.run_dir, "container": ct.ctid,
+                                   "node": ct.node_name, "kind": kind.name, "start": first,
+                                   "round_trips": result.round_trips, "timings": result.timings}, sort_keys=True))
+        else:
+            typer.echo(f"{kind.name} job {result.run_id} started in {ct}: state {first.get('state')}, agent pid "
+                       f"{first.get('agent_pid')}, job pid {first.get('job_pid')} ({result.round_trips} round trips, "
+                       f"{result.timings['total_s']:.1f} s)")
+            typer.echo(f"  follow: ctl tail --container {ct.ctid} --run {result.run_id} --follow")
+        if follow:
+            return _follow(ct, AgentCaller(ct), result.run_id, 0, True, False)
+    return 0
 
 
 def _launch_one(ct: Container, run_config, start: dict, *, snapshot: bool, say, accept_drift: bool,

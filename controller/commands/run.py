@@ -251,7 +251,37 @@ def _stamp(run_id: str) -> str:
     return "-".join(parts[1:3]) if len(parts) == 4 else ""
 
 
+def stop_command(
+    container: Optional[int] = ContainerOpt,
+    run: str = typer.Option(..., "--run", "-r", help="the run to stop (`ctl runs` lists them)"),
+    grace: float = typer.Option(30.0, "--grace", help="seconds between SIGTERM and SIGKILL"),
+    node: Optional[str] = NodeOpt,
+    ctl_config: Optional[str] = CtlConfigOpt,
+    trust_new_host_key: bool = TrustOpt,
+) -> None:
+    """Stop a run of any kind gracefully (SIGTERM: a training run checkpoints, a data job keeps
+    what it finished), and nothing else: no rollback. Launching it again resumes it
+    (train: --resume-from its checkpoint; prepare and regenerate: the same config)."""
+    from controller.agentcall import AgentCallError
+    from controller.job import stop_member
+    from controller.status import render_status
+    from controller.agentcall import AgentCaller
+
+    container, node = container_or_last_launch(container, node, ctl_config)
+    with container_session(container, node, ctl_config, trust_new_host_key) as ct:
+        try:
+            reply = stop_member(ct, run, grace=grace)
+        except AgentCallError as exc:
+            raise fail(f"cannot stop run {run} in {ct}: {exc}", 1) from None
+        if not reply.get("ok", True):
+            raise fail(f"cannot stop run {run} in {ct}: {reply.get('error')}", 1)
+        status = resolve_run(ct, AgentCaller(ct), run)
+        for line in render_status(status, ct.ctid, ct.node_name):
+            typer.echo(line)
+
+
 def register(app: typer.Typer) -> None:
+    app.command("stop")(stop_command)
     app.command("tail")(tail_command)
     app.command("status")(status_command)
     app.command("runs")(runs_command)

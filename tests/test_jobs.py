@@ -1,0 +1,249 @@
+"""Jobs of every kind under one agent (issue 25, build item 6; trainer/kinds.py): the run
+config of a data kind, validated from the kind's own parser; its start script; a real
+`python -m trainer prepare` started by the launch's commit step under the real agent,
+its progress in status.json and in `ctl status`'s words, stopped mid-run (nothing partial
+left, state stopped) and launched again to completion; paths a live job shares refused.
+
+The same on the simulated node through `ctl`: tests/test_jobs_sim.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+
+import pytest
+
+from agent import preflight
+from agent.protocol import extract_payload
+from controller import jobconfig, runconfig
+from controller.config import ContainerConfig
+from controller.render import render_job_script
+from controller.status import render_status
+from tests._agent_util import REPO, agent, payload, wait_for, wait_terminal
+
+
+def _config(tmp_path, text: str, name: str = "prep.toml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return runconfig.load(path)
+
+
+def _refused(tmp_path, text: str) -> str:
+    with pytest.raises(runconfig.RunConfigError) as exc:
+        _config(tmp_path, text)
+    return str(exc.value)
+
+
+def test_prepare_config_is_validated_from_prepares_own_parser(tmp_path):
+    cfg = _config(tmp_path, 'name = "chat"\nkind = "prepare"\n[prepare]\ninput = "/w/chat.jsonl"\n'
+                            'out = "{workspace}/data/{run_id}"\n')
+    values = cfg.resolve(run_id="r1", run_dir="/w/runs/r1", workspace="/w")
+    assert cfg.argv(values) == ["prepare", "--input", "/w/chat.jsonl", "--out", "/w/data/r1"]
+    assert cfg.paths(values) == {"reads": ["/w/chat.jsonl"], "writes": ["/w/data/r1"]}
+    # The parser's own options, defaults and help are the table's (one source of truth).
+    from trainer.data import build_parser
+
+    fields = jobconfig.model_for("prepare").model_fields["prepare"].annotation.model_fields
+    from controller.jobconfig import option_name, options_of
+
+    assert {f.alias for f in fields.values()} == {option_name(a)[2:] for a in options_of(build_parser())}
+    assert {"input", "out", "target", "thinking", "strict"} <= {f.alias for f in fields.values()}
+    assert fields["shard_tokens"].default == build_parser().get_default("shard_tokens")
+    assert "[prepare] thinking = 'maybe': Input should be 'on' or 'off'" in _refused(
+        tmp_path, 'kind = "prepare"\n[prepare]\ninput = "a"\nout = "/o"\nthinking = "maybe"\n')
+
+    assert "[prepare] input: missing" in _refused(tmp_path, 'kind = "prepare"\n[prepare]\nout = "/o"\n')
+    assert "[prepare] shard-tokens = 'many'" in _refused(
+        tmp_path, 'kind = "prepare"\n[prepare]\ninput = "a"\nout = "/o"\nshard-tokens = "many"\n')
+    line = _refused(tmp_path, 'kind = "prepare"\n[prepare]\ninput = "a"\nout = "/o"\nlr = 1\n')
+    assert "[prepare] lr: unknown setting for a prepare job; known: input, out" in line
+    # regenerate's table, from its parser; its own converters judge the values
+    regen = 'kind = "regenerate"\n[regenerate]\ninput = "a"\nout = "/o"\nendpoint = "http://127.0.0.1:1"\n'
+    cfg = _config(tmp_path, regen + "concurrency = 4\n", "r.toml")
+    assert cfg.argv(cfg.resolve(run_id="r", run_dir="/r", workspace="/w"))[:1] == ["regenerate"]
+    assert "[regenerate]: argument --concurrency: invalid positive int value: '0'" in _refused(
+        tmp_path, regen + "concurrency = 0\n")
+    assert "[regenerate] run-dir: not a run-config setting" in _refused(tmp_path, regen + 'run-dir = "/x"\n')
+    assert "[trainer]: a prepare job has no trainer flags" in _refused(
+        tmp_path, 'kind = "prepare"\n[trainer]\nlr = 1\n[prepare]\ninput = "a"\nout = "/o"\n')
+    assert "kind = 'frob': not a job kind; use one of train, prepare, regenerate" in _refused(tmp_path, 'kind = "frob"\n')
+    # --set reaches the kind's table; a training override is refused with the table to use.
+    path = tmp_path / "p.toml"
+    path.write_text('kind = "prepare"\n[prepare]\ninput = "a"\nout = "/o"\n')
+    cfg = runconfig.load(path, sets=["out=/elsewhere", "supervision.kill-grace=3"])
+    assert cfg.values()["out"] == "/elsewhere" and cfg.supervision.kill_grace == 3
+    with pytest.raises(runconfig.RunConfigError, match=r"--data-dir: a training option.*\[prepare\]"):
+        runconfig.load(path, overrides={"data_dir": "/d"})
+    # A training config still is one, with or without the explicit kind.
+    train = tmp_path / "t.toml"
+    train.write_text((open(os.path.join(REPO, "examples", "tiny.toml")).read()).replace('name =', 'kind = "train"\nname =', 1))
+    assert isinstance(runconfig.load(train), runconfig.RunConfig)
+
+
+def _samples(n: int, length: int = 12) -> str:
+    rows = [{"input_ids": [(i * 7 + j) % 500 + 1 for j in range(length)],
+             "loss_mask": [0] * (length // 2) + [1] * (length - length // 2)} for i in range(n)]
+    return "".join(json.dumps(r) + "\n" for r in rows)
+
+
+def _launch(workspace: str, run_id: str, argv: list[str], record: dict) -> dict:
+    """What `ctl launch`'s commit does in the container, here on this machine: start.sh
+    rendered by controller/render.py, the agent started by agent.preflight commit."""
+    from controller.launch import start_argv
+
+    class Ct:  # the one thing start_argv reads of a container
+        config = ContainerConfig(venv=os.path.dirname(os.path.dirname(sys.executable)), workspace=workspace)
+
+    run_dir = os.path.join(workspace, "runs", run_id)
+    script = render_job_script(argv, container=Ct.config, bundle=REPO, run_id=run_id, run_dir=run_dir,
+                               secrets_file=os.path.join(workspace, "secrets", f"{run_id}.env"))
+    req = {"workspace": workspace, "run_id": run_id, "run_dir": run_dir, "script": script,
+           "secrets_file": None, "secret": None, "record": {"run_id": run_id, "ts": 0, **record},
+           "start_argv": start_argv(Ct, run_dir, run_id, {"startup_timeout": 60})}
+    proc = agent_module("agent.preflight", "commit", stdin=json.dumps(req))
+    reply = extract_payload(proc.stdout)
+    assert reply.get("ok"), reply
+    return reply
+
+
+def agent_module(module: str, *args: str, stdin: str = "") -> "subprocess.CompletedProcess":
+    import subprocess
+
+    from tests._agent_util import env
+
+    return subprocess.run([sys.executable, "-m", module, *args], input=stdin, capture_output=True, text=True,
+                          env=env(), cwd=REPO, timeout=120)
+
+
+def test_prepare_job_under_the_agent_stopped_mid_run_then_relaunched(tmp_path):
+    workspace = str(tmp_path / "ws")
+    os.makedirs(workspace)
+    out = os.path.join(workspace, "data", "chat")
+    fifo = str(tmp_path / "rows.fifo")
+    os.mkfifo(fifo)
+    paths = {"reads": [fifo], "writes": [out]}
+    argv = ["prepare", "--input", fifo, "--out", out]
+    _launch(workspace, "prep-1", argv, {"kind": "prepare", "config": "chat", "paths": paths, "gpus": {}})
+    run_dir = os.path.join(workspace, "runs", "prep-1")
+
+    # The input arrives slowly (a FIFO held open): the job is mid-run, its progress known.
+    writer_ready = threading.Event()
+
+    def feed():
+        with open(fifo, "w") as fh:
+            fh.write(_samples(300))
+            fh.flush()
+            writer_ready.set()
+            wait_for(lambda: os.path.exists(os.path.join(run_dir, "result.json")), timeout=60, what="the stop")
+
+    threading.Thread(target=feed, daemon=True).start()
+    assert writer_ready.wait(30)
+    st = wait_for(lambda: (json.load(open(os.path.join(run_dir, "status.json"))).get("progress") or None)
+                  if os.path.exists(os.path.join(run_dir, "status.json")) else None, what="a progress record")
+    assert st["samples"] == 0 and st["tokens"] == 0  # the job's first progress, at its start
+
+    # Another job writing the same output, or training on it, is refused while this one lives.
+    clash = preflight.check_data_job({"workspace": workspace, "run_id": "prep-2", "kind": "prepare",
+                                      "paths": {"reads": [], "writes": [out]}})
+    assert not clash["ok"] and "run prep-1 (prepare, running) writes " + out in clash["errors"][0]
+    assert preflight.path_conflicts(workspace, {"reads": [out + "/"], "writes": [str(tmp_path / "o")]})
+    assert not preflight.path_conflicts(workspace, {"reads": ["/elsewhere"], "writes": [str(tmp_path / "o")]})
+
+    stopped = payload("stop", "--workspace", workspace, "--run", "prep-1", "--grace", "20")
+    assert stopped.get("ok"), stopped
+    final = wait_terminal(run_dir)
+    assert final["state"] == "stopped"
+    assert json.load(open(os.path.join(run_dir, "job.exit.json")))["exit_code"] == 75  # stopped, resumable
+    parent = os.path.dirname(out)
+    assert not os.path.exists(out)
+    assert [n for n in os.listdir(parent) if "partial" in n] == [] if os.path.isdir(parent) else True
+
+    # Launched again (the same config: a rerun), on the whole input: complete, nothing twice.
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(_samples(300))
+    argv2 = ["prepare", "--input", str(rows), "--out", out]
+    _launch(workspace, "prep-2", argv2, {"kind": "prepare", "config": "chat", "paths": paths, "gpus": {}})
+    run_dir2 = os.path.join(workspace, "runs", "prep-2")
+    assert wait_terminal(run_dir2)["state"] == "completed"
+    meta = json.load(open(os.path.join(out, "meta.json")))
+    assert meta["samples"] == 300 and meta["tokens"] == 300 * 12
+    reply = extract_payload(agent_module("agent.runview", "status", "--workspace", workspace, "--run", "prep-2").stdout)
+    assert reply["kind"] == "prepare"
+    lines = render_status(reply, "200", "sim")
+    progress = next(l for l in lines if l.startswith("progress"))
+    assert "samples 300, tokens 3,600" in progress and "samples/s" in progress
+    assert "(prepare job)" in progress and any(l.startswith("result   completed") for l in lines)
+
+
+def test_prepare_job_that_fails_names_the_bad_row(tmp_path):
+    workspace = str(tmp_path / "ws")
+    os.makedirs(workspace)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(_samples(3) + "{not json\n")
+    out = os.path.join(workspace, "data", "x")
+    _launch(workspace, "prep-bad", ["prepare", "--input", str(rows), "--out", out],
+            {"kind": "prepare", "config": "x", "gpus": {}})
+    run_dir = os.path.join(workspace, "runs", "prep-bad")
+    assert wait_terminal(run_dir)["state"] == "failed"
+    reply = extract_payload(agent_module("agent.runview", "status", "--workspace", workspace).stdout)
+    failed = next(l for l in render_status(reply, "200", "sim") if l.startswith("FAILED"))
+    assert f"{rows}:4: not valid JSON" in failed
+    assert not os.path.exists(out)
+
+
+def test_regenerate_job_under_the_agent_stopped_mid_run_then_relaunched_every_id_once(tmp_path):
+    """A regenerate job (its options from regenerate's own parser) against `transformers
+    serve` of a tiny target, held mid-run by a real proxy, stopped through the agent, and the
+    same config launched again: every id exactly once, and the accounting in `ctl status`."""
+    import subprocess
+
+    from tests._regen_target import Proxy, free_port, make_chat_target, serve_argv, wait_healthy
+    from tests.test_regenerate import ENV, conversations, expected_ids, output_rows, write_input
+
+    target = make_chat_target(str(tmp_path / "target"))
+    port = free_port()
+    server = subprocess.Popen(serve_argv(target, port), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proxy = None
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(url, server)
+        proxy = Proxy(url, hold_after=6)
+        workspace = str(tmp_path / "ws")
+        os.makedirs(workspace)
+        inp = write_input(tmp_path / "in.jsonl", conversations(16))
+        out = os.path.join(workspace, "regen")
+        cfg = _config(tmp_path, f'name = "regen"\nkind = "regenerate"\n[regenerate]\ninput = "{inp}"\nout = "{out}"\n'
+                                f'endpoint = ["{proxy.url}"]\nmax-tokens = 4\ntemperature = 0\nconcurrency = 2\n'
+                                'flush-rows = 1\n', "regen.toml")
+
+        def launch(run_id: str) -> str:
+            run_dir = os.path.join(workspace, "runs", run_id)
+            values = cfg.resolve(run_id=run_id, run_dir=run_dir, workspace=workspace)
+            _launch(workspace, run_id, cfg.argv(values), {"kind": "regenerate", "config": "regen",
+                                                          "paths": cfg.paths(values), "gpus": {}})
+            return run_dir
+
+        first = launch("regen-1")
+        assert proxy.held.acquire(timeout=120) and proxy.held.acquire(timeout=60)  # mid-run, both workers held
+        stopped = payload("stop", "--workspace", workspace, "--run", "regen-1", "--grace", "10")
+        assert stopped.get("ok") and wait_terminal(first)["state"] == "stopped"
+        before = output_rows(out)
+        assert 0 < len(before) < 16
+        proxy.gate.set()  # the endpoint answers again
+
+        second = launch("regen-2")
+        assert wait_terminal(second, timeout=180)["state"] == "completed"
+        ids = [r["id"] for r in output_rows(out)]
+        assert len(ids) == len(set(ids)) == 16 and sorted(map(str, ids)) == sorted(map(str, expected_ids(inp)))
+        reply = extract_payload(agent_module("agent.runview", "status", "--workspace", workspace).stdout)
+        progress = next(l for l in render_status(reply, "200", "sim") if l.startswith("progress"))
+        assert "done 16/16 (100 %)" in progress and "(regenerate job)" in progress, progress
+    finally:
+        if proxy is not None:
+            proxy.gate.set()
+            proxy.close()
+        server.terminate()
+        server.wait(30)

@@ -1,0 +1,59 @@
+"""The kinds of job the agent supervises in a container, defined once (DESIGN.md: "The whole
+life cycle"): what runs, where its options come from, which paths it reads and writes, and
+how a stopped one resumes.
+
+One agent supervises every kind the same way (run directory, stream, status record, failure
+kinds, stop); a kind adds its command, its options and its progress fields, not a second
+supervisor. A kind's options have one source of truth: its own command-line parser, named
+here as ``module:function`` and imported only when a run config of that kind is validated
+(controller/jobconfig.py builds the run config's table from it and checks a config by parsing
+the argv the start script will carry).
+
+Standard library only, like trainer/flags.py: the controller imports it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+TRAIN = "train"
+
+
+@dataclass(frozen=True)
+class Kind:
+    name: str
+    table: str  # the run config's table that holds its options
+    subcommand: tuple[str, ...]  # after `python -m trainer`
+    parser: str  # "module:function" returning the kind's argparse parser
+    reads: tuple[str, ...]  # option dests naming paths the job reads
+    writes: tuple[str, ...]  # option dests naming paths the job writes
+    resumes_by: str  # how a relaunch after a stop continues (docs/jobs.md)
+    gpus: bool  # holds GPUs (or rank slots on CPU): the GPU checks of a launch apply
+    # options a run config does not hold, and why (the agent sets them for each run)
+    not_in_config: tuple[tuple[str, str], ...] = ()
+
+    def build_parser(self):
+        module, _, func = self.parser.partition(":")
+        factory: Callable = getattr(importlib.import_module(module), func)
+        return factory()
+
+
+KINDS: dict[str, Kind] = {k.name: k for k in (
+    Kind(TRAIN, "trainer", (), "trainer.flags:build_parser", ("data_dir", "target_model"), ("output_dir",),
+         "its checkpoint: `ctl launch … --resume-from CKPT`", True),
+    Kind("prepare", "prepare", ("prepare",), "trainer.data:build_parser", ("input",), ("out",),
+         "a rerun of the same config: the output directory appears only when complete", False),
+    Kind("regenerate", "regenerate", ("regenerate",), "trainer.regenerate:build_parser", ("input",), ("out",),
+         "a rerun of the same config: ids already in the output are skipped (each id exactly once)", False,
+         (("run_dir", "the agent gives every job its run directory ($DFLASH_RUN_DIR)"),)),
+)}
+DATA_KINDS = tuple(k for k in KINDS if not KINDS[k].gpus)
+
+
+def get(name: str) -> Kind:
+    try:
+        return KINDS[name]
+    except KeyError:
+        raise ValueError(f"kind = {name!r}: not a job kind; use one of {', '.join(KINDS)}") from None
