@@ -7,7 +7,6 @@ directory listing and the read (that race is the normal case while a job is dyin
 
 from __future__ import annotations
 
-import ctypes
 import os
 import signal
 import time
@@ -181,6 +180,8 @@ class Identity:
 def set_child_subreaper(on: bool = True) -> bool:
     """Orphaned descendants are re-parented to us instead of init, so none escapes the
     tree we sweep at stop (skypilot PR#9672, ray PR#42992: research §4.3, §4.7)."""
+    import ctypes  # here, not at the top: the read-only views (agent.runview) import procs and never need it
+
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         return libc.prctl(PR_SET_CHILD_SUBREAPER, 1 if on else 0, 0, 0, 0) == 0

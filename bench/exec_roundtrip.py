@@ -11,7 +11,8 @@ the very command `ctl exec` sends, raw `ssh … true` (connection and login shel
 the same with the curve25519 key exchange paramiko gets from the sim's sshd, ctl's start-up
 alone (Python and the imports of `ctl exec`), and on one already open connection inside one
 process `Container.exec(["true"])` and the agent
-call `ctl status` makes (`agent.runview status`: the container's python starting); and one
+call `ctl status` makes (`agent.runview status`: the container's python starting, without
+site as ctl starts it, and with site for comparison); and one
 `ctl exec` split into its interpreter start, imports, ssh and exit. Figures go to
 docs/benchmarks.md under "ctl exec round trip".
 
@@ -216,7 +217,9 @@ def main() -> None:
         caller = AgentCaller(ct)
         ct.exec(["true"], check=True)
         caller.call("agent.runview", ["status", "--workspace", ct.config.workspace])  # the bundle is there
-        warm, agent_warm = [], []
+        # The same call with site, as it was before the read-only views dropped it (-S).
+        with_site = [caller.python, "-m", "agent.runview", "status", "--workspace", ct.config.workspace]
+        warm, agent_warm, agent_site = [], [], []
         for _ in range(args.n):
             start = time.perf_counter()
             ct.exec(["true"], check=True)
@@ -224,14 +227,17 @@ def main() -> None:
             start = time.perf_counter()
             caller.call("agent.runview", ["status", "--workspace", ct.config.workspace])
             agent_warm.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            ct.exec(with_site, env=caller.env(), check=True)
+            agent_site.append(time.perf_counter() - start)
         ct.exec(["rm", "-rf", "--", run_dir], check=True)
     warm_conns = SSHRunner.connections_opened - before
 
     load_after = os.getloadavg()[0]
     (ctl_med, first_med, ssh_med, warm_med, start_med, status_med, tail_med, true_med, curve_med, agent_med,
-     as_ctl_med) = (statistics.median(x) * 1000 for x in (ctl_times, first_times, ssh_times, warm, start_times,
-                                                         status_times, tail_times, true_times, curve_times,
-                                                         agent_warm, as_ctl_times))
+     as_ctl_med, site_med) = (statistics.median(x) * 1000 for x in (ctl_times, first_times, ssh_times, warm,
+                                                                   start_times, status_times, tail_times, true_times,
+                                                                   curve_times, agent_warm, as_ctl_times, agent_site))
     split = {k: statistics.median(s[k] for s in splits) * 1000 for k in splits[0]}
     now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     section = "\n".join([
@@ -268,6 +274,8 @@ def main() -> None:
         f"{warm_med / ssh_med:.2f}× | {warm_conns} for all |",
         f"| `agent.runview status` (the call `ctl status` makes) on the same open connection | {agent_med:.0f} ms | "
         f"{agent_med / ssh_med:.2f}× | (same) |",
+        f"| the same call with site (no `-S`: controller/agentcall.py NO_SITE_CALLS) | {site_med:.0f} ms | "
+        f"{site_med / ssh_med:.2f}× | (same) |",
         "",
         "Each `ctl` command includes starting Python and importing what that command uses, and reaches "
         "the node through the operator's `ssh` binary (controller/openssh.py), one session; the first "

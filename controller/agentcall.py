@@ -25,6 +25,21 @@ from controller.transport import Result, Stdin
 
 SYSTEM_PYTHON = "/usr/bin/python3"
 
+# The read-only views an operator types many times a minute (`ctl status`, `ctl tail`, a
+# followed stream) run the agent's own standard-library code and import nothing from
+# site-packages, so their interpreter starts without site (-S): no site-packages scan and no
+# .pth files (the venv's distutils-precedence.pth) — the part of the call that is python's
+# start-up, not the answer (docs/benchmarks.md, issue 28). Not -I or -E: the bundle reaches
+# python through PYTHONPATH. Processes these calls start (an agent re-attached by
+# `runview status`) are exec'd fresh from sys.executable and get site as usual. Every other
+# call keeps site: the trainer and GPU sampling (nvidia-ml-py) import from the venv.
+NO_SITE_CALLS = frozenset({("agent.runview", "status"), ("agent.runview", "stream"), ("agent", "follow")})
+
+
+def interpreter_flags(module: str, args: Sequence[str]) -> list[str]:
+    """The python flags for ``python3 -m module args…``: -S for NO_SITE_CALLS, none otherwise."""
+    return ["-S"] if (module, str(args[0]) if args else "") in NO_SITE_CALLS else []
+
 # reply hook: (result, payload or None) → raise to refuse it; the payload is returned otherwise
 ReplyHook = Callable[[Result, Optional[dict]], None]
 
@@ -76,7 +91,7 @@ class AgentCaller:
 
     def run(self, module: str, args: Sequence[str] = (), *, stdin: Stdin = None, **kw) -> Result:
         """The raw result (streaming callbacks allowed through ``kw``)."""
-        argv = [self.python, "-m", module, *[str(a) for a in args]]
+        argv = [self.python, *interpreter_flags(module, args), "-m", module, *[str(a) for a in args]]
         for attempt in (1, 2):
             self.round_trips += 1
             result = self.ct.exec(argv, env=self.env(), stdin=stdin, **kw)

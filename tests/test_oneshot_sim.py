@@ -15,17 +15,17 @@ import json
 import os
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 
-from agent.protocol import RunStatus
 from controller import config as cfg
 from controller.agentcall import AgentCaller
 from controller.container import Container
 from controller.ssh import SSHRunner
+
+from tests._finished_run import finish_a_true_run
 
 pytestmark = pytest.mark.sim
 
@@ -69,14 +69,7 @@ def a_run(sim_node, ctl_config):
     with SSHRunner.for_node(name, node) as runner:
         ct = Container(runner, name, node, CT)
         caller = AgentCaller(ct)
-        caller.call("agent", ["start", "--run-dir", RUN_DIR, "--", "true"], check=True)
-        for _ in range(300):  # the agent notices the job's end within a tick or two
-            status = caller.call("agent", ["status", "--run-dir", RUN_DIR], check=True)
-            if RunStatus.from_json(status["status"] or {}).terminal:
-                break
-            time.sleep(0.2)
-        else:
-            pytest.fail(f"the run of `true` did not end: {status}")
+        finish_a_true_run(caller, RUN_DIR)
         yield RUN_ID
         ct.exec(["rm", "-rf", RUN_DIR], check=True)
 
