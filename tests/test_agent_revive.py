@@ -28,7 +28,11 @@ def _kill_agent_and_wait_for_the_next(run_dir) -> int:
     """kill -9 of the agent; the new one's pid once it supervises (it has written status.json)."""
     old = agent_pid(run_dir)
     os.kill(old, signal.SIGKILL)
-    return wait_for(lambda: (p := status(run_dir).get("agent_pid")) != old and _alive(p) and p, 30,
+    # Alive, or already gone because the run ended: the monitor's delay doubles with each
+    # revival inside a minute, so the job may finish before it, and the monitor then starts
+    # one agent to finalize the run (which exits at once).
+    return wait_for(lambda: (p := status(run_dir).get("agent_pid")) != old and p
+                    and (_alive(p) or status(run_dir).get("state") in ("completed", "failed", "stopped")) and p, 30,
                     what="the job's monitor to start a new agent")
 
 

@@ -44,9 +44,13 @@ def trainer(*argv, umask=None):
 
 def documented_fields(doc: str = "export.md") -> list[tuple[str, str]]:
     """(field, consumers) of every row of docs/``doc``'s config.json table."""
-    rows = []
+    rows, inside = [], False
     for line in (ROOT / "docs" / doc).read_text().splitlines():
-        m = re.match(r"\| `([a-z_.A-Z]+)` \| [^|]+ \| (.+) \|$", line)
+        if line.startswith("| field | written | consumer"):  # that table only: other tables name other things
+            inside = True
+        elif inside and not line.startswith("|"):
+            break
+        m = re.match(r"\| `([a-z_.A-Z]+)` \| [^|]+ \| (.+) \|$", line) if inside else None
         if m:
             rows.append((m.group(1), m.group(2)))
     return rows

@@ -13,7 +13,7 @@ import typer
 COMMANDS: dict[str, str] = {
     "exec": "remote",
     "env": "envs",
-    "launch": "launch", "tail": "run", "status": "run", "runs": "run",
+    "launch": "launch", "tail": "run", "status": "run", "runs": "run", "stop": "run",
     "kill-and-rollback": "rollback", "history": "rollback",
     "sim": "sim",
     "export": "export",
