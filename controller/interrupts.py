@@ -75,3 +75,13 @@ def pause_point(name: str) -> None:
     go = os.path.join(directory, f"{name}.go")
     while not os.path.exists(go):
         time.sleep(0.02)
+
+
+def how_to_follow_and_stop(follow_line: str, stop_line: str) -> list[str]:
+    """The two lines printed after every start, single run or job."""
+    return [f"  follow: {follow_line}", f"  stop:   {stop_line}"]
+
+
+def went_on(what: str, follow_line: str, stop_line: str, where: str = "") -> str:
+    """Ctrl-C arrived after ``what`` started: the message says it goes on and how to reach it."""
+    return f"interrupted after {what} started{where}: it goes on; follow: `{follow_line}`; stop: `{stop_line}`"

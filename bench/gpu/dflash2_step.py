@@ -81,11 +81,12 @@ def batch(shape, b: int, L: int, n_anchors: int, n_tapped: int, dev, dtype):
                       final=torch.randn(b, L, shape.hidden, device=dev, dtype=dtype, generator=g))
 
 
-def run(arch: str, iters: int, shape=fl.QWEN3_8B, config: dict = OPERATORS, device: str = "cuda") -> dict:
+def drafter_and_head(arch: str, shape, config: dict, dev):
+    """A fresh drafter at ``shape`` (seeded) and a random frozen head, peak stats reset: what
+    every step bench here starts from. Returns (flag values, args, drafter config, drafter,
+    head, dtype)."""
     from trainer.model import Drafter, DrafterConfig, FrozenHead
-    from trainer.step import make_step
 
-    dev = torch.device(device)
     cuda = dev.type == "cuda"
     values = {**flags.defaults(), **config, "drafter_arch": arch}
     args = SimpleNamespace(**values)
@@ -100,6 +101,15 @@ def run(arch: str, iters: int, shape=fl.QWEN3_8B, config: dict = OPERATORS, devi
     dtype = torch.bfloat16 if cuda else torch.float32  # the trainer's: target states and head in bf16 on GPU
     head = FrozenHead(torch.randn(shape.vocab, shape.hidden, device=dev, dtype=dtype, generator=g) * 0.02,
                       torch.randn(shape.vocab, shape.hidden, device=dev, dtype=dtype, generator=g) * 0.02)
+    return values, args, dcfg, drafter, head, dtype
+
+
+def run(arch: str, iters: int, shape=fl.QWEN3_8B, config: dict = OPERATORS, device: str = "cuda") -> dict:
+    from trainer.step import make_step
+
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    values, args, dcfg, drafter, head, dtype = drafter_and_head(arch, shape, config, dev)
     decayed = {n: p.dim() >= 2 and not n.endswith("base_kernel") for n, p in drafter.named_parameters()}
     opt = torch.optim.AdamW([{"params": [p for n, p in drafter.named_parameters() if decayed[n]], "weight_decay": 0.01},
                              {"params": [p for n, p in drafter.named_parameters() if not decayed[n]], "weight_decay": 0.0}],

@@ -34,11 +34,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 import traceback
-from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "gpu")]
@@ -75,24 +73,9 @@ def save():
 
 
 def _timed(fn, warmup: int = 2, iters: int = 5, cuda: bool = True):
-    import torch
+    from run_all import timed  # bench/gpu is on the path (this script's folder); it imports torch
 
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(iters):
-        if cuda:
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            torch.cuda.synchronize()
-            ts.append(s.elapsed_time(e) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
-    return statistics.median(ts), ts
+    return timed(fn, warmup, iters, cuda)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -278,9 +261,8 @@ def phase_step(smoke: bool, iters: int, archs: list[str], flex_opts: dict, ceili
     import torch
 
     import dflash2_step as ds
-    from trainer import budget, flags
+    from trainer import budget
     from trainer import memory as mm
-    from trainer.model import Drafter, DrafterConfig, FrozenHead
     from trainer.step import make_step
     from trainer.train import compile_stats
 
@@ -293,19 +275,7 @@ def phase_step(smoke: bool, iters: int, archs: list[str], flex_opts: dict, ceili
             name = f"{arch}:{variant}"
             try:
                 _set_variant(variant == "after", flex_opts)
-                values = {**flags.defaults(), **config, "drafter_arch": arch}
-                args = SimpleNamespace(**values)
-                if cuda:
-                    torch.cuda.empty_cache()
-                    torch.cuda.reset_peak_memory_stats()
-                torch.manual_seed(0)
-                dcfg = DrafterConfig.for_shape(shape, args.num_draft_layers, args.block_size, drafter_arch=arch)
-                with torch.device(dev):
-                    drafter = Drafter(dcfg)
-                g = torch.Generator(device=dev).manual_seed(1)
-                dtype = torch.bfloat16 if cuda else torch.float32
-                head = FrozenHead(torch.randn(shape.vocab, shape.hidden, device=dev, dtype=dtype, generator=g) * 0.02,
-                                  torch.randn(shape.vocab, shape.hidden, device=dev, dtype=dtype, generator=g) * 0.02)
+                values, args, dcfg, drafter, head, dtype = ds.drafter_and_head(arch, shape, config, dev)
                 opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4, weight_decay=0.01, fused=cuda or None)
                 step = make_step(args, drafter, head, dcfg)
                 b = args.token_budget // args.max_seq_len

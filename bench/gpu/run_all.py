@@ -45,12 +45,20 @@ def record(**kw):
     log(json.dumps(kw))
 
 
-def timed(fn, warmup=2, iters=5):
+def timed(fn, warmup=2, iters=5, cuda=True):
+    """(median s, every s) of ``fn`` after ``warmup`` calls: CUDA events on a GPU, the wall
+    clock on CPU (the CPU smoke runs of the benches)."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     ts = []
     for _ in range(iters):
+        if not cuda:
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+            continue
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         fn()

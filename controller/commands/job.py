@@ -74,6 +74,7 @@ def launch(containers: list[str], run_config, start: dict, *, node: Optional[str
         job.save_record(ctl_config, result)
         remember(ctl_config, members[0].node, members[0].ctid, result.run_id)
         labels = [m.label for m in members]
+        follow_line, stop_line = f"ctl tail --run {result.run_id} --follow", f"ctl kill-and-rollback --run {result.run_id}"
         if json_out:
             typer.echo(json.dumps({"run_id": result.run_id, "job": True, "containers": labels,
                                    "endpoint": result.endpoint, "layout": job.layout(members), "starts": result.starts,
@@ -81,11 +82,10 @@ def launch(containers: list[str], run_config, start: dict, *, node: Optional[str
         else:
             typer.echo(f"job {result.run_id} started in {', '.join(labels)} (rendezvous {result.endpoint}, "
                        f"{result.timings['total_s']:.1f} s)")
-            typer.echo(f"  follow: ctl tail --run {result.run_id} --follow")
-            typer.echo(f"  stop:   ctl kill-and-rollback --run {result.run_id}")
+            for line in interrupts.how_to_follow_and_stop(follow_line, stop_line):
+                typer.echo(line)
     if interrupts.interrupted():
-        raise fail(f"interrupted after job {result.run_id} started: it goes on; follow: `ctl tail --run "
-                   f"{result.run_id} --follow`; stop: `ctl kill-and-rollback --run {result.run_id}`", EXIT_INTERRUPTED)
+        raise fail(interrupts.went_on(f"job {result.run_id}", follow_line, stop_line), EXIT_INTERRUPTED)
     if follow:
         return tail(members, result.run_id, ctl_config=ctl_config, follow=True, raw=False, since=0,
                     trust_new_host_key=trust_new_host_key)

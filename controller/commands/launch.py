@@ -154,11 +154,10 @@ def launch_command(
                 typer.echo(f"run {result.run_id} started in {ct}: state {first.get('state')}, agent pid "
                            f"{first.get('agent_pid')}, job pid {first.get('job_pid')} ({result.round_trips} round "
                            f"trips, {result.timings['total_s']:.1f} s)")
-                typer.echo(f"  follow: {follow_line}")
-                typer.echo(f"  stop:   {stop_line}")
+                for line in interrupts.how_to_follow_and_stop(follow_line, stop_line):
+                    typer.echo(line)
         if interrupts.interrupted():
-            raise fail(f"interrupted after run {run_id} started in {ct}: it goes on; follow: `{follow_line}`; "
-                       f"stop: `{stop_line}`", EXIT_INTERRUPTED)
+            raise fail(interrupts.went_on(f"run {run_id}", follow_line, stop_line, where=f" in {ct}"), EXIT_INTERRUPTED)
         code = 0
         if follow:
             code = _follow(ct, AgentCaller(ct), result.run_id, 0, True, False)
