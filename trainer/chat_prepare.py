@@ -21,7 +21,9 @@ from typing import Iterator
 
 import numpy as np
 
+from agent.protocol import fmt_duration
 from trainer import chatrows
+from trainer.progress import eta_s
 from trainer.chat_template import RENDER_CAUSES, Renderer
 
 CAUSES = {**chatrows.CAUSES, **RENDER_CAUSES}
@@ -219,8 +221,6 @@ class Progress:
         self._event(0, 0, 0 if total_bytes else None, force=True)
 
     def _event(self, samples: int, tokens: int, done_bytes: int | None, force: bool = False) -> None:
-        from trainer.progress import eta_s
-
         secs = self.job.elapsed()
         self.job.update(force, samples=samples, tokens=tokens, bytes_done=done_bytes, bytes_total=self.total_bytes,
                         samples_per_s=round(samples / secs, 1), tokens_per_s=round(tokens / secs, 1),
@@ -245,7 +245,7 @@ class Progress:
                  f"{tokens / secs:,.0f} tokens/s"]
         frac = (done_bytes / self.total_bytes) if self.total_bytes and done_bytes is not None else None
         if frac:
-            parts.append(f"ETA {fmt_secs(secs * (1 - frac) / frac)}")
+            parts.append(f"ETA {fmt_duration(eta_s(done_bytes, self.total_bytes, secs))}")
         if bar and frac is not None:
             n = int(24 * min(frac, 1.0))
             parts.insert(0, f"[{'#' * n}{'.' * (24 - n)}] {frac:4.0%}")
@@ -257,9 +257,3 @@ class Progress:
         if self.tty and self.last_draw:
             self.stream.write("\n")
             self.stream.flush()
-
-
-def fmt_secs(secs: float) -> str:
-    secs = int(round(secs))
-    h, rest = divmod(secs, 3600)
-    return f"{h}:{rest // 60:02d}:{rest % 60:02d}" if h else f"{rest // 60}:{rest % 60:02d}"
