@@ -25,10 +25,17 @@ Simulated Proxmox node (sim/, docs/sim.md) — session scope, for tests marked `
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 
 from _simnode import session_node
+
+# scripts/test.sh runs one pytest as a background job of a non-interactive shell, which starts
+# it with SIGINT ignored; Python then installs no KeyboardInterrupt handler, and every child
+# inherits the ignore: the Ctrl-C tests saw their signal vanish (prepare ran to the end, exit 0).
+# A caught signal is reset to the default at exec, so the children start as from a terminal.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 

@@ -22,6 +22,7 @@ rollback to another torch never loads kernels built by this one. The generation 
 from __future__ import annotations
 
 import os
+import sys
 import re
 from typing import MutableMapping
 
@@ -40,7 +41,13 @@ def interpreter_generation() -> str:
     distributions and torch build) — the id its venv generation has."""
     from agent import envfp
 
-    return envfp.collect()["id"]
+    # Taken by the interpreter itself in isolated mode, as agent/envgen.py takes a venv's: the
+    # running process's sys.path (PYTHONPATH, a checkout with its egg-info, paths a caller
+    # added) would name other distributions and give another id than the generation's.
+    try:
+        return envfp.of_python(sys.executable)["id"]
+    except envfp.FingerprintError:
+        return envfp.collect()["id"]
 
 
 def env_generation(environ: MutableMapping[str, str] = os.environ) -> str:
