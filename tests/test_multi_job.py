@@ -321,3 +321,49 @@ def test_following_a_job_the_controller_stops_what_torch_would_leave_waiting(env
     assert st["containers"]["sim2:300"]["result"]["root_cause"]["kind"] == "network_failure"
     assert st["containers"]["sim2:301"]["status"]["state"] in ("stopped", "failed")
     assert "FAILED" in err and "sim2:300" in err
+
+
+def test_a_start_reply_lost_in_the_commit_stops_the_job_and_never_says_nothing_started(env, sim_node, sim2_node,
+                                                                                       tmp_path):
+    """The link to sim2 dies between the job's preflights and its commits (every sshd process
+    serving ctl there killed at the commit's pause point): 200 has started, 300's start reply
+    never comes. The job is stopped where it ran, and the one line says the start may have
+    happened and how to check — never "nothing was started" (issue 26's last finding)."""
+    import psutil
+
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    point = "launch.commit"
+    proc = subprocess.Popen(CTL + ["launch", "--config", env["config"], "--from-scratch", "-c", "sim:200", "-c",
+                                   "sim2:300", "--target-gpus", "sim:200=0", "--drafter-gpus", "sim2:300=0",
+                                   "--set", "max-steps=2000", "--set", "epochs=40", "--set", "dist-timeout=600"],
+                            env={**env["env"], "DFLASH_CTL_PAUSE_AT": point, "DFLASH_CTL_PAUSE_DIR": str(pause)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until = time.monotonic() + 300
+        while not (pause / f"{point}.reached").exists():
+            assert proc.poll() is None and time.monotonic() < wait_until, proc.communicate()
+            time.sleep(0.05)
+        for child in psutil.Process(sim2_node.sshd.pid()).children(recursive=True):
+            child.kill()  # the node's end of every connection to sim2: ctl's included
+        (pause / f"{point}.go").write_text("")
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    run_id = next(w for w in (out + err).replace("`", " ").replace(":", " ").split() if w.startswith("multi-"))
+    assert proc.returncode == 255 and "Traceback" not in err, (proc.returncode, err[-3000:])
+    assert "nothing was started" not in err, err
+    assert f"job {run_id}: the start reply from sim2:300 was lost" in err and "it may have started" in err, err
+    assert f"`ctl status --run {run_id}`" in err, err
+    # 200 started and was stopped: no run of the job is left waiting at the rendezvous.
+    def ended():
+        p = attach(sim_node, 200, "cat", f"/workspace/runs/{run_id}/status.json", check=False)
+        try:
+            return json.loads(p.stdout).get("state") in ("stopped", "failed", "completed")
+        except ValueError:
+            return p.returncode != 0  # never created
+    deadline = time.monotonic() + 60
+    while not ended():
+        assert time.monotonic() < deadline, "the run in sim:200 is still live"
+        time.sleep(0.5)
