@@ -135,15 +135,19 @@ def _strip_src(raw: bytes) -> bytes:
     return raw[:i] + b"}\n" if i >= 0 else raw
 
 
-def _terminal(raw: bytes) -> Optional[RunState]:
-    """The terminal state a status record carries; None for any other record."""
+def _status_state(raw: bytes) -> Optional[RunState]:
+    """The state a status record carries; None for any other record."""
     if b'"kind":"status"' not in raw:
         return None
     try:
-        state = RunState(json.loads(raw)["payload"].get("state"))
+        return RunState(json.loads(raw)["payload"].get("state"))
     except (ValueError, KeyError, TypeError, AttributeError):
         return None
-    return state if state.is_terminal() else None
+
+
+def _after(state: Optional[RunState], last_state: Optional[RunState]) -> tuple[bool, Optional[RunState]]:
+    """(the record just read is a terminal status, the last status state seen so far)."""
+    return state is not None and state.is_terminal(), state or last_state
 
 
 def follow(run_dir: str, after: int, out: IO[bytes], agent_alive: Callable[[], bool],
@@ -163,7 +167,9 @@ def follow(run_dir: str, after: int, out: IO[bytes], agent_alive: Callable[[], b
         time.sleep(poll)
     buf = b""
     last_seq = after
-    terminal: Optional[RunState] = None  # the last record read (printed or not) is this terminal status
+    terminal = False  # the last record read (printed or not) is a terminal status
+    last_state: Optional[RunState] = None  # of the last status record read, printed or not (records
+    # such as a GPU sample may follow a run's final status)
     last_check = time.monotonic()
     with open(path, "rb") as fh:
         while True:
@@ -181,14 +187,15 @@ def follow(run_dir: str, after: int, out: IO[bytes], agent_alive: Callable[[], b
                         seq = _seq_of(raw)
                     except ValueError:
                         continue  # a line torn by a killed agent (see StreamWriter._recover)
+                    state = _status_state(raw)
                     if seq <= last_seq:
-                        terminal = _terminal(raw)
+                        terminal, last_state = _after(state, last_state)
                         continue
                     try:
                         json.loads(raw)
                     except ValueError:
                         continue  # torn: its seq is reused by the next valid record
-                    terminal = _terminal(raw)
+                    terminal, last_state = _after(state, last_state)
                     last_seq = seq
                     emitted.append(_strip_src(raw))
                 if emitted:
@@ -196,7 +203,7 @@ def follow(run_dir: str, after: int, out: IO[bytes], agent_alive: Callable[[], b
                     out.flush()
                 continue
             if once:
-                return EXIT_STREAM_RUN_FAILED if terminal is RunState.FAILED else EXIT_OK
+                return EXIT_STREAM_RUN_FAILED if last_state is RunState.FAILED else EXIT_OK
             if terminal:
                 return EXIT_OK
             now = time.monotonic()

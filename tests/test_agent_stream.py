@@ -209,7 +209,14 @@ def test_stream_once_exits_6_for_a_failed_run_even_from_past_its_last_record(tmp
         start(rd, [PY, "-c", f"import sys; print('hello'); sys.exit({code})"], *NO_REVIVAL)
         res = wait_terminal(rd, 30)
         assert res["state"] == ("completed" if code == 0 else "failed")
+        # A record after the final status, as a re-attached agent's GPU sample lands there.
+        n = len(records(rd))
+        with open(os.path.join(rd, "stream.jsonl"), "a") as fh:
+            fh.write(json.dumps({"seq": n + 1, "ts": time.time(), "kind": "event",
+                                 "payload": {"kind": "gpus", "gpus": {"state": "no GPU"}}},
+                                separators=(",", ":")) + "\n")
         last = len(records(rd))
+        assert last == n + 1
         for after in (0, last):
             proc = subprocess.run([PY, "-m", "agent.runview", "stream", "--workspace", str(ws), "--run", "r1",
                                    "--from", str(after)], capture_output=True, env=env(), cwd=REPO, timeout=30)

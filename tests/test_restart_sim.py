@@ -137,4 +137,5 @@ def test_a_container_left_stopped_ends_the_follower_after_its_wait_with_one_line
     seqs = attach(sim_node, CT, "wc", "-l", f"/workspace/runs/{run_id}/stream.jsonl").stdout.split()[0]
     for since in ("0", seqs):
         tail = ctl(env, "tail", "--container", CT, "--run", run_id, "--since", since)
-        assert tail.returncode == 1, (since, tail.stdout[-1000:], tail.stderr)
+        assert tail.returncode == 1, (since, tail.stdout[-1000:], tail.stderr, attach(
+            sim_node, CT, "tail", "-n", "3", f"/workspace/runs/{run_id}/stream.jsonl").stdout)
