@@ -325,12 +325,16 @@ def test_following_a_job_the_controller_stops_what_torch_would_leave_waiting(env
 
 def test_a_start_reply_lost_in_the_commit_stops_the_job_and_never_says_nothing_started(env, sim_node, sim2_node,
                                                                                        tmp_path):
-    """The link to sim2 dies between the job's preflights and its commits (every sshd process
-    serving ctl there killed at the commit's pause point): 200 has started, 300's start reply
-    never comes. The job is stopped where it ran, and the one line says the start may have
+    """The link to sim2 dies while 300's start is in flight: 200 has started; ctl's request
+    to 300 went into a connection whose node end is frozen, then killed (a network cut), so no
+    reply comes. The job is stopped wherever it ran, and the one line says the start may have
     happened and how to check — never "nothing was started" (issue 26's last finding)."""
     import psutil
 
+    def runs_in_200() -> set[str]:
+        return set(attach(sim_node, 200, "sh", "-c", "ls /workspace/runs 2>/dev/null", check=False).stdout.split())
+
+    before = runs_in_200()
     pause = tmp_path / "pause"
     pause.mkdir()
     point = "launch.commit"
@@ -339,30 +343,42 @@ def test_a_start_reply_lost_in_the_commit_stops_the_job_and_never_says_nothing_s
                                    "--set", "max-steps=2000", "--set", "epochs=40", "--set", "dist-timeout=600"],
                             env={**env["env"], "DFLASH_CTL_PAUSE_AT": point, "DFLASH_CTL_PAUSE_DIR": str(pause)},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    frozen = []
     try:
-        wait_until = time.monotonic() + 300
+        deadline = time.monotonic() + 300
         while not (pause / f"{point}.reached").exists():
-            assert proc.poll() is None and time.monotonic() < wait_until, proc.communicate()
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.05)
-        for child in psutil.Process(sim2_node.sshd.pid()).children(recursive=True):
-            child.kill()  # the node's end of every connection to sim2: ctl's included
+        # the node's end of ctl's connection to sim2 (and of any other): alive, silent
+        frozen = psutil.Process(sim2_node.sshd.pid()).children(recursive=True)
+        for child in frozen:
+            child.suspend()
         (pause / f"{point}.go").write_text("")
+        while not runs_in_200() - before:  # 200's start came back; 300's is sent next
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        time.sleep(2)
+        for child in frozen:
+            child.kill()  # the cut: ctl's connection ends with 300's request unanswered
+        frozen = []
         out, err = proc.communicate(timeout=300)
     finally:
+        for child in frozen:
+            child.kill()
         if proc.poll() is None:
             proc.kill()
-    run_id = next(w for w in (out + err).replace("`", " ").replace(":", " ").split() if w.startswith("multi-"))
-    assert proc.returncode == 255 and "Traceback" not in err, (proc.returncode, err[-3000:])
+    [run_id] = runs_in_200() - before
+    assert proc.returncode == 255 and "Traceback" not in err, (proc.returncode, out[-2000:], err[-3000:])
     assert "nothing was started" not in err, err
     assert f"job {run_id}: the start reply from sim2:300 was lost" in err and "it may have started" in err, err
     assert f"`ctl status --run {run_id}`" in err, err
-    # 200 started and was stopped: no run of the job is left waiting at the rendezvous.
-    def ended():
+
+    def ended():  # 200 started and was stopped: nothing of the job waits at the rendezvous
         p = attach(sim_node, 200, "cat", f"/workspace/runs/{run_id}/status.json", check=False)
         try:
             return json.loads(p.stdout).get("state") in ("stopped", "failed", "completed")
         except ValueError:
-            return p.returncode != 0  # never created
+            return False
     deadline = time.monotonic() + 60
     while not ended():
         assert time.monotonic() < deadline, "the run in sim:200 is still live"
