@@ -17,6 +17,7 @@ command typer builds, and that both read the same values from the same command l
 
 from __future__ import annotations
 
+import errno
 import sys
 from typing import Callable, NamedTuple, Optional
 
@@ -138,10 +139,19 @@ def plain_call(argv: list[str]) -> Optional[Callable[[], int]]:
 
 
 def run(call: Callable[[], int]) -> None:
-    """Run ``call`` and exit with its code, ending as click's standalone mode ends a command."""
+    """Run ``call`` and exit with its code, ending as click's standalone mode ends a command:
+    Ctrl-C outside a command's own handling is "Aborted!" and 1; a reader that went away
+    (`ctl status | head -1`) is 1, quietly."""
     try:
         code = call()
-    except KeyboardInterrupt:  # outside a command's own handling: click's words
+    except KeyboardInterrupt:
         sys.stderr.write("\nAborted!\n")
+        code = 1
+    except OSError as exc:
+        if exc.errno != errno.EPIPE:
+            raise
+        from controller.commands.plain import quiet_if_stdout_closed
+
+        quiet_if_stdout_closed()  # what is still buffered must not fail again at exit
         code = 1
     sys.exit(code)

@@ -156,3 +156,20 @@ def test_help_and_usage_errors_are_typers(env):
     assert helped.returncode == 0 and "Usage:" in helped.stdout and "--container" in helped.stdout
     missing = ctl(env, "exec", "--", "true")
     assert missing.returncode == 2 and "Missing option '--container'" in missing.stderr
+
+
+def test_a_reader_that_went_away_ends_the_command_quietly_with_1_as_under_typer():
+    """`ctl status | head -1`: click's standalone mode exits 1 without a traceback; so does
+    the front. (A command that writes into a closed pipe, both ways.)"""
+    body = "lambda: [print('line ' * 1000) for _ in range(1000)] and 0"
+    front_code = f"from controller import front\nfront.run({body})\n"
+    typer_code = ("import typer\napp = typer.Typer()\n@app.command()\ndef c() -> None:\n"
+                  f"    raise typer.Exit(({body})())\napp()\n")
+    results = []
+    for code in (front_code, typer_code):
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env={**os.environ, "PYTHONPATH": str(REPO)})
+        proc.stdout.close()  # the reader is gone before the first line
+        err = proc.stderr.read().decode()
+        results.append((proc.wait(timeout=60), err))
+    assert results[0] == results[1] == (1, ""), results
