@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Optional
 
 from controller.config import NodeConfig
+from controller.configcache import cache_dir
 from controller import sshmux
 from controller.sshconfig import (CONNECT_TIMEOUT_S, SERVER_ALIVE_COUNT, SERVER_ALIVE_S, missing_config_message,
                                   ssh_config_path)
@@ -51,10 +52,6 @@ SSH = "ssh"
 # have completed, and running it again is the operator's decision.
 _LOST = re.compile(rb"^(Connection to \S+ closed by remote host\.|Timeout, server \S+ not responding\."
                    rb"|client_loop: send disconnect: .*|packet_write_wait: .*)\s*$", re.M)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "dflash-ctl"
 
 
 def _arg(value: str) -> str:
