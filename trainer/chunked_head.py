@@ -98,13 +98,21 @@ def balanced_chunk_blocks(n_blocks: int, chunk_rows: int, K: int) -> int:
 
 
 _FNS = {}
+# "0": the compiled passes above instead of trainer/head_kernels.py's Triton kernels (bench before/after)
+TRITON = os.environ.get("DFLASH_HEAD_TRITON", "1") == "1"
 
 
 def _fns(device: torch.device):
-    """The four elementwise passes, compiled (fused, one read of the logits each) on CUDA."""
-    key = device.type
+    """The four elementwise passes: on CUDA trainer/head_kernels.py's Triton kernels (the
+    statistics in one read of each row) or, with ``TRITON`` off, the functions above compiled;
+    on CPU the functions above as they are."""
+    key = (device.type, device.type == "cuda" and TRITON)
     if key not in _FNS:
-        if key == "cuda":
+        if key == ("cuda", True):
+            from trainer import head_kernels as hk
+
+            _FNS[key] = (hk.stats, hk.stats_soft, hk.grad, hk.grad_soft)
+        elif device.type == "cuda":
             c = lambda f: torch.compile(f, dynamic=False)  # noqa: E731  (static: see fused_ops)
             _FNS[key] = (c(_stats), c(_stats_soft), c(_grad), c(_grad_soft))
         else:

@@ -1,0 +1,169 @@
+"""The LM head's two passes over a chunk's logits as hand-written Triton kernels (CUDA only;
+trainer/chunked_head.py's reference functions stay the CPU path and the definition).
+
+Issue 29's profile put the head's elementwise passes at 1.14 TB/s against 4.21: Inductor's
+statistics reduction (logsumexp of z, of z/T and of the teacher's z_t/T, the KL, the argmax and
+the target's logit) walked each 151,936-wide row several times (a max pass, then a sum pass
+per logsumexp, then the KL's pass after both) — 3.7 ms per head chunk for 2.4 GB.
+
+:func:`stats` reads each row of the logits (and of the teacher's logits) once, with online
+logsumexps: per block of the row the block's maximum, the running sums rescaled by
+exp(m_old − m_new). Three facts keep it to one pass and few transcendentals:
+
+* max(z/T) = max(z)/T for T > 0, so z/T's running maximum is z's over T (no second max);
+* KL(p_t‖q) = Σ p_t·(z_t/T − z/T) − lse_t + lse_s, and Σ p_t·(z_t/T − z/T) is one more running
+  sum rescaled with the teacher's maximum (no pass after the logsumexps are known);
+* at T = 2, exp(z − m) = exp((z − m)/2)² (one exponential per student logit instead of two).
+
+:func:`grad` is the gradient pass, elementwise over (row, block) tiles: it reads the logits
+(and the teacher's) once more and writes ∂L/∂z in the GEMM's dtype. Same formulas as
+chunked_head's ``_grad`` / ``_grad_soft``; fp32 arithmetic throughout. The vocabulary size is a
+compile-time constant (one per head: the loop's trip count and the last block's mask are
+static).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["stats", "stats_soft", "grad", "grad_soft", "STATS_CONFIG", "GRAD_CONFIG"]
+
+# (BLOCK, num_warps): chosen on an H200 at the operators' chunk (3,968 × 151,936 bf16 rows);
+# bench/gpu/head_kernels_bench.py times the candidates
+STATS_CONFIG = (4096, 8)
+GRAD_CONFIG = (4096, 8)
+
+
+@triton.jit
+def _stats_kernel(z_ptr, zt_ptr, tgt_ptr, lse_ptr, ce_ptr, ok_ptr, lse_s_ptr, lse_t_ptr, kl_ptr,
+                  stride_z, stride_t, inv_T, V: tl.constexpr,
+                  SOFT: tl.constexpr, SQUARE: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    z_row = z_ptr + row * stride_z
+    t_row = zt_ptr + row * stride_t
+    neg_inf = float("-inf")
+    m = tl.full((), neg_inf, tl.float32)  # running max of z
+    s = tl.zeros((), tl.float32)  # Σ exp(z − m)
+    ss = tl.zeros((), tl.float32)  # Σ exp((z − m)/T)
+    mt = tl.full((), neg_inf, tl.float32)  # running max of z_t/T
+    st = tl.zeros((), tl.float32)  # Σ exp(z_t/T − mt)
+    at = tl.zeros((), tl.float32)  # Σ exp(z_t/T − mt)·(z_t/T − z/T)
+    best = tl.full((), neg_inf, tl.float32)
+    best_i = tl.zeros((), tl.int64)
+    for off in range(0, V, BLOCK):
+        idx = off + cols
+        mask = idx < V
+        x = tl.load(z_row + idx, mask=mask, other=neg_inf).to(tl.float32)
+        bm = tl.max(x, 0)
+        bi = tl.argmax(x, 0)
+        take = bm > best  # strictly: the first maximum wins, as torch.argmax
+        best_i = tl.where(take, off + bi.to(tl.int64), best_i)
+        best = tl.where(take, bm, best)
+        m_new = tl.maximum(m, bm)
+        if SOFT:
+            es = tl.exp((x - m_new) * inv_T)
+            if SQUARE:
+                e = es * es
+            else:
+                e = tl.exp(x - m_new)
+            ss = ss * tl.exp((m - m_new) * inv_T) + tl.sum(es, 0)
+            y = tl.load(t_row + idx, mask=mask, other=neg_inf).to(tl.float32) * inv_T
+            mt_new = tl.maximum(mt, tl.max(y, 0))
+            et = tl.exp(y - mt_new)
+            alpha = tl.exp(mt - mt_new)
+            st = st * alpha + tl.sum(et, 0)
+            at = at * alpha + tl.sum(tl.where(mask, et * (y - x * inv_T), 0.0), 0)
+            mt = mt_new
+        else:
+            e = tl.exp(x - m_new)
+        s = s * tl.exp(m - m_new) + tl.sum(e, 0)
+        m = m_new
+    lse = m + tl.log(s)
+    tgt = tl.load(tgt_ptr + row)
+    zy = tl.load(z_row + tgt).to(tl.float32)
+    tl.store(lse_ptr + row, lse)
+    tl.store(ce_ptr + row, lse - zy)
+    tl.store(ok_ptr + row, (best_i == tgt).to(tl.int8))
+    if SOFT:
+        lse_s = m * inv_T + tl.log(ss)
+        lse_t = mt + tl.log(st)
+        tl.store(lse_s_ptr + row, lse_s)
+        tl.store(lse_t_ptr + row, lse_t)
+        tl.store(kl_ptr + row, at / st - lse_t + lse_s)
+
+
+@triton.jit
+def _grad_kernel(z_ptr, zt_ptr, tgt_ptr, lse_ptr, lse_s_ptr, lse_t_ptr, g_ce_ptr, g_kl_ptr, out_ptr,
+                 stride_z, stride_t, stride_o, inv_T, V: tl.constexpr,
+                 SOFT: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < V
+    x = tl.load(z_ptr + row * stride_z + idx, mask=mask, other=0.0).to(tl.float32)
+    tgt = tl.load(tgt_ptr + row)
+    g_ce = tl.load(g_ce_ptr + row)
+    g = (tl.exp(x - tl.load(lse_ptr + row)) - (idx == tgt).to(tl.float32)) * g_ce
+    if SOFT:
+        y = tl.load(zt_ptr + row * stride_t + idx, mask=mask, other=0.0).to(tl.float32)
+        q = tl.exp(x * inv_T - tl.load(lse_s_ptr + row))
+        pt = tl.exp(y * inv_T - tl.load(lse_t_ptr + row))
+        g += (q - pt) * (tl.load(g_kl_ptr + row) * inv_T)
+    tl.store(out_ptr + row * stride_o + idx, g.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _stats(logits, teacher_logits, targets, T: float):
+    z = _rows(logits)
+    R, V = z.shape
+    soft = teacher_logits is not None
+    zt = _rows(teacher_logits) if soft else z
+    f32 = dict(dtype=torch.float32, device=z.device)
+    lse, ce = torch.empty(R, **f32), torch.empty(R, **f32)
+    ok = torch.empty(R, dtype=torch.int8, device=z.device)
+    lse_s, lse_t, kl = (torch.empty(R, **f32) for _ in range(3)) if soft else (lse, lse, lse)
+    block, warps = STATS_CONFIG
+    _stats_kernel[(R,)](z, zt, targets.contiguous(), lse, ce, ok, lse_s, lse_t, kl, z.stride(0), zt.stride(0),
+                        1.0 / float(T), V=V, SOFT=soft, SQUARE=float(T) == 2.0, BLOCK=block, num_warps=warps)
+    correct = ok.view(torch.bool)
+    return (lse, ce, correct, lse_s, lse_t, kl) if soft else (lse, ce, correct)
+
+
+def stats(logits: torch.Tensor, targets: torch.Tensor):
+    """chunked_head._stats: per row lse, ce, top-1 correct (fp32; correct as bool)."""
+    return _stats(logits, None, targets, 1.0)
+
+
+def stats_soft(logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor, T: float):
+    """chunked_head._stats_soft: lse, ce, correct, lse_s (of z/T), lse_t (of z_t/T), KL(p_t‖q)."""
+    return _stats(logits, teacher_logits, targets, T)
+
+
+def _grad(logits, teacher_logits, lse, lse_s, lse_t, targets, g_ce, g_kl, T: float, out_dtype):
+    z = _rows(logits)
+    R, V = z.shape
+    soft = teacher_logits is not None
+    zt = _rows(teacher_logits) if soft else z
+    out = torch.empty((R, V), dtype=out_dtype, device=z.device)
+    block, warps = GRAD_CONFIG
+    f = lambda t: t.contiguous().float()  # noqa: E731  (per-row scalars: tiny)
+    _grad_kernel[(R, triton.cdiv(V, block))](
+        z, zt, targets.contiguous(), f(lse), f(lse_s if soft else lse), f(lse_t if soft else lse), f(g_ce),
+        f(g_kl if soft else g_ce), out, z.stride(0), zt.stride(0), out.stride(0), 1.0 / float(T), V=V,
+        SOFT=soft, BLOCK=block, num_warps=warps)
+    return out
+
+
+def grad(logits, lse, targets, g_ce, out_dtype: torch.dtype):
+    """chunked_head._grad: g_ce · (softmax(z) − onehot(target)) in ``out_dtype``."""
+    return _grad(logits, None, lse, None, None, targets, g_ce, None, 1.0, out_dtype)
+
+
+def grad_soft(logits, teacher_logits, lse, lse_s, lse_t, targets, g_ce, g_kl, T: float, out_dtype: torch.dtype):
+    """chunked_head._grad_soft: … + g_kl · (softmax(z/T) − softmax(z_t/T)) / T."""
+    return _grad(logits, teacher_logits, lse, lse_s, lse_t, targets, g_ce, g_kl, T, out_dtype)
