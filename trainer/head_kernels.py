@@ -7,8 +7,9 @@ the target's logit) walked each 151,936-wide row several times (a max pass, then
 per logsumexp, then the KL's pass after both) — 3.7 ms per head chunk for 2.4 GB.
 
 :func:`stats` reads each row of the logits (and of the teacher's logits) once, with online
-logsumexps: per block of the row the block's maximum, the running sums rescaled by
-exp(m_old − m_new). Three facts keep it to one pass and few transcendentals:
+logsumexps: per block of the row the block's maximum, the running sums (kept per lane, reduced
+once at the end) rescaled by exp(m_old − m_new). Three facts keep it to one pass and few
+transcendentals:
 
 * max(z/T) = max(z)/T for T > 0, so z/T's running maximum is z's over T (no second max);
 * KL(p_t‖q) = Σ p_t·(z_t/T − z/T) − lse_t + lse_s, and Σ p_t·(z_t/T − z/T) is one more running
@@ -31,68 +32,76 @@ import triton.language as tl
 __all__ = ["stats", "stats_soft", "grad", "grad_soft", "STATS_CONFIG", "GRAD_CONFIG"]
 
 # (BLOCK, num_warps): chosen on an H200 at the operators' chunk (3,968 × 151,936 bf16 rows);
-# bench/gpu/head_kernels_bench.py times the candidates
-STATS_CONFIG = (4096, 8)
-GRAD_CONFIG = (4096, 8)
+# bench/gpu/roofline.py's ``head`` phase times the candidates (docs/benchmarks.md, issue 29)
+STATS_CONFIG = (2048, 8)
+GRAD_CONFIG = (2048, 4)
 
 
 @triton.jit
 def _stats_kernel(z_ptr, zt_ptr, tgt_ptr, lse_ptr, ce_ptr, ok_ptr, lse_s_ptr, lse_t_ptr, kl_ptr,
                   stride_z, stride_t, inv_T, V: tl.constexpr,
                   SOFT: tl.constexpr, SQUARE: tl.constexpr, BLOCK: tl.constexpr):
+    # The running maxima are the row's (one block reduction each per block); the sums and the
+    # argmax stay per lane (vectors of BLOCK) and are reduced once, after the loop: two
+    # reductions a block instead of seven.
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     z_row = z_ptr + row * stride_z
     t_row = zt_ptr + row * stride_t
     neg_inf = float("-inf")
-    m = tl.full((), neg_inf, tl.float32)  # running max of z
-    s = tl.zeros((), tl.float32)  # Σ exp(z − m)
-    ss = tl.zeros((), tl.float32)  # Σ exp((z − m)/T)
+    m = tl.full((), neg_inf, tl.float32)  # running max of z (of the row)
     mt = tl.full((), neg_inf, tl.float32)  # running max of z_t/T
-    st = tl.zeros((), tl.float32)  # Σ exp(z_t/T − mt)
-    at = tl.zeros((), tl.float32)  # Σ exp(z_t/T − mt)·(z_t/T − z/T)
-    best = tl.full((), neg_inf, tl.float32)
-    best_i = tl.zeros((), tl.int64)
+    s = tl.zeros((BLOCK,), tl.float32)  # per lane Σ exp(z − m)
+    ss = tl.zeros((BLOCK,), tl.float32)  # Σ exp((z − m)/T)
+    st = tl.zeros((BLOCK,), tl.float32)  # Σ exp(z_t/T − mt)
+    at = tl.zeros((BLOCK,), tl.float32)  # Σ exp(z_t/T − mt)·(z_t/T − z/T)
+    best = tl.full((BLOCK,), neg_inf, tl.float32)  # per lane max of z and its first index
+    best_i = tl.zeros((BLOCK,), tl.int32)
     for off in range(0, V, BLOCK):
         idx = off + cols
         mask = idx < V
         x = tl.load(z_row + idx, mask=mask, other=neg_inf).to(tl.float32)
-        bm = tl.max(x, 0)
-        bi = tl.argmax(x, 0)
-        take = bm > best  # strictly: the first maximum wins, as torch.argmax
-        best_i = tl.where(take, off + bi.to(tl.int64), best_i)
-        best = tl.where(take, bm, best)
-        m_new = tl.maximum(m, bm)
+        take = x > best  # strictly: a lane keeps its first maximum
+        best_i = tl.where(take, idx, best_i)
+        best = tl.where(take, x, best)
+        m_new = tl.maximum(m, tl.max(x, 0))
         if SOFT:
             es = tl.exp((x - m_new) * inv_T)
+            r_s = tl.exp((m - m_new) * inv_T)
             if SQUARE:
                 e = es * es
+                r = r_s * r_s
             else:
                 e = tl.exp(x - m_new)
-            ss = ss * tl.exp((m - m_new) * inv_T) + tl.sum(es, 0)
+                r = tl.exp(m - m_new)
+            ss = ss * r_s + es
             y = tl.load(t_row + idx, mask=mask, other=neg_inf).to(tl.float32) * inv_T
             mt_new = tl.maximum(mt, tl.max(y, 0))
             et = tl.exp(y - mt_new)
             alpha = tl.exp(mt - mt_new)
-            st = st * alpha + tl.sum(et, 0)
-            at = at * alpha + tl.sum(tl.where(mask, et * (y - x * inv_T), 0.0), 0)
+            st = st * alpha + et
+            at = at * alpha + tl.where(mask, et * (y - x * inv_T), 0.0)
             mt = mt_new
         else:
             e = tl.exp(x - m_new)
-        s = s * tl.exp(m - m_new) + tl.sum(e, 0)
+            r = tl.exp(m - m_new)
+        s = s * r + e
         m = m_new
-    lse = m + tl.log(s)
+    lse = m + tl.log(tl.sum(s, 0))
+    top = tl.max(best, 0)
+    first = tl.min(tl.where(best == top, best_i, V), 0)  # the row's first maximum, as torch.argmax
     tgt = tl.load(tgt_ptr + row)
     zy = tl.load(z_row + tgt).to(tl.float32)
     tl.store(lse_ptr + row, lse)
     tl.store(ce_ptr + row, lse - zy)
-    tl.store(ok_ptr + row, (best_i == tgt).to(tl.int8))
+    tl.store(ok_ptr + row, (first == tgt).to(tl.int8))
     if SOFT:
-        lse_s = m * inv_T + tl.log(ss)
-        lse_t = mt + tl.log(st)
+        sum_t = tl.sum(st, 0)
+        lse_s = m * inv_T + tl.log(tl.sum(ss, 0))
+        lse_t = mt + tl.log(sum_t)
         tl.store(lse_s_ptr + row, lse_s)
         tl.store(lse_t_ptr + row, lse_t)
-        tl.store(kl_ptr + row, at / st - lse_t + lse_s)
+        tl.store(kl_ptr + row, tl.sum(at, 0) / sum_t - lse_t + lse_s)
 
 
 @triton.jit

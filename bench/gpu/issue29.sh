@@ -24,7 +24,7 @@ left() { echo $(( CALL_S - ($(date +%s) - T0) )); }
 pack() { tar czf "$FINAL/results.tgz.part" -C "$W" out && mv "$FINAL/results.tgz.part" "$FINAL/results.tgz"; }
 nvidia-smi --query-gpu=index,name,memory.total,power.limit,clocks.max.sm,driver_version --format=csv > "$W/out/gpu.csv" 2>&1 || true
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' > "$W/out/versions.txt" 2>&1
-{ git log -1 --format='%H %s' 2>/dev/null || cat COMMIT 2>/dev/null; } > "$W/out/commit.txt"
+{ cat COMMIT 2>/dev/null || git log -1 --format='%H %s' 2>/dev/null; } > "$W/out/commit.txt"
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     > "$W/out/pip.txt" 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
