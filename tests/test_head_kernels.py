@@ -29,6 +29,8 @@ def small_blocks(monkeypatch):
     if not CUDA:  # the interpreter runs block by block in numpy: small blocks, several per row
         monkeypatch.setattr(hk, "STATS_CONFIG", (256, 4))
         monkeypatch.setattr(hk, "GRAD_CONFIG", (256, 4))
+        monkeypatch.setattr(hk, "TOPK_CONFIG", (64, 4))
+        monkeypatch.setattr(hk, "SELECT_CONFIG", (128, 4))
 
 
 def _inputs(R, V, dtype, seed):
@@ -90,7 +92,7 @@ def test_the_chunked_head_through_the_kernels_is_the_naive_head(monkeypatch):
     """Loss and ∂L/∂hidden of the chunked head (soft labels, CAP, chunks of 2 blocks) with the
     kernels in place of the reference passes, against plain autograd over all logits."""
     if not CUDA:
-        monkeypatch.setitem(ch._FNS, ("cpu", False), (hk.stats, hk.stats_soft, hk.grad, hk.grad_soft))
+        monkeypatch.setitem(ch._FNS, ("cpu", False), (hk.stats, hk.stats_soft, hk.grad, hk.grad_soft, hk.topk))
     g = torch.Generator().manual_seed(4)
     nb, K, H, V = 6, 7, 32, 900
     h = torch.randn(nb, K, H, generator=g).to(DEV).requires_grad_(True)
@@ -99,7 +101,10 @@ def test_the_chunked_head_through_the_kernels_is_the_naive_head(monkeypatch):
     t = torch.randint(0, V, (nb, K), generator=g).to(DEV)
     w = torch.rand(nb, K, generator=g).to(DEV)
     fn = dflash_loss_fn(w, kl_weight=0.15, temperature=2.0, cap_lambda=0.1)
-    total, ce, kl, _ = ch.chunked_head_loss(h, W, t, fn, teacher=teacher, temperature=2.0, chunk_rows=2 * K)
+    total, ce, kl, _, cand = ch.chunked_head_loss(h, W, t, fn, teacher=teacher, temperature=2.0, chunk_rows=2 * K,
+                                                  top_k=16)
+    z = (h.detach().reshape(-1, H) @ W.t()).float()
+    assert torch.equal(z.gather(-1, cand.reshape(-1, 16)), z.topk(16, dim=-1).values)  # DFlash2's candidates
     (gh,) = torch.autograd.grad(total, h)
     h2 = h.detach().double().requires_grad_(True)
     fn64 = dflash_loss_fn(w.double(), kl_weight=0.15, temperature=2.0, cap_lambda=0.1)
@@ -107,3 +112,22 @@ def test_the_chunked_head_through_the_kernels_is_the_naive_head(monkeypatch):
     (gref,) = torch.autograd.grad(ref, h2)
     assert abs(float(total) - float(ref)) < 1e-5 * abs(float(ref))
     _close(gh, gref, 1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_top_k_is_torch_topks_set_up_to_ties(dtype):
+    """Each row's k largest, largest first, the same values as torch.topk's (a different index
+    only among equal values); rows of equal values (past the buffer) go to torch.topk; the
+    answer does not depend on the order the atomics appended in (two runs agree)."""
+    g = torch.Generator().manual_seed(5)
+    z = (torch.randn(9, 3000, generator=g) * 3).to(dtype)
+    z[3] = 1.0  # every element ties at τ: past the buffer, torch.topk's own answer
+    z[4, 100:110] = z[4].max() + 1  # ten equal maxima: all of them inside the top 16
+    z = z.to(DEV)
+    got, want = hk.topk(z, 16), z.topk(16, dim=-1)
+    assert got.shape == (9, 16) and got.dtype == torch.long
+    assert torch.equal(z.gather(-1, got), want.values)
+    assert got[3].tolist() == want.indices[3].tolist()
+    assert set(range(100, 110)) <= set(got[4].tolist())
+    assert torch.equal(hk.topk(z, 16), got)
+    assert hk.topk_fits(16, 151936) and not hk.topk_fits(12, 151936)

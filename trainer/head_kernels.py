@@ -8,7 +8,8 @@ per logsumexp, then the KL's pass after both) — 3.7 ms per head chunk for 2.4 
 
 :func:`stats` reads each row of the logits (and of the teacher's logits) once, with online
 logsumexps: per block of the row the block's maximum, the running sums (kept per lane, reduced
-once at the end) rescaled by exp(m_old − m_new). Three facts keep it to one pass and few
+once at the end) rescaled by exp(m_old − m_new), the next block's load issued before this one's
+arithmetic. Three facts keep it to one pass and few
 transcendentals:
 
 * max(z/T) = max(z)/T for T > 0, so z/T's running maximum is z's over T (no second max);
@@ -29,11 +30,11 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["stats", "stats_soft", "grad", "grad_soft", "STATS_CONFIG", "GRAD_CONFIG"]
+__all__ = ["stats", "stats_soft", "grad", "grad_soft", "topk", "topk_fits", "STATS_CONFIG", "GRAD_CONFIG"]
 
 # (BLOCK, num_warps): chosen on an H200 at the operators' chunk (3,968 × 151,936 bf16 rows);
 # bench/gpu/roofline.py's ``head`` phase times the candidates (docs/benchmarks.md, issue 29)
-STATS_CONFIG = (2048, 8)
+STATS_CONFIG = (1024, 4)
 GRAD_CONFIG = (2048, 4)
 
 
@@ -41,9 +42,12 @@ GRAD_CONFIG = (2048, 4)
 def _stats_kernel(z_ptr, zt_ptr, tgt_ptr, lse_ptr, ce_ptr, ok_ptr, lse_s_ptr, lse_t_ptr, kl_ptr,
                   stride_z, stride_t, inv_T, V: tl.constexpr,
                   SOFT: tl.constexpr, SQUARE: tl.constexpr, BLOCK: tl.constexpr):
-    # The running maxima are the row's (one block reduction each per block); the sums and the
-    # argmax stay per lane (vectors of BLOCK) and are reduced once, after the loop: two
-    # reductions a block instead of seven.
+    # One program a row, walking it block by block. The running maxima are the row's (one block
+    # reduction each, the student's with its argmax); the sums stay per lane (vectors of BLOCK)
+    # and are reduced once after the loop. The next block is loaded before this one is
+    # worked on: a program's loop is otherwise a chain of (load latency + arithmetic) per block,
+    # and with the few programs an SM holds that capped the pass at ~1.5 TB/s (issue 29's
+    # session 2, call 2).
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     z_row = z_ptr + row * stride_z
@@ -55,17 +59,22 @@ def _stats_kernel(z_ptr, zt_ptr, tgt_ptr, lse_ptr, ce_ptr, ok_ptr, lse_s_ptr, ls
     ss = tl.zeros((BLOCK,), tl.float32)  # Σ exp((z − m)/T)
     st = tl.zeros((BLOCK,), tl.float32)  # Σ exp(z_t/T − mt)
     at = tl.zeros((BLOCK,), tl.float32)  # Σ exp(z_t/T − mt)·(z_t/T − z/T)
-    best = tl.full((BLOCK,), neg_inf, tl.float32)  # per lane max of z and its first index
-    best_i = tl.zeros((BLOCK,), tl.int32)
+    best_i = tl.zeros((), tl.int32)  # the row's first maximum so far
+    x_next = tl.load(z_row + cols, mask=cols < V, other=neg_inf)
+    if SOFT:
+        y_next = tl.load(t_row + cols, mask=cols < V, other=neg_inf)
     for off in range(0, V, BLOCK):
         idx = off + cols
         mask = idx < V
-        x = tl.load(z_row + idx, mask=mask, other=neg_inf).to(tl.float32)
-        take = x > best  # strictly: a lane keeps its first maximum
-        best_i = tl.where(take, idx, best_i)
-        best = tl.where(take, x, best)
-        m_new = tl.maximum(m, tl.max(x, 0))
+        x = x_next.to(tl.float32)
+        nxt = idx + BLOCK
+        x_next = tl.load(z_row + nxt, mask=nxt < V, other=neg_inf)  # the last round loads nothing
+        bm, bi = tl.max(x, 0, return_indices=True, return_indices_tie_break_left=True)
+        best_i = tl.where(bm > m, off + bi, best_i)  # strictly: the first maximum wins, as torch.argmax
+        m_new = tl.maximum(m, bm)
         if SOFT:
+            y = y_next.to(tl.float32) * inv_T
+            y_next = tl.load(t_row + nxt, mask=nxt < V, other=neg_inf)
             es = tl.exp((x - m_new) * inv_T)
             r_s = tl.exp((m - m_new) * inv_T)
             if SQUARE:
@@ -75,7 +84,6 @@ def _stats_kernel(z_ptr, zt_ptr, tgt_ptr, lse_ptr, ce_ptr, ok_ptr, lse_s_ptr, ls
                 e = tl.exp(x - m_new)
                 r = tl.exp(m - m_new)
             ss = ss * r_s + es
-            y = tl.load(t_row + idx, mask=mask, other=neg_inf).to(tl.float32) * inv_T
             mt_new = tl.maximum(mt, tl.max(y, 0))
             et = tl.exp(y - mt_new)
             alpha = tl.exp(mt - mt_new)
@@ -88,13 +96,11 @@ def _stats_kernel(z_ptr, zt_ptr, tgt_ptr, lse_ptr, ce_ptr, ok_ptr, lse_s_ptr, ls
         s = s * r + e
         m = m_new
     lse = m + tl.log(tl.sum(s, 0))
-    top = tl.max(best, 0)
-    first = tl.min(tl.where(best == top, best_i, V), 0)  # the row's first maximum, as torch.argmax
     tgt = tl.load(tgt_ptr + row)
     zy = tl.load(z_row + tgt).to(tl.float32)
     tl.store(lse_ptr + row, lse)
     tl.store(ce_ptr + row, lse - zy)
-    tl.store(ok_ptr + row, (first == tgt).to(tl.int8))
+    tl.store(ok_ptr + row, (best_i == tgt).to(tl.int8))
     if SOFT:
         sum_t = tl.sum(st, 0)
         lse_s = m * inv_T + tl.log(tl.sum(ss, 0))
@@ -176,3 +182,76 @@ def grad(logits, lse, targets, g_ce, out_dtype: torch.dtype):
 def grad_soft(logits, teacher_logits, lse, lse_s, lse_t, targets, g_ce, g_kl, T: float, out_dtype: torch.dtype):
     """chunked_head._grad_soft: … + g_kl · (softmax(z/T) − softmax(z_t/T)) / T."""
     return _grad(logits, teacher_logits, lse, lse_s, lse_t, targets, g_ce, g_kl, T, out_dtype)
+
+
+# ------------------------------------------------------------------------- top-k (DFlash2)
+# torch.topk(16) over a chunk's 151,936-wide rows took 4.3 ms a chunk (radix select, several
+# passes: issue 29's profile). Here: (1) per row the maxima of BLOCK lanes and τ, the k-th
+# largest of them — at least k elements of the row are ≥ τ (k distinct lanes' maxima), and few
+# more (the row's top elements rarely share a lane); (2) every element ≥ τ appended to a
+# per-row buffer of TOPK_CAP slots (an atomic counter per row); (3) the buffer sorted by index,
+# then stably by value, descending: the k largest, ties to the lower index (deterministic,
+# whatever order the atomics appended in). Rows whose count passes the buffer (ties at τ over
+# TOPK_CAP elements) take torch.topk.
+TOPK_CAP = 128
+TOPK_CONFIG = (1024, 4)  # the lane-maxima pass: BLOCK lanes (≥ k), warps
+SELECT_CONFIG = (2048, 4)
+
+
+@triton.jit
+def _tau_kernel(z_ptr, tau_ptr, stride_z, V: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    z_row = z_ptr + row * stride_z
+    best = tl.full((BLOCK,), float("-inf"), tl.float32)
+    for off in range(0, V, BLOCK):
+        idx = off + cols
+        best = tl.maximum(best, tl.load(z_row + idx, mask=idx < V, other=float("-inf")).to(tl.float32))
+    tl.store(tau_ptr + row, tl.min(tl.topk(best, K), 0))
+
+
+@triton.jit
+def _select_kernel(z_ptr, tau_ptr, cnt_ptr, val_ptr, idx_ptr, stride_z, V: tl.constexpr, CAP: tl.constexpr,
+                   BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = idx < V
+    x = tl.load(z_ptr + row * stride_z + idx, mask=mask, other=float("-inf")).to(tl.float32)
+    sel = (x >= tl.load(tau_ptr + row)) & mask
+    n = tl.sum(sel.to(tl.int32), 0)
+    if n > 0:
+        base = tl.atomic_add(cnt_ptr + row, n)
+        pos = base + tl.cumsum(sel.to(tl.int32), 0) - 1
+        keep = sel & (pos < CAP)
+        tl.store(val_ptr + row * CAP + pos, x, mask=keep)
+        tl.store(idx_ptr + row * CAP + pos, idx, mask=keep)
+
+
+def topk_fits(k: int, V: int) -> bool:
+    """Whether :func:`topk` takes this k (a power of two, at most the lanes and the buffer)."""
+    return 0 < k <= min(TOPK_CONFIG[0], TOPK_CAP) and k & (k - 1) == 0 and V >= k
+
+
+def topk(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices [R, k] of each row's k largest logits, largest first (ties: the lower index):
+    the set torch.topk(k) gives, up to the choice among equal values at the k-th place."""
+    z = _rows(logits)
+    R, V = z.shape
+    dev = z.device
+    tau = torch.empty(R, dtype=torch.float32, device=dev)
+    block, warps = TOPK_CONFIG
+    _tau_kernel[(R,)](z, tau, z.stride(0), V=V, K=k, BLOCK=block, num_warps=warps)
+    cnt = torch.zeros(R, dtype=torch.int32, device=dev)
+    vals = torch.full((R, TOPK_CAP), float("-inf"), dtype=torch.float32, device=dev)
+    idx = torch.full((R, TOPK_CAP), V, dtype=torch.int32, device=dev)  # empty slots sort last
+    sblock, swarps = SELECT_CONFIG
+    _select_kernel[(R, triton.cdiv(V, sblock))](z, tau, cnt, vals, idx, z.stride(0), V=V, CAP=TOPK_CAP,
+                                                BLOCK=sblock, num_warps=swarps)
+    idx, perm = idx.sort(dim=-1)
+    _, order = vals.gather(-1, perm).sort(dim=-1, descending=True, stable=True)
+    out = idx.gather(-1, order[:, :k]).long()
+    over = cnt > TOPK_CAP
+    if bool(over.any()):  # one host sync a chunk; rare: ties at τ past the buffer
+        rows = over.nonzero().squeeze(-1)
+        out[rows] = z[rows].topk(k, dim=-1).indices
+    return out

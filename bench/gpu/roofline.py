@@ -181,7 +181,7 @@ def phase_flex(smoke: bool) -> dict:
     return out
 
 
-HEAD_STATS_CONFIGS = [(1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)]
+HEAD_STATS_CONFIGS = [(512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8)]
 HEAD_GRAD_CONFIGS = [(1024, 4), (2048, 4), (4096, 4), (4096, 8), (8192, 8)]
 
 
@@ -192,7 +192,8 @@ def phase_head(smoke: bool) -> dict:
     trainer/head_kernels.py's Triton kernels at several (BLOCK, warps); every variant's numbers
     against the reference's (fresh random inputs), the median of 10 (CUDA events) after 3
     warm-ups, bytes = each input read once + the gradient written once; ``torch.topk(16)``
-    (DFlash2's candidates) beside them."""
+    (DFlash2's candidates) against trainer/head_kernels.topk (the same values; rows whose
+    index set differs only on ties counted)."""
     import torch
 
     from trainer import chunked_head as ch
@@ -255,6 +256,18 @@ def phase_head(smoke: bool) -> dict:
             except Exception as exc:  # noqa: BLE001
                 out["grad"][name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
             log("head grad", name, json.dumps(out["grad"][name]))
+        if not smoke:  # DFlash2's top-16: trainer/head_kernels.topk against torch.topk
+            try:
+                got = hk.topk(z, 16)
+                want = z.topk(16, dim=-1)
+                tt, _ = _timed(lambda: hk.topk(z, 16), 3, 10, cuda)
+                same = (got.sort(-1).values == want.indices.sort(-1).values).all(-1)
+                out["topk"] = {"torch_s": out["topk16_s"], "triton_s": tt, "speedup": out["topk16_s"] / tt,
+                               "values_equal": bool(torch.equal(z.gather(-1, got), want.values)),
+                               "rows_other_index_on_ties": int((~same).sum()), "rows": R}
+            except Exception as exc:  # noqa: BLE001
+                out["topk"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            log("head topk", json.dumps(out["topk"]))
     finally:
         hk.STATS_CONFIG, hk.GRAD_CONFIG = base_s, base_g
     out["shipped"] = {"stats": list(base_s), "grad": list(base_g)}
