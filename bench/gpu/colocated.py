@@ -76,6 +76,12 @@ def cmd_run(a) -> int:
             os.environ["DFLASH_PROFILE_STEP"] = str(PROFILE_STEP) if name == profiled else ""
             os.environ["DFLASH_PROFILE_DIR"] = out
             os.environ["DFLASH_COMPILE_REPORT"] = "1"
+            pairs = [(i.partition(":")[0], *i.partition(":")[2].partition("=")[::2]) for i in a.phase_env]
+            for phase, key, value in pairs:  # PHASE:KEY=VALUE: set for that launch, unset for the others
+                os.environ.pop(key, None)
+            for phase, key, value in pairs:
+                if phase == name:
+                    os.environ[key] = value
             mc.launch(name, [*flags_, "--token-budget", a.budget], steps, left - 20, work, out)
             mc.pack(out, final)
     finally:
@@ -180,6 +186,8 @@ def main() -> int:
     r.add_argument("--cpu", action="store_true")
     r.add_argument("--scale", default="gpu", choices=["gpu", "gpu27"], help="the target: Qwen3-8B or Qwen3.6-27B")
     r.add_argument("--phases", default="cold,warm", help="launches, of: cold,warm (the last one's step 3 profiled)")
+    r.add_argument("--phase-env", action="append", default=[], metavar="PHASE:KEY=VALUE",
+                   help="an environment variable for one launch only (e.g. cold:DFLASH_HEAD_TRITON=0)")
     t = sub.add_parser("table")
     t.add_argument("dir")
     t.add_argument("--ceilings")
