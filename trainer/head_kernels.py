@@ -32,10 +32,11 @@ import triton.language as tl
 
 __all__ = ["stats", "stats_soft", "grad", "grad_soft", "topk", "topk_fits", "STATS_CONFIG", "GRAD_CONFIG"]
 
-# (BLOCK, num_warps): chosen on an H200 at the operators' chunk (3,968 × 151,936 bf16 rows);
-# bench/gpu/roofline.py's ``head`` phase times the candidates (docs/benchmarks.md, issue 29)
-STATS_CONFIG = (1024, 4)
-GRAD_CONFIG = (2048, 4)
+# (BLOCK, num_warps): the fastest on an H200 at the operators' chunk (3,968 × 151,936 bf16 rows),
+# what the step's "after" ran (bench/gpu/roofline.py's ``head`` phase; docs/benchmarks.md,
+# issue 29, session 2 call 3: statistics 1.21 ms, gradient 0.94 ms)
+STATS_CONFIG = (2048, 4)
+GRAD_CONFIG = (8192, 8)
 
 
 @triton.jit
