@@ -17,16 +17,24 @@ from trainer import chunked_head as ch
 from trainer.loss import dflash_loss_fn
 
 CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ.setdefault("TRITON_INTERPRET", "1")  # read when the kernels are decorated: before the import
-pytest.importorskip("triton")
-hk = importlib.import_module("trainer.head_kernels")
+_saved = os.environ.get("TRITON_INTERPRET")
+if not CUDA:  # read when triton's and the kernels' functions are decorated (at the imports), and at
+    os.environ["TRITON_INTERPRET"] = "1"  # each launch (the fixture below); put back for the other tests
+try:
+    pytest.importorskip("triton")
+    hk = importlib.import_module("trainer.head_kernels")
+finally:
+    if _saved is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = _saved
 DEV = "cuda" if CUDA else "cpu"
 
 
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
     if not CUDA:  # the interpreter runs block by block in numpy: small blocks, several per row
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
         monkeypatch.setattr(hk, "STATS_CONFIG", (256, 4))
         monkeypatch.setattr(hk, "GRAD_CONFIG", (256, 4))
         monkeypatch.setattr(hk, "TOPK_CONFIG", (64, 4))
