@@ -10,6 +10,9 @@
 #
 # Wheels in .whl/ (flash-linear-attention for the 27B shape's hybrid target) are installed into
 # /tmp/site first and put on PYTHONPATH (the trainer's subprocesses inherit it).
+# The device tool sends the session's own checkout: from another worktree, unpack
+# `git archive BRANCH` (plus .whl/ and a COMMIT file naming the commit) into a folder that
+# checkout's .git/info/exclude ignores, carry that folder and cd into it (session 2's calls).
 # Outputs go to $OUT (the device tool's folder): log.txt as it runs, results.json and
 # results.tgz (everything, small files) after each phase. A fresh compile cache under /tmp, so
 # the first step's compile is a cold one.
