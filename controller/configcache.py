@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
-# An entry no command has written for this long is removed when another is written; one
-# still in use is written again on its next read.
+# A cache file no command has written for this long is removed when another is written
+# beside it (a config that changed, a test's temporary one); one still in use is written again.
 KEEP_UNUSED_S = 30 * 86400
 
 
@@ -41,17 +41,19 @@ def parsed(raw: bytes, parse: Callable[[], dict]) -> dict:
     try:
         text = json.dumps(data)
         if json.loads(text) == data:
-            _store(path, text)
+            write_cached(path, text)
     except (TypeError, ValueError, OSError):
         pass  # a value JSON cannot hold, or no writable cache: parsed every time then
     return data
 
 
-def _store(path: Path, text: str) -> None:
+def write_cached(path: Path, text: str) -> None:
+    """Write one of ctl's cache files (mode 0600, in a 0700 directory, atomically), removing
+    the ones of its kind beside it that no command has written for KEEP_UNUSED_S."""
     from agent.protocol import atomic_write  # once per content: not on every command's path
 
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    for old in path.parent.glob("*.json"):
+    for old in path.parent.glob(f"*{path.suffix}"):
         try:
             if old.stat().st_mtime < time.time() - KEEP_UNUSED_S:
                 old.unlink()
