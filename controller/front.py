@@ -2,8 +2,9 @@
 as an operator types them, parsed here and run by the same bodies typer's commands call
 (controller/commands/plain.py, watch.py).
 
-Why: a one-shot command on the node's kept connection takes ≈ 150 ms, and importing typer
-and click was ≈ 40 ms of it (docs/benchmarks.md, "Shared SSH connection"). Only the plain
+Why: a one-shot command on the node's kept connection takes ≈ 170 ms, half of it ctl's own
+start-up, and importing typer and click was a quarter of that start-up (77 of 305 M
+instructions under callgrind; docs/benchmarks.md, "Shared SSH connection"). Only the plain
 forms are read here: long options as ``--opt value`` or ``--opt=value``, short ones as
 ``-c value``, flags, ``--``. Anything else — ``--help``, an unknown or repeated-in-one-word
 option, a missing or option-like value, a value that does not convert, a missing required
@@ -11,8 +12,8 @@ option — returns None, and typer's app parses the whole command line instead, 
 help text and error message is typer's own, unchanged.
 
 The option tables below name the same flags as the typer declarations
-(controller/commands/remote.py, run.py); tests/test_front.py checks every table against the click
-command typer builds, and that both read the same values from the same command lines.
+(controller/commands/remote.py, run.py); tests/test_front.py checks every table against the
+click command typer builds, and that both read the same values from the same command lines.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 exit codes' names, one runner per command) and `ctl exec`'s body.
 
 Why apart from the typer declarations: `ctl exec`, `ctl status` and `ctl tail` are parsed by
-controller/front.py without importing typer (≈ 40 ms of a command that takes ≈ 150 on a
-kept connection: docs/benchmarks.md), and call these same bodies; typer's commands
+controller/front.py without importing typer (a quarter of their start-up: docs/benchmarks.md),
+and call these same bodies; typer's commands
 (controller/commands/remote.py, run.py) call them too, so both paths behave alike.
 """
 
