@@ -173,3 +173,16 @@ def test_a_reader_that_went_away_ends_the_command_quietly_with_1_as_under_typer(
         err = proc.stderr.read().decode()
         results.append((proc.wait(timeout=60), err))
     assert results[0] == results[1] == (1, ""), results
+
+
+@pytest.mark.parametrize("line", ["plain", "\x1b[31mred\x1b[0m and \x1b[1;32mbold green\x1b[0m", "\x1b]0;title\x07x",
+                                  "ünïcode \x1b[?25l"])
+def test_echo_writes_what_typer_echo_writes_into_a_pipe(line):
+    """`ctl tail > log`: a trainer's coloured line reaches a file as typer.echo wrote it."""
+    outs = []
+    for code in ("from controller.commands.plain import echo\necho(LINE)\necho(LINE, err=True)\n",
+                 "import typer\ntyper.echo(LINE)\ntyper.echo(LINE, err=True)\n"):
+        proc = subprocess.run([sys.executable, "-c", f"LINE = {line!r}\n" + code], capture_output=True,
+                              env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=60)
+        outs.append((proc.returncode, proc.stdout, proc.stderr))
+    assert outs[0] == outs[1]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import sys
 from typing import Iterator, List, Optional
 
@@ -36,9 +37,16 @@ EXIT_INTERRUPTED = CtlExit.INTERRUPTED
 EXIT_TRANSPORT = CtlExit.TRANSPORT  # like ssh(1): could not reach the node
 
 
+# click's pattern of the escape sequences it strips from what goes to anything but a terminal.
+_ANSI = re.compile(r"\033\[[;?0-9]*[a-zA-Z]")
+
+
 def echo(message: str = "", err: bool = False) -> None:
-    """One line to stdout (or stderr), flushed: what typer.echo does with a plain string."""
+    """One line to stdout (or stderr), flushed: what typer.echo does with a string — colour
+    codes (a trainer's log line) dropped unless the stream is a terminal."""
     stream = sys.stderr if err else sys.stdout
+    if "\033" in message and not stream.isatty():
+        message = _ANSI.sub("", message)
     stream.write(f"{message}\n")
     stream.flush()
 
