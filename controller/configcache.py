@@ -3,9 +3,8 @@
 Why: every `ctl` command reads the config first, and tomllib — whose import compiles its
 regular expressions and pulls in datetime — was about a tenth of a one-shot command's
 start-up (≈ 40 M instructions under callgrind: docs/benchmarks.md, "Shared SSH connection").
-An entry is named by the sha256 of
-the file's bytes, so it can never be stale: a changed file has another name and is parsed
-again. Only a parse that JSON gives back unchanged is kept (no TOML dates, no NaN); a file
+An entry is named by the sha256 of the file's bytes, so it can never be stale: a changed
+file has another name and is parsed again. Only a parse that JSON gives back unchanged is kept (no TOML dates, no NaN); a file
 that does not parse is never kept, so its error is tomllib's every time.
 """
 
