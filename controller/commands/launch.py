@@ -19,7 +19,8 @@ import typer
 
 from controller.commands.remote import (EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_REFUSED, EXIT_TRANSPORT, TrustOpt,
                                         container_session, fail)
-from controller.commands.run import CtlConfigOpt, NodeOpt, _follow
+from controller.commands.run import CtlConfigOpt, NodeOpt
+from controller.commands.watch import _follow
 from controller.container import Container
 from controller.jobview import remember
 
@@ -117,7 +118,7 @@ def launch_command(
         follow_line = f"ctl tail --container {ct.ctid} --run {run_id} --follow"
         stop_line = f"ctl kill-and-rollback --container {ct.ctid} --run {run_id}"
 
-        def maybe_started(why: object, code: int) -> typer.Exit:
+        def maybe_started(why: object, code: int) -> SystemExit:
             """The commit was sent and its reply lost: the run may have started regardless."""
             return fail(f"{why}; run {run_id} may have started in {ct}: check with `ctl status --container {ct.ctid} "
                         f"--run {run_id}`; follow: `{follow_line}`; stop: `{stop_line}`",
