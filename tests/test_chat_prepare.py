@@ -379,3 +379,18 @@ def test_on_a_terminal_progress_is_one_redrawn_bar_with_rates_and_eta():
     plain = Progress(lines.append, every=10, total_bytes=1000, stream=io.StringIO())
     plain.update(10, 20_000, 500, "chat.jsonl")
     assert len(lines) == 1 and lines[0].startswith("prepare: 10 samples, 20,000 tokens, ") and "ETA " in lines[0]
+
+
+def test_batches_keep_every_row_in_order_and_shrink_at_the_end_of_the_file():
+    """The last batches of a file of known size are smaller, so no worker encodes a full one alone at the end."""
+    from trainer.chat_prepare import TAIL_BYTES, _batches
+
+    items = [(b"x" * 999 + b"\n", f"f:{i}", None) for i in range(10_000)]  # 10 MB of rows
+    size = 1 << 20
+    flat = list(_batches(iter(items), 100_000, size))
+    assert all(sum(len(r[0]) for r in b) >= size for b in flat[:-1])  # without a total: full to the end
+    got = list(_batches(iter(items), 100_000, size, total=10_000_000, workers=2))
+    assert [r for b in got for r in b] == items
+    sizes = [sum(len(r[0]) for r in b) for b in got]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] >= size  # full batches first, then smaller
+    assert TAIL_BYTES <= sizes[-2] < size // 2 and len(got) < 2 * len(flat)
