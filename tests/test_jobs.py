@@ -9,6 +9,7 @@ The same on the simulated node through `ctl`: tests/test_jobs_sim.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -198,14 +199,13 @@ def test_prepare_job_that_fails_names_the_bad_row(tmp_path):
     assert not os.path.exists(out)
 
 
-def test_regenerate_job_under_the_agent_stopped_mid_run_then_relaunched_every_id_once(tmp_path):
-    """A regenerate job (its options from regenerate's own parser) against `transformers
-    serve` of a tiny target, held mid-run by a real proxy, stopped through the agent, and the
-    same config launched again: every id exactly once, and the accounting in `ctl status`."""
+@contextlib.contextmanager
+def _served_target(tmp_path, **proxy_options):
+    """`transformers serve` of a tiny chat target behind a real proxy (tests/_regen_target.py); yields the proxy."""
     import subprocess
 
     from tests._regen_target import Proxy, free_port, make_chat_target, serve_argv, wait_healthy
-    from tests.test_regenerate import ENV, conversations, expected_ids, output_rows, write_input
+    from tests.test_regenerate import ENV
 
     target = make_chat_target(str(tmp_path / "target"))
     port = free_port()
@@ -214,14 +214,37 @@ def test_regenerate_job_under_the_agent_stopped_mid_run_then_relaunched_every_id
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, server)
-        proxy = Proxy(url, hold_after=6)
-        workspace = str(tmp_path / "ws")
-        os.makedirs(workspace)
-        inp = write_input(tmp_path / "in.jsonl", conversations(16))
-        out = os.path.join(workspace, "regen")
-        cfg = _config(tmp_path, f'name = "regen"\nkind = "regenerate"\n[regenerate]\ninput = "{inp}"\nout = "{out}"\n'
-                                f'endpoint = ["{proxy.url}"]\nmax-tokens = 4\ntemperature = 0\nconcurrency = 2\n'
-                                'flush-rows = 1\n', "regen.toml")
+        proxy = Proxy(url, **proxy_options)
+        yield proxy
+    finally:
+        if proxy is not None:
+            proxy.gate.set()
+            proxy.close()
+        server.terminate()
+        server.wait(30)
+
+
+def _regen_job(tmp_path, proxy, rows: int, settings: str):
+    """A workspace, an input of ``rows`` conversations, and a regenerate job's config against ``proxy``."""
+    from tests.test_regenerate import conversations, write_input
+
+    workspace = str(tmp_path / "ws")
+    os.makedirs(workspace)
+    inp = write_input(tmp_path / "in.jsonl", conversations(rows))
+    out = os.path.join(workspace, "regen")
+    cfg = _config(tmp_path, f'name = "regen"\nkind = "regenerate"\n[regenerate]\ninput = "{inp}"\nout = "{out}"\n'
+                            f'endpoint = ["{proxy.url}"]\nmax-tokens = 4\ntemperature = 0\n{settings}', "regen.toml")
+    return workspace, inp, out, cfg
+
+
+def test_regenerate_job_under_the_agent_stopped_mid_run_then_relaunched_every_id_once(tmp_path):
+    """A regenerate job (its options from regenerate's own parser) against `transformers
+    serve` of a tiny target, held mid-run by a real proxy, stopped through the agent, and the
+    same config launched again: every id exactly once, and the accounting in `ctl status`."""
+    from tests.test_regenerate import expected_ids, output_rows
+
+    with _served_target(tmp_path, hold_after=6) as proxy:
+        workspace, inp, out, cfg = _regen_job(tmp_path, proxy, 16, "concurrency = 2\nflush-rows = 1\n")
 
         def launch(run_id: str) -> str:
             run_dir = os.path.join(workspace, "runs", run_id)
@@ -245,40 +268,19 @@ def test_regenerate_job_under_the_agent_stopped_mid_run_then_relaunched_every_id
         reply = extract_payload(agent_module("agent.runview", "status", "--workspace", workspace).stdout)
         progress = next(l for l in render_status(reply, "200", "sim") if l.startswith("progress"))
         assert "done 16/16 (100 %)" in progress and "(regenerate job)" in progress, progress
-    finally:
-        if proxy is not None:
-            proxy.gate.set()
-            proxy.close()
-        server.terminate()
-        server.wait(30)
 
 
 def test_regenerate_job_sends_the_api_key_named_by_api_key_env_and_writes_it_nowhere_else(tmp_path):
     """`api-key-env` in a regenerate job's config: the launch reads the variable on the
     operator's machine into the run's root-only secret file; start.sh passes that variable to
     the job, which sends the key to a server that wants it. The key is in no other file."""
-    import subprocess
-
     from controller.datalaunch import job_secret
-    from tests._regen_target import Proxy, free_port, make_chat_target, serve_argv, wait_healthy
-    from tests.test_regenerate import ENV, conversations, output_rows, write_input
+    from tests.test_regenerate import output_rows
 
     key = "s3cret-7f3a-key"
-    target = make_chat_target(str(tmp_path / "target"))
-    port = free_port()
-    server = subprocess.Popen(serve_argv(target, port), env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    proxy = None
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(url, server)
-        proxy = Proxy(url, api_key=key)  # a request without "Authorization: Bearer KEY" gets a 401
-        workspace = str(tmp_path / "ws")
-        os.makedirs(workspace)
-        inp = write_input(tmp_path / "in.jsonl", conversations(4))
-        out = os.path.join(workspace, "regen")
-        cfg = _config(tmp_path, f'name = "regen"\nkind = "regenerate"\n[regenerate]\ninput = "{inp}"\nout = "{out}"\n'
-                                f'endpoint = ["{proxy.url}"]\nmax-tokens = 4\ntemperature = 0\n'
-                                'api-key-env = "REGEN_TEST_KEY"\n', "regen.toml")
+    # a request without "Authorization: Bearer KEY" gets a 401
+    with _served_target(tmp_path, api_key=key) as proxy:
+        workspace, _, out, cfg = _regen_job(tmp_path, proxy, 4, 'api-key-env = "REGEN_TEST_KEY"\n')
         with pytest.raises(runconfig.RunConfigError) as unset:
             job_secret(cfg, {})
         assert str(unset.value).startswith("[regenerate] api-key-env = 'REGEN_TEST_KEY': that environment variable "
@@ -297,8 +299,3 @@ def test_regenerate_job_sends_the_api_key_named_by_api_key_env_and_writes_it_now
         # the 0600 secret file only: not the run config, start.sh, the record, events or logs
         assert holders == [os.path.join("secrets", "regen-1.env")]
         assert os.stat(os.path.join(workspace, "secrets", "regen-1.env")).st_mode & 0o077 == 0
-    finally:
-        if proxy is not None:
-            proxy.close()
-        server.terminate()
-        server.wait(30)
