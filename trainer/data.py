@@ -12,6 +12,7 @@ need no GPU stack.
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import os
@@ -414,7 +415,7 @@ def prepare(
     # What a prepare killed by SIGKILL (the OOM killer, a power loss) left: no live prepare
     # holds the claim now, so every partial directory of this --out is stale.
     mine = re.compile(re.escape(f".{os.path.basename(out)}.partial-") + r"[a-z0-9_]{8}")  # mkdtemp's names
-    for stale in sorted(os.path.join(parent, n) for n in os.listdir(parent) if mine.fullmatch(n)):
+    for stale in sorted(os.path.join(parent, n) for n in os.listdir(parent) if claim and mine.fullmatch(n)):
         shutil.rmtree(stale, ignore_errors=True)
         log(f"prepare: removed {stale}, the partial output of an earlier prepare into {out} that did not finish")
     # Same parent → same file system → os.rename is atomic.
@@ -458,7 +459,8 @@ def _remove_created(created: list[str]) -> None:
 def _claim(out: str):
     """Hold ``.<name>.prepare-lock`` beside ``out`` while a prepare writes it: a POSIX lock,
     which the kernel drops when its process dies (SIGKILL too) and forked workers do not
-    inherit. A second prepare into the same --out is refused with one line."""
+    inherit. A second prepare into the same --out is refused with one line. None where the
+    file system has no locks: then nothing is swept (a live prepare's partial looks the same)."""
     import fcntl
 
     path = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.prepare-lock")
@@ -466,8 +468,14 @@ def _claim(out: str):
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         try:
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
+        except OSError as exc:
             os.close(fd)
+            if exc.errno not in (errno.EACCES, errno.EAGAIN):  # a file system without locks: no claim, no sweep
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
+                return None
             raise DataError(f"{out}: another prepare is writing it now (it holds {path}); wait for it to end "
                             "or choose another --out") from None
         try:
@@ -480,6 +488,8 @@ def _claim(out: str):
 
 
 def _release(claim) -> None:
+    if claim is None:
+        return
     fd, path = claim
     try:
         os.unlink(path)  # before the close: whoever opens it next gets a new file and checks the inode
