@@ -115,12 +115,12 @@ def vllm(target, tmp_path_factory):
             proc.wait()
 
 
-def ask(url: str, messages: list[dict], thinking: bool = False) -> dict:
+def ask(url: str, messages: list[dict], thinking: bool = False, status: int = 200) -> dict:
     """The same request regenerate sends for these messages, straight to vLLM."""
     body = {"model": MODEL, "messages": messages, "stream": False, "temperature": 0, "max_tokens": 8, "seed": 0,
             "chat_template_kwargs": {"enable_thinking": thinking}}
     r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
-    assert r.status_code == 200, r.text
+    assert r.status_code == status, r.text
     return r.json()
 
 
@@ -194,7 +194,11 @@ def test_a_full_run_adds_up_and_every_answer_is_what_vllm_answers(tmp_path, vllm
     assert sum(b["messages"][-1]["content"].startswith("hello world") for b in proxy.bodies) == 1  # not retried
     [failure] = [json.loads(line) for line in open(tmp_path / "out" / FAILURES)]
     assert failure["id"] == "too-long" and failure["where"].endswith(":13")
-    assert "HTTP 400" in failure["error"] and f"maximum context length is {MAX_MODEL_LEN} tokens" in failure["error"]
+    # the record is vLLM's own sentence, whole, not its JSON envelope cut short
+    refusal = ask(vllm, too_long["messages"], status=400)["error"]
+    assert refusal["type"] == "BadRequestError" and f"maximum context length is {MAX_MODEL_LEN} tokens" in refusal["message"]
+    assert failure["error"] == f"{proxy.url}: HTTP 400: {refusal['message']}"
+    assert f"first: {failure['where']}: {failure['error']}" in p.stderr
     rows = output_rows(tmp_path / "out")
     assert len(rows) == len({r["id"] for r in rows}) == 12
     n_turns = 0
