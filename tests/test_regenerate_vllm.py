@@ -59,22 +59,25 @@ def vllm_argv(target: str, port: int, *extra: str) -> list[str]:
             "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--seed", "0", *extra]
 
 
-def marked_processes(marker: str) -> list[int]:
-    """Live processes whose environment carries ``marker``: the job's and everything it started."""
+def left_behind(marker: str, server_sid: int) -> list[str]:
+    """Live processes of the job: those whose environment carries ``marker`` (the job, its
+    guard, vLLM's API server) and those of the server's session (the job starts it in its own).
+    Both, since vLLM's engine core and workers rename themselves (setproctitle), which
+    overwrites what /proc/PID/environ shows: only their session still says whose they are."""
+    from agent import procs
+
     found = []
-    needle = marker.encode()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        st = procs.stat(pid)
+        if st is None or st["state"] in ("Z", "X") or pid == os.getpid():
             continue
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as fh:
-                if needle in fh.read():
-                    with open(f"/proc/{pid}/stat") as st:
-                        if st.read().rsplit(")", 1)[1].split()[0] != "Z":
-                            found.append(int(pid))
-        except OSError:
-            continue
+        if st["sid"] == server_sid or procs.environ(pid).get("REGEN_VLLM_TEST_MARK") == marker:
+            found.append(f"{pid} {' '.join(procs.cmdline(pid))[:80]}")
     return found
+
+
+def server_pid(stdout: str) -> int:
+    return int(stdout.split("regenerate: started the server (pid ", 1)[1].split(")", 1)[0])
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +135,43 @@ def vllm_input(path, n: int, extra: list[dict] = ()) -> str:
     return str(path)
 
 
-# First: the job's own vLLM runs before the module's server starts, never beside it.
+def test_a_job_killed_while_its_vllm_loads_leaves_no_server(tmp_path, target):
+    # vLLM's API server loses a SIGTERM that comes while its engine starts (PR_SET_PDEATHSIG's
+    # alone left it serving, with its engine core and worker, for good); the job's guard stops
+    # the group when the job dies
+    inp = vllm_input(tmp_path / "in.jsonl", 2)
+    port = free_port()
+    marker = uuid.uuid4().hex
+    out = tmp_path / "out"
+    job = subprocess.Popen(regen_argv(inp, out, f"http://127.0.0.1:{port}", *SAMPLING, "--serve",
+                                      shlex.join(vllm_argv(target, port)), "--serve-stop-grace", "3"),
+                           cwd=ROOT, env={**ENV, "REGEN_VLLM_TEST_MARK": marker}, stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, text=True)
+    from agent import procs
+
+    first = job.stdout.readline()
+    assert "started the server" in first, first
+    sid = server_pid(first)
+    try:
+        deadline = time.monotonic() + 300
+        # the engine core is up: vLLM is past its argument parsing, in the start-up that drops SIGTERM
+        while not any(procs.stat(pid) and procs.stat(pid)["sid"] == sid and "EngineCore" in " ".join(procs.cmdline(pid))
+                      for pid in map(int, filter(str.isdigit, os.listdir("/proc")))):
+            assert job.poll() is None and time.monotonic() < deadline, "vLLM's engine core never started"
+            time.sleep(0.2)
+        job.send_signal(signal.SIGKILL)
+        job.wait(30)
+        deadline = time.monotonic() + 120
+        while left_behind(marker, sid) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert left_behind(marker, sid) == []
+    finally:
+        for line in left_behind(marker, sid):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+        job.stdout.close()
+
+
+# The job's own vLLM runs before the module's server starts, never beside it.
 def test_the_job_starts_vllm_from_its_run_config_health_checks_it_and_stops_it(tmp_path, target):
     from controller.configfile import load
 
@@ -166,8 +205,8 @@ concurrency = 2
     assert len(output_rows(tmp_path / "out")) == 4
     assert "Application startup complete" in (tmp_path / "out" / "serve.log").read_text()
     assert [e["phase"] for e in events(tmp_path / "out") if e["kind"] == "phase"] == ["serving", "regenerating", "done"]
-    # vLLM's API server, engine core and worker are gone: nothing with the job's environment is left
-    assert marked_processes(marker) == []
+    # vLLM's API server, engine core and worker are gone, and the job's guard
+    assert left_behind(marker, server_pid(p.stdout)) == []
     with pytest.raises(httpx.HTTPError):
         httpx.get(url + "/health", timeout=2)
 
