@@ -32,7 +32,8 @@ import httpx
 import pytest
 
 from _regen_target import Proxy, free_port, make_chat_target
-from test_regenerate import ENV, ROOT, conversations, events, output_rows, regen_argv, regenerate, summary_line
+from test_regenerate import (ENV, ROOT, conversations, events, left_behind, output_rows, regen_argv, regenerate,
+                             server_pid, sigkill_while_held, summary_line)
 from trainer.regen_store import FAILURES
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -57,27 +58,6 @@ def vllm_argv(target: str, port: int, *extra: str) -> list[str]:
             VLLM_PYTHON, "-m", "vllm.entrypoints.openai.api_server", "--model", target,
             "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32",
             "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--seed", "0", *extra]
-
-
-def left_behind(marker: str, server_sid: int) -> list[str]:
-    """Live processes of the job: those whose environment carries ``marker`` (the job, its
-    guard, vLLM's API server) and those of the server's session (the job starts it in its own).
-    Both, since vLLM's engine core and workers rename themselves (setproctitle), which
-    overwrites what /proc/PID/environ shows: only their session still says whose they are."""
-    from agent import procs
-
-    found = []
-    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
-        st = procs.stat(pid)
-        if st is None or st["state"] in ("Z", "X") or pid == os.getpid():
-            continue
-        if st["sid"] == server_sid or procs.environ(pid).get("REGEN_VLLM_TEST_MARK") == marker:
-            found.append(f"{pid} {' '.join(procs.cmdline(pid))[:80]}")
-    return found
-
-
-def server_pid(stdout: str) -> int:
-    return int(stdout.split("regenerate: started the server (pid ", 1)[1].split(")", 1)[0])
 
 
 @pytest.fixture(scope="module")
@@ -145,7 +125,7 @@ def test_a_job_killed_while_its_vllm_loads_leaves_no_server(tmp_path, target):
     out = tmp_path / "out"
     job = subprocess.Popen(regen_argv(inp, out, f"http://127.0.0.1:{port}", *SAMPLING, "--serve",
                                       shlex.join(vllm_argv(target, port)), "--serve-stop-grace", "3"),
-                           cwd=ROOT, env={**ENV, "REGEN_VLLM_TEST_MARK": marker}, stdout=subprocess.PIPE,
+                           cwd=ROOT, env={**ENV, "REGEN_TEST_MARK": marker}, stdout=subprocess.PIPE,
                            stderr=subprocess.DEVNULL, text=True)
     from agent import procs
 
@@ -196,7 +176,7 @@ concurrency = 2
     job = load(str(cfg))
     argv = job.argv(job.resolve(run_id="r", run_dir=str(tmp_path / "out"), workspace=str(tmp_path)))
     marker = uuid.uuid4().hex
-    env = {**ENV, "VLLM_API_KEY": "s3cret", "REGEN_VLLM_TEST_MARK": marker}
+    env = {**ENV, "VLLM_API_KEY": "s3cret", "REGEN_TEST_MARK": marker}
     p = subprocess.run([sys.executable, "-m", "trainer", *argv], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -261,15 +241,8 @@ def test_a_full_run_adds_up_and_every_answer_is_what_vllm_answers(tmp_path, vllm
 def test_sigkill_mid_run_then_restart_writes_every_id_exactly_once(tmp_path, vllm):
     inp = vllm_input(tmp_path / "in.jsonl", 16)
     out = tmp_path / "out"
-    proxy = Proxy(vllm, hold_after=6)  # vLLM answers six requests, the next ones are held; then the kill
-    proc = subprocess.Popen(regen_argv(inp, out, proxy.url, *SAMPLING), cwd=ROOT, env=ENV,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        assert proxy.held.acquire(timeout=120) and proxy.held.acquire(timeout=120)  # both workers wait
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(30)
-    finally:
-        proxy.close()
+    # vLLM answers six requests, the next ones are held at a proxy; then the kill
+    sigkill_while_held(vllm, lambda url: regen_argv(inp, out, url, *SAMPLING), timeout=120)
     before = output_rows(out)
     assert 0 < len(before) < 16
     p = regenerate(inp, out, vllm, *SAMPLING, check=0)
