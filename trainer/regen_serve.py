@@ -4,10 +4,10 @@ stopped at the end (SIGTERM to its process group, SIGKILL after a grace period).
 
 The server runs in its own session (its own process group) with its output in
 ``DIR/serve.log``. A SIGKILLed job must not leave a GPU-holding server behind, and a signal
-to the server alone is not enough: vLLM's API server drops a SIGTERM that comes while its
-engine is starting (its init handler raises KeyboardInterrupt into a wait that swallows it;
-seen with vLLM 0.32, tests/test_regenerate_vllm.py), then serves for ever, its engine core and
-workers with it. So a guard process watches the job: it holds the read end of a pipe only the
+to the server alone is not enough: vLLM's API server, sent SIGTERM while its engine is
+starting, finishes starting and serves for good, its engine core and workers with it (vLLM
+0.32 installs a start-up SIGTERM handler that should interrupt it, and the interrupt is lost;
+tests/test_regenerate_vllm.py). So a guard process watches the job: it holds the read end of a pipe only the
 job writes to, and when that pipe closes — the job gone, however it went — it stops the
 server's whole group as the job would have (SIGTERM, ``stop_grace`` seconds, SIGKILL).
 PR_SET_PDEATHSIG still sends the server SIGTERM at once. The agent's stop sweeps the job's
@@ -26,8 +26,6 @@ import sys
 import time
 from collections import deque
 from typing import Sequence
-
-from trainer.regen_client import healthy
 
 LOG = "serve.log"
 PR_SET_PDEATHSIG = 1
@@ -102,6 +100,8 @@ class Server:
               api_key: str | None = None) -> float | None:
         """Start the command and wait until every endpoint is healthy; seconds it took, or
         None when ``stopped()`` turned true first (a SIGTERM while the server loads)."""
+        from trainer.regen_client import healthy  # here: the guard (this module's main) needs no httpx
+
         started = time.monotonic()
         log_fh = open(self.log_path, "ab")
         try:
@@ -112,10 +112,14 @@ class Server:
         finally:
             log_fh.close()
         # started after the server, so the server never holds the pipe's write end (close_fds)
-        self.guard = subprocess.Popen([sys.executable, "-m", "trainer.regen_serve", str(self.proc.pid),
-                                       str(self.stop_grace)],
-                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                      start_new_session=True)
+        try:
+            self.guard = subprocess.Popen([sys.executable, "-m", "trainer.regen_serve", str(self.proc.pid),
+                                           str(self.stop_grace)],
+                                          stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                          start_new_session=True)
+        except OSError as exc:
+            self.stop()
+            raise ServeError(f"--serve: cannot start the guard that stops the server if this job dies ({exc})") from None
         log(f"regenerate: started the server (pid {self.proc.pid}): {' '.join(self.argv)}; log in {self.log_path}")
         waiting = list(endpoints)
         while waiting:
