@@ -9,12 +9,13 @@ request sent straight to vLLM gives the same text, finish reason and completion_
 SIGKILL mid-run and a restart write every id exactly once; the job starts vLLM itself from
 a run config's serve command, health-checks it and stops it, leaving no process; and what vLLM
 does its own way: its error for a prompt past max_model_len (a permanent 400, recorded in
-full, never retried), its ``reasoning`` field (``--reasoning-parser qwen3``) and
-``chat_template_kwargs`` for ``--thinking``.
+full, never retried), its ``reasoning`` field (``--reasoning-parser qwen3``),
+``chat_template_kwargs`` for ``--thinking``, and a SIGTERM lost while its engine starts (the
+job's guard stops a server its SIGKILLed job left loading).
 
-Two vLLM starts (about 90 s each on 2 cores): the module's server, and the one the --serve test's
-job starts (first, so the two never run at once). Skipped where .venv-vllm/ is absent
-(DFLASH_SKIP_VLLM=1 set-ups).
+Three vLLM starts, one at a time (the two jobs' first, then the module's server; a minute
+each on 2 cores, the killed one half that): about 2.5 minutes in all. Skipped where
+.venv-vllm/ is absent (DFLASH_SKIP_VLLM=1 set-ups).
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ def vllm_input(path, n: int, extra: list[dict] = ()) -> str:
     return str(path)
 
 
+# These two jobs' own vLLMs run before the module's server starts, never beside it.
 def test_a_job_killed_while_its_vllm_loads_leaves_no_server(tmp_path, target):
     # vLLM's API server loses a SIGTERM that comes while its engine starts (PR_SET_PDEATHSIG's
     # alone left it serving, with its engine core and worker, for good); the job's guard stops
@@ -151,7 +153,6 @@ def test_a_job_killed_while_its_vllm_loads_leaves_no_server(tmp_path, target):
         job.stdout.close()
 
 
-# The job's own vLLM runs before the module's server starts, never beside it.
 def test_the_job_starts_vllm_from_its_run_config_health_checks_it_and_stops_it(tmp_path, target):
     from controller.configfile import load
 
