@@ -134,6 +134,32 @@ def server_pid(stdout: str) -> int:
     return int(stdout.split("regenerate: started the server (pid ", 1)[1].split(")", 1)[0])
 
 
+def sigkill_while_loading(argv: list[str], loading, wait_s: float = 120.0) -> list[str]:
+    """Start a --serve job, SIGKILL it once ``loading(server_sid)`` is true (its server mid-start),
+    and wait at most ``wait_s`` for nothing of it to be left. Returns what was left then, after
+    SIGKILLing it so that no test leaves a server behind."""
+    marker = os.urandom(8).hex()
+    job = subprocess.Popen(argv, cwd=ROOT, env={**ENV, "REGEN_TEST_MARK": marker}, stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, text=True)
+    first = job.stdout.readline()
+    assert "started the server" in first, first
+    sid = server_pid(first)
+    try:
+        while not loading(sid):
+            assert job.poll() is None, "the job ended before its server was loading"
+            time.sleep(0.1)
+        job.send_signal(signal.SIGKILL)
+        job.wait(30)
+        deadline = time.monotonic() + wait_s
+        while left_behind(marker, sid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return left_behind(marker, sid)
+    finally:
+        for line in left_behind(marker, sid):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+        job.stdout.close()
+
+
 
 def test_each_row_is_answered_turn_by_turn_on_the_targets_own_history(tmp_path, server):
     rows = conversations(9) + [{"id": "prompt-only", "messages": [{"role": "user", "content": "just ask"}]}]
@@ -383,29 +409,13 @@ def test_a_job_killed_while_its_server_loads_leaves_no_server(tmp_path):
     # a server that ignores SIGTERM while it loads, as vLLM's API server does while its engine
     # starts: PR_SET_PDEATHSIG's SIGTERM alone left it running; the job's guard SIGKILLs it
     inp = write_input(tmp_path / "in.jsonl", conversations(2))
-    marker = f"{os.getpid()}-{tmp_path.name}"
     loading = (f"{sys.executable} -c \"import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
                "print('loading', flush=True); time.sleep(600)\"")
-    job = subprocess.Popen(regen_argv(inp, tmp_path / "out", f"http://127.0.0.1:{free_port()}", "--serve", loading,
-                                      "--serve-stop-grace", "1"),
-                           cwd=ROOT, env={**ENV, "REGEN_TEST_MARK": marker}, stdout=subprocess.PIPE,
-                           stderr=subprocess.DEVNULL, text=True)
-    first = job.stdout.readline()
-    sid = server_pid(first)
-    try:
-        while "loading" not in (tmp_path / "out" / "serve.log").read_text():  # it runs, and ignores SIGTERM
-            assert job.poll() is None
-            time.sleep(0.05)
-        job.send_signal(signal.SIGKILL)
-        job.wait(30)
-        deadline = time.monotonic() + 60
-        while left_behind(marker, sid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert left_behind(marker, sid) == []
-    finally:
-        for line in left_behind(marker, sid):
-            os.kill(int(line.split()[0]), signal.SIGKILL)
-        job.stdout.close()
+    argv = regen_argv(inp, tmp_path / "out", f"http://127.0.0.1:{free_port()}", "--serve", loading,
+                      "--serve-stop-grace", "1")
+    # once it runs (and ignores SIGTERM)
+    left = sigkill_while_loading(argv, lambda sid: "loading" in (tmp_path / "out" / "serve.log").read_text())
+    assert left == []
 
 
 def test_a_server_that_dies_while_starting_is_one_line_with_its_log(tmp_path):

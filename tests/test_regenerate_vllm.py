@@ -34,7 +34,7 @@ import pytest
 
 from _regen_target import Proxy, free_port, make_chat_target
 from test_regenerate import (ENV, ROOT, conversations, events, left_behind, output_rows, regen_argv, regenerate,
-                             server_pid, sigkill_while_held, summary_line)
+                             server_pid, sigkill_while_held, sigkill_while_loading, summary_line)
 from trainer.regen_store import FAILURES
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -116,41 +116,24 @@ def vllm_input(path, n: int, extra: list[dict] = ()) -> str:
     return str(path)
 
 
-# These two jobs' own vLLMs run before the module's server starts, never beside it.
+# The module's server starts after these two jobs' own vLLMs, never beside them.
 def test_a_job_killed_while_its_vllm_loads_leaves_no_server(tmp_path, target):
     # vLLM's API server loses a SIGTERM that comes while its engine starts (PR_SET_PDEATHSIG's
     # alone left it serving, with its engine core and worker, for good); the job's guard stops
     # the group when the job dies
-    inp = vllm_input(tmp_path / "in.jsonl", 2)
-    port = free_port()
-    marker = uuid.uuid4().hex
-    out = tmp_path / "out"
-    job = subprocess.Popen(regen_argv(inp, out, f"http://127.0.0.1:{port}", *SAMPLING, "--serve",
-                                      shlex.join(vllm_argv(target, port)), "--serve-stop-grace", "3"),
-                           cwd=ROOT, env={**ENV, "REGEN_TEST_MARK": marker}, stdout=subprocess.PIPE,
-                           stderr=subprocess.DEVNULL, text=True)
     from agent import procs
 
-    first = job.stdout.readline()
-    assert "started the server" in first, first
-    sid = server_pid(first)
-    try:
-        deadline = time.monotonic() + 300
-        # the engine core is up: vLLM is past its argument parsing, in the start-up that drops SIGTERM
-        while not any(procs.stat(pid) and procs.stat(pid)["sid"] == sid and "EngineCore" in " ".join(procs.cmdline(pid))
-                      for pid in map(int, filter(str.isdigit, os.listdir("/proc")))):
-            assert job.poll() is None and time.monotonic() < deadline, "vLLM's engine core never started"
-            time.sleep(0.2)
-        job.send_signal(signal.SIGKILL)
-        job.wait(30)
-        deadline = time.monotonic() + 120
-        while left_behind(marker, sid) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert left_behind(marker, sid) == []
-    finally:
-        for line in left_behind(marker, sid):
-            os.kill(int(line.split()[0]), signal.SIGKILL)
-        job.stdout.close()
+    inp = vllm_input(tmp_path / "in.jsonl", 2)
+    port = free_port()
+    argv = regen_argv(inp, tmp_path / "out", f"http://127.0.0.1:{port}", *SAMPLING, "--serve",
+                      shlex.join(vllm_argv(target, port)), "--serve-stop-grace", "3")
+    deadline = time.monotonic() + 300
+
+    def engine_core_up(sid: int) -> bool:  # past its argument parsing, in the start-up that drops SIGTERM
+        assert time.monotonic() < deadline, "vLLM's engine core never started"
+        return any((st := procs.stat(pid)) and st["sid"] == sid and "EngineCore" in " ".join(procs.cmdline(pid))
+                   for pid in map(int, filter(str.isdigit, os.listdir("/proc"))))
+    assert sigkill_while_loading(argv, engine_core_up) == []
 
 
 def test_the_job_starts_vllm_from_its_run_config_health_checks_it_and_stops_it(tmp_path, target):
