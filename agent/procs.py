@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import asdict, dataclass
 from typing import Iterable
+
+from agent.records import asdict, record
 
 PR_SET_CHILD_SUBREAPER = 36
 
@@ -135,7 +136,7 @@ def cpu_seconds(pid: int) -> float | None:
     return (st["utime"] + st["stime"]) / os.sysconf("SC_CLK_TCK")
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Identity:
     """A pid that cannot be confused with a later process reusing the number.
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 import enum
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Iterator
+
+from agent.records import Factory, asdict, fields, record
 
 PROTOCOL_VERSION = 1
 
@@ -311,7 +312,7 @@ def load_json_object(path: str) -> dict | None:
     return doc
 
 
-@dataclass(frozen=True)
+@record(frozen=True)
 class Checkpoint:
     """A checkpoint the trainer announced (a ``checkpoint`` event): its step and path."""
 
@@ -329,7 +330,7 @@ class Checkpoint:
         return cls(step if isinstance(step, int) and not isinstance(step, bool) else 0, str(doc["path"]))
 
 
-@dataclass
+@record
 class RankHealth:
     """One rank as its heartbeats show it. ``health``: ok | dead | done | not started (planned
     by the trainer's launch event, no heartbeat yet)."""
@@ -342,7 +343,7 @@ class RankHealth:
     health: str = "ok"
 
 
-@dataclass
+@record
 class RunStatus:
     """status.json: the run as the agent sees it now, rewritten atomically (about once a
     second and at every state change); its copy is the payload of the stream's status
@@ -365,7 +366,7 @@ class RunStatus:
     lr: float | None = None
     tokens_per_s: float | None = None  # the last step event's
     steady_tokens_per_s: float | None = None  # median of the last steps (classify.ThroughputMonitor)
-    ranks: dict[int, RankHealth] = field(default_factory=dict)
+    ranks: dict[int, RankHealth] = Factory(dict)
     launch: dict | None = None  # the trainer's launch event: rdzv_endpoint, nproc, ranks planned
     gpus: list[dict] | None = None  # the last agent/gpus.py sample's records
     gpu_state: str | None = None  # "ok" | "no GPU" | "error"
@@ -375,10 +376,10 @@ class RunStatus:
     exit: dict | None = None  # the job's exit status (job.exit.json), once it ended
     last_error: str | None = None  # the last failure's one-line reason
     reason: str | None = None  # why the run ended, once it has
-    failures_history: list[dict] = field(default_factory=list)  # per failed attempt: root cause, failures
+    failures_history: list[dict] = Factory(list)  # per failed attempt: root cause, failures
     # Every time an agent took over a run whose agent was gone: {ts, by, why, agent_pid,
     # previous_agent_pid, seq} (agent/daemon.py: the job's monitor, `ctl status`, `ctl tail`).
-    reattaches: list[dict] = field(default_factory=list)
+    reattaches: list[dict] = Factory(list)
     # The run died with its container or node: {"kind": "container"|"node", "at": the new
     # boot's time.time(), "step": the last completed step} (agent/procs.py restart_since).
     host_restart: dict | None = None
@@ -421,7 +422,7 @@ class RunStatus:
         atomic_write_json(path, self.to_json())
 
 
-@dataclass
+@record
 class RunResult:
     """result.json: how a run ended, written once, just before the terminal status."""
 
@@ -433,7 +434,7 @@ class RunResult:
     exit: dict | None = None
     restarts: int = 0
     stop: dict | None = None  # the stop report: signals, pids, survivors, graceful
-    failures_history: list[dict] = field(default_factory=list)
+    failures_history: list[dict] = Factory(list)
     checkpoint: Checkpoint | None = None
 
     def to_json(self) -> dict:

@@ -20,6 +20,11 @@ docs/benchmarks.md under "ctl exec round trip".
 
 Run it under the sim lock (flock /tmp/dflash-sim.lock …) and with PYTHONPATH at the checkout
 to measure: `ctl` is the venv's entry point, which imports whatever is first on sys.path.
+
+The checkout's modules are byte-compiled first (compileall into their __pycache__, which git
+ignores), as an installed ctl's are: where $PYTHONDONTWRITEBYTECODE is set (this VM's shells
+set it) and no __pycache__ exists, every `ctl` would compile its modules from source again
+(≈ 12–25 ms here); the row "the same, ctl's modules without bytecode" shows that case.
 """
 
 from __future__ import annotations
@@ -93,9 +98,9 @@ def phases(argv: list[str], env: dict) -> dict:
             "ssh": m["ssh_ended"] - m["ssh_started"], "exit": end - m["ssh_ended"]}
 
 
-def timed(argv: list[str], env: dict) -> float:
+def timed(argv: list[str], env: dict, cwd: str | None = None) -> float:
     start = time.perf_counter()
-    proc = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, capture_output=True)
+    proc = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL, capture_output=True, cwd=cwd)
     elapsed = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(f"{shlex.join(argv)} failed ({proc.returncode}): {proc.stderr.decode()[-500:]}")
@@ -172,13 +177,25 @@ def main() -> None:
                   marked_command(exec_argv(node, args.container, ["true"]))[1]]
     ssh_true_curve = [*ssh_opts, "-o", "KexAlgorithms=curve25519-sha256", f"{target.user}@{target.hostname}", "true"]
 
-    # What `ctl` pays before any connection: Python start-up and the imports of `ctl exec`.
-    startup = [sys.executable, "-c", "from controller.cli import _register; _register('exec'); import controller.openssh"]
+    # What `ctl` pays before any connection: Python start-up and the imports of `ctl exec`
+    # (controller/front.py's path: no typer); and the same where ctl's own modules have no
+    # bytecode and none is written (a copy of them without __pycache__; the standard library
+    # and the venv keep theirs), as every ctl here was before this bench compiled them.
+    startup = [sys.executable, "-c", "import controller.cli, controller.front, controller.commands.plain, "
+                                     "controller.openssh"]
+    no_bytecode = tempfile.mkdtemp(prefix="bench-nopyc-", dir="/tmp")
+    atexit.register(shutil.rmtree, no_bytecode, ignore_errors=True)
+    for package in ("controller", "agent"):
+        shutil.copytree(REPO / package, Path(no_bytecode) / package, ignore=shutil.ignore_patterns("__pycache__"))
+    startup_env = dict(env, PYTHONPATH=str(REPO))
+    startup_env_nopyc = dict(env, PYTHONPATH=no_bytecode, PYTHONDONTWRITEBYTECODE="1")
 
     def connections() -> int:
         return json.loads(Path(stats).read_text())["ssh_connections"]
 
     ctl_env = dict(env, DFLASH_CTL_STATS=stats)
+    subprocess.run([sys.executable, "-m", "compileall", "-q", *(str(REPO / p) for p in ("controller", "agent"))],
+                   check=True, capture_output=True)
     load_before = os.getloadavg()[0]
 
     timed(disconnect, env)
@@ -191,7 +208,7 @@ def main() -> None:
     timed(ssh_true_curve, env)
     timed(ssh_as_ctl, env)
     ctl_times, first_times, ssh_times, start_times, status_times, tail_times = [], [], [], [], [], []
-    true_times, curve_times, as_ctl_times, splits = [], [], [], []
+    true_times, curve_times, as_ctl_times, splits, nopyc_times = [], [], [], [], []
     conns, first_conns, status_conns, tail_conns = [], [], [], []
     for _ in range(args.n):  # interleaved, so drift on a shared machine hits all alike
         timed(disconnect, env)  # the first command of a session: no master
@@ -204,7 +221,8 @@ def main() -> None:
         status_conns.append(connections())
         tail_times.append(timed(tail, ctl_env))
         tail_conns.append(connections())
-        start_times.append(timed(startup, dict(env, PYTHONPATH=str(REPO))))
+        start_times.append(timed(startup, startup_env))
+        nopyc_times.append(timed(startup, startup_env_nopyc, cwd=no_bytecode))  # `-c`: the cwd is first
         true_times.append(timed(ssh_true, env))
         curve_times.append(timed(ssh_true_curve, env))
         as_ctl_times.append(timed(ssh_as_ctl, env))
@@ -235,9 +253,9 @@ def main() -> None:
 
     load_after = os.getloadavg()[0]
     (ctl_med, first_med, ssh_med, warm_med, start_med, status_med, tail_med, true_med, curve_med, agent_med,
-     as_ctl_med, site_med) = (statistics.median(x) * 1000 for x in (ctl_times, first_times, ssh_times, warm,
-                                                                   start_times, status_times, tail_times, true_times,
-                                                                   curve_times, agent_warm, as_ctl_times, agent_site))
+     as_ctl_med, site_med, nopyc_med) = (statistics.median(x) * 1000 for x in (
+        ctl_times, first_times, ssh_times, warm, start_times, status_times, tail_times, true_times, curve_times,
+        agent_warm, as_ctl_times, agent_site, nopyc_times))
     split = {k: statistics.median(s[k] for s in splits) * 1000 for k in splits[0]}
     now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     section = "\n".join([
@@ -270,6 +288,8 @@ def main() -> None:
         f"{curve_med / ssh_med:.2f}× | 1 |",
         f"| `ctl` start-up alone (Python + the imports of `ctl exec`, no connection) | {start_med:.0f} ms | "
         f"{start_med / ssh_med:.2f}× | 0 |",
+        f"| the same, ctl's modules without bytecode (compiled from source each time) | {nopyc_med:.0f} ms | "
+        f"{nopyc_med / ssh_med:.2f}× | 0 |",
         f"| `Container.exec(['true'])` on an open connection (in-process) | {warm_med:.0f} ms | "
         f"{warm_med / ssh_med:.2f}× | {warm_conns} for all |",
         f"| `agent.runview status` (the call `ctl status` makes) on the same open connection | {agent_med:.0f} ms | "
@@ -277,7 +297,8 @@ def main() -> None:
         f"| the same call with site (no `-S`: controller/agentcall.py NO_SITE_CALLS) | {site_med:.0f} ms | "
         f"{site_med / ssh_med:.2f}× | (same) |",
         "",
-        "Each `ctl` command includes starting Python and importing what that command uses, and reaches "
+        "Each `ctl` command includes starting Python and importing what that command uses (these three are "
+        "parsed without typer: controller/front.py), and reaches "
         "the node through the operator's `ssh` binary (controller/openssh.py), one session; the first "
         "of a session opens the node's shared connection (controller/sshmux.py), later ones open a "
         "channel on it (`ctl disconnect` closed it before each first one); the node "
@@ -292,7 +313,7 @@ def main() -> None:
         "| part | ms |",
         "| --- | --- |",
         f"| the Python interpreter starting | {split['start']:.0f} |",
-        f"| imports and typer's dispatch, until ssh starts | {split['to_ssh']:.0f} |",
+        f"| imports and parsing the command line, until ssh starts | {split['to_ssh']:.0f} |",
         f"| the ssh command (a channel on the shared connection; a fresh one sending the same: {as_ctl_med:.0f}) | "
         f"{split['ssh']:.0f} |",
         f"| after ssh ended: the result, Python's exit | {split['exit']:.0f} |",

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
+
+from controller import configcache
 
 DEFAULT_PATH = Path("~/.config/dflash-ctl/config.toml")
 ENV_CONFIG = "DFLASH_CTL_CONFIG"
@@ -187,9 +188,8 @@ def load(explicit: Optional[str | Path] = None) -> Config:
             raise ConfigError(f"config file {path} does not exist")
         return Config()
     try:
-        data = tomllib.loads(path.read_text(encoding="utf-8"))
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+        raw = path.read_bytes()
+        data = configcache.parsed(raw, lambda: _parse_toml(path, raw))
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
                           "save it as UTF-8") from None
@@ -202,6 +202,17 @@ def load(explicit: Optional[str | Path] = None) -> Config:
         return Config(default_node=data.get("default_node"), nodes=data.get("nodes") or {})
     except _Invalid as exc:
         raise ConfigError(f"{path}: {exc}") from None
+
+
+def _parse_toml(path: Path, raw: bytes) -> dict:
+    import tomllib  # only for a config not parsed before (controller/configcache.py)
+
+    # As Path.read_text read it before: text mode's newlines (\r\n and \r become \n).
+    text = raw.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
 
 
 def _plain(obj: Any) -> Any:

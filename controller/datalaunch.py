@@ -14,18 +14,59 @@ A data job has no start decision: launching the same config again after a stop r
 
 from __future__ import annotations
 
+import os
 import posixpath
+import re
 import time
-from typing import Callable, Optional
+from typing import Callable, Mapping, Optional
 
 from controller.agentcall import AgentCallError, AgentCaller
 from controller.container import Container
 from controller.launch import SECRETS_DIR, LaunchRefused, LaunchResult, new_run_id, start_argv
+from controller.render import DEFAULT_SECRET_KEYS
+from controller.runconfig import RunConfigError
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def job_secret(config, environ: Optional[Mapping[str, str]] = None) -> tuple[Optional[str], tuple[str, ...]]:
+    """(the run's secret file text or None, the variable names start.sh lets through) for the
+    options of the job's kind that name a secret's environment variable (trainer/kinds.py
+    ``secret_envs``: regenerate's ``api-key-env``).
+
+    The value is read here, on the operator's machine, when ``ctl launch`` runs — as
+    ``[wandb] api-key-env`` is for training — and travels only in the commit request into
+    ``<workspace>/.dflash-ctl/secrets/<run-id>.env`` (root, 0600). The run config, start.sh,
+    the launch record, the job's argv, its logs and events carry the variable's name only.
+    """
+    environ = os.environ if environ is None else environ
+    kind, values = config.job_kind, config.values()
+    lines, names = [], []
+    for dest in kind.secret_envs:
+        name = values.get(dest)
+        if not name:
+            continue
+        where = f"[{kind.table}] {dest.replace('_', '-')} = {name!r}"
+        if not _ENV_NAME.fullmatch(name) or name.startswith("DFLASH_"):
+            raise RunConfigError(f"{where}: not a usable environment variable name (letters, digits and _, "
+                                 "not DFLASH_…); name the variable that holds the key")
+        value = environ.get(name, "").strip()
+        if not value:
+            raise RunConfigError(f"{where}: that environment variable is unset or empty on this machine; export "
+                                 "the key in it before ctl launch (it goes into the run's root-only secret file, "
+                                 "never into the run config)")
+        if "\n" in value or "\0" in value:
+            raise RunConfigError(f"{where}: its value holds a line break or NUL byte; a key is one line")
+        lines.append(f"{name}={value}\n")
+        names.append(name)
+    return ("".join(lines) or None), tuple(names)
 
 
 class DataLauncher:
     def __init__(self, container: Container, config, *, say: Callable[[str], None] = print,
-                 run_id: Optional[str] = None, agent_options: Optional[dict] = None):
+                 run_id: Optional[str] = None, agent_options: Optional[dict] = None,
+                 secret: Optional[tuple[Optional[str], tuple[str, ...]]] = None):
+        self.secret, self.secret_names = secret if secret is not None else job_secret(config)
         self.ct = container
         self.config = config
         self.kind = config.job_kind
@@ -72,13 +113,14 @@ class DataLauncher:
 
         secrets_file = posixpath.join(self.workspace, SECRETS_DIR, f"{self.run_id}.env")
         script = render.render_job_script(self.argv, container=self.ct.config, bundle=self.caller.bundle_path,
-                                          run_id=self.run_id, run_dir=self.run_dir, secrets_file=secrets_file)
+                                          run_id=self.run_id, run_dir=self.run_dir, secrets_file=secrets_file,
+                                          secret_keys=DEFAULT_SECRET_KEYS + self.secret_names)
         record = {"run_id": self.run_id, "ts": time.time(), "config": self.config.name, "kind": self.kind.name,
                   "config_file": self.config._source_file, "sets": list(self.config._command_line_sets),
                   "start": {"kind": "rerun", "path": None}, "paths": self.config.paths(self.values),
                   "argv": self.argv, "fingerprint": pf.get("fingerprint"), "gpus": {}}
         request = {"workspace": self.workspace, "run_id": self.run_id, "record": record, "run_dir": self.run_dir,
-                   "script": script, "secrets_file": secrets_file, "secret": None,
+                   "script": script, "secrets_file": secrets_file, "secret": self.secret,
                    "start_argv": start_argv(self.ct, self.run_dir, self.run_id, self.agent_options)}
         reply = self._call("agent.preflight", "commit", request, "starting the job")
         if not reply.get("ok"):

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Optional
 
 from controller.config import NodeConfig
+from controller.configcache import KEEP_UNUSED_S, cache_dir, write_cached  # noqa: F401 - tests
 from controller import sshmux
 from controller.sshconfig import (CONNECT_TIMEOUT_S, SERVER_ALIVE_COUNT, SERVER_ALIVE_S, missing_config_message,
                                   ssh_config_path)
@@ -51,10 +52,6 @@ SSH = "ssh"
 # have completed, and running it again is the operator's decision.
 _LOST = re.compile(rb"^(Connection to \S+ closed by remote host\.|Timeout, server \S+ not responding\."
                    rb"|client_loop: send disconnect: .*|packet_write_wait: .*)\s*$", re.M)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache").expanduser() / "dflash-ctl"
 
 
 def _arg(value: str) -> str:
@@ -84,11 +81,6 @@ def wrapper_text(node: NodeConfig, user_config: Optional[Path], sock: Optional[P
     return "\n".join(lines) + "\n"
 
 
-# A config file no command has written for this long is removed when another is written
-# (a node config that changed, a test's temporary one); one still in use is written again.
-KEEP_UNUSED_S = 30 * 86400
-
-
 def wrapper_config(node: NodeConfig, user_config: Optional[Path] = None, sock: Optional[Path] = None) -> Path:
     """The ``ssh -F`` file for ``node`` (sharing the connection through ``sock``): written once
     per content (its name is its hash), so concurrent commands with different configs never
@@ -96,18 +88,7 @@ def wrapper_config(node: NodeConfig, user_config: Optional[Path] = None, sock: O
     text = wrapper_text(node, user_config, sock)
     path = cache_dir() / "ssh" / f"{hashlib.sha256(text.encode()).hexdigest()[:20]}.conf"
     if not path.exists():
-        import time
-
-        from agent.protocol import atomic_write  # once per content: not on every command's path
-
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        for old in path.parent.glob("*.conf"):
-            try:
-                if old.stat().st_mtime < time.time() - KEEP_UNUSED_S:
-                    old.unlink()
-            except OSError:
-                pass  # another ctl removed it first
-        atomic_write(str(path), text, mode=0o600)
+        write_cached(path, text)
     return path
 
 

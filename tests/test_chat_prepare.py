@@ -291,7 +291,7 @@ def test_conversations_without_a_target_are_one_clear_line(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "out")
 
 
-def start_big_prepare(tmp_path, target):
+def start_big_prepare(tmp_path, target, new_session=False):
     """The real command on 6,000 conversations (long enough to be stopped mid-run); (process, out dir)."""
     rows = [{"messages": [{"role": "user", "content": f"question {i} " * 20},
                           {"role": "assistant", "content": f"answer {i} " * 40}]} for i in range(6_000)]
@@ -300,7 +300,7 @@ def start_big_prepare(tmp_path, target):
     proc = subprocess.Popen([sys.executable, "-m", "trainer", "prepare", "--input", src, "--out", out, "--target",
                              target, "--thinking", "off", "--workers", "2", "--progress-every", "256"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": REPO})
+                            env={**os.environ, "PYTHONPATH": REPO}, start_new_session=new_session)
     return proc, out
 
 
@@ -379,3 +379,55 @@ def test_on_a_terminal_progress_is_one_redrawn_bar_with_rates_and_eta():
     plain = Progress(lines.append, every=10, total_bytes=1000, stream=io.StringIO())
     plain.update(10, 20_000, 500, "chat.jsonl")
     assert len(lines) == 1 and lines[0].startswith("prepare: 10 samples, 20,000 tokens, ") and "ETA " in lines[0]
+
+
+def test_batches_keep_every_row_in_order_and_shrink_at_the_end_of_the_file():
+    """The last batches of a file of known size are smaller, so no worker encodes a full one alone at the end."""
+    from trainer.chat_prepare import TAIL_BYTES, _batches
+
+    items = [(b"x" * 999 + b"\n", f"f:{i}", None) for i in range(10_000)]  # 10 MB of rows
+    size = 1 << 20
+    flat = list(_batches(iter(items), 100_000, size))
+    assert all(sum(len(r[0]) for r in b) >= size for b in flat[:-1])  # without a total: full to the end
+    got = list(_batches(iter(items), 100_000, size, total=10_000_000, workers=2))
+    assert [r for b in got for r in b] == items
+    sizes = [sum(len(r[0]) for r in b) for b in got]
+    assert sizes == sorted(sizes, reverse=True) and sizes[0] >= size  # full batches first, then smaller
+    assert TAIL_BYTES <= sizes[-2] < size // 2 and len(got) < 2 * len(flat)
+
+
+def test_a_prepare_killed_by_sigkill_leaves_a_partial_that_the_next_prepare_removes_and_names(tmp_path, targets):
+    proc, out = start_big_prepare(tmp_path, targets["header"], new_session=True)
+    try:
+        assert proc.stderr.readline().startswith("prepare: 256 samples")
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole group, as the agent's last resort does
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    (left,) = tmp_path.glob(".out.partial-*")  # shards of the killed run
+    assert any(left.iterdir()) and not os.path.exists(out)
+    src = write_jsonl(tmp_path / "c.jsonl", OPENAI_ROWS)
+    rc, _, err, d = prep(tmp_path, [src], targets["header"], "--thinking", "off")
+    assert rc == 0 and d == out, err
+    assert f"prepare: removed {left}, the partial output of an earlier prepare into {out} that did not finish" in err
+    assert not list(tmp_path.glob(".out.*"))  # neither partial nor claim left beside it
+    assert len(samples(out)) == len(OPENAI_ROWS)  # only this run's samples
+
+
+def test_a_second_prepare_into_the_same_out_is_refused_and_sweeps_nothing(tmp_path, targets):
+    src = write_jsonl(tmp_path / "c.jsonl", OPENAI_ROWS)
+    live = tmp_path / ".out.partial-abcd1234"
+    live.mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | "
+                               "os.O_CREAT); fcntl.lockf(fd, fcntl.LOCK_EX); print('held', flush=True); sys.stdin.read()",
+                               str(tmp_path / ".out.prepare-lock")], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        rc, _, err, d = prep(tmp_path, [src], targets["header"], "--thinking", "off")
+    finally:
+        holder.communicate("")
+    assert rc == 2 and err.strip().splitlines() == [
+        f"prepare: error: {d}: another prepare is writing it now (it holds {tmp_path / '.out.prepare-lock'}); "
+        "wait for it to end or choose another --out"]
+    assert live.is_dir() and not os.path.exists(d)

@@ -248,12 +248,16 @@ def test_kill_during_prepare_leaves_no_dataset(tmp_path):
     assert proc.returncode == -signal.SIGKILL
     assert not out.exists()
     leftovers = [p for p in os.listdir(tmp_path) if p != "in.jsonl"]
-    assert all(p.startswith(".data.partial-") for p in leftovers)
-    assert not any(os.path.exists(tmp_path / p / "meta.json") for p in leftovers)
-    # and a re-run succeeds despite the leftover
+    partials = [p for p in leftovers if p.startswith(".data.partial-")]
+    assert sorted(set(leftovers) - set(partials)) == [".data.prepare-lock"]  # its claim, no longer held
+    assert len(partials) == 1 and not os.path.exists(tmp_path / partials[0] / "meta.json")
+    # and a re-run succeeds, removing the leftover and naming it
     src = write_jsonl(tmp_path / "a.jsonl", random_samples(3))
-    prepare([src], str(out), log=quiet)
+    said = []
+    prepare([src], str(out), log=said.append)
     assert len(PreparedData(str(out))) == 3
+    assert said[0].startswith(f"prepare: removed {tmp_path / partials[0]}, the partial output of an earlier prepare")
+    assert sorted(os.listdir(tmp_path)) == ["a.jsonl", "data", "in.jsonl"]
 
 
 def test_interrupt_cleans_up(tmp_path, monkeypatch):

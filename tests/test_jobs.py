@@ -9,6 +9,7 @@ The same on the simulated node through `ctl`: tests/test_jobs_sim.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -89,19 +90,23 @@ def _samples(n: int, length: int = 12) -> str:
     return "".join(json.dumps(r) + "\n" for r in rows)
 
 
-def _launch(workspace: str, run_id: str, argv: list[str], record: dict) -> dict:
+def _launch(workspace: str, run_id: str, argv: list[str], record: dict, secret=(None, ())) -> dict:
     """What `ctl launch`'s commit does in the container, here on this machine: start.sh
-    rendered by controller/render.py, the agent started by agent.preflight commit."""
+    rendered by controller/render.py, the agent started by agent.preflight commit; ``secret``
+    as controller/datalaunch.py job_secret gives it."""
     from controller.launch import start_argv
+    from controller.render import DEFAULT_SECRET_KEYS
 
     class Ct:  # the one thing start_argv reads of a container
         config = ContainerConfig(venv=os.path.dirname(os.path.dirname(sys.executable)), workspace=workspace)
 
     run_dir = os.path.join(workspace, "runs", run_id)
+    secrets_file = os.path.join(workspace, "secrets", f"{run_id}.env")
     script = render_job_script(argv, container=Ct.config, bundle=REPO, run_id=run_id, run_dir=run_dir,
-                               secrets_file=os.path.join(workspace, "secrets", f"{run_id}.env"))
+                               secrets_file=secrets_file, secret_keys=DEFAULT_SECRET_KEYS + secret[1])
     req = {"workspace": workspace, "run_id": run_id, "run_dir": run_dir, "script": script,
-           "secrets_file": None, "secret": None, "record": {"run_id": run_id, "ts": 0, **record},
+           "secrets_file": secrets_file if secret[0] else None, "secret": secret[0],
+           "record": {"run_id": run_id, "ts": 0, **record},
            "start_argv": start_argv(Ct, run_dir, run_id, {"startup_timeout": 60})}
     proc = agent_module("agent.preflight", "commit", stdin=json.dumps(req))
     reply = extract_payload(proc.stdout)
@@ -194,14 +199,13 @@ def test_prepare_job_that_fails_names_the_bad_row(tmp_path):
     assert not os.path.exists(out)
 
 
-def test_regenerate_job_under_the_agent_stopped_mid_run_then_relaunched_every_id_once(tmp_path):
-    """A regenerate job (its options from regenerate's own parser) against `transformers
-    serve` of a tiny target, held mid-run by a real proxy, stopped through the agent, and the
-    same config launched again: every id exactly once, and the accounting in `ctl status`."""
+@contextlib.contextmanager
+def _served_target(tmp_path, **proxy_options):
+    """`transformers serve` of a tiny chat target behind a real proxy (tests/_regen_target.py); yields the proxy."""
     import subprocess
 
     from tests._regen_target import Proxy, free_port, make_chat_target, serve_argv, wait_healthy
-    from tests.test_regenerate import ENV, conversations, expected_ids, output_rows, write_input
+    from tests.test_regenerate import ENV
 
     target = make_chat_target(str(tmp_path / "target"))
     port = free_port()
@@ -210,14 +214,37 @@ def test_regenerate_job_under_the_agent_stopped_mid_run_then_relaunched_every_id
     try:
         url = f"http://127.0.0.1:{port}"
         wait_healthy(url, server)
-        proxy = Proxy(url, hold_after=6)
-        workspace = str(tmp_path / "ws")
-        os.makedirs(workspace)
-        inp = write_input(tmp_path / "in.jsonl", conversations(16))
-        out = os.path.join(workspace, "regen")
-        cfg = _config(tmp_path, f'name = "regen"\nkind = "regenerate"\n[regenerate]\ninput = "{inp}"\nout = "{out}"\n'
-                                f'endpoint = ["{proxy.url}"]\nmax-tokens = 4\ntemperature = 0\nconcurrency = 2\n'
-                                'flush-rows = 1\n', "regen.toml")
+        proxy = Proxy(url, **proxy_options)
+        yield proxy
+    finally:
+        if proxy is not None:
+            proxy.gate.set()
+            proxy.close()
+        server.terminate()
+        server.wait(30)
+
+
+def _regen_job(tmp_path, proxy, rows: int, settings: str):
+    """A workspace, an input of ``rows`` conversations, and a regenerate job's config against ``proxy``."""
+    from tests.test_regenerate import conversations, write_input
+
+    workspace = str(tmp_path / "ws")
+    os.makedirs(workspace)
+    inp = write_input(tmp_path / "in.jsonl", conversations(rows))
+    out = os.path.join(workspace, "regen")
+    cfg = _config(tmp_path, f'name = "regen"\nkind = "regenerate"\n[regenerate]\ninput = "{inp}"\nout = "{out}"\n'
+                            f'endpoint = ["{proxy.url}"]\nmax-tokens = 4\ntemperature = 0\n{settings}', "regen.toml")
+    return workspace, inp, out, cfg
+
+
+def test_regenerate_job_under_the_agent_stopped_mid_run_then_relaunched_every_id_once(tmp_path):
+    """A regenerate job (its options from regenerate's own parser) against `transformers
+    serve` of a tiny target, held mid-run by a real proxy, stopped through the agent, and the
+    same config launched again: every id exactly once, and the accounting in `ctl status`."""
+    from tests.test_regenerate import expected_ids, output_rows
+
+    with _served_target(tmp_path, hold_after=6) as proxy:
+        workspace, inp, out, cfg = _regen_job(tmp_path, proxy, 16, "concurrency = 2\nflush-rows = 1\n")
 
         def launch(run_id: str) -> str:
             run_dir = os.path.join(workspace, "runs", run_id)
@@ -241,9 +268,34 @@ def test_regenerate_job_under_the_agent_stopped_mid_run_then_relaunched_every_id
         reply = extract_payload(agent_module("agent.runview", "status", "--workspace", workspace).stdout)
         progress = next(l for l in render_status(reply, "200", "sim") if l.startswith("progress"))
         assert "done 16/16 (100 %)" in progress and "(regenerate job)" in progress, progress
-    finally:
-        if proxy is not None:
-            proxy.gate.set()
-            proxy.close()
-        server.terminate()
-        server.wait(30)
+
+
+def test_regenerate_job_sends_the_api_key_named_by_api_key_env_and_writes_it_nowhere_else(tmp_path):
+    """`api-key-env` in a regenerate job's config: the launch reads the variable on the
+    operator's machine into the run's root-only secret file; start.sh passes that variable to
+    the job, which sends the key to a server that wants it. The key is in no other file."""
+    from controller.datalaunch import job_secret
+    from tests.test_regenerate import output_rows
+
+    key = "s3cret-7f3a-key"
+    # a request without "Authorization: Bearer KEY" gets a 401
+    with _served_target(tmp_path, api_key=key) as proxy:
+        workspace, _, out, cfg = _regen_job(tmp_path, proxy, 4, 'api-key-env = "REGEN_TEST_KEY"\n')
+        with pytest.raises(runconfig.RunConfigError) as unset:
+            job_secret(cfg, {})
+        assert str(unset.value).startswith("[regenerate] api-key-env = 'REGEN_TEST_KEY': that environment variable "
+                                           "is unset or empty on this machine")
+        secret = job_secret(cfg, {"REGEN_TEST_KEY": key + "\n"})
+        assert secret == (f"REGEN_TEST_KEY={key}\n", ("REGEN_TEST_KEY",))
+        run_dir = os.path.join(workspace, "runs", "regen-1")
+        values = cfg.resolve(run_id="regen-1", run_dir=run_dir, workspace=workspace)
+        assert "REGEN_TEST_KEY" in cfg.argv(values) and key not in " ".join(cfg.argv(values))
+        _launch(workspace, "regen-1", cfg.argv(values), {"kind": "regenerate", "config": "regen",
+                                                         "paths": cfg.paths(values), "gpus": {}}, secret)
+        assert wait_terminal(run_dir, timeout=180)["state"] == "completed"
+        assert len(output_rows(out)) == 4
+        files = [str(tmp_path / "regen.toml")] + [os.path.join(d, f) for d, _, fs in os.walk(workspace) for f in fs]
+        holders = [os.path.relpath(p, workspace) for p in files if key.encode() in open(p, "rb").read()]
+        # the 0600 secret file only: not the run config, start.sh, the record, events or logs
+        assert holders == [os.path.join("secrets", "regen-1.env")]
+        assert os.stat(os.path.join(workspace, "secrets", "regen-1.env")).st_mode & 0o077 == 0

@@ -26,6 +26,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("triton_tem_fused_flex_attention_0", None, kp.FLEX_FWD),
     ("triton_tem_fused_flex_attention_backward_1", None, kp.FLEX_BWD),
     ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", kp.REGION_TARGET, kp.ATTN_TARGET),
+    ("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", kp.REGION_TARGET, kp.ATTN_TARGET),
+    ("merge_16x16_to_64x64_inverse_kernel", kp.REGION_TARGET, kp.ATTN_TARGET),
+    ("triton_poi_fused_chunk_0", kp.REGION_TARGET, kp.ELEMENTWISE_TARGET),
     ("triton_red_fused__to_copy_exp_logsumexp_sub_0", kp.REGION_HEAD, kp.HEAD_ELEMENTWISE),
     ("void at::native::sbtopk::gatherTopK<c10::BFloat16, unsigned int, 2, false>", kp.REGION_HEAD, kp.HEAD_ELEMENTWISE),
     ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdam>", kp.REGION_OPTIMIZER, kp.OPTIMIZER),
@@ -167,3 +170,19 @@ def test_the_direct_block_mask_has_create_block_masks_tiles(S, B, n, drop):
             k = int(getattr(want, nm)[0, 0, t])
             assert sorted(getattr(got, idx)[0, 0, t, :k].tolist()) == sorted(getattr(want, idx)[0, 0, t, :k].tolist())
     assert direct_block_mask(a, keep, S, 24, mod) is None  # 24 does not divide a 128 tile: the caller falls back
+
+
+def test_the_27b_colocated_step_counts_the_hybrid_target_and_its_drafter():
+    """The Qwen3.6-27B shape's table (bench/gpu/colocated.py --scale gpu27): the target's FLOPs
+    are trainer/fast_hybrid.py's forward count, split into matmuls and attention/recurrence;
+    the drafter's head runs over the 248,320-token vocabulary."""
+    sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
+    co = importlib.import_module("colocated")
+    from trainer import family
+    from trainer import fast_hybrid as fh
+
+    w = co.colocated_work_27b({"tokens": 40960})
+    target = fh.forward_flops(family.QWEN3_6_27B_TEXT, 8192, 5)
+    assert w[kp.MATMUL_TARGET]["flop"] + w[kp.ATTN_TARGET]["flop"] == pytest.approx(target)
+    assert 0 < w[kp.ATTN_TARGET]["flop"] < 0.1 * target
+    assert w[kp.HEAD_ELEMENTWISE]["bytes"] == 5 * 1024 * 31 * 248320 * 2 * 5

@@ -110,3 +110,21 @@ def test_no_file_holds_a_merge_conflict_marker():
             if marker.search(path.read_text(errors="replace")):
                 hits.append(name)
     assert hits == []
+
+
+def test_no_symlink_is_tracked_and_the_venvs_are_ignored_as_links_too(tmp_path):
+    # A helper's worktree links .venv to the shared venv; `.venv/` in .gitignore matched only a
+    # directory, so the link was committed, and merging it replaced main's venv directory (git
+    # overwrites ignored files freely). Nothing in the tree needs a symlink.
+    import subprocess
+
+    staged = subprocess.run(["git", "ls-files", "-s"], cwd=REPO, capture_output=True, text=True, check=True).stdout
+    links = [line.split("\t", 1)[1] for line in staged.splitlines() if line.startswith("120000 ")]
+    assert links == []
+    # this checkout's .gitignore, in a repository where the venvs are links as in a worktree
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / ".gitignore").write_text((REPO / ".gitignore").read_text())
+    for name in (".venv", ".venv-vllm"):
+        (tmp_path / name).symlink_to("/nonexistent")
+        ignored = subprocess.run(["git", "check-ignore", "-q", name], cwd=tmp_path)
+        assert ignored.returncode == 0, f"{name} as a link (not only as a directory) is not ignored"

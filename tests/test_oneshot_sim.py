@@ -41,6 +41,8 @@ CTL_LISTING_MODULES = [sys.executable, "-c", (
     "main()\n")]
 # Packages a one-shot command has no use for (paramiko's own imports among them).
 NOT_FOR_ONE_SHOT = {"paramiko", "cryptography", "nacl", "bcrypt", "invoke", "tenacity", "pydantic", "jinja2"}
+# ...and what the commands controller/front.py parses do without (typer's own imports).
+NOT_FOR_THE_FRONT = {"typer", "click", "rich"}
 
 
 def sessions(node) -> list[str]:
@@ -99,4 +101,6 @@ def test_one_shot_commands_import_neither_paramiko_nor_pydantic_and_open_one_ses
     if command[0] == "tail":
         assert "== run completed" in proc.stdout, proc.stdout
     assert {m.split(".")[0] for m in modules} & NOT_FOR_ONE_SHOT == set()
+    if command[0] != "env":  # `ctl env` is a typer group (controller/commands/envs.py)
+        assert {m.split(".")[0] for m in modules} & NOT_FOR_THE_FRONT == set()
     assert len(sessions(sim_node)[before:]) == 1

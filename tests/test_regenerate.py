@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.request
 
 import pytest
@@ -111,6 +112,55 @@ def summary_line(p) -> str:
     return next(line for line in p.stdout.splitlines() if " input rows; " in line)
 
 
+def left_behind(marker: str, server_sid: int) -> list[str]:
+    """Live processes of a job run with ``REGEN_TEST_MARK=marker``: those whose environment
+    carries it (the job, its guard, the server) and those of the server's session (--serve
+    starts it in its own). Both, since vLLM's engine core and workers rename themselves
+    (setproctitle), which overwrites what /proc/PID/environ shows: only their session still
+    says whose they are."""
+    from agent import procs
+
+    found = []
+    for pid in map(int, filter(str.isdigit, os.listdir("/proc"))):
+        st = procs.stat(pid)
+        if st is None or st["state"] in ("Z", "X") or pid == os.getpid():
+            continue
+        if st["sid"] == server_sid or procs.environ(pid).get("REGEN_TEST_MARK") == marker:
+            found.append(f"{pid} {' '.join(procs.cmdline(pid))[:80]}")
+    return found
+
+
+def server_pid(stdout: str) -> int:
+    return int(stdout.split("regenerate: started the server (pid ", 1)[1].split(")", 1)[0])
+
+
+def sigkill_while_loading(argv: list[str], loading, wait_s: float = 120.0) -> list[str]:
+    """Start a --serve job, SIGKILL it once ``loading(server_sid)`` is true (its server mid-start),
+    and wait at most ``wait_s`` for nothing of it to be left. Returns what was left then, after
+    SIGKILLing it so that no test leaves a server behind."""
+    marker = os.urandom(8).hex()
+    job = subprocess.Popen(argv, cwd=ROOT, env={**ENV, "REGEN_TEST_MARK": marker}, stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, text=True)
+    first = job.stdout.readline()
+    assert "started the server" in first, first
+    sid = server_pid(first)
+    try:
+        while not loading(sid):
+            assert job.poll() is None, "the job ended before its server was loading"
+            time.sleep(0.1)
+        job.send_signal(signal.SIGKILL)
+        job.wait(30)
+        deadline = time.monotonic() + wait_s
+        while left_behind(marker, sid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        return left_behind(marker, sid)
+    finally:
+        for line in left_behind(marker, sid):
+            os.kill(int(line.split()[0]), signal.SIGKILL)
+        job.stdout.close()
+
+
+
 def test_each_row_is_answered_turn_by_turn_on_the_targets_own_history(tmp_path, server):
     rows = conversations(9) + [{"id": "prompt-only", "messages": [{"role": "user", "content": "just ask"}]}]
     inp = write_input(tmp_path / "in.jsonl", rows, BAD)
@@ -153,18 +203,24 @@ def test_each_row_is_answered_turn_by_turn_on_the_targets_own_history(tmp_path, 
     assert (hb["state"], hb["step"], hb["role"]) == ("done", 10, "regenerate")
 
 
-def test_sigkill_mid_run_then_restart_writes_every_id_exactly_once(tmp_path, server):
-    inp = write_input(tmp_path / "in.jsonl", conversations(16), BAD[:1])
-    out = tmp_path / "out"
-    proxy = Proxy(server, hold_after=6)  # the run is held mid-way, then killed
-    argv = regen_argv(inp, out, proxy.url)
-    proc = subprocess.Popen(argv, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+def sigkill_while_held(upstream: str, argv_for, hold_after: int = 6, timeout: float = 60) -> None:
+    """Run ``argv_for(proxy_url)`` behind a Proxy that answers ``hold_after`` requests and holds
+    the next ones, and SIGKILL it once both workers wait there: a run killed mid-way."""
+    proxy = Proxy(upstream, hold_after=hold_after)
+    proc = subprocess.Popen(argv_for(proxy.url), cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     try:
-        assert proxy.held.acquire(timeout=60) and proxy.held.acquire(timeout=60)  # both workers are waiting
+        assert proxy.held.acquire(timeout=timeout) and proxy.held.acquire(timeout=timeout)  # both workers wait
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
     finally:
         proxy.close()
+
+
+def test_sigkill_mid_run_then_restart_writes_every_id_exactly_once(tmp_path, server):
+    inp = write_input(tmp_path / "in.jsonl", conversations(16), BAD[:1])
+    out = tmp_path / "out"
+    sigkill_while_held(server, lambda url: regen_argv(inp, out, url))
     before = output_rows(out)
     assert 0 < len(before) < 16
     # a SIGKILL in the middle of a batch's write leaves a torn last line: cut off and redone
@@ -347,6 +403,19 @@ def test_accounting_that_does_not_add_up_exits_non_zero(tmp_path, server):
     assert proc.returncode == 1, stdout + stderr
     assert "done 14 + failed 0 + skipped 0 ≠ 12 input rows" in stdout
     assert "the accounting does not add up" in stderr
+
+
+def test_a_job_killed_while_its_server_loads_leaves_no_server(tmp_path):
+    # a server that ignores SIGTERM while it loads, as vLLM's API server does while its engine
+    # starts: PR_SET_PDEATHSIG's SIGTERM alone left it running; the job's guard SIGKILLs it
+    inp = write_input(tmp_path / "in.jsonl", conversations(2))
+    loading = (f"{sys.executable} -c \"import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+               "print('loading', flush=True); time.sleep(600)\"")
+    argv = regen_argv(inp, tmp_path / "out", f"http://127.0.0.1:{free_port()}", "--serve", loading,
+                      "--serve-stop-grace", "1")
+    # once it runs (and ignores SIGTERM)
+    left = sigkill_while_loading(argv, lambda sid: "loading" in (tmp_path / "out" / "serve.log").read_text())
+    assert left == []
 
 
 def test_a_server_that_dies_while_starting_is_one_line_with_its_log(tmp_path):

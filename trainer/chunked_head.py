@@ -98,18 +98,33 @@ def balanced_chunk_blocks(n_blocks: int, chunk_rows: int, K: int) -> int:
 
 
 _FNS = {}
+# "0": the compiled passes above instead of trainer/head_kernels.py's Triton kernels (bench before/after)
+TRITON = os.environ.get("DFLASH_HEAD_TRITON", "1") == "1"
 
 
 def _fns(device: torch.device):
-    """The four elementwise passes, compiled (fused, one read of the logits each) on CUDA."""
-    key = device.type
+    """The four elementwise passes and DFlash2's top-k: on CUDA trainer/head_kernels.py's
+    Triton kernels (the statistics in one read of each row; the top-k by a threshold from lane
+    maxima) or, with ``TRITON`` off, the functions above compiled and torch.topk; on CPU the
+    functions above as they are."""
+    key = (device.type, device.type == "cuda" and TRITON)
     if key not in _FNS:
-        if key == "cuda":
+        if key == ("cuda", True):
+            from trainer import head_kernels as hk
+
+            def topk(z, k):
+                return hk.topk(z, k) if hk.topk_fits(k, z.shape[-1]) else _topk(z, k)
+            _FNS[key] = (hk.stats, hk.stats_soft, hk.grad, hk.grad_soft, topk)
+        elif device.type == "cuda":
             c = lambda f: torch.compile(f, dynamic=False)  # noqa: E731  (static: see fused_ops)
-            _FNS[key] = (c(_stats), c(_stats_soft), c(_grad), c(_grad_soft))
+            _FNS[key] = (c(_stats), c(_stats_soft), c(_grad), c(_grad_soft), _topk)
         else:
-            _FNS[key] = (_stats, _stats_soft, _grad, _grad_soft)
+            _FNS[key] = (_stats, _stats_soft, _grad, _grad_soft, _topk)
     return _FNS[key]
+
+
+def _topk(logits: torch.Tensor, k: int) -> torch.Tensor:
+    return logits.topk(k, dim=-1).indices
 
 
 class _ChunkedHeadLoss(torch.autograd.Function):
@@ -134,7 +149,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             if teacher is not None:
                 tsrc = teacher[sl]
                 tl = tsrc.reshape(-1, tsrc.shape[-1]) if teacher_is_logits else tsrc.reshape(-1, H) @ w.t()
-            stats, stats_soft, grad, grad_soft = _fns(h.device)
+            stats, stats_soft, grad, grad_soft, topk = _fns(h.device)
             if tl is None:
                 lse, ce, correct = stats(logits, t)
                 kl = None
@@ -155,7 +170,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 g_kl = (grads[1] if grads[1] is not None else torch.zeros_like(kl_v)).reshape(-1).to(ce.dtype)
                 gz = grad_soft(logits, tl, lse, lse_s, lse_t, t, g_ce, g_kl, temperature, gdt)
             if top_k:  # DFlash2's candidates: the slot's top-k of these same logits
-                cand_all[sl] = logits.topk(top_k, dim=-1).indices.view(n, K, top_k)
+                cand_all[sl] = topk(logits, top_k).view(n, K, top_k)
             del logits, tl
             grad_hidden[sl] = (gz @ w).view(n, K, H).to(hidden.dtype)
             del gz

@@ -12,9 +12,11 @@ need no GPU stack.
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import struct
@@ -405,6 +407,17 @@ def prepare(
     parent = os.path.dirname(out)
     created = _missing_ancestors(parent)
     os.makedirs(parent, exist_ok=True)
+    try:
+        claim = _claim(out)
+    except BaseException:
+        _remove_created(created)
+        raise
+    # What a prepare killed by SIGKILL (the OOM killer, a power loss) left: no live prepare
+    # holds the claim now, so every partial directory of this --out is stale.
+    mine = re.compile(re.escape(f".{os.path.basename(out)}.partial-") + r"[a-z0-9_]{8}")  # mkdtemp's names
+    for stale in sorted(os.path.join(parent, n) for n in os.listdir(parent) if claim and mine.fullmatch(n)):
+        shutil.rmtree(stale, ignore_errors=True)
+        log(f"prepare: removed {stale}, the partial output of an earlier prepare into {out} that did not finish")
     # Same parent → same file system → os.rename is atomic.
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.partial-", dir=parent)
     writer = _ShardWriter(tmp, shard_tokens)
@@ -430,11 +443,59 @@ def prepare(
         if not committed:  # bad input or interrupted: leave nothing behind, not even parents
             writer.abort()
             shutil.rmtree(tmp, ignore_errors=True)
-            for d in created:
+        _release(claim)
+        if not committed:
+            _remove_created(created)
+
+
+def _remove_created(created: list[str]) -> None:
+    for d in created:
+        try:
+            os.rmdir(d)
+        except OSError:
+            break
+
+
+def _claim(out: str):
+    """Hold ``.<name>.prepare-lock`` beside ``out`` while a prepare writes it: a POSIX lock,
+    which the kernel drops when its process dies (SIGKILL too) and forked workers do not
+    inherit. A second prepare into the same --out is refused with one line. None where the
+    file system has no locks: then nothing is swept (a live prepare's partial looks the same)."""
+    import fcntl
+
+    path = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.prepare-lock")
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(fd)
+            if exc.errno not in (errno.EACCES, errno.EAGAIN):  # a file system without locks: no claim, no sweep
                 try:
-                    os.rmdir(d)
+                    os.unlink(path)
                 except OSError:
-                    break
+                    pass
+                return None
+            raise DataError(f"{out}: another prepare is writing it now (it holds {path}); wait for it to end "
+                            "or choose another --out") from None
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:  # else the holder before us removed the file as we opened it: take the new one
+            return fd, path
+        os.close(fd)
+
+
+def _release(claim) -> None:
+    if claim is None:
+        return
+    fd, path = claim
+    try:
+        os.unlink(path)  # before the close: whoever opens it next gets a new file and checks the inode
+    except FileNotFoundError:
+        pass
+    os.close(fd)
 
 
 def _missing_ancestors(path: str) -> list[str]:

@@ -38,7 +38,7 @@ MATMUL_HEAD = "matmul: LM head + teacher logits"
 MATMUL_TARGET = "matmul: target forward"
 FLEX_FWD = "flex attention forward"
 FLEX_BWD = "flex attention backward"
-ATTN_TARGET = "attention: target (SDPA)"
+ATTN_TARGET = "attention: target (SDPA; Gated DeltaNet kernels)"
 HEAD_ELEMENTWISE = "LM head elementwise (softmax, CE/KL, gradient, top-k)"
 SELECTOR = "DFlash2 selector (gathered head rows, scores; forward)"
 OPTIMIZER = "optimizer (clip + AdamW)"
@@ -55,6 +55,11 @@ _MATMUL = re.compile(r"nvjet|gemm|cutlass|xmma|wgmma|triton_tem_fused_(?:add)?b?
 _FLEX = re.compile(r"flex_attention|flex_decoding", re.I)
 _FLEX_BWD = re.compile(r"backward|bwd", re.I)
 _SDPA = re.compile(r"flash|fmha|sdpa|attention|cudnn_generated", re.I)
+# flash-linear-attention's Triton kernels of a hybrid target's Gated DeltaNet layers (fla 0.6:
+# chunk_gated_delta_rule_fwd_kernel_h…, chunk_fwd_kernel_o, chunk_scaled_dot_kkt…,
+# recompute_w_u…, solve_tril / merge_16x16_to_64x64_inverse…, chunk_local_cumsum…)
+_LINEAR_ATTN = re.compile(r"^(?!triton_)\w*(chunk_|delta_rule|kkt|recompute_w_u|solve_tril|merge_16x16|"
+                          r"inverse_kernel|local_cumsum)", re.I)
 _COPY = re.compile(r"copy|memcpy|memset|fill|cat_|catarray|CatArray|index_elementwise|gather|scatter", re.I)
 _OPT = re.compile(r"multi_tensor_apply|adam|foreach", re.I)
 
@@ -66,7 +71,7 @@ def kernel_class(name: str, region: str | None) -> str:
         return SELECTOR
     if _FLEX.search(name):
         return FLEX_BWD if _FLEX_BWD.search(name) else FLEX_FWD
-    if region == REGION_TARGET and _SDPA.search(name):
+    if region == REGION_TARGET and (_SDPA.search(name) or _LINEAR_ATTN.search(name)):
         return ATTN_TARGET
     if _MATMUL.search(name):
         return MATMUL_TARGET if region == REGION_TARGET else MATMUL_HEAD if region == REGION_HEAD else MATMUL_DRAFTER

@@ -33,6 +33,10 @@ class Kind:
     gpus: bool  # holds GPUs (or rank slots on CPU): the GPU checks of a launch apply
     # options a run config does not hold, and why (the agent sets them for each run)
     not_in_config: tuple[tuple[str, str], ...] = ()
+    # options whose value names an environment variable holding a secret: the launch reads
+    # it on the operator's machine into the run's root-only secret file, and start.sh passes
+    # that one variable through to the job (controller/datalaunch.py job_secret)
+    secret_envs: tuple[str, ...] = ()
 
     def build_parser(self):
         module, _, func = self.parser.partition(":")
@@ -47,7 +51,7 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          "a rerun of the same config: the output directory appears only when complete", False),
     Kind("regenerate", "regenerate", ("regenerate",), "trainer.regenerate:build_parser", ("input",), ("out",),
          "a rerun of the same config: ids already in the output are skipped (each id exactly once)", False,
-         (("run_dir", "the agent gives every job its run directory ($DFLASH_RUN_DIR)"),)),
+         (("run_dir", "the agent gives every job its run directory ($DFLASH_RUN_DIR)"),), ("api_key_env",)),
 )}
 DATA_KINDS = tuple(k for k in KINDS if not KINDS[k].gpus)
 

@@ -17,7 +17,7 @@ import httpx
 import tenacity
 
 TRANSIENT_STATUS = frozenset({408, 429, 500, 502, 503, 504})
-ERROR_TEXT_MAX = 300  # characters of a server's error body kept in the failures file
+ERROR_TEXT_MAX = 500  # characters of a server's error message kept in the failures file
 
 
 class TransientError(Exception):
@@ -81,6 +81,25 @@ def root_url(endpoint: str) -> str:
     return base_url(endpoint)[: -len("/v1")]
 
 
+def server_words(r: httpx.Response) -> str:
+    """What the server said went wrong: the message of its JSON error body — ``error.message``
+    (OpenAI, vLLM), ``message`` (SGLang's ``{"object": "error", …}``) or ``detail`` (FastAPI) —
+    else the body as it came; at most ERROR_TEXT_MAX characters. The message, not the envelope:
+    vLLM's context-length error is a 250-character sentence inside a JSON object, and a cut
+    through the object kept the escaped JSON and lost the sentence's end."""
+    try:
+        doc = r.json()
+    except ValueError:
+        doc = None
+    said = None
+    if isinstance(doc, dict):
+        err = doc.get("error")
+        said = err.get("message") if isinstance(err, dict) else err
+        said = said or doc.get("message") or doc.get("detail")
+    text = said if isinstance(said, str) and said.strip() else r.text
+    return text[:ERROR_TEXT_MAX]
+
+
 def _why(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
     return f"{type(exc).__name__}: {text}" if text != type(exc).__name__ else text
@@ -130,9 +149,9 @@ class ChatClient:
         except httpx.TransportError as exc:
             raise TransientError(f"{endpoint}: {_why(exc)}") from exc
         if r.status_code in TRANSIENT_STATUS:
-            raise TransientError(f"{endpoint}: HTTP {r.status_code} {r.text[:ERROR_TEXT_MAX]}")
+            raise TransientError(f"{endpoint}: HTTP {r.status_code}: {server_words(r)}")
         if r.status_code != 200:
-            raise PermanentError(f"{endpoint}: HTTP {r.status_code} {r.text[:ERROR_TEXT_MAX]}", r.status_code)
+            raise PermanentError(f"{endpoint}: HTTP {r.status_code}: {server_words(r)}", r.status_code)
         try:
             doc = r.json()
             choice = doc["choices"][0]

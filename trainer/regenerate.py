@@ -37,6 +37,7 @@ DEFAULT_FLUSH_S = 5.0
 DEFAULT_PROGRESS_S = 30.0
 DEFAULT_TIMEOUT_S = 600.0
 DEFAULT_SERVE_TIMEOUT_S = 900.0
+DEFAULT_SERVE_STOP_GRACE_S = 30.0
 # Reader causes regenerate does not mind: a prompt-only row is what it answers.
 ANSWERABLE = frozenset({"no_assistant_turn"})
 # Causes regenerate adds to the reader's (trainer/chatrows.py CAUSES), for docs/regenerate.md.
@@ -114,6 +115,9 @@ def build_parser() -> UsageParser:
                         "every --endpoint is healthy, stop it at the end")
     o.add_argument("--serve-timeout", type=_positive(float), default=DEFAULT_SERVE_TIMEOUT_S, metavar="S",
                    help=f"seconds the server may take to become healthy (default {DEFAULT_SERVE_TIMEOUT_S:g})")
+    o.add_argument("--serve-stop-grace", type=_positive(float), default=DEFAULT_SERVE_STOP_GRACE_S, metavar="S",
+                   help="seconds the server has to exit after SIGTERM before SIGKILL, at the end or when the job dies "
+                        f"(default {DEFAULT_SERVE_STOP_GRACE_S:g}; a GPU server may need them to free its memory)")
     return p
 
 
@@ -295,7 +299,7 @@ def _main(args) -> int:
             os.makedirs(args.out, exist_ok=True)
             tel.open()
             tel.events.emit("phase", phase="serving")
-            server = Server(serve_argv, args.out)
+            server = Server(serve_argv, args.out, args.serve_stop_grace)
             try:
                 server.start(args.endpoint, args.serve_timeout, log=lambda line: print(line, flush=True),
                              stopped=lambda: stop["signal"] is not None, api_key=api_key_of(args))

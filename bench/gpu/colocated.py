@@ -5,6 +5,8 @@ kernel class (trainer/kernel_profile.py through DFLASH_PROFILE_STEP).
     PYTHONUNBUFFERED=1 python3 bench/gpu/colocated.py run --out DIR --work /tmp/w [--deadline-s 300]
     python3 bench/gpu/colocated.py run --out /tmp/o --work /tmp/w --cpu       # the plumbing on CPU
     python3 bench/gpu/colocated.py table DIR [--ceilings RESULTS.json]        # the profile table, anywhere
+    PYTHONUNBUFFERED=1 python3 bench/gpu/colocated.py run --scale gpu27 --phases cold --out DIR --work /tmp/w
+        # the seed's Qwen3.6-27B shape (hybrid target: flash-linear-attention must be importable)
 
 The launches are bench/gpu/memory_campaign.py's (synthetic Qwen3-8B target and full-length
 random samples from ``python -m trainer synthetic``; soft labels KL 0.15 at T 2, CAP 0.1,
@@ -12,7 +14,10 @@ uniform noise 0.05 → 0.01, block 32, 1,024 anchors, 5 layers, max length 8,192
 1, killed once their steps are logged): ``cold`` (``--token-budget auto``, an empty compile
 cache: the first step's compile) and ``warm`` (the same relaunched on that cache: the
 relaunch's compile and the steady tokens/s; its step 3 profiled). memory_campaign.py's
-``summary`` gives the tokens/s and the reserved peaks against trainer/memory.py.
+``summary`` gives the tokens/s and the reserved peaks against trainer/memory.py. ``--scale
+gpu27`` runs the same with the 64-layer Qwen3.6-27B text target (``synthetic --shape
+qwen3.6-27b``) and its drafter (vocabulary 248,320, 4 sliding-window layers + 1 full);
+``--phases cold`` profiles the cold launch's step 3 instead (one launch, no relaunch).
 """
 
 from __future__ import annotations
@@ -37,7 +42,10 @@ PHASES = [("cold", 4), ("warm", 4)]
 
 
 def cmd_run(a) -> int:
-    sc = dict(mc.SCALES["cpu" if a.cpu else "gpu"])
+    scale = "cpu" if a.cpu else a.scale
+    sc = dict(mc.SCALES[scale])
+    phases = [p for p in PHASES if p[0] in a.phases.split(",")]
+    profiled = "warm" if any(p[0] == "warm" for p in phases) else phases[0][0]
     t0 = time.time()
     final, work = os.path.abspath(a.out), os.path.abspath(a.work)
     out = os.path.join(work, "out")
@@ -47,7 +55,7 @@ def cmd_run(a) -> int:
     for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # the trainer's own (trainer/runtime_env.py)
         os.environ.pop(k, None)
     with open(os.path.join(out, "meta.json"), "w") as fh:
-        json.dump({"scale": "cpu" if a.cpu else "gpu", "phases": [p[0] for p in PHASES], "t0": t0,
+        json.dump({"scale": scale, "phases": [p[0] for p in phases], "profiled": profiled, "t0": t0,
                    "host": os.uname().nodename}, fh)
     smi = None
     if not a.cpu:
@@ -60,14 +68,20 @@ def cmd_run(a) -> int:
         subprocess.run([sys.executable, "-m", "trainer", "synthetic", "--shape", sc["shape"], "--out", data,
                         "--samples", str(a.samples), "--max-len", str(sc["L"])], cwd=mc.ROOT, check=True)
         flags_ = mc.trainer_flags(sc, data)
-        for name, steps in PHASES:
+        for name, steps in phases:
             left = a.deadline_s - (time.time() - t0)
             if left < 60:
                 mc.log(f"{name}: not started, {left:.0f} s left")
                 break
-            os.environ["DFLASH_PROFILE_STEP"] = str(PROFILE_STEP) if name == "warm" else ""
+            os.environ["DFLASH_PROFILE_STEP"] = str(PROFILE_STEP) if name == profiled else ""
             os.environ["DFLASH_PROFILE_DIR"] = out
             os.environ["DFLASH_COMPILE_REPORT"] = "1"
+            pairs = [(i.partition(":")[0], *i.partition(":")[2].partition("=")[::2]) for i in a.phase_env]
+            for phase, key, value in pairs:  # PHASE:KEY=VALUE: set for that launch, unset for the others
+                os.environ.pop(key, None)
+            for phase, key, value in pairs:
+                if phase == name:
+                    os.environ[key] = value
             mc.launch(name, [*flags_, "--token-budget", a.budget], steps, left - 20, work, out)
             mc.pack(out, final)
     finally:
@@ -99,9 +113,52 @@ def colocated_work(step: dict, shape=fl.QWEN3_8B, drafter_layers: int = 5, B: in
     return w
 
 
+# the drafter of the Qwen3.6-27B shape: the trainable parameters issue 19's run printed
+DRAFTER_27B_PARAMS = 1_730_213_120
+
+
+def colocated_work_27b(step: dict, drafter_layers: int = 5, B: int = 32, anchors: int = 1024, L: int = 8192) -> dict:
+    """The same for the Qwen3.6-27B shape: the hybrid target's forward (trainer/fast_hybrid.py's
+    count: projections + MLP as matmuls; gated attention's scores/values and the Gated DeltaNet
+    recurrence's state products as its attention) and the drafter built from it (32/8 × 128
+    heads, MLP 17,408, vocabulary 248,320; its sliding-window layers see at most 2,048 context
+    keys: 2,048 − 2,048²/(2L) on average for anchors uniform over the sequence)."""
+    from trainer import family
+    from trainer import fast_hybrid as fh
+    from trainer.model import DrafterConfig
+
+    cfg = family.QWEN3_6_27B_TEXT
+    dcfg = DrafterConfig.from_target(cfg, drafter_layers, B)
+    tokens = int(step["tokens"])
+    seqs = max(1, tokens // L)
+    n_blocks = seqs * anchors
+    shape = fl.ModelShape(cfg["num_hidden_layers"], dcfg.hidden_size, dcfg.num_attention_heads, dcfg.num_key_value_heads,
+                          dcfg.head_dim, dcfg.intermediate_size, dcfg.vocab_size)
+    n_slide = list(dcfg.layer_types).count(family.SLIDING)
+    W = int(dcfg.sliding_window or L)
+    full, slide = n_blocks * B * L // 2, n_blocks * B * (W - W * W // (2 * L))
+    pairs = (full * (drafter_layers - n_slide) + slide * n_slide) // drafter_layers
+    w = rl.work_of(shape, drafter_layers, n_blocks, B, tokens, pairs, DRAFTER_27B_PARAMS, True)
+    dims = fh.HybridDims.from_text_config(cfg)
+    types = family.target_layer_types(cfg)
+    total = fh.forward_flops(cfg, L, seqs)
+    q_dim = dims.heads * dims.head_dim
+    attn_per_token = sum(4 * q_dim * (L + 1) / 2 if t == family.FULL else
+                         3 * 2 * dims.lin_v_heads * dims.lin_k_dim * dims.lin_v_dim for t in types)
+    attn = attn_per_token * tokens
+    H, I = int(cfg["hidden_size"]), int(cfg["intermediate_size"])
+    qkv = dims.lin_k_heads * dims.lin_k_dim * 2 + dims.lin_v_heads * dims.lin_v_dim  # the linear layers' (3 of 4)
+    w[kp.MATMUL_TARGET] = {"flop": total - attn}
+    w[kp.ATTN_TARGET] = {"flop": attn}
+    w[kp.ELEMENTWISE_TARGET] = {"bytes": (8 * H + 2 * qkv + 3 * I) * 2 * tokens * len(types)}
+    w["_total_flop"] += total
+    return w
+
+
 def cmd_table(a) -> int:
     prof = json.load(open(os.path.join(a.dir, f"kernel_profile_step{PROFILE_STEP}.json")))
-    ev = mc.read_events(os.path.join(a.dir, "warm-events.jsonl"))
+    meta = json.load(open(os.path.join(a.dir, "meta.json")))
+    ev = mc.read_events(os.path.join(a.dir, f"{meta.get('profiled', 'warm')}-events.jsonl"))
     steps = [e for e in ev if e.get("kind") == "step"]
     step = next(e for e in steps if e["step"] == PROFILE_STEP)
     others = [e for e in steps[1:] if e["step"] != PROFILE_STEP]
@@ -109,7 +166,8 @@ def cmd_table(a) -> int:
     ceilings = {"matmul_flop_s": 787e12, "copy_bytes_s": 4.24e12}
     if a.ceilings:
         ceilings = json.load(open(a.ceilings))["phases"]["ceilings"]
-    t = rl.table(prof, colocated_work(step), ceilings, step_s)
+    work = colocated_work_27b(step) if meta.get("scale") == "gpu27" else colocated_work(step)
+    t = rl.table(prof, work, ceilings, step_s)
     print(f"colocated step of {step['tokens']:,} tokens: profiled {prof['wall_s']:.2f} s, unprofiled steps "
           f"{step_s or 0:.2f} s, {step['tokens'] / (step_s or prof['wall_s']):,.0f} tokens/s\n")
     print(rl.markdown(t))
@@ -126,6 +184,10 @@ def main() -> int:
     r.add_argument("--samples", type=int, default=128)
     r.add_argument("--deadline-s", type=float, default=300)
     r.add_argument("--cpu", action="store_true")
+    r.add_argument("--scale", default="gpu", choices=["gpu", "gpu27"], help="the target: Qwen3-8B or Qwen3.6-27B")
+    r.add_argument("--phases", default="cold,warm", help="launches, of: cold,warm (the last one's step 3 profiled)")
+    r.add_argument("--phase-env", action="append", default=[], metavar="PHASE:KEY=VALUE",
+                   help="an environment variable for one launch only (e.g. cold:DFLASH_HEAD_TRITON=0)")
     t = sub.add_parser("table")
     t.add_argument("dir")
     t.add_argument("--ceilings")

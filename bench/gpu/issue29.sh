@@ -5,7 +5,14 @@
 #   bash bench/gpu/issue29.sh colocated   # python -m trainer colocated: cold launch, relaunch, a profiled step
 #   COLOCATED_S=300 ROOFLINE_ARGS="--phases ceilings,step --archs dflash2 --flex-options {}" \
 #     bash bench/gpu/issue29.sh colocated step    # both in one call, in this order
+#   ROOFLINE_ARGS="--phases ceilings,head" COLOCATED_ARGS="--scale gpu27" bash bench/gpu/issue29.sh step colocated
+#                                         # session 2, call 1: the head kernels, then the Qwen3.6-27B shape
 #
+# Wheels in .whl/ (flash-linear-attention for the 27B shape's hybrid target) are installed into
+# /tmp/site first and put on PYTHONPATH (the trainer's subprocesses inherit it).
+# The device tool sends the session's own checkout: from another worktree, unpack
+# `git archive BRANCH` (plus .whl/ and a COMMIT file naming the commit) into a folder that
+# checkout's .git/info/exclude ignores, carry that folder and cd into it (session 2's calls).
 # Outputs go to $OUT (the device tool's folder): log.txt as it runs, results.json and
 # results.tgz (everything, small files) after each phase. A fresh compile cache under /tmp, so
 # the first step's compile is a cold one.
@@ -20,7 +27,12 @@ left() { echo $(( CALL_S - ($(date +%s) - T0) )); }
 pack() { tar czf "$FINAL/results.tgz.part" -C "$W" out && mv "$FINAL/results.tgz.part" "$FINAL/results.tgz"; }
 nvidia-smi --query-gpu=index,name,memory.total,power.limit,clocks.max.sm,driver_version --format=csv > "$W/out/gpu.csv" 2>&1 || true
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' > "$W/out/versions.txt" 2>&1
-git log -1 --format='%H %s' > "$W/out/commit.txt" 2>/dev/null || true
+{ cat COMMIT 2>/dev/null || git log -1 --format='%H %s' 2>/dev/null; } > "$W/out/commit.txt"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    > "$W/out/pip.txt" 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  python3 -c 'import fla; print("fla", fla.__version__)' >> "$W/out/versions.txt" 2>&1
+fi
 for mode in ${@:-step}; do
   case "$mode" in
     step)  # ROOFLINE_ARGS: e.g. "--phases ceilings,step --archs dflash2 --flex-options {}"
@@ -28,7 +40,7 @@ for mode in ${@:-step}; do
       echo "roofline rc $?";;
     colocated)
       timeout -s TERM $(( $(left) - 20 )) python3 bench/gpu/colocated.py run --out "$W/co" --work "$W/cowork" \
-        --deadline-s ${COLOCATED_S:-$(( $(left) - 30 ))}
+        --deadline-s ${COLOCATED_S:-$(( $(left) - 30 ))} ${COLOCATED_ARGS:-}
       echo "colocated rc $?"; rm -f "$W/co/results.tgz"; cp -r "$W/cowork/out" "$W/out/colocated" 2>/dev/null;;
   esac
   pack

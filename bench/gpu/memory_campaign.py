@@ -58,6 +58,10 @@ SCALES = {
                         ("probe", "auto", 0, 120)],
                 sweep=[("drafter", 49152, 2), ("drafter", 131072, 1), ("target", 49152, 2), ("target", 131072, 2),
                        ("colocated", 196608, 2)]),
+    # issue 29: the seed's Qwen3.6-27B shape colocated (bench/gpu/colocated.py --scale gpu27; needs
+    # flash-linear-attention on the device, carried as wheels)
+    "gpu27": dict(shape="qwen3.6-27b", samples=128, L=8192, block=32, anchors=1024, layers=5, device="cuda",
+                  phases=[], sweep=[]),
     "cpu": dict(shape="small", samples=48, L=128, block=8, anchors=16, layers=2, device="cpu",
                 phases=[("cold49k", "256", 2, 240), ("warm49k", "256", 3, 240), ("auto", "512", 4, 240),
                         ("probe", "512", 0, 240)],
@@ -394,9 +398,9 @@ def as_measured_build(p, *, noisy_copy: bool = False):
 
 def _pred(sc: dict, budget: int, role: str) -> dict:
     from trainer import budget as B
-    from trainer.synthetic import SHAPES, hf_config
+    from trainer.synthetic import HYBRID_SHAPES, SHAPES, hf_config
 
-    cfg = hf_config(SHAPES[sc["shape"]])
+    cfg = hf_config({**SHAPES, **HYBRID_SHAPES}[sc["shape"]])
     p = B.predictions(_values(sc, budget, role), cfg, budget, "expandable_segments:True")[role]
     if LEAK["on"]:
         p = as_measured_build(p)

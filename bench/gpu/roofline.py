@@ -16,12 +16,16 @@ Phases (one H200; random bf16 weights made on the GPU, random tokens, no downloa
   DFlash block mask, for several kernel options (block sizes, stages, warps, flags); the best
   forward, backward and flag choices are combined and timed again; the combination is what
   the step's "after" runs.
+* ``head``: the head chunk's two elementwise passes, compiled against trainer/head_kernels.py's
+  Triton kernels at several block sizes (:func:`phase_head`).
 * ``step``: trainer/step.py's ChunkedStep at the operators' config (Qwen3-8B widths, 5 layers,
   block 32, 1,024 anchors, 6 × 8,192 tokens, soft labels KL 0.15 at T 2, CAP 0.1, γ 10, clip,
-  fused AdamW) for DFlash and DFlash2, each "before" (torch's flex defaults, head chunks of
-  4,096 // 31 blocks, DFlash2's block convolution eager, block masks by a compiled
-  create_block_mask) and "after" (the combined flex options, balanced head chunks, the
-  convolution compiled, block masks from the anchors directly) in the same process: the first step's wall time and
+  fused AdamW) for DFlash and DFlash2, each "before" and "after" in the same process (``--before
+  main``, the default: the head's passes compiled, then trainer/head_kernels.py's Triton
+  kernels; ``--before s1``, session 1's pair: torch's flex defaults, head chunks of 4,096 // 31
+  blocks, DFlash2's block convolution eager, block masks by a compiled create_block_mask,
+  against the combined flex options, balanced head chunks, the convolution compiled, block
+  masks from the anchors directly): the first step's wall time and
   compile seconds, the median of 3 timed steps (CUDA events), one profiled step
   (trainer/kernel_profile.py) as a table of kernel classes with FLOPs/bytes and the share of
   its roofline, allocated/reserved peaks beside trainer/memory.py's prediction.
@@ -177,6 +181,107 @@ def phase_flex(smoke: bool) -> dict:
     return out
 
 
+HEAD_STATS_CONFIGS = [(512, 4), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8)]
+HEAD_GRAD_CONFIGS = [(1024, 4), (2048, 4), (4096, 4), (4096, 8), (8192, 8)]
+
+
+def phase_head(smoke: bool) -> dict:
+    """The head chunk's two elementwise passes at the operators' chunk (128 blocks × 31 slots
+    = 3,968 rows × 151,936, bf16 logits and teacher logits, T 2): the compiled reference
+    (chunked_head's ``_stats_soft`` / ``_grad_soft`` under torch.compile, the "before") against
+    trainer/head_kernels.py's Triton kernels at several (BLOCK, warps); every variant's numbers
+    against the reference's (fresh random inputs), the median of 10 (CUDA events) after 3
+    warm-ups, bytes = each input read once + the gradient written once; ``torch.topk(16)``
+    (DFlash2's candidates) against trainer/head_kernels.topk (the same values; rows whose
+    index set differs only on ties counted)."""
+    import torch
+
+    from trainer import chunked_head as ch
+
+    dev = torch.device("cpu" if smoke else "cuda")
+    R, V, T = (62, 2048, 2.0) if smoke else (128 * 31, 151936, 2.0)
+    g = torch.Generator(device=dev).manual_seed(0)
+    dt = torch.float32 if smoke else torch.bfloat16
+    z = (torch.randn(R, V, device=dev, generator=g) * 3).to(dt)
+    zt = (torch.randn(R, V, device=dev, generator=g) * 3).to(dt)
+    t = torch.randint(0, V, (R,), device=dev, generator=g)
+    g_ce, g_kl = torch.rand(R, device=dev, generator=g), torch.rand(R, device=dev, generator=g)
+    comp = (lambda f: torch.compile(f, dynamic=False)) if not smoke else (lambda f: f)  # noqa: E731
+    stats_ref, grad_ref = comp(ch._stats_soft), comp(ch._grad_soft)
+    ref = stats_ref(z, zt, t, T)
+    gref = grad_ref(z, zt, ref[0], ref[3], ref[4], t, g_ce, g_kl, T, dt)
+    cuda = not smoke
+    stat_bytes, grad_bytes = 2 * R * V * z.element_size(), 3 * R * V * z.element_size()
+    out = {"rows": R, "vocab": V, "stats": {}, "grad": {}}
+    tr, _ = _timed(lambda: stats_ref(z, zt, t, T), 3, 10, cuda)
+    out["stats"]["compiled"] = {"s": tr, "tb_s": stat_bytes / tr / 1e12}
+    tg, _ = _timed(lambda: grad_ref(z, zt, ref[0], ref[3], ref[4], t, g_ce, g_kl, T, dt), 3, 10, cuda)
+    out["grad"]["compiled"] = {"s": tg, "tb_s": grad_bytes / tg / 1e12}
+    if not smoke:
+        tk, _ = _timed(lambda: z.topk(16, dim=-1), 2, 5, cuda)
+        out["topk16_s"] = tk
+    try:
+        from trainer import head_kernels as hk
+    except Exception as exc:  # noqa: BLE001 — no triton: the reference alone
+        out["error"] = f"{type(exc).__name__}: {exc}"
+        return out
+
+    def rel(a, b):
+        a, b = a.double(), b.double()
+        return float((a - b).norm() / b.norm().clamp_min(1e-30)) if torch.isfinite(a).all() else float("inf")
+    base_s, base_g = hk.STATS_CONFIG, hk.GRAD_CONFIG
+    try:
+        for cfg in (HEAD_STATS_CONFIGS if not smoke else [(256, 4)]):
+            name = f"triton_{cfg[0]}x{cfg[1]}"
+            hk.STATS_CONFIG = cfg
+            try:
+                got = hk.stats_soft(z, zt, t, T)
+                errs = {k: rel(a, b) for k, a, b in zip(("lse", "ce", "lse_s", "lse_t", "kl"),
+                                                         (got[0], got[1], got[3], got[4], got[5]),
+                                                         (ref[0], ref[1], ref[3], ref[4], ref[5]))}
+                errs["correct_mismatch"] = int((got[2] != ref[2]).sum())
+                ts, _ = _timed(lambda: hk.stats_soft(z, zt, t, T), 3, 10, cuda)
+                out["stats"][name] = {"s": ts, "tb_s": stat_bytes / ts / 1e12, "err": errs, "config": cfg}
+            except Exception as exc:  # noqa: BLE001
+                out["stats"][name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            log("head stats", name, json.dumps(out["stats"][name]))
+        for cfg in (HEAD_GRAD_CONFIGS if not smoke else [(256, 4)]):
+            name = f"triton_{cfg[0]}x{cfg[1]}"
+            hk.GRAD_CONFIG = cfg
+            try:
+                got = hk.grad_soft(z, zt, ref[0], ref[3], ref[4], t, g_ce, g_kl, T, dt)
+                err = rel(got, gref)
+                tgk, _ = _timed(lambda: hk.grad_soft(z, zt, ref[0], ref[3], ref[4], t, g_ce, g_kl, T, dt), 3, 10, cuda)
+                out["grad"][name] = {"s": tgk, "tb_s": grad_bytes / tgk / 1e12, "err": err, "config": cfg}
+            except Exception as exc:  # noqa: BLE001
+                out["grad"][name] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            log("head grad", name, json.dumps(out["grad"][name]))
+        if not smoke:  # DFlash2's top-16: trainer/head_kernels.topk against torch.topk
+            try:
+                got = hk.topk(z, 16)
+                want = z.topk(16, dim=-1)
+                tt, _ = _timed(lambda: hk.topk(z, 16), 3, 10, cuda)
+                same = (got.sort(-1).values == want.indices.sort(-1).values).all(-1)
+                out["topk"] = {"torch_s": out["topk16_s"], "triton_s": tt, "speedup": out["topk16_s"] / tt,
+                               "values_equal": bool(torch.equal(z.gather(-1, got), want.values)),
+                               "rows_other_index_on_ties": int((~same).sum()), "rows": R}
+            except Exception as exc:  # noqa: BLE001
+                out["topk"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            log("head topk", json.dumps(out["topk"]))
+    finally:
+        hk.STATS_CONFIG, hk.GRAD_CONFIG = base_s, base_g
+    out["shipped"] = {"stats": list(base_s), "grad": list(base_g)}
+    for k in ("stats", "grad"):
+        ok = {n: r for n, r in out[k].items() if "s" in r and n != "compiled"}
+        if ok:
+            best = min(ok, key=lambda n: ok[n]["s"])
+            out[f"{k}_best"] = best
+            out[f"{k}_speedup"] = out[k]["compiled"]["s"] / ok[best]["s"]
+            # the step's "after" in this process runs the fastest configuration measured here
+            setattr(hk, "STATS_CONFIG" if k == "stats" else "GRAD_CONFIG", tuple(ok[best]["config"]))
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 SMOKE_SHAPE = fl.ModelShape(6, 64, 4, 2, 16, 128, 512, "tiny")
 
@@ -247,14 +352,23 @@ def markdown(t: dict) -> str:
     return "\n".join(out)
 
 
+BEFORE = {"choice": "main"}  # --before: what "before" turns off
+
+
 def _set_variant(after: bool, flex_opts: dict) -> None:
+    """``--before main`` (session 2): "before" is the shipped step with the head's compiled
+    passes, "after" the same with trainer/head_kernels.py's Triton passes. ``--before s1``
+    (session 1's changes): "before" without the balanced head chunks, the compiled
+    convolution, the direct block masks and the flex options."""
     from trainer import block_conv, chunked_head, fast_drafter
 
-    fast_drafter.FLEX_OPTIONS = dict(flex_opts) if after else {}
+    old = BEFORE["choice"] == "s1" and not after
+    fast_drafter.FLEX_OPTIONS = dict(flex_opts) if not old else {}
     os.environ.pop("DFLASH_FLEX_OPTIONS", None)
-    chunked_head.BALANCED = after
-    block_conv.COMPILE = after
-    fast_drafter.DIRECT_MASKS = after
+    chunked_head.BALANCED = not old
+    block_conv.COMPILE = not old
+    fast_drafter.DIRECT_MASKS = not old
+    chunked_head.TRITON = after or BEFORE["choice"] == "s1"
 
 
 def phase_step(smoke: bool, iters: int, archs: list[str], flex_opts: dict, ceilings: dict) -> dict:
@@ -341,6 +455,7 @@ def main() -> int:
     r.add_argument("--iters", type=int, default=3)
     r.add_argument("--flex-options", default=None, help="JSON: skip the choice, use these for 'after'")
     r.add_argument("--smoke", action="store_true")
+    r.add_argument("--before", default="main", choices=["main", "s1"], help="what the step's 'before' turns off")
     t = sub.add_parser("table")
     t.add_argument("results")
     a = p.parse_args()
@@ -357,6 +472,7 @@ def main() -> int:
     if not a.smoke and not torch.cuda.is_available():
         p.error("needs a CUDA device (or --smoke)")
     OUT = a.out
+    BEFORE["choice"] = a.before
     os.makedirs(OUT, exist_ok=True)
     RESULTS.update(gpu=torch.cuda.get_device_name(0) if not a.smoke else "cpu", torch=torch.__version__,
                    date=time.strftime("%F %T %Z"))
@@ -365,6 +481,10 @@ def main() -> int:
     if "ceilings" in phases:
         ceilings = RESULTS["phases"]["ceilings"] = phase_ceilings(a.smoke)
         log("ceilings", json.dumps(ceilings))
+        save()
+    if "head" in phases:
+        RESULTS["phases"]["head"] = phase_head(a.smoke)
+        log("head", json.dumps({k: v for k, v in RESULTS["phases"]["head"].items() if k not in ("stats", "grad")}))
         save()
     flex_opts = json.loads(a.flex_options) if a.flex_options else {}
     if "flex" in phases and a.flex_options is None:

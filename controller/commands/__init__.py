@@ -5,9 +5,10 @@ machinery (start-up time is most of a short command: bench/exec_roundtrip.py).""
 from __future__ import annotations
 
 import importlib
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import typer
+if TYPE_CHECKING:  # not imported at run time: controller/front.py's commands never load typer
+    import typer
 
 # top-level command → the module under controller/commands/ that registers it
 COMMANDS: dict[str, str] = {

@@ -235,7 +235,7 @@ def export_command(
     from controller import interrupts
     from controller.agentcall import AgentCaller
     from controller.commands import job as job_cmd
-    from controller.commands.run import resolve_run, container_or_last_launch
+    from controller.commands.watch import resolve_run, container_or_last_launch
 
     if dtype not in ("bf16", "fp32"):
         raise fail(f"--dtype {dtype}: expected bf16 or fp32", EXIT_CONFIG)

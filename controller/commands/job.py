@@ -6,12 +6,10 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-import typer
-
 from controller import config as cfg
 from controller import job
-from controller.commands.remote import (EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NOT_DONE, EXIT_REFUSED,
-                                        EXIT_TRANSPORT, fail)
+from controller.commands.plain import (EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NOT_DONE, EXIT_REFUSED,
+                                       EXIT_TRANSPORT, echo, fail)
 from controller.jobview import ContainerStream, last_launch_path, remember
 from controller.session import open_containers
 
@@ -53,7 +51,7 @@ def launch(containers: list[str], run_config, start: dict, *, node: Optional[str
         members = job.plan(containers, target_gpus, drafter_gpus, _default_node(ctl_config, node))
     except job.JobError as exc:
         raise fail(str(exc), EXIT_CONFIG) from None
-    say = (lambda line: typer.echo(line, err=True)) if json_out else typer.echo
+    say = (lambda line: echo(line, err=True)) if json_out else echo
     from controller import interrupts
 
     # Ctrl-C before the first commit starts nothing; from it on it waits for the report below
@@ -78,14 +76,14 @@ def launch(containers: list[str], run_config, start: dict, *, node: Optional[str
         labels = [m.label for m in members]
         follow_line, stop_line = f"ctl tail --run {result.run_id} --follow", f"ctl kill-and-rollback --run {result.run_id}"
         if json_out:
-            typer.echo(json.dumps({"run_id": result.run_id, "job": True, "containers": labels,
+            echo(json.dumps({"run_id": result.run_id, "job": True, "containers": labels,
                                    "endpoint": result.endpoint, "layout": job.layout(members), "starts": result.starts,
                                    "timings": result.timings}, sort_keys=True))
         else:
-            typer.echo(f"job {result.run_id} started in {', '.join(labels)} (rendezvous {result.endpoint}, "
+            echo(f"job {result.run_id} started in {', '.join(labels)} (rendezvous {result.endpoint}, "
                        f"{result.timings['total_s']:.1f} s)")
             for line in interrupts.how_to_follow_and_stop(follow_line, stop_line):
-                typer.echo(line)
+                echo(line)
     if interrupts.interrupted():
         raise fail(interrupts.went_on(f"job {result.run_id}", follow_line, stop_line), EXIT_INTERRUPTED)
     if follow:
@@ -106,7 +104,7 @@ def tail(members: list[job.Member], run_id: str, *, ctl_config: Optional[str], f
     with open_containers(members, ctl_config, trust_new_host_key, per_member=True) as cts:
         callers = [AgentCaller(ct) for ct in cts]
         sources = [ContainerStream(ct, c) for ct, c in zip(cts, callers)]
-        jobview.merged(members, sources, run_id, typer.echo, follow=follow, raw=raw, stop=stop, since=since)
+        jobview.merged(members, sources, run_id, echo, follow=follow, raw=raw, stop=stop, since=since)
         if not follow:
             return 0
         replies = jobview.statuses(members, callers, run_id)
@@ -114,13 +112,13 @@ def tail(members: list[job.Member], run_id: str, *, ctl_config: Optional[str], f
     root = verdict["root_cause"]
     if verdict["state"] == "failed":
         where = f"rank {root.get('rank')} in " if root and root.get("rank") is not None else ""
-        typer.echo(f"ctl: job {run_id} FAILED: {where}container {root['container'] if root else '?'}: "
+        echo(f"ctl: job {run_id} FAILED: {where}container {root['container'] if root else '?'}: "
                    f"{root.get('reason') if root else 'unknown'}", err=True)
         return EXIT_FAILED
     if verdict["state"] == "completed":
-        typer.echo(f"ctl: job {run_id} completed in every container", err=raw)
+        echo(f"ctl: job {run_id} completed in every container", err=raw)
         return 0
-    typer.echo(f"ctl: job {run_id} is {verdict['state']}: {verdict['states']}", err=True)
+    echo(f"ctl: job {run_id} is {verdict['state']}: {verdict['states']}", err=True)
     return EXIT_NOT_DONE
 
 
@@ -132,11 +130,11 @@ def status(members: list[job.Member], run_id: str, *, ctl_config: Optional[str],
     with open_containers(members, ctl_config, trust_new_host_key) as cts:
         replies = jobview.statuses(members, [AgentCaller(ct) for ct in cts], run_id)
     if json_out:
-        typer.echo(json.dumps({"run_id": run_id, "job": job.job_verdict(replies),
+        echo(json.dumps({"run_id": run_id, "job": job.job_verdict(replies),
                                "containers": {m.label: r for m, r in replies}}, sort_keys=True, indent=1))
     else:
         for line in job.render_job_status(run_id, replies):
-            typer.echo(line)
+            echo(line)
     return EXIT_FAILED if job.job_verdict(replies)["state"] == "failed" else 0
 
 
@@ -187,21 +185,23 @@ def kill_and_rollback(members: list[job.Member], run_id: str, *, to: str, grace:
                 raise fail(f"refused in {m.label}, nothing changed anywhere: {exc}", EXIT_REFUSED) from None
         for m, plan in zip(members, plans):
             for line in plan.lines():
-                typer.echo(f"{m.label} {line}")
+                echo(f"{m.label} {line}")
         if dry_run:
-            typer.echo("dry run: nothing was changed")
+            echo("dry run: nothing was changed")
             return 0
         if not yes:
             if not sys.stdin.isatty():
                 raise fail("this stops the job and changes every container's environment: confirm with --yes "
                            "(no terminal to ask on)", EXIT_NOT_DONE)
+            import typer  # the prompt: only a job's kill-and-rollback asks
+
             if not typer.confirm(f"proceed in {len(members)} containers?", default=False):
                 raise fail("aborted; nothing was changed", EXIT_NOT_DONE)
         for m, ct, plan in zip(members, cts, plans):
             try:
-                report = rb.execute(ct, plan, say=lambda line, p=m.label: typer.echo(f"{p} {line}"))
+                report = rb.execute(ct, plan, say=lambda line, p=m.label: echo(f"{p} {line}"))
             except (rb.RollbackRefused, eg.EnvGenRefused) as exc:
                 raise fail(f"refused in {m.label}: {exc}", EXIT_REFUSED) from None
             for line in report.lines():
-                typer.echo(f"{m.label} {line}")
+                echo(f"{m.label} {line}")
     return 0

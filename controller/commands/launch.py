@@ -19,7 +19,8 @@ import typer
 
 from controller.commands.remote import (EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_REFUSED, EXIT_TRANSPORT, TrustOpt,
                                         container_session, fail)
-from controller.commands.run import CtlConfigOpt, NodeOpt, _follow
+from controller.commands.run import CtlConfigOpt, NodeOpt
+from controller.commands.watch import _follow
 from controller.container import Container
 from controller.jobview import remember
 
@@ -117,7 +118,7 @@ def launch_command(
         follow_line = f"ctl tail --container {ct.ctid} --run {run_id} --follow"
         stop_line = f"ctl kill-and-rollback --container {ct.ctid} --run {run_id}"
 
-        def maybe_started(why: object, code: int) -> typer.Exit:
+        def maybe_started(why: object, code: int) -> SystemExit:
             """The commit was sent and its reply lost: the run may have started regardless."""
             return fail(f"{why}; run {run_id} may have started in {ct}: check with `ctl status --container {ct.ctid} "
                         f"--run {run_id}`; follow: `{follow_line}`; stop: `{stop_line}`",
@@ -180,12 +181,13 @@ def _launch_data_job(container: List[str], config: Path, *, node, sets, follow, 
     """A prepare or regenerate job (controller/datalaunch.py) in one container."""
     from controller import configfile, runconfig
     from controller.agentcall import AgentCaller
-    from controller.datalaunch import DataLauncher
+    from controller.datalaunch import DataLauncher, job_secret
     from controller.launch import LaunchRefused
     from controller.render import RenderError
 
     try:
         run_config = configfile.load(config, overrides=overrides, sets=sets)
+        secret = job_secret(run_config)  # read here, before any connection
     except runconfig.RunConfigError as exc:
         raise fail(str(exc), EXIT_CONFIG) from None
     kind = run_config.job_kind
@@ -201,7 +203,7 @@ def _launch_data_job(container: List[str], config: Path, *, node, sets, follow, 
     say = (lambda line: typer.echo(line, err=True)) if json_out else typer.echo
     with container_session(int(container[0]), node, ctl_config, trust_new_host_key) as ct:
         try:
-            result = DataLauncher(ct, run_config, say=say).run()
+            result = DataLauncher(ct, run_config, say=say, secret=secret).run()
         except RenderError as exc:
             raise fail(str(exc), EXIT_CONFIG) from None
         except LaunchRefused as exc:
