@@ -141,6 +141,10 @@ EXIT_AGENT_GONE = 3
 # `ctl tail --follow` (and `ctl launch --follow`): the run died because its container restarted
 # or its node rebooted (every process of it is gone; resume from its last checkpoint).
 EXIT_CONTAINER_RESTARTED = 5
+# `agent.runview stream` (what exists now): the stream's last status record says the run
+# failed, whether it was printed or lay before --from (`ctl tail --since` past it still exits
+# as the tail of a failed run does).
+EXIT_STREAM_RUN_FAILED = 6
 EXIT_SPAWN_FAILED = 127  # the job monitor could not start the job's command (the shell's code)
 # `python3 -m agent.envgen`: a refusal (nothing changed) is told apart from a failure.
 ENVGEN_EXIT_FAILED = 1

@@ -20,9 +20,9 @@ import json
 import os
 import sys
 import time
-from typing import Callable, IO, Iterable
+from typing import IO, Callable, Iterable, Optional
 
-from agent.protocol import EXIT_AGENT_GONE, EXIT_OK, RunState, STREAM, STREAM_INDEX, atomic_write_json
+from agent.protocol import EXIT_AGENT_GONE, EXIT_OK, EXIT_STREAM_RUN_FAILED, RunState, STREAM, STREAM_INDEX, atomic_write_json
 
 
 _dumps = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False).encode  # built once: 2× faster
@@ -135,14 +135,19 @@ def _strip_src(raw: bytes) -> bytes:
     return raw[:i] + b"}\n" if i >= 0 else raw
 
 
-def _is_terminal_status(raw: bytes) -> bool:
+def _status_state(raw: bytes) -> Optional[RunState]:
+    """The state a status record carries; None for any other record."""
     if b'"kind":"status"' not in raw:
-        return False
+        return None
     try:
-        state = json.loads(raw)["payload"].get("state")
-        return RunState(state).is_terminal()
+        return RunState(json.loads(raw)["payload"].get("state"))
     except (ValueError, KeyError, TypeError, AttributeError):
-        return False
+        return None
+
+
+def _after(state: Optional[RunState], last_state: Optional[RunState]) -> tuple[bool, Optional[RunState]]:
+    """(the record just read is a terminal status, the last status state seen so far)."""
+    return state is not None and state.is_terminal(), state or last_state
 
 
 def follow(run_dir: str, after: int, out: IO[bytes], agent_alive: Callable[[], bool],
@@ -162,7 +167,9 @@ def follow(run_dir: str, after: int, out: IO[bytes], agent_alive: Callable[[], b
         time.sleep(poll)
     buf = b""
     last_seq = after
-    terminal = False
+    terminal = False  # the last record read (printed or not) is a terminal status
+    last_state: Optional[RunState] = None  # of the last status record read, printed or not (records
+    # such as a GPU sample may follow a run's final status)
     last_check = time.monotonic()
     with open(path, "rb") as fh:
         while True:
@@ -180,21 +187,24 @@ def follow(run_dir: str, after: int, out: IO[bytes], agent_alive: Callable[[], b
                         seq = _seq_of(raw)
                     except ValueError:
                         continue  # a line torn by a killed agent (see StreamWriter._recover)
+                    state = _status_state(raw)
                     if seq <= last_seq:
-                        terminal = _is_terminal_status(raw)
+                        terminal, last_state = _after(state, last_state)
                         continue
                     try:
                         json.loads(raw)
                     except ValueError:
                         continue  # torn: its seq is reused by the next valid record
-                    terminal = _is_terminal_status(raw)
+                    terminal, last_state = _after(state, last_state)
                     last_seq = seq
                     emitted.append(_strip_src(raw))
                 if emitted:
                     out.write(b"".join(emitted))
                     out.flush()
                 continue
-            if terminal or once:
+            if once:
+                return EXIT_STREAM_RUN_FAILED if last_state is RunState.FAILED else EXIT_OK
+            if terminal:
                 return EXIT_OK
             now = time.monotonic()
             if now - last_check >= dead_check:

@@ -32,8 +32,8 @@ MEANINGS: dict[CtlExit, str] = {
     CtlExit.REFUSED: "refused, nothing started or changed: preflight, drift, busy GPUs or rank slots, another "
                      "launch or kill-and-rollback holding them",
     CtlExit.NOT_DONE: "the run stopped, or its agent is gone, before it completed",
-    CtlExit.CONTAINER_RESTARTED: "the run's container restarted (or its node rebooted) under it: the run is dead; "
-                                 "the message says how to resume",
+    CtlExit.CONTAINER_RESTARTED: "the run's container restarted (or its node rebooted) under it, or stayed stopped "
+                                 "past `ctl tail --wait-stopped`: the run is dead; the message says how to resume",
     CtlExit.INTERRUPTED: "interrupted (Ctrl-C); the message says what was started, if anything, and how to follow "
                          "or stop it",
     CtlExit.TRANSPORT: "the node could not be reached (like ssh(1))",

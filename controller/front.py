@@ -38,6 +38,14 @@ class Spec(NamedTuple):
     rest: Optional[str] = None
 
 
+def _seconds(value: str) -> float:
+    """A finite, non-negative number of seconds; anything else is typer's to refuse."""
+    seconds = float(value)
+    if not 0 <= seconds < float("inf"):
+        raise ValueError(value)
+    return seconds
+
+
 NODE = Opt(("--node", "-n"), "node", str)
 TRUST = Opt(("--trust-new-host-key",), "trust_new_host_key", None)
 # controller/commands/remote.py
@@ -49,7 +57,8 @@ RUN = Opt(("--run", "-r"), "run", str)
 CTL_CONFIG = Opt(("--ctl-config",), "ctl_config", str)
 STATUS = Spec((CONTAINER, RUN, Opt(("--json",), "json_out", None), NODE, CTL_CONFIG, TRUST))
 TAIL = Spec((CONTAINER, RUN, Opt(("--follow", "-f"), "follow", None), Opt(("--since",), "since", int, default=0),
-             Opt(("--json",), "raw", None), NODE, CTL_CONFIG, TRUST))
+             Opt(("--json",), "raw", None), Opt(("--wait-stopped",), "stopped_wait", _seconds, default=300.0), NODE,
+             CTL_CONFIG, TRUST))
 
 
 def parse(spec: Spec, argv: list[str]) -> Optional[dict]:

@@ -49,6 +49,12 @@ class JobError(Exception):
     """The job cannot be formed or started; the message names the container and the fix."""
 
 
+class JobStartLost(Exception):
+    """A container's start reply was lost (a dropped link, a Ctrl-C that reached ssh): its run
+    may have started. Every run of the job that did or may have started was then stopped; the
+    message names them and how to check."""
+
+
 @dataclass(frozen=True)
 class Member:
     node: str
@@ -232,20 +238,51 @@ def launch(cts: list[Container], members: list[Member], run_config, start: dict,
     # From here a Ctrl-C waits until the command has printed the run id (controller/interrupts.py).
     interrupts.hold()
     interrupts.pause_point("launch.commit")
+    in_flight: Optional[tuple[Container, Member]] = None
     try:
         for launcher, pf, ct, m in zip(launchers, preflights, cts, members):
+            in_flight = (ct, m)
             reply = launcher.commit(pf)
             result.starts.append(reply.get("start") or {})
-            started.append((ct, m))
-    except BaseException:
-        for ct, m in started:
+            started.append(in_flight)
+            in_flight = None
+    except BaseException as exc:
+        lost = in_flight is not None and _reply_lost(exc)
+        if single:
+            raise  # one run waits on nobody: the command names it and how to check, follow, stop it
+        # A commit whose reply was lost may have started its run, which alone would wait at the
+        # rendezvous for its peers until the timeout: it is stopped with those that did start.
+        unreached = []
+        for ct, m in started + ([in_flight] if lost else []):
             say(f"[{m.label}] stopping: another container of the job did not start")
-            with contextlib.suppress(Exception):
+            try:
                 stop_member(ct, run_id, grace=5)
+            except Exception as stop_exc:  # noqa: BLE001 - named in the message; the start's error goes on
+                if (ct, m) is not in_flight or not _no_such_run(stop_exc):
+                    unreached.append(f"{m.label} ({str(stop_exc).splitlines()[0][:160]})")
+        if lost:
+            left = (f"; could not stop it in {', '.join(unreached)}: stop it with `ctl kill-and-rollback --run {run_id}` "
+                    "once the node answers") if unreached else ""
+            raise JobStartLost(f"job {run_id}: the start reply from {in_flight[1].label} was lost "
+                               f"({str(exc).splitlines()[0][:200]}); it may have started, so the job was stopped "
+                               f"wherever it ran{left}; check with `ctl status --run {run_id}`") from exc
         raise
     result.round_trips = sum(l.round_trips for l in launchers)
     result.timings = {"total_s": time.monotonic() - t0}
     return result
+
+
+def _reply_lost(exc: BaseException) -> bool:
+    """The commit was sent and no readable reply came back: its run may have started."""
+    from controller.launch import LaunchRefused
+    from controller.transport import TransportError
+
+    return isinstance(exc, TransportError) or (isinstance(exc, LaunchRefused) and not exc.certain)
+
+
+def _no_such_run(exc: Exception) -> bool:
+    """The stop found no run of that id: the lost start never reached the container."""
+    return "no run" in str(exc)
 
 
 def stop_member(ct: Container, run_id: str, grace: float = 10.0) -> dict:

@@ -33,7 +33,7 @@ from controller import config as cfg
 from controller.container import Container, ContainerError, ContainerStopped
 from controller.job import Member
 from controller.tail import FOLLOW_AGENT_GONE
-from controller.transport import TransportError
+from controller.transport import ContainerNotRunning, TransportError
 
 LAST_LAUNCH = "last-launch.json"
 
@@ -87,9 +87,9 @@ class ContainerStream:
             result = self.caller.run(module, args, capture=False, on_stdout=on_line)
         except ContainerStopped as exc:
             # stopped under the follow (a restart): reconnect once it is back, then say so
-            raise TransportError(str(exc)) from None
+            raise ContainerNotRunning(str(exc)) from None
         if result.failed and Container.looks_unreachable(result):  # stopped, and already back
-            raise TransportError(f"container {self.ct.ctid} was not running: {result.tail('stderr', 1)}")
+            raise ContainerNotRunning(f"container {self.ct.ctid} was not running: {result.tail('stderr', 1)}")
         if result.failed and result.returncode != FOLLOW_AGENT_GONE:
             tail = result.tail("stderr", 3)
             if "no run directory" in tail:
@@ -105,10 +105,10 @@ class ContainerStream:
         try:
             reply = self.caller.call("agent.runview", ["status", "--workspace", self.workspace, "--run", run_id])
         except ContainerStopped as exc:
-            raise TransportError(str(exc)) from None
+            raise ContainerNotRunning(str(exc)) from None
         except AgentCallError as exc:
             if exc.result is not None and Container.looks_unreachable(exc.result):  # stopped, and already back
-                raise TransportError(f"container {self.ct.ctid} was not running") from None
+                raise ContainerNotRunning(f"container {self.ct.ctid} was not running") from None
             raise
         if not reply.get("ok"):
             # A run that cannot be read (a corrupt state file, gone) ends the follow with its

@@ -18,12 +18,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
-from agent.protocol import EXIT_AGENT_GONE, RunState
-from controller.transport import TransportError
+from agent.protocol import EXIT_AGENT_GONE, EXIT_STREAM_RUN_FAILED, RunState
+from controller.transport import ContainerNotRunning, TransportError
 
 # Agent follow's documented exit code when the agent is gone and the run has not finished.
 FOLLOW_AGENT_GONE = EXIT_AGENT_GONE
 MAX_REVIVALS = 5  # agents one tail starts before it gives up on a run whose agents keep dying
+# How long a follower waits for a stopped container to run again before it says the run died
+# with it: a container's restart or a node's reboot comes back well within it; a `pct stop`
+# by hand never does, and reconnecting to it for ever (issue 26) helps nobody.
+STOPPED_WAIT_S = 300.0
 
 
 class StreamSource(Protocol):
@@ -50,16 +54,22 @@ class TailResult:
     detached: bool = False
     gaps: list[tuple[int, int]] = field(default_factory=list)
     status: Optional[dict] = None
+    stopped: Optional[str] = None  # the container stayed stopped past the wait: pct's words for it
+    run_failed: bool = False  # without follow: the stream's last status (printed or not) is a failure
 
 
 def tail(source: StreamSource, run_id: str, on_record: Callable[[dict], None], *, since: int = 0,
          follow: bool = True, max_reconnects: int = 1000, backoff: Callable[[int], float] | None = None,
-         sleep: Callable[[float], None] = time.sleep, on_reconnect: Callable[[int, str], None] | None = None) -> TailResult:
+         sleep: Callable[[float], None] = time.sleep, on_reconnect: Callable[[int, str], None] | None = None,
+         stopped_wait: float = STOPPED_WAIT_S, on_stopped: Callable[[str], None] | None = None,
+         clock: Callable[[], float] = time.monotonic) -> TailResult:
     """Hand every record with seq > ``since`` to ``on_record`` exactly once, in seq order.
 
     ``follow=False`` prints what exists now and returns (one call to the source: ``run_id``
     None there means the latest run). ``follow=True`` goes on until the run is in a terminal
-    state (asked, not assumed) or Ctrl-C.
+    state (asked, not assumed) or Ctrl-C. A container that is not running is waited for up to
+    ``stopped_wait`` seconds (``on_stopped`` once, not a reconnect line per try); past that the
+    result's ``stopped`` says so.
     """
     backoff = backoff or (lambda n: min(0.2 * (2 ** min(n, 5)), 5.0))
     last = since
@@ -68,6 +78,7 @@ def tail(source: StreamSource, run_id: str, on_record: Callable[[dict], None], *
     revivals = 0
     gaps: list[tuple[int, int]] = []
     said: dict = {}  # the stream's last status record
+    stopped_since: Optional[float] = None
 
     def handle(line: str) -> None:
         nonlocal last, consecutive
@@ -93,6 +104,18 @@ def tail(source: StreamSource, run_id: str, on_record: Callable[[dict], None], *
         while True:
             try:
                 rc = source.follow(run_id, last, handle, once=not follow)
+            except ContainerNotRunning as exc:
+                if not follow:
+                    raise
+                if stopped_since is None:
+                    stopped_since = clock()
+                    if on_stopped:
+                        on_stopped(str(exc))
+                elif clock() - stopped_since > stopped_wait:
+                    return TailResult(last, None, reconnects, gaps=gaps, stopped=str(exc))
+                reconnects += 1
+                sleep(backoff(5))
+                continue
             except TransportError as exc:
                 reconnects += 1
                 consecutive += 1
@@ -102,8 +125,9 @@ def tail(source: StreamSource, run_id: str, on_record: Callable[[dict], None], *
                     on_reconnect(reconnects, str(exc))
                 sleep(backoff(consecutive))
                 continue
+            stopped_since = None
             if not follow:  # what exists now, printed: nothing is decided from the state
-                return TailResult(last, None, reconnects, gaps=gaps)
+                return TailResult(last, None, reconnects, gaps=gaps, run_failed=rc == EXIT_STREAM_RUN_FAILED)
             if rc == 0 and _terminal((said.get("status") or {}).get("state")):
                 # The stream itself ended with the run's terminal status record: that is the
                 # answer, whatever the status file says now (a corrupt one looped us forever).

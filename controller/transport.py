@@ -47,6 +47,11 @@ class TransportError(Exception):
     """Could not reach or talk to the node; the message says what to do."""
 
 
+class ContainerNotRunning(TransportError):
+    """The node answered, the container did not: it is stopped (or restarting). A follower
+    waits a bounded time for it (controller/tail.py), then says the run died with it."""
+
+
 class HostKeyError(TransportError):
     """The node's host key is unknown or has changed: never retried, never learned silently."""
 

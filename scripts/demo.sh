@@ -48,7 +48,15 @@ echo "(exit $rc: refused, nothing was started)"
 
 step "launched anyway with --accept-drift; tail it for a while (Ctrl-C only detaches)"
 run ctl launch --container "$CT" --node "$NODE" --config "$CONFIG" --from-scratch --accept-drift "${WANDB[@]}" "${LONG[@]}"
-run timeout -s INT 12 ctl tail --container "$CT" --node "$NODE" --follow || true
+# Until its first optimizer steps, not a fixed time: a run stopped while still starting up has
+# nothing to checkpoint, and on a loaded machine start-up takes longer than any fixed wait.
+until ctl status --container "$CT" --node "$NODE" --json 2>/dev/null | python3 -c '
+import json, sys
+st = json.load(sys.stdin).get("status") or {}
+sys.exit(0 if (st.get("step") or 0) >= 2 or st.get("state") in ("completed", "failed", "stopped") else 1)'; do
+  sleep 1
+done
+run timeout -s INT 8 ctl tail --container "$CT" --node "$NODE" --follow || true
 
 step "kill it (SIGTERM: it checkpoints) and roll back to the known-good generation, verified"
 report=$(mktemp)

@@ -197,3 +197,30 @@ def test_a_job_that_failed_while_no_agent_ran_is_finalized_on_reattach(run_dir):
     assert res["root_cause"]["kind"] == "rank_exit"
     recs = records(run_dir)
     assert [r["seq"] for r in recs] == list(range(1, len(recs) + 1))
+
+
+@pytest.mark.parametrize("code,expect", [(0, 0), (3, 6)])
+def test_stream_once_exits_6_for_a_failed_run_even_from_past_its_last_record(tmp_path, code, expect):
+    """`agent.runview stream --from N` (what `ctl tail --since N` runs): the exit code says the
+    run failed even when its final status record lies at or before N and nothing is printed."""
+    ws = tmp_path / "ws"
+    rd = str(ws / "runs" / "r1")
+    try:
+        start(rd, [PY, "-c", f"import sys; print('hello'); sys.exit({code})"], *NO_REVIVAL)
+        res = wait_terminal(rd, 30)
+        assert res["state"] == ("completed" if code == 0 else "failed")
+        # A record after the final status, as a re-attached agent's GPU sample lands there.
+        n = len(records(rd))
+        with open(os.path.join(rd, "stream.jsonl"), "a") as fh:
+            fh.write(json.dumps({"seq": n + 1, "ts": time.time(), "kind": "event",
+                                 "payload": {"kind": "gpus", "gpus": {"state": "no GPU"}}},
+                                separators=(",", ":")) + "\n")
+        last = len(records(rd))
+        assert last == n + 1
+        for after in (0, last):
+            proc = subprocess.run([PY, "-m", "agent.runview", "stream", "--workspace", str(ws), "--run", "r1",
+                                   "--from", str(after)], capture_output=True, env=env(), cwd=REPO, timeout=30)
+            assert proc.returncode == expect, (after, proc.stderr)
+            assert len(proc.stdout.splitlines()) == last - after
+    finally:
+        kill_all(rd)

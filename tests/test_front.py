@@ -43,7 +43,10 @@ def test_every_table_names_what_typer_declares(name):
         assert set(opt.flags) == set(p.opts) and not p.secondary_opts, opt
         assert (opt.convert is None) == p.is_flag, opt
         if opt.convert is not None:
-            assert {int: click.INT, str: click.STRING}[opt.convert] == p.type, opt
+            if opt.convert is front._seconds:  # a float of at least 0, as --wait-stopped's FloatRange
+                assert isinstance(p.type, click.FloatRange) and p.type.min == 0, opt
+            else:
+                assert {int: click.INT, str: click.STRING}[opt.convert] == p.type, opt
         assert opt.required == p.required, opt
         assert (False if opt.convert is None else opt.default) == p.default, opt
         assert not p.multiple and p.envvar is None, opt
@@ -69,6 +72,7 @@ READ_ALIKE = [
     ["tail", "-c", "200"],
     ["tail", "--container=200", f"--run={RUN}", "--since", "12", "--json", "-n", "sim"],
     ["tail", "--since=0", "--ctl-config=/x"],
+    ["tail", "-c", "200", "--wait-stopped", "5", "--since", "3"],
 ]
 
 

@@ -321,3 +321,65 @@ def test_following_a_job_the_controller_stops_what_torch_would_leave_waiting(env
     assert st["containers"]["sim2:300"]["result"]["root_cause"]["kind"] == "network_failure"
     assert st["containers"]["sim2:301"]["status"]["state"] in ("stopped", "failed")
     assert "FAILED" in err and "sim2:300" in err
+
+
+def test_a_start_reply_lost_in_the_commit_stops_the_job_and_never_says_nothing_started(env, sim_node, sim2_node,
+                                                                                       tmp_path):
+    """The link to sim2 dies while 300's start is in flight: 200 has started; ctl's request
+    to 300 went into a connection whose node end is frozen, then killed (a network cut), so no
+    reply comes. The job is stopped wherever it ran, and the one line says the start may have
+    happened and how to check — never "nothing was started" (issue 26's last finding)."""
+    import psutil
+
+    def runs_in_200() -> set[str]:
+        return set(attach(sim_node, 200, "sh", "-c", "ls /workspace/runs 2>/dev/null", check=False).stdout.split())
+
+    before = runs_in_200()
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    point = "launch.commit"
+    proc = subprocess.Popen(CTL + ["launch", "--config", env["config"], "--from-scratch", "-c", "sim:200", "-c",
+                                   "sim2:300", "--target-gpus", "sim:200=0", "--drafter-gpus", "sim2:300=0",
+                                   "--set", "max-steps=2000", "--set", "epochs=40", "--set", "dist-timeout=600"],
+                            env={**env["env"], "DFLASH_CTL_PAUSE_AT": point, "DFLASH_CTL_PAUSE_DIR": str(pause)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    frozen = []
+    try:
+        deadline = time.monotonic() + 300
+        while not (pause / f"{point}.reached").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        # the node's end of ctl's connection to sim2 (and of any other): alive, silent
+        frozen = psutil.Process(sim2_node.sshd.pid()).children(recursive=True)
+        for child in frozen:
+            child.suspend()
+        (pause / f"{point}.go").write_text("")
+        while not runs_in_200() - before:  # 200's start came back; 300's is sent next
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.2)
+        time.sleep(2)
+        for child in frozen:
+            child.kill()  # the cut: ctl's connection ends with 300's request unanswered
+        frozen = []
+        out, err = proc.communicate(timeout=300)
+    finally:
+        for child in frozen:
+            child.kill()
+        if proc.poll() is None:
+            proc.kill()
+    [run_id] = runs_in_200() - before
+    assert proc.returncode == 255 and "Traceback" not in err, (proc.returncode, out[-2000:], err[-3000:])
+    assert "nothing was started" not in err, err
+    assert f"job {run_id}: the start reply from sim2:300 was lost" in err and "it may have started" in err, err
+    assert f"`ctl status --run {run_id}`" in err, err
+
+    def ended():  # 200 started and was stopped: nothing of the job waits at the rendezvous
+        p = attach(sim_node, 200, "cat", f"/workspace/runs/{run_id}/status.json", check=False)
+        try:
+            return json.loads(p.stdout).get("state") in ("stopped", "failed", "completed")
+        except ValueError:
+            return False
+    deadline = time.monotonic() + 60
+    while not ended():
+        assert time.monotonic() < deadline, "the run in sim:200 is still live"
+        time.sleep(0.5)

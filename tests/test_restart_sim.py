@@ -92,3 +92,50 @@ def test_a_container_restart_mid_run_is_named_by_the_first_status_and_ends_the_f
     assert f"container {CT} restarted at " in err and f"the run died at step {step}; resume with `ctl launch" in err
     res = json.loads(attach(sim_node, CT, "cat", f"/workspace/runs/{run_id}/result.json").stdout)
     assert res["state"] == "failed" and res["root_cause"]["kind"] == "container_restart"
+
+
+def test_a_container_left_stopped_ends_the_follower_after_its_wait_with_one_line_not_a_reconnect_loop(sim_node, env):
+    """`pct stop 200` by hand under a `ctl tail --follow`: the follower says once that it waits
+    for the container, and after `--wait-stopped` ends with 5 and what to do (it used to
+    reconnect for 80 minutes, a line a try). Once the container runs again, the run reads as
+    the restart killed it, and `ctl tail --since` past its last record still exits 1: a failed
+    run's tail, wherever it starts."""
+    from controller import config as cfg
+    from controller.session import open_runner
+
+    p = ctl(env, "launch", "--container", CT, "--config", env["RESTART_CONFIG"], "--from-scratch", "--json", *SMALL)
+    assert p.returncode == 0, p.stdout + p.stderr
+    run_id = json.loads(p.stdout.strip().splitlines()[-1])["run_id"]
+    follower = subprocess.Popen(CTL + ["tail", "--container", str(CT), "--run", run_id, "--follow",
+                                       "--wait-stopped", "4"], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    name, conf = cfg.load(env["DFLASH_CTL_CONFIG"]).node()
+    stopped = False
+    try:
+        wait_for(lambda: (_status_json(sim_node, run_id).get("step") or 0) >= 1, 300, interval=0.5,
+                 what="a run that trains")
+        with open_runner(name, conf) as runner:
+            res = runner.run(["pct", "stop", str(CT)])
+            assert res.ok, res.tail("stderr")
+            stopped = True
+        out, err = follower.communicate(timeout=180)
+    finally:
+        follower.kill()
+        if stopped:
+            with open_runner(name, conf) as runner:
+                res = runner.run(["pct", "start", str(CT)])
+                assert res.ok, res.tail("stderr")
+    assert follower.returncode == EXIT_CONTAINER_RESTARTED, out[-2000:] + err[-2000:]
+    assert err.count("waiting up to 4 s for it to run again") == 1, err
+    assert "reconnecting (#" not in err, err
+    assert f"ctl: run {run_id}: container {CT} has not run again in 4 s: the run died with it" in err, err
+    assert f"pct start {CT}" in err and f"`ctl status --container {CT} --run {run_id}` says how to resume" in err, err
+    assert "Traceback" not in err
+
+    status = ctl(env, "status", "--container", CT, "--run", run_id)
+    assert status.stdout.splitlines()[1].startswith(f"FAILED   container {CT} restarted at "), status.stdout
+    seqs = attach(sim_node, CT, "wc", "-l", f"/workspace/runs/{run_id}/stream.jsonl").stdout.split()[0]
+    for since in ("0", seqs):
+        tail = ctl(env, "tail", "--container", CT, "--run", run_id, "--since", since)
+        assert tail.returncode == 1, (since, tail.stdout[-1000:], tail.stderr, attach(
+            sim_node, CT, "tail", "-n", "3", f"/workspace/runs/{run_id}/stream.jsonl").stdout)

@@ -63,6 +63,8 @@ def launch(containers: list[str], run_config, start: dict, *, node: Optional[str
                                     wandb_key=wandb_key, dist_timeout=dist_timeout, share_gpus=share_gpus)
         except (job.JobError, RunConfigError, RenderError, cfg.ConfigError) as exc:
             raise fail(str(exc), EXIT_CONFIG) from None
+        except job.JobStartLost as exc:
+            raise fail(str(exc), EXIT_INTERRUPTED if interrupts.interrupted() else EXIT_TRANSPORT) from None
         except LaunchRefused as exc:
             raise fail(f"job refused — nothing was started:\n  {exc}", EXIT_REFUSED) from None
         except TransportError as exc:

@@ -20,6 +20,7 @@ import typer
 from controller.commands import watch
 from controller.commands.remote import TrustOpt, container_session, fail, run_option
 from controller.commands.watch import container_or_last_launch, resolve_run
+from controller.tail import STOPPED_WAIT_S
 
 
 NodeOpt = typer.Option(None, "--node", "-n", help="node name from the controller config (default: default_node)")
@@ -37,13 +38,17 @@ def tail_command(
     follow: bool = typer.Option(False, "--follow", "-f", help="keep following until the run ends (Ctrl-C detaches)"),
     since: int = typer.Option(0, "--since", metavar="SEQ", help="only records after this seq"),
     raw: bool = typer.Option(False, "--json", help="print the stream's records as JSON lines"),
+    stopped_wait: float = typer.Option(STOPPED_WAIT_S, "--wait-stopped", metavar="SECONDS", min=0,
+                                       help="with --follow: how long to wait for a stopped container to run again "
+                                            "before saying the run died with it (exit code 5)"),
     node: Optional[str] = NodeOpt,
     ctl_config: Optional[str] = CtlConfigOpt,
     trust_new_host_key: bool = TrustOpt,
 ) -> None:
     """A run's log lines and events, with a periodic one-line status; survives SSH drops.
     A job's containers are merged in time order, each line labelled with node, container, rank."""
-    raise typer.Exit(watch.tail_in(container, run, follow, since, raw, node, ctl_config, trust_new_host_key))
+    raise typer.Exit(watch.tail_in(container, run, follow, since, raw, node, ctl_config, trust_new_host_key,
+                                     stopped_wait=stopped_wait))
 
 
 def status_command(

@@ -38,12 +38,12 @@ def _exit_for(state: Optional[str]) -> int:
 
 
 def _follow(ct: Container, caller, run_id: Optional[str], since: int, follow: bool, raw: bool,
-            live_baseline: Optional[dict] = None) -> int:
+            live_baseline: Optional[dict] = None, stopped_wait: Optional[float] = None) -> int:
     """``live_baseline``: the run's status reply when the output is a terminal that gets the
     live display (its baseline goes on the status line); None for plain lines."""
     import contextlib
 
-    from controller.tail import Printer, tail
+    from controller.tail import STOPPED_WAIT_S, Printer, tail
 
     live = None
     if live_baseline is not None:
@@ -61,6 +61,11 @@ def _follow(ct: Container, caller, run_id: Optional[str], since: int, follow: bo
                    f"{printer_last['seq']}", err=True)
 
     printer_last = {"seq": since, "state": None}
+    stopped_wait = STOPPED_WAIT_S if stopped_wait is None else stopped_wait
+
+    def stopped(why: str) -> None:
+        echo(f"ctl: {why.splitlines()[0]}; waiting up to {stopped_wait:.0f} s for it to run again (Ctrl-C detaches)",
+             err=True)
 
     def on_record(rec: dict) -> None:
         printer_last["seq"] = rec["seq"]
@@ -70,7 +75,7 @@ def _follow(ct: Container, caller, run_id: Optional[str], since: int, follow: bo
 
     with live if live else contextlib.nullcontext():
         result = tail(ContainerStream(ct, caller), run_id, on_record, since=since, follow=follow,
-                      on_reconnect=reconnecting)
+                      on_reconnect=reconnecting, stopped_wait=stopped_wait, on_stopped=stopped)
     if printer.steps_seen and not raw and not printer.status_is_last and live is None:
         echo(printer.status_line())
     if result.detached:
@@ -79,8 +84,15 @@ def _follow(ct: Container, caller, run_id: Optional[str], since: int, follow: bo
         return 0
     if result.gaps:
         echo(f"ctl: warning: the stream skipped seq ranges {result.gaps}", err=True)
+    if result.stopped:
+        # Nothing runs in a stopped container: the run died with it, and the restart check
+        # that names how to resume can only run once the container does.
+        echo(f"ctl: run {run_id}: container {ct.ctid} has not run again in {stopped_wait:.0f} s: the run died with "
+             f"it ({result.stopped.splitlines()[0]}); once it runs, `ctl status --container {ct.ctid} --run {run_id}` "
+             "says how to resume", err=True)
+        return CtlExit.CONTAINER_RESTARTED
     if not follow:  # what exists now: a stream that ends in the run's failure says so
-        return EXIT_FAILED if printer_last["state"] == "failed" else 0
+        return EXIT_FAILED if printer_last["state"] == "failed" or result.run_failed else 0
     state = result.state
     status = RunStatus.from_json(result.status)
     reply = (result.status or {}).get("_reply")
@@ -133,7 +145,7 @@ def _state_of(reply: dict) -> Optional[str]:
 
 
 def tail_in(container: Optional[int], run: Optional[str], follow: bool, since: int, raw: bool, node: Optional[str],
-            ctl_config: Optional[str], trust_new_host_key: bool) -> int:
+            ctl_config: Optional[str], trust_new_host_key: bool, stopped_wait: Optional[float] = None) -> int:
     """`ctl tail`."""
     from controller.agentcall import AgentCaller
     from controller.commands import job as job_cmd
@@ -151,7 +163,8 @@ def tail_in(container: Optional[int], run: Optional[str], follow: bool, since: i
         # baseline for the live line. Without --follow the stream call finds the latest run.
         reply = resolve_run(ct, caller, run) if follow and (run is None or live) else None
         run_id = run or (reply["run_id"] if reply else None)
-        code = _follow(ct, caller, run_id, since, follow, raw, live_baseline=reply if live else None)
+        code = _follow(ct, caller, run_id, since, follow, raw, live_baseline=reply if live else None,
+                       stopped_wait=stopped_wait)
     return code
 
 
