@@ -145,11 +145,6 @@ def _status_state(raw: bytes) -> Optional[RunState]:
         return None
 
 
-def _after(state: Optional[RunState], last_state: Optional[RunState]) -> tuple[bool, Optional[RunState]]:
-    """(the record just read is a terminal status, the last status state seen so far)."""
-    return state is not None and state.is_terminal(), state or last_state
-
-
 def follow(run_dir: str, after: int, out: IO[bytes], agent_alive: Callable[[], bool],
            poll: float = 0.1, dead_check: float = 2.0, once: bool = False) -> int:
     """Print records with seq > ``after`` until the run's terminal status record.
@@ -167,7 +162,6 @@ def follow(run_dir: str, after: int, out: IO[bytes], agent_alive: Callable[[], b
         time.sleep(poll)
     buf = b""
     last_seq = after
-    terminal = False  # the last record read (printed or not) is a terminal status
     last_state: Optional[RunState] = None  # of the last status record read, printed or not (records
     # such as a GPU sample may follow a run's final status)
     last_check = time.monotonic()
@@ -189,13 +183,13 @@ def follow(run_dir: str, after: int, out: IO[bytes], agent_alive: Callable[[], b
                         continue  # a line torn by a killed agent (see StreamWriter._recover)
                     state = _status_state(raw)
                     if seq <= last_seq:
-                        terminal, last_state = _after(state, last_state)
+                        last_state = state or last_state
                         continue
                     try:
                         json.loads(raw)
                     except ValueError:
                         continue  # torn: its seq is reused by the next valid record
-                    terminal, last_state = _after(state, last_state)
+                    last_state = state or last_state
                     last_seq = seq
                     emitted.append(_strip_src(raw))
                 if emitted:
@@ -204,7 +198,9 @@ def follow(run_dir: str, after: int, out: IO[bytes], agent_alive: Callable[[], b
                 continue
             if once:
                 return EXIT_STREAM_RUN_FAILED if last_state is RunState.FAILED else EXIT_OK
-            if terminal:
+            if last_state is not None and last_state.is_terminal():
+                # the run's final status has been read: what came after it (a re-attached
+                # agent's GPU sample) is printed too, and there is nothing more to wait for
                 return EXIT_OK
             now = time.monotonic()
             if now - last_check >= dead_check:

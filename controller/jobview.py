@@ -28,11 +28,14 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from agent.protocol import RunState, RunStatus
+from agent.protocol import EXIT_STREAM_RUN_FAILED, EXIT_USAGE, RunState, RunStatus
 from controller import config as cfg
 from controller.container import Container, ContainerError, ContainerStopped
 from controller.job import Member
 from controller.tail import FOLLOW_AGENT_GONE
+
+# `agent follow` / `agent.runview stream` exit codes that are their answer about the run.
+AGENT_ANSWERS = (FOLLOW_AGENT_GONE, EXIT_STREAM_RUN_FAILED, EXIT_USAGE)
 from controller.transport import ContainerNotRunning, TransportError
 
 LAST_LAUNCH = "last-launch.json"
@@ -88,7 +91,9 @@ class ContainerStream:
         except ContainerStopped as exc:
             # stopped under the follow (a restart): reconnect once it is back, then say so
             raise ContainerNotRunning(str(exc)) from None
-        if result.failed and Container.looks_unreachable(result):  # stopped, and already back
+        # The agent's own codes are its answers, whatever their words ("the agent … is not
+        # running" once read as pct's "not running" and looped a follower for good).
+        if result.failed and result.returncode not in AGENT_ANSWERS and Container.looks_unreachable(result):
             raise ContainerNotRunning(f"container {self.ct.ctid} was not running: {result.tail('stderr', 1)}")
         if result.failed and result.returncode != FOLLOW_AGENT_GONE:
             tail = result.tail("stderr", 3)

@@ -222,5 +222,11 @@ def test_stream_once_exits_6_for_a_failed_run_even_from_past_its_last_record(tmp
                                    "--from", str(after)], capture_output=True, env=env(), cwd=REPO, timeout=30)
             assert proc.returncode == expect, (after, proc.stderr)
             assert len(proc.stdout.splitlines()) == last - after
+            # `agent follow` (ctl tail --follow) ends at the final status too, with what came
+            # after it, rather than calling a finished run's gone agent a hang (exit 3)
+            proc = subprocess.run([PY, "-m", "agent", "follow", "--run-dir", rd, "--from", str(after)],
+                                  capture_output=True, env=env(), cwd=REPO, timeout=60)
+            assert proc.returncode == 0, (after, proc.stderr)
+            assert len(proc.stdout.splitlines()) == last - after
     finally:
         kill_all(rd)

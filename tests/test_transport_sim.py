@@ -398,7 +398,8 @@ def test_agent_call_parses_the_sentinel_payload_through_noise(ct, runner, scratc
     (root / "trainer").mkdir(parents=True, exist_ok=True)
     (root / "agent" / "__init__.py").write_text("")
     (root / "agent" / "__main__.py").write_text(FAKE_AGENT)
-    (root / "agent" / "protocol.py").write_bytes((REPO / "agent" / "protocol.py").read_bytes())
+    for name in ("protocol.py", "records.py"):  # the protocol and what it imports
+        (root / "agent" / name).write_bytes((REPO / "agent" / name).read_bytes())
     (root / "trainer" / "__init__.py").write_text("")
     fresh = Container(runner, ct.node_name, ct.node, ct.ctid)
     fresh.config = dataclasses.replace(ct.config, workspace=scratch)
