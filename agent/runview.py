@@ -18,7 +18,6 @@ the agent writes and never writes into a run.
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from types import SimpleNamespace

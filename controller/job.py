@@ -29,12 +29,11 @@ and `ctl status` find every container of it from the run id.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 from agent.protocol import FailureKind, RunResult, RunState, RunStatus
 from controller import config as cfg
@@ -258,8 +257,8 @@ def launch(cts: list[Container], members: list[Member], run_config, start: dict,
             try:
                 stop_member(ct, run_id, grace=5)
             except Exception as stop_exc:  # noqa: BLE001 - named in the message; the start's error goes on
-                if (ct, m) is not in_flight or not _no_such_run(stop_exc):
-                    unreached.append(f"{m.label} ({str(stop_exc).splitlines()[0][:160]})")
+                # (a start that never arrived is a refused stop's reply, not an exception)
+                unreached.append(f"{m.label} ({str(stop_exc).splitlines()[0][:160]})")
         if lost:
             left = (f"; could not stop it in {', '.join(unreached)}: stop it with `ctl kill-and-rollback --run {run_id}` "
                     "once the node answers") if unreached else ""
@@ -278,11 +277,6 @@ def _reply_lost(exc: BaseException) -> bool:
     from controller.transport import TransportError
 
     return isinstance(exc, TransportError) or (isinstance(exc, LaunchRefused) and not exc.certain)
-
-
-def _no_such_run(exc: Exception) -> bool:
-    """The stop found no run of that id: the lost start never reached the container."""
-    return "no run" in str(exc)
 
 
 def stop_member(ct: Container, run_id: str, grace: float = 10.0) -> dict:

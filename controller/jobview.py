@@ -36,7 +36,7 @@ from controller.tail import FOLLOW_AGENT_GONE
 
 # `agent follow` / `agent.runview stream` exit codes that are their answer about the run.
 AGENT_ANSWERS = (FOLLOW_AGENT_GONE, EXIT_STREAM_RUN_FAILED, EXIT_USAGE)
-from controller.transport import ContainerNotRunning, TransportError
+from controller.transport import ContainerNotRunning
 
 LAST_LAUNCH = "last-launch.json"
 
