@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer import fused_ops as fo
+from trainer import selector_fused
 from trainer.chunked_head import chunked_head_loss, head_ce
 from trainer.flex_mask import dense_dflash_mask, dflash_mask_mod, direct_block_mask, flex_attention_fn
 from trainer.kernel_profile import REGION_HEAD, REGION_SELECTOR, region
@@ -109,7 +110,8 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
     (drafter + head statistics, no logits kept) to get the CE: a gradient-free forward is
     roughly a third of forward + backward (estimate; not measured on GPU).
     A DFlash2 drafter (one with a selector) adds its selector term (trainer/loss.py
-    ``selector_terms``) to each chunk's loss before that chunk's backward, with the same
+    ``selector_terms``, computed by trainer/selector_fused.py: one autograd node per chunk, its
+    backward written out) to each chunk's loss before that chunk's backward, with the same
     weights and global normaliser Σw, its candidates the top-k of the logits the head chunk
     already forms: ``sel`` (the term), ``sel_correct`` and ``covered`` [B-1] come back too
     (zeros for DFlash).
@@ -221,9 +223,13 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
                                                              top_k=top_k)
         if top_k:
             with region(REGION_SELECTOR):
-                nll, cov, hit = selector_terms(h.reshape(-1, h.shape[-1]), lm_head, cand[0].view(-1, top_k),
-                                               labels[s, sl].reshape(-1), preds[s, sl].reshape(-1), scorer,
-                                               head_chunk_rows)
+                sel_args = (h.reshape(-1, h.shape[-1]), lm_head, cand[0].view(-1, top_k), labels[s, sl].reshape(-1),
+                            preds[s, sl].reshape(-1))
+                if selector_fused.FUSED:  # one node per chunk, hand-written backward (selector_fused.py)
+                    nll, cov, hit = selector_fused.selector_terms(*sel_args, drafter.selector_weights(),
+                                                                  head_chunk_rows)
+                else:  # the checkpointed reference (DFLASH_SELECTOR_FUSED=0)
+                    nll, cov, hit = selector_terms(*sel_args, scorer, head_chunk_rows)
             cov, hit = cov.view(n_c, B - 1), hit.view(n_c, B - 1)
             sel_part = (weights[s, sl] * cov * nll.view(n_c, B - 1).to(wdt)).sum()
             loss = loss + selector_weight * (sel_part / denom).to(loss.dtype)

@@ -418,11 +418,16 @@ class Drafter(nn.Module):
     def selector_scores(self, hidden, unary, candidates, predecessors, dtype=None) -> torch.Tensor:
         """DFlash2's pair scores S(a, b) [.., k] (hf_dflash.selector_scores) with the selector's
         weights cast to ``dtype`` (the chunked step's compute dtype; None: as they are)."""
-        sel = self.candidate_selector
-        w = [sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight]
+        w = self.selector_weights()
         if dtype is not None:
             w = [_cast(t, dtype) for t in w]
         return selector_scores(hidden, unary, candidates, predecessors, *w)
+
+    def selector_weights(self) -> list[torch.Tensor]:
+        """The selector's parameters in ``selector_scores``' order: predecessor codebook,
+        successor codebook, hidden projection (trainer/selector_fused.py takes them so)."""
+        sel = self.candidate_selector
+        return [sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight]
 
     # -- the chunked step (trainer/fast_drafter.py): context once, blocks chunk by chunk
     def context_kv(self, taps: torch.Tensor, cos, sin, dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -25,8 +25,9 @@ Phases (one H200; random bf16 weights made on the GPU, random tokens, no downloa
   kernels; ``--before s1``, session 1's pair: torch's flex defaults, head chunks of 4,096 // 31
   blocks, DFlash2's block convolution eager, block masks by a compiled create_block_mask,
   against the combined flex options, balanced head chunks, the convolution compiled, block
-  masks from the anchors directly): the first step's wall time and
-  compile seconds, the median of 3 timed steps (CUDA events), one profiled step
+  masks from the anchors directly; ``--before selector``: DFlash2's selector checkpointed as in
+  trainer/loss.py, then trainer/selector_fused.py's; ``--runs`` picks arch:variant runs): the
+  first step's wall time and compile seconds, the median of 3 timed steps (CUDA events), one profiled step
   (trainer/kernel_profile.py) as a table of kernel classes with FLOPs/bytes and the share of
   its roofline, allocated/reserved peaks beside trainer/memory.py's prediction.
 
@@ -353,22 +354,29 @@ def markdown(t: dict) -> str:
 
 
 BEFORE = {"choice": "main"}  # --before: what "before" turns off
+RUNS: set = set()  # --runs: only these arch:variant runs of the step phase (empty: all)
 
 
 def _set_variant(after: bool, flex_opts: dict) -> None:
     """``--before main`` (session 2): "before" is the shipped step with the head's compiled
     passes, "after" the same with trainer/head_kernels.py's Triton passes. ``--before s1``
     (session 1's changes): "before" without the balanced head chunks, the compiled
-    convolution, the direct block masks and the flex options."""
-    from trainer import block_conv, chunked_head, fast_drafter
+    convolution, the direct block masks and the flex options (and the fused selector).
+    ``--before selector`` (session 3): "before" is the shipped step with DFlash2's selector
+    the checkpointed reference (trainer/loss.py), "after" with trainer/selector_fused.py's
+    (DFlash's step is the same both ways)."""
+    from trainer import block_conv, chunked_head, fast_drafter, selector_fused
 
-    old = BEFORE["choice"] == "s1" and not after
+    choice = BEFORE["choice"]
+    old = choice == "s1" and not after
     fast_drafter.FLEX_OPTIONS = dict(flex_opts) if not old else {}
     os.environ.pop("DFLASH_FLEX_OPTIONS", None)
     chunked_head.BALANCED = not old
     block_conv.COMPILE = not old
     fast_drafter.DIRECT_MASKS = not old
-    chunked_head.TRITON = after or BEFORE["choice"] == "s1"
+    chunked_head.TRITON = after or choice in ("s1", "selector")
+    selector_fused.FUSED = after or choice not in ("s1", "selector")
+    selector_fused.COMPILE = True
 
 
 def phase_step(smoke: bool, iters: int, archs: list[str], flex_opts: dict, ceilings: dict) -> dict:
@@ -387,6 +395,8 @@ def phase_step(smoke: bool, iters: int, archs: list[str], flex_opts: dict, ceili
     for arch in archs:
         for variant in ("before", "after"):
             name = f"{arch}:{variant}"
+            if RUNS and name not in RUNS:
+                continue
             try:
                 _set_variant(variant == "after", flex_opts)
                 values, args, dcfg, drafter, head, dtype = ds.drafter_and_head(arch, shape, config, dev)
@@ -455,7 +465,10 @@ def main() -> int:
     r.add_argument("--iters", type=int, default=3)
     r.add_argument("--flex-options", default=None, help="JSON: skip the choice, use these for 'after'")
     r.add_argument("--smoke", action="store_true")
-    r.add_argument("--before", default="main", choices=["main", "s1"], help="what the step's 'before' turns off")
+    r.add_argument("--before", default="main", choices=["main", "s1", "selector"],
+                   help="what the step's 'before' turns off")
+    r.add_argument("--runs", default="", help="only these of the step phase, e.g. dflash:after,dflash2:before,"
+                   "dflash2:after (a before that equals its after for one architecture need not run)")
     t = sub.add_parser("table")
     t.add_argument("results")
     a = p.parse_args()
@@ -473,6 +486,7 @@ def main() -> int:
         p.error("needs a CUDA device (or --smoke)")
     OUT = a.out
     BEFORE["choice"] = a.before
+    RUNS.update(x for x in a.runs.split(",") if x)
     os.makedirs(OUT, exist_ok=True)
     RESULTS.update(gpu=torch.cuda.get_device_name(0) if not a.smoke else "cpu", torch=torch.__version__,
                    date=time.strftime("%F %T %Z"))
