@@ -163,3 +163,23 @@ def test_the_chunked_step_uses_the_fused_selector_and_the_switch_gives_the_refer
         torch.testing.assert_close(got[term], ref[term], rtol=1e-12, atol=1e-12, msg=term)
     for n in g_ref:
         torch.testing.assert_close(g_got[n], g_ref[n], rtol=1e-10, atol=1e-12, msg=n)
+
+
+def test_the_fused_selector_keeps_no_gathered_rows_for_backward():
+    """What stays from forward to backward besides the inputs: ∂nll/∂scores [P, k] and its
+    image through the head rows [P, H] — never the k·P·H gathered head rows (520 MB a piece at
+    the operators' shape) nor codebook rows; backward gathers only rank-sized rows again."""
+    h, head, cand, labels, pred, weights, _ = _inputs(torch.float32, P=30, V=50, H=16, r=8, k=4)
+    h.requires_grad_(True)
+    ws = [w.clone().requires_grad_(True) for w in weights]
+    inputs = {t.untyped_storage().data_ptr() for t in (h, head, cand, labels, pred, *ws)}
+    kept = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        if s.data_ptr() not in inputs:
+            kept[s.data_ptr()] = s.nbytes()
+        return t
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        sf.selector_terms(h, head, cand, labels, pred, ws, 12)
+    assert sum(kept.values()) == 30 * 16 * 4 + 30 * 4 * 4
