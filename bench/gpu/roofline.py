@@ -428,18 +428,23 @@ BEFORE = {"choice": "main"}  # --before: what "before" turns off
 
 def _set_variant(after: bool, flex_opts: dict) -> None:
     """``--before main`` (session 2): "before" is the shipped step with the head's compiled
-    passes, "after" the same with trainer/head_kernels.py's Triton passes. ``--before s1``
+    passes, "after" the same with trainer/head_kernels.py's Triton passes. ``--before s3``
+    (session 3): "before" is the step as session 3 found it, "after" with the logits of a head
+    chunk in one GEMM and the flex options chosen. ``--before s1``
     (session 1's changes): "before" without the balanced head chunks, the compiled
     convolution, the direct block masks and the flex options."""
     from trainer import block_conv, chunked_head, fast_drafter
 
-    old = BEFORE["choice"] == "s1" and not after
-    fast_drafter.FLEX_OPTIONS = dict(flex_opts) if not old else {}
+    choice = BEFORE["choice"]
+    old = choice == "s1" and not after
+    fast_drafter.FLEX_OPTIONS = dict(flex_opts) if not old and (after or choice != "s3") else {}
     os.environ.pop("DFLASH_FLEX_OPTIONS", None)
     chunked_head.BALANCED = not old
     block_conv.COMPILE = not old
     fast_drafter.DIRECT_MASKS = not old
-    chunked_head.TRITON = after or BEFORE["choice"] == "s1"
+    chunked_head.TRITON = after or choice in ("s1", "s3")
+    # session 3 (``--before s3``): "before" is main at the session's start, "after" adds its changes
+    chunked_head.ONE_GEMM = after and choice == "s3"
 
 
 def phase_step(smoke: bool, iters: int, archs: list[str], flex_opts: dict, ceilings: dict) -> dict:
@@ -528,7 +533,7 @@ def main() -> int:
     r.add_argument("--flex-window", type=int, default=2048, help="the flexwindow phase's sliding window")
     r.add_argument("--flex-variants", default=None, help="comma-separated FLEX_VARIANTS names (default: all)")
     r.add_argument("--smoke", action="store_true")
-    r.add_argument("--before", default="main", choices=["main", "s1"], help="what the step's 'before' turns off")
+    r.add_argument("--before", default="main", choices=["main", "s1", "s3"], help="what the step's 'before' turns off")
     t = sub.add_parser("table")
     t.add_argument("results")
     a = p.parse_args()
