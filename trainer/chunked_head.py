@@ -97,6 +97,9 @@ def balanced_chunk_blocks(n_blocks: int, chunk_rows: int, K: int) -> int:
     return max(1, math.ceil(n_blocks / n))
 
 
+# "1": the drafter's and the teacher's logits of a chunk as one GEMM (bench before/after)
+ONE_GEMM = os.environ.get("DFLASH_HEAD_ONE_GEMM", "0") == "1"
+
 _FNS = {}
 # "0": the compiled passes above instead of trainer/head_kernels.py's Triton kernels (bench before/after)
 TRITON = os.environ.get("DFLASH_HEAD_TRITON", "1") == "1"
@@ -144,11 +147,17 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             sl = slice(start, min(nb, start + chunk_blocks))
             h = hidden[sl].reshape(-1, H)
             t = targets[sl].reshape(-1)
-            logits = h @ w.t()
             tl = None
-            if teacher is not None:
-                tsrc = teacher[sl]
-                tl = tsrc.reshape(-1, tsrc.shape[-1]) if teacher_is_logits else tsrc.reshape(-1, H) @ w.t()
+            if teacher is not None and not teacher_is_logits and ONE_GEMM:
+                # both logits from one GEMM of twice the rows: they share the head's weight
+                both = torch.cat([h, teacher[sl].reshape(-1, H).to(h.dtype)]) @ w.t()
+                logits, tl = both[:h.shape[0]], both[h.shape[0]:]
+                del both
+            else:
+                logits = h @ w.t()
+                if teacher is not None:
+                    tsrc = teacher[sl]
+                    tl = tsrc.reshape(-1, tsrc.shape[-1]) if teacher_is_logits else tsrc.reshape(-1, H) @ w.t()
             stats, stats_soft, grad, grad_soft, topk = _fns(h.device)
             if tl is None:
                 lse, ce, correct = stats(logits, t)

@@ -35,6 +35,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from trainer import flex_mask
 from trainer import fused_ops as fo
 from trainer import selector_fused
 from trainer.chunked_head import chunked_head_loss, head_ce
@@ -50,9 +51,10 @@ _MASKS: dict = {}
 FLEX_OPTIONS: dict = {}
 
 
-# full-attention layers' block masks from the anchors directly (flex_mask.direct_block_mask);
-# DFLASH_DIRECT_MASKS=0: create_block_mask as before (bench before/after)
-DIRECT_MASKS = os.environ.get("DFLASH_DIRECT_MASKS", "1") == "1"
+# block masks (full and sliding-window layers) from the anchors directly
+# (flex_mask.direct_block_mask); DFLASH_DIRECT_MASKS=0: create_block_mask as before (bench
+# before/after; bench/gpu/roofline.py sets this attribute)
+DIRECT_MASKS = flex_mask.DIRECT_MASKS
 
 
 def flex_options() -> dict | None:
@@ -76,10 +78,8 @@ def _chunk_block_mask(a, kp, S_pad: int, B: int, window: int | None = None):
     a_buf, k_buf, mod = _MASKS[key]
     a_buf.copy_(a[None])
     k_buf.copy_(kp[None])
-    if window is None and DIRECT_MASKS:  # no compile: the tiles follow from the anchors (flex_mask.py)
-        bm = direct_block_mask(a, kp, S_pad, B, mod)
-        if bm is not None:
-            return bm
+    if DIRECT_MASKS:  # no compile: the tiles follow from the anchors (flex_mask.py)
+        return direct_block_mask(a, kp, S_pad, B, mod, window=window)
     return create_block_mask(mod, 1, None, n * B, S_pad + n * B, device=a.device,
                              _compile=a.device.type == "cuda")
 

@@ -24,7 +24,8 @@ Context padding is handled by the rule itself: padded context positions lie at o
 the sequence's length, and every real anchor is below it.
 
 Forms: :func:`dflash_mask_mod` (flex_attention's mask_mod: the reference step's block mask
-and each chunk's mask in the chunked step), :func:`dense_dflash_mask` (an explicit boolean
+and each chunk's mask in the chunked step), :func:`direct_block_mask` (that mask's
+BlockMask from the anchors, no compile), :func:`dense_dflash_mask` (an explicit boolean
 tensor for SDPA: CPU runs and tests, where flex_attention has no backward), and
 :func:`visible_pairs` (the work a block-sparse kernel does, for FLOP counts). The tests
 check the mask_mod and the dense tensor against each other and against the rule pair by pair.
@@ -36,14 +37,21 @@ Q × KV); on CPU it runs eagerly, forward only.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
+
+# Block masks from the anchors (direct_block_mask) rather than a compiled create_block_mask;
+# DFLASH_DIRECT_MASKS=0 restores create_block_mask for full and sliding-window layers alike
+# (benchmarks' before/after). trainer/fast_drafter.py reads it as its DIRECT_MASKS.
+DIRECT_MASKS = os.environ.get("DFLASH_DIRECT_MASKS", "1") == "1"
 
 __all__ = [
     "dflash_mask_mod",
     "dense_dflash_mask",
     "make_dflash_block_mask",
+    "direct_block_mask",
     "visible_pairs",
     "flex_attention_fn",
 ]
@@ -106,11 +114,13 @@ def dense_dflash_mask(anchors: torch.Tensor, ctx_len: int, block_size: int,
 def make_dflash_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int,
                            keep: Optional[torch.Tensor] = None, *, window: Optional[int] = None,
                            q_block: int = 128, kv_block: int = 128,
-                           compile: Optional[bool] = None):
+                           compile: Optional[bool] = None, direct: Optional[bool] = None):
     """A flex_attention ``BlockMask`` for the DFlash layout (heads broadcast).
 
-    On CUDA ``compile`` defaults to True (create_block_mask builds the sparse tile index
-    on the GPU without materialising Q × KV); on CPU it defaults to False.
+    ``direct`` (default :data:`DIRECT_MASKS`): the tiles from the anchors
+    (:func:`direct_block_mask`, no compile; ``compile`` unused). Otherwise create_block_mask, ``compile``
+    defaulting to True on CUDA (it builds the sparse tile index on the GPU without
+    materialising Q × KV, after a compile of tens of seconds) and False on CPU.
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -118,9 +128,11 @@ def make_dflash_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int,
     q_len = n * block_size
     kv_len = ctx_len + n * block_size
     device = anchors.device
+    mod = dflash_mask_mod(anchors, ctx_len, block_size, keep, window)
+    if DIRECT_MASKS if direct is None else direct:
+        return direct_block_mask(anchors, keep, ctx_len, block_size, mod, tile=(q_block, kv_block), window=window)
     if compile is None:
         compile = device.type == "cuda"
-    mod = dflash_mask_mod(anchors, ctx_len, block_size, keep, window)
     return create_block_mask(mod, bsz, None, q_len, kv_len, device=device,
                              BLOCK_SIZE=(q_block, kv_block), _compile=compile)
 
@@ -156,50 +168,68 @@ def flex_attention_fn(device_type: str, dynamic: bool = False):
     return _FLEX[compiled, dynamic]
 
 
-def direct_block_mask(anchors: torch.Tensor, keep: torch.Tensor, ctx_len: int, block_size: int, mask_mod,
-                      tile: int = 128):
-    """The BlockMask of one sequence's chunk of blocks under the full-attention DFlash mask,
-    computed from the anchors with a few tensor operations instead of evaluating
-    ``mask_mod`` over every (q, kv) pair: ``create_block_mask(_compile=True)`` spent ~40 s
-    compiling at the operators' shape on an H200 (issue 29's cold launch), the larger part of
-    the first step's compile. None where the layout does not tile exactly (block size not a
-    divisor of ``tile``, ``ctx_len`` or the query length not a multiple of it): the caller
-    falls back to create_block_mask.
+def direct_block_mask(anchors: torch.Tensor, keep: Optional[torch.Tensor], ctx_len: int, block_size: int,
+                      mask_mod, tile=128, window: Optional[int] = None):
+    """The flex ``BlockMask`` of the DFlash mask (full attention, or sliding window ``window``)
+    computed from the anchors with a few tensor operations instead of evaluating ``mask_mod``
+    over every (q, kv) pair: ``create_block_mask(_compile=True)`` spent ~40 s compiling at the
+    operators' shape on an H200 (issue 29's cold launches), the larger part of the first
+    step's compile. No compile, no host sync, any layout (block size, context length and
+    query length need not tile).
 
-    A query tile t holds blocks m·t .. m·t+m−1 (m = tile / block size). Context tile j is
-    *full* when every block of the tile is kept and its anchor ≥ tile·(j+1), *partial* when
-    some kept block's anchor > tile·j, else empty; the blocks' own columns fall in kv tile
-    ctx_len/tile + t, always partial (block diagonal) unless a block fills the tile. The
-    result equals create_block_mask's (tests/test_kernel_profile.py compares them)."""
+    anchors/keep: [n] (one sequence's chunk of blocks) or [b, n]. tile: the sparse tile, an
+    int or (q_tile, kv_tile).
+
+    Each query row (block i, slot o) sees two intervals of KV (the rule in the module
+    docstring): context [lo, a_i) — lo = 0, sliding max(0, a_i + o − (W − 1)); empty for a
+    dropped block — and its own block's columns [S + i·B, S + i·B + w) — w = B, sliding o + 1.
+    The number of visible columns of a row inside kv tile j is the overlap of those intervals
+    with the tile, so per (row, kv tile) we know "any visible" and "all visible" exactly;
+    a tile is full when all its rows see all of it and partial when some row sees some of it
+    but it is not full — create_block_mask's own classification (padding rows and columns see
+    nothing, as its padded mask does). Work: rows × kv tiles, tile² times less than the
+    rows × columns create_block_mask evaluates. The tile index is ordered as create_block_mask
+    orders it (stable descending sort of the tile flags), so the kernels walk the same tiles in
+    the same order (tests/test_flex_mask_direct.py compares every tensor)."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    n = anchors.shape[0]
-    B = int(block_size)
-    if tile % B or ctx_len % tile or (n * B) % tile:
-        return None
-    m = tile // B
-    nq, nctx = n * B // tile, ctx_len // tile
-    nk = nctx + nq
-    dev = anchors.device
-    a = anchors.long().view(nq, m)
-    k = keep.bool().view(nq, m)
-    all_kept = k.all(-1)
-    full = torch.where(all_kept, a.min(-1).values // tile, 0)  # [nq] full context tiles 0..F-1
-    reach = torch.where(k, a, 0).max(-1).values  # the largest kept anchor (0: none)
-    part_end = (reach + tile - 1) // tile  # context tiles F..P-1 are partial
-    pos = torch.arange(nk, device=dev)[None]
-    n_part = part_end - full
-    own = nctx + torch.arange(nq, device=dev)
-    own_full = m == 1  # a block fills the tile: its own tile is full
-    if own_full:
-        kv_num, kv_idx = n_part, torch.where(pos < n_part[:, None], full[:, None] + pos, 0)
-        f_num = full + 1
-        f_idx = torch.where(pos < full[:, None], pos, torch.where(pos == full[:, None], own[:, None], 0))
-    else:
-        kv_num = n_part + 1
-        kv_idx = torch.where(pos < n_part[:, None], full[:, None] + pos,
-                             torch.where(pos == n_part[:, None], own[:, None], 0))
-        f_num, f_idx = full, torch.where(pos < full[:, None], pos, 0)
-    as32 = lambda t: t.to(torch.int32)[None, None]  # noqa: E731  [1, 1, nq(, nk)]
-    return BlockMask.from_kv_blocks(as32(kv_num), as32(kv_idx), as32(f_num), as32(f_idx), BLOCK_SIZE=tile,
-                                    mask_mod=mask_mod, seq_lengths=(n * B, ctx_len + n * B))
+    tq, tk = (tile, tile) if isinstance(tile, int) else tile
+    squeeze = anchors.dim() == 1
+    i32 = torch.int32  # positions < 2³¹; half the bytes of the [b, rows, kv tiles] overlaps
+    a = anchors.to(i32)[None] if squeeze else anchors.to(i32)
+    k = None if keep is None else (keep.bool()[None] if squeeze else keep.bool())
+    bsz, n = a.shape
+    B, S = int(block_size), int(ctx_len)
+    Q, KV = n * B, S + n * B
+    nq, nk = -(-Q // tq), -(-KV // tk)
+    dev = a.device
+    r = torch.arange(nq * tq, device=dev, dtype=i32)
+    real = r < Q  # rows past Q pad the last query tile: they see nothing
+    blk, off = (r // B).clamp(max=n - 1), r % B
+    a_r = a[:, blk.long()]  # [b, rows]
+    hi = torch.where(real, a_r.clamp(max=S), 0)
+    if k is not None:
+        hi = torch.where(k[:, blk.long()], hi, 0)
+    lo = torch.zeros_like(hi) if window is None else (a_r + off - (int(window) - 1)).clamp(min=0)
+    own_lo = S + blk * B
+    own_hi = torch.where(real, own_lo + (B if window is None else off + 1), own_lo)
+    x0 = torch.arange(nk, device=dev, dtype=i32) * tk  # kv tile j holds columns x0 .. x0 + tk − 1
+    x1 = x0 + tk
+
+    def overlap(lo_, hi_):  # [b or 1, rows] intervals against every kv tile: [b, rows, nk]
+        return (torch.minimum(hi_[..., None], x1) - torch.maximum(lo_[..., None], x0)).clamp(min=0)
+
+    seen = overlap(lo, hi) + overlap(own_lo[None], own_hi[None])  # the two intervals never overlap
+    seen = seen.view(bsz, nq, tq, nk)
+    full = (seen == tk).all(2)  # [b, nq, nk]
+    part = (seen > 0).any(2) & ~full
+
+    def ordered(flags):  # create_block_mask's order: the set tiles first, ascending, then the rest
+        f = flags.to(torch.int32)[:, None]
+        idx = torch.argsort(f, dim=-1, descending=True, stable=True)
+        return f.sum(-1, dtype=torch.int32), idx.to(torch.int32)
+
+    kv_num, kv_idx = ordered(part)
+    f_num, f_idx = ordered(full)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, f_num, f_idx, BLOCK_SIZE=(tq, tk), mask_mod=mask_mod,
+                                    seq_lengths=(Q, KV))

@@ -16,8 +16,11 @@ Phases (one H200; random bf16 weights made on the GPU, random tokens, no downloa
   DFlash block mask, for several kernel options (block sizes, stages, warps, flags); the best
   forward, backward and flag choices are combined and timed again; the combination is what
   the step's "after" runs.
+* ``flexwindow``: the same under a sliding-window layer's mask (``--flex-window``, 2,048: the
+  Qwen3.6-27B drafter's sliding layers), the tiles from the materialised mask.
 * ``head``: the head chunk's two elementwise passes, compiled against trainer/head_kernels.py's
   Triton kernels at several block sizes (:func:`phase_head`).
+* ``headgemm``: the head chunk's three GEMMs, and the two logits GEMMs as one (:func:`phase_headgemm`).
 * ``step``: trainer/step.py's ChunkedStep at the operators' config (Qwen3-8B widths, 5 layers,
   block 32, 1,024 anchors, 6 × 8,192 tokens, soft labels KL 0.15 at T 2, CAP 0.1, γ 10, clip,
   fused AdamW) for DFlash and DFlash2, each "before" and "after" in the same process (``--before
@@ -65,6 +68,14 @@ FLEX_VARIANTS = {
                         "bwd_num_stages": 3, "bwd_num_warps": 4},
     "bwd_32_128_s3_w4": {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 32,
                          "bwd_num_stages": 3, "bwd_num_warps": 4},
+    # session 3: TMA for the forward alone (it helped the forward, hurt the backward), Hopper
+    # warp specialisation of the forward, and the backward's remaining stage/warp choices
+    "fwd_tma": {"fwd_USE_TMA": True},
+    "fwd_ws2": {"fwd_num_consumer_groups": 2, "fwd_num_buffers_warp_spec": 3},
+    "bwd_64_128_s4_w8": {"bwd_num_stages": 4},
+    "bwd_64_128_s3_w4": {"bwd_num_warps": 4},
+    "bwd_128_128_s2_w8": {"bwd_BLOCK_M1": 128, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 128,
+                          "bwd_num_stages": 2, "bwd_num_warps": 8},
 }
 
 
@@ -97,37 +108,50 @@ def phase_ceilings(smoke: bool) -> dict:
     return {"matmul_flop_s": 2 * n ** 3 / t, "copy_bytes_s": 2 * x.numel() * 4 / tc, "matmul_n": n}
 
 
-def _flex_inputs(shape, n_anchors: int, B: int, S: int, dev, dtype):
+def _flex_inputs(shape, n_anchors: int, B: int, S: int, dev, dtype, window: int | None = None,
+                 kv_block: int = 128):
     import torch
 
     from trainer import fast_drafter as fd
+    from trainer import flex_mask
 
     g = torch.Generator(device=dev).manual_seed(0)
     a = torch.randperm(S - 1, device=dev, generator=g)[:n_anchors].sort().values
     kp_ = torch.ones(n_anchors, dtype=torch.bool, device=dev)
-    bm = fd._chunk_block_mask(a, kp_, S, B)
+    if window is None and kv_block == 128:
+        bm = fd._chunk_block_mask(a, kp_, S, B)
+    else:  # a sliding-window layer's mask or finer kv tiles: from the materialised mask (no mask compile)
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        mod = flex_mask.dflash_mask_mod(a[None], S, B, kp_[None], window)
+        bm = create_block_mask(mod, 1, None, n_anchors * B, S + n_anchors * B, device=dev, _compile=False,
+                               BLOCK_SIZE=(128, kv_block))
+        pairs = flex_mask.visible_pairs(a[None], S, B, kp_[None], window)
     Q = n_anchors * B
     q = torch.randn(1, shape.n_heads, Q, shape.head_dim, device=dev, dtype=dtype, generator=g, requires_grad=True)
     k = torch.randn(1, shape.n_kv_heads, S + Q, shape.head_dim, device=dev, dtype=dtype, generator=g, requires_grad=True)
     v = torch.randn(1, shape.n_kv_heads, S + Q, shape.head_dim, device=dev, dtype=dtype, generator=g, requires_grad=True)
-    pairs = int(a.sum()) * B + n_anchors * B * B
+    if window is None:
+        pairs = int(a.sum()) * B + n_anchors * B * B
     return q, k, v, bm, pairs
 
 
-def phase_flex(smoke: bool) -> dict:
+def phase_flex(smoke: bool, only: list[str] | None = None, window: int | None = None) -> dict:
     import torch
 
     from trainer.flex_mask import flex_attention_fn
 
     shape, n_anchors, B, S = (SMOKE_SHAPE, 16, 8, 128) if smoke else (fl.QWEN3_8B, 512, 32, 8192)
     dev = torch.device("cpu" if smoke else "cuda")
-    q, k, v, bm, pairs = _flex_inputs(shape, n_anchors, B, S, dev, torch.float32 if smoke else torch.bfloat16)
+    if smoke and window:
+        window = min(window, S // 2)
+    q, k, v, bm, pairs = _flex_inputs(shape, n_anchors, B, S, dev, torch.float32 if smoke else torch.bfloat16, window)
     if smoke:  # flex attention on CPU runs forward only, on inputs that need no gradient
         q, k, v = q.detach(), k.detach(), v.detach()
     flex = flex_attention_fn(dev.type)
     fwd_flop = 4 * shape.q_dim * pairs
     go = torch.randn_like(q)
-    out = {"pairs": pairs, "fwd_flop": fwd_flop, "variants": {}}
+    out = {"pairs": pairs, "fwd_flop": fwd_flop, "window": window, "variants": {}}
 
     def measure(opts):
         kw = {"kernel_options": opts or None} if not smoke else {}
@@ -152,7 +176,23 @@ def phase_flex(smoke: bool) -> dict:
         return {"fwd_s": tf, "fwdbwd_s": tb, "bwd_s": tb - tf, "compile_and_first_s": first,
                 "fwd_tflop_s": fwd_flop / tf / 1e12, "bwd_tflop_s": 2.5 * fwd_flop / max(1e-9, tb - tf) / 1e12}
 
+    if not only or "kv_tiles_64" in only:  # the ragged edges (staircase, window, own block) in finer kv
+        # tiles: less of each partial tile is masked-out work
+        q64, k64, v64, bm64, _ = _flex_inputs(shape, n_anchors, B, S, dev, q.dtype, window, kv_block=64)
+        if smoke:
+            q64, k64, v64 = q64.detach(), k64.detach(), v64.detach()
+        saved = q, k, v, bm
+        q, k, v, bm = q64, k64, v64, bm64
+        try:
+            opts = {} if smoke else {"bwd_BLOCK_N1": 64}
+            out["variants"]["kv_tiles_64"] = {"options": opts, "mask_block": [128, 64], **measure(opts)}
+        except Exception as exc:  # noqa: BLE001
+            out["variants"]["kv_tiles_64"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+        log("flex", "kv_tiles_64", json.dumps(out["variants"]["kv_tiles_64"]))
+        q, k, v, bm = saved
     names = list(FLEX_VARIANTS)[:2] if smoke else list(FLEX_VARIANTS)
+    if only:  # "default" always: the variants are judged against it in the same process
+        names = ["default"] + [n for n in only if n in FLEX_VARIANTS and n != "default"]
     for name in names:
         try:
             out["variants"][name] = {"options": FLEX_VARIANTS[name], **measure(FLEX_VARIANTS[name])}
@@ -283,6 +323,37 @@ def phase_head(smoke: bool) -> dict:
     return out
 
 
+def phase_headgemm(smoke: bool) -> dict:
+    """The head chunk's three GEMMs at the operators' chunk (3,968 rows × 4,096 × 151,936, bf16):
+    the drafter's logits, the teacher's logits, ∂L/∂z @ W; the two logits GEMMs as one of twice
+    the rows (they share W); and 4,096-row chunks for the tile quantisation. TFLOP/s each, the
+    median of 10 after 3 warm-ups (CUDA events)."""
+    import torch
+
+    dev = torch.device("cpu" if smoke else "cuda")
+    R, H, V = (62, 64, 2048) if smoke else (128 * 31, 4096, 151936)
+    dt = torch.float32 if smoke else torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    W = torch.randn(V, H, device=dev, dtype=dt, generator=g) * 0.02
+    h, th = (torch.randn(R, H, device=dev, dtype=dt, generator=g) for _ in range(2))
+    gz = torch.randn(R, V, device=dev, dtype=dt, generator=g) * 1e-3
+    hh = torch.cat([h, th])
+    h4 = torch.randn(4096, H, device=dev, dtype=dt, generator=g)
+    gz4 = torch.randn(4096, V, device=dev, dtype=dt, generator=g) * 1e-3
+    cuda = not smoke
+    cases = {"logits": (lambda: h @ W.t(), R), "teacher_logits": (lambda: th @ W.t(), R),
+             "both_logits_one_gemm": (lambda: hh @ W.t(), 2 * R), "grad_hidden": (lambda: gz @ W, R),
+             "logits_4096_rows": (lambda: h4 @ W.t(), 4096), "grad_hidden_4096_rows": (lambda: gz4 @ W, 4096)}
+    out = {"rows": R, "hidden": H, "vocab": V}
+    for name, (fn, rows) in cases.items():
+        t, _ = _timed(fn, 3, 10, cuda)
+        out[name] = {"s": t, "tflop_s": 2 * rows * H * V / t / 1e12}
+        log("headgemm", name, json.dumps(out[name]))
+    out["two_gemms_s"] = out["logits"]["s"] + out["teacher_logits"]["s"]
+    out["one_gemm_speedup"] = out["two_gemms_s"] / out["both_logits_one_gemm"]["s"]
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 SMOKE_SHAPE = fl.ModelShape(6, 64, 4, 2, 16, 128, 512, "tiny")
 
@@ -359,23 +430,27 @@ RUNS: set = set()  # --runs: only these arch:variant runs of the step phase (emp
 
 def _set_variant(after: bool, flex_opts: dict) -> None:
     """``--before main`` (session 2): "before" is the shipped step with the head's compiled
-    passes, "after" the same with trainer/head_kernels.py's Triton passes. ``--before s1``
+    passes, "after" the same with trainer/head_kernels.py's Triton passes. ``--before s3``
+    (session 3): "before" is the step as session 3 found it, "after" with the logits of a head
+    chunk in one GEMM, the flex options chosen and DFlash2's fused selector. ``--before s1``
     (session 1's changes): "before" without the balanced head chunks, the compiled
     convolution, the direct block masks and the flex options (and the fused selector).
-    ``--before selector`` (session 3): "before" is the shipped step with DFlash2's selector
-    the checkpointed reference (trainer/loss.py), "after" with trainer/selector_fused.py's
-    (DFlash's step is the same both ways)."""
+    ``--before selector`` (session 3, that change alone): "before" is the shipped step with
+    DFlash2's selector the checkpointed reference (trainer/loss.py), "after" with
+    trainer/selector_fused.py's (DFlash's step is the same both ways)."""
     from trainer import block_conv, chunked_head, fast_drafter, selector_fused
 
     choice = BEFORE["choice"]
     old = choice == "s1" and not after
-    fast_drafter.FLEX_OPTIONS = dict(flex_opts) if not old else {}
+    fast_drafter.FLEX_OPTIONS = dict(flex_opts) if not old and (after or choice != "s3") else {}
     os.environ.pop("DFLASH_FLEX_OPTIONS", None)
     chunked_head.BALANCED = not old
     block_conv.COMPILE = not old
     fast_drafter.DIRECT_MASKS = not old
-    chunked_head.TRITON = after or choice in ("s1", "selector")
-    selector_fused.FUSED = after or choice not in ("s1", "selector")
+    chunked_head.TRITON = after or choice in ("s1", "s3", "selector")
+    # session 3 (``--before s3``): "before" is main at the session's start, "after" adds its changes
+    chunked_head.ONE_GEMM = after and choice == "s3"
+    selector_fused.FUSED = after or choice not in ("s1", "s3", "selector")
     selector_fused.COMPILE = True
 
 
@@ -464,8 +539,10 @@ def main() -> int:
     r.add_argument("--archs", default="dflash,dflash2")
     r.add_argument("--iters", type=int, default=3)
     r.add_argument("--flex-options", default=None, help="JSON: skip the choice, use these for 'after'")
+    r.add_argument("--flex-window", type=int, default=2048, help="the flexwindow phase's sliding window")
+    r.add_argument("--flex-variants", default=None, help="comma-separated FLEX_VARIANTS names (default: all)")
     r.add_argument("--smoke", action="store_true")
-    r.add_argument("--before", default="main", choices=["main", "s1", "selector"],
+    r.add_argument("--before", default="main", choices=["main", "s1", "s3", "selector"],
                    help="what the step's 'before' turns off")
     r.add_argument("--runs", default="", help="only these of the step phase, e.g. dflash:after,dflash2:before,"
                    "dflash2:after (a before that equals its after for one architecture need not run)")
@@ -500,11 +577,20 @@ def main() -> int:
         RESULTS["phases"]["head"] = phase_head(a.smoke)
         log("head", json.dumps({k: v for k, v in RESULTS["phases"]["head"].items() if k not in ("stats", "grad")}))
         save()
+    if "headgemm" in phases:
+        RESULTS["phases"]["headgemm"] = phase_headgemm(a.smoke)
+        log("headgemm speedup of one GEMM for both logits", RESULTS["phases"]["headgemm"]["one_gemm_speedup"])
+        save()
     flex_opts = json.loads(a.flex_options) if a.flex_options else {}
     if "flex" in phases and a.flex_options is None:
-        RESULTS["phases"]["flex"] = phase_flex(a.smoke)
+        RESULTS["phases"]["flex"] = phase_flex(a.smoke, a.flex_variants.split(",") if a.flex_variants else None)
         flex_opts = RESULTS["phases"]["flex"]["chosen"]
         log("flex chosen", json.dumps(flex_opts))
+        save()
+    if "flexwindow" in phases:  # the same sweep under a sliding-window layer's mask (the 27B drafter's)
+        RESULTS["phases"]["flexwindow"] = phase_flex(a.smoke, a.flex_variants.split(",") if a.flex_variants else None,
+                                                     window=a.flex_window)
+        log("flex (window) chosen", json.dumps(RESULTS["phases"]["flexwindow"]["chosen"]))
         save()
     if "step" in phases:
         RESULTS["flex_after"] = flex_opts
