@@ -170,7 +170,7 @@ def test_memory_model_monotone_and_fits_logic():
     ("sdpa", False, 0.0, "decay", 7, "dflash"), ("sdpa", True, 0.2, "dpace", 7, "dflash"),  # a sliding layer before a full one
     # DFlash2: convolutions and selector away from their identity start, the selector term on
     ("sdpa", False, 0.0, "decay", None, "dflash2"), ("sdpa", True, 0.2, "dpace", 7, "dflash2")])
-def test_fast_drafter_step_matches_dense_reference(attn, soft, cap, weights, window, arch):  # flex has no CPU backward
+def test_fast_drafter_step_matches_dense_reference(attn, soft, cap, weights, window, arch, monkeypatch):  # flex has no CPU backward
     """The chunked step against the reference step's math, unchunked, in fp64: trainer/
     model.py's Drafter.forward under the dense mask + trainer/loss.py's dflash_loss (with
     DFlash2's selector term for a DFlash2 drafter)."""
@@ -212,9 +212,14 @@ def test_fast_drafter_step_matches_dense_reference(attn, soft, cap, weights, win
     d.zero_grad()
     kw = dict(block_size=B, mask_token_id=V - 1, gamma=3.0, cap_lambda=cap, kl_weight=0.3 if soft else 0.0,
               temperature=2.0, teacher_final=teacher, position_weights=weights, dpace_alpha=0.3, selector_weight=0.6)
+    spans_used = []  # soft labels: some head chunks' teacher logits once per distinct position
+    teacher_logits = chh._teacher_logits
+    monkeypatch.setattr(chh, "_teacher_logits", lambda *a: spans_used.append(a[-1]) or teacher_logits(*a))
     out = fd.step_backward(d, embed, head, ids, taps, lm, lengths, anchors, keep, chunk_anchors=2,
                            head_chunk_rows=6, dtype=torch.float64, attn=attn, ctx_multiple=8, **kw)
     assert abs(float(out["loss"]) - float(ref.loss.detach())) < 1e-9
+    if soft:
+        assert any(sp is not None for sp in spans_used) and None in spans_used, spans_used
     for n, p in d.named_parameters():
         assert (p.grad - g_ref[n]).norm() <= 1e-9 * (1 + g_ref[n].norm()), n
     # the terms and per-slot counts it reports are dflash_loss's

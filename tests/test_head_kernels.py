@@ -96,6 +96,25 @@ def test_the_gradient_of_the_logits_is_the_reference_one(soft):
     _close(got, want, 4e-3)  # bf16 output: its rounding
 
 
+def test_teacher_rows_read_in_place_are_the_gathered_teacher():
+    """One teacher row per distinct position, indexed per drafted row (overlapping blocks):
+    both passes read the table in place and give exactly what gathering it first gives."""
+    z, zt, t = _inputs(6, 700, torch.bfloat16, 5)
+    table = zt[:4]
+    rows = torch.tensor([0, 1, 1, 2, 3, 3], device=DEV)
+    T = 2.0
+    got = hk.stats_soft(z, table, t, T, teacher_rows=rows)
+    want = hk.stats_soft(z, table.index_select(0, rows).contiguous(), t, T)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    lse, _, _, lse_s, lse_t, _ = want
+    g = torch.Generator().manual_seed(6)
+    g_ce, g_kl = (torch.rand(6, generator=g).to(DEV) for _ in range(2))
+    gi = hk.grad_soft(z, table, lse, lse_s, lse_t, t, g_ce, g_kl, T, torch.bfloat16, teacher_rows=rows)
+    gg = hk.grad_soft(z, table.index_select(0, rows).contiguous(), lse, lse_s, lse_t, t, g_ce, g_kl, T, torch.bfloat16)
+    assert torch.equal(gi, gg)
+
+
 def test_the_chunked_head_through_the_kernels_is_the_naive_head(monkeypatch):
     """Loss and ∂L/∂hidden of the chunked head (soft labels, CAP, chunks of 2 blocks) with the
     kernels in place of the reference passes, against plain autograd over all logits."""
@@ -111,6 +130,18 @@ def test_the_chunked_head_through_the_kernels_is_the_naive_head(monkeypatch):
     fn = dflash_loss_fn(w, kl_weight=0.15, temperature=2.0, cap_lambda=0.1)
     total, ce, kl, _, cand = ch.chunked_head_loss(h, W, t, fn, teacher=teacher, temperature=2.0, chunk_rows=2 * K,
                                                   top_k=16)
+    # the same teacher as a table of positions, two blocks sharing rows: spans through the kernels
+    table = teacher.reshape(-1, H)
+    rows = torch.arange(nb * K, device=DEV).view(nb, K)
+    rows[1::2] = rows[0::2]  # each odd block repeats its even neighbour's teacher rows
+    spans = ch.span_plan(ch.chunk_spans(rows, torch.ones(nb, dtype=torch.bool, device=DEV), 2 * K).tolist(), nb,
+                         2 * K, K)
+    assert all(sp is not None for sp in spans)  # each chunk: 7 positions for 14 rows
+    fn_r = dflash_loss_fn(w, kl_weight=0.15, temperature=2.0, cap_lambda=0.1)
+    total_r = ch.chunked_head_loss(h, W, t, fn_r, teacher=table, teacher_rows=rows, teacher_spans=spans,
+                                   temperature=2.0, chunk_rows=2 * K)[0]
+    total_g = ch.chunked_head_loss(h, W, t, fn_r, teacher=table[rows], temperature=2.0, chunk_rows=2 * K)[0]
+    assert abs(float(total_r.detach()) - float(total_g.detach())) <= 1e-6 * abs(float(total_g.detach()))
     z = (h.detach().reshape(-1, H) @ W.t()).float()
     assert torch.equal(z.gather(-1, cand.reshape(-1, 16)), z.topk(16, dim=-1).values)  # DFlash2's candidates
     (gh,) = torch.autograd.grad(total, h)

@@ -101,26 +101,66 @@ def test_balanced_head_chunks_have_one_size_and_change_no_number(monkeypatch):
     assert torch.allclose(outs[True][0], ref, rtol=1e-10)
 
 
-def test_the_two_logits_as_one_gemm_give_the_same_loss_and_gradient(monkeypatch):
+def _overlapping_blocks(g, nb: int, K: int, S: int, spacing: int):
+    """Sorted anchors ``spacing`` apart on average (overlapping blocks when < K) and each slot's
+    teacher row a+k−1, clamped to the sequence like fast_drafter's."""
+    a = torch.sort(torch.randperm(S - 1, generator=g)[:nb]).values if spacing else torch.zeros(nb, dtype=torch.long)
+    rows = (a[:, None] + torch.arange(1, K + 1)).clamp(max=S - 1) - 1
+    return a, rows
+
+
+@pytest.mark.parametrize("spacing", [2, 40])
+def test_teacher_logits_once_per_distinct_position_give_the_gathered_numbers(monkeypatch, spacing):
+    """Overlapping blocks (spacing 2 < K) take the span path in every chunk, sparse ones
+    (spacing 40 > K) fall back to a row per slot; both equal gathering the teacher first."""
     g = torch.Generator().manual_seed(1)
-    nb, K = 9, 7
-    h = torch.randn(nb, K, 16, dtype=torch.float64, generator=g, requires_grad=True)
-    W = torch.randn(50, 16, dtype=torch.float64, generator=g)
+    nb, K, H, S = 12, 7, 16, 24 if spacing == 2 else 480
+    _, rows = _overlapping_blocks(g, nb, K, S, spacing)
+    valid = torch.ones(nb, dtype=torch.bool)
+    valid[-2:] = False  # padding blocks (weight 0): their rows fall outside the spans, clamped in
+    rows[-2:] = 0
+    h = torch.randn(nb, K, H, dtype=torch.float64, generator=g, requires_grad=True)
+    W = torch.randn(50, H, dtype=torch.float64, generator=g)
     t = torch.randint(0, 50, (nb, K), generator=g)
-    teacher = torch.randn(nb, K, 16, dtype=torch.float64, generator=g)
-    fn = dflash_loss_fn(torch.rand(nb, K, dtype=torch.float64, generator=g), kl_weight=0.15, temperature=2.0,
-                        cap_lambda=0.1, block_valid=torch.ones(nb, dtype=torch.bool), denom=torch.tensor(30.0),
-                        n_valid_blocks=torch.tensor(nb))
-    outs = {}
-    for one in (False, True):
-        monkeypatch.setattr(ch, "ONE_GEMM", one)
-        loss, ce, kl, correct = ch.chunked_head_loss(h, W, t, fn, teacher=teacher, temperature=2.0, chunk_rows=21)
+    table = torch.randn(S, H, dtype=torch.float64, generator=g)
+    fn = dflash_loss_fn(torch.rand(nb, K, dtype=torch.float64, generator=g) * valid[:, None], kl_weight=0.15,
+                        temperature=2.0, cap_lambda=0.1, block_valid=valid, denom=torch.tensor(30.0),
+                        n_valid_blocks=valid.sum())
+    spans = ch.span_plan(ch.chunk_spans(rows, valid, 21).tolist(), nb, 21, K)
+    assert len(spans) == 4  # 12 blocks of 7 slots, 21 rows a chunk: 4 chunks of 3 blocks
+    if spacing == 2:
+        assert all(sp is not None and sp[1] - sp[0] < 21 for sp in spans[:3])
+    else:
+        assert spans[:3] == [None] * 3
+    assert spans[3] is not None and spans[3][1] - spans[3][0] <= K  # one valid block left in it
+
+    def run(**kw):
+        loss, ce, kl, correct = ch.chunked_head_loss(h, W, t, fn, temperature=2.0, chunk_rows=21, **kw)
         (grad,) = torch.autograd.grad(loss, h)
-        outs[one] = (loss.detach(), ce, kl, correct, grad)
-    for a, b in zip(outs[False], outs[True]):
-        assert torch.equal(a, b)
-    ref = ch.naive_head_loss(h, W, t, fn, teacher=teacher, temperature=2.0)
-    assert torch.allclose(outs[True][0], ref, rtol=1e-10)
+        return loss.detach(), ce, kl, correct, grad
+
+    gathered = run(teacher=table[rows])
+    spanned = run(teacher=table, teacher_rows=rows, teacher_spans=spans)
+    (l0, ce0, kl0, ok0, g0), (l1, ce1, kl1, ok1, g1) = gathered, spanned
+    assert torch.allclose(l0, l1, rtol=1e-12) and torch.equal(ce0, ce1) and torch.equal(ok0, ok1)
+    assert torch.allclose(kl0[valid], kl1[valid], rtol=1e-12, atol=1e-14)  # padding's teacher: any row
+    assert torch.allclose(g0, g1, rtol=1e-12, atol=1e-14)
+    ref = ch.naive_head_loss(h, W, t, fn, teacher=table[rows], temperature=2.0)
+    assert torch.allclose(spanned[0], ref, rtol=1e-10)
+
+
+def test_teacher_spans_are_the_least_and_one_past_the_largest_valid_row():
+    rows = torch.tensor([[[3, 4], [4, 5], [0, 1]], [[9, 10], [2, 3], [7, 8]]])  # [2 groups, 3 blocks, K 2]
+    valid = torch.tensor([[True, True, False], [True, True, False]])
+    sp = ch.chunk_spans(rows, valid, 4)  # 2 blocks a chunk: chunks {0, 1}, {2}
+    assert sp.tolist()[0][0] == [3, 6] and sp.tolist()[1][0] == [2, 11]
+    assert sp[0, 1, 0] >= sp[0, 1, 1]  # no valid block: lo ≥ hi
+    assert ch.span_plan(sp.tolist()[0], 3, 4, 2) == [(3, 6), None]  # 3 positions for 4 rows
+    assert ch.span_plan(sp.tolist()[1], 3, 4, 2) == [None, None]  # 9 positions span 4 rows: the rows
+    with pytest.raises(ValueError, match="teacher_spans has 1 chunks"):
+        ch.chunked_head_loss(torch.zeros(3, 2, 4), torch.zeros(5, 4), torch.zeros(3, 2, dtype=torch.long),
+                             lambda ce, kl, sl: ce.sum(), teacher=torch.zeros(9, 4), teacher_rows=rows[0],
+                             teacher_spans=[None], chunk_rows=4)
 
 
 def test_flex_options_come_from_the_module_or_the_environment(monkeypatch):

@@ -9,7 +9,8 @@ chunk of whole blocks at a time; for each chunk the forward pass
 1. computes the logits (bf16 matmul, fp32 softmax), the per-position cross-entropy against
    the true token and, with soft labels, the KL to the teacher distribution at temperature T
    (teacher logits are recomputed from the target's final hidden states through the same
-   frozen head, or taken as given);
+   frozen head — given a table of them and each slot's row, once per distinct position of the
+   chunk, since overlapping blocks share positions — or taken as given);
 2. asks the caller's ``loss_fn`` for the chunk's contribution to the total loss as a
    function of those per-position terms, and differentiates it (tiny autograd graph on
    [blocks, K] tensors) to get ∂L/∂ce and ∂L/∂kl per position;
@@ -36,7 +37,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["chunked_head_loss", "head_ce", "naive_head_loss"]
+__all__ = ["chunk_spans", "chunked_head_loss", "head_ce", "naive_head_loss", "span_plan"]
 
 LossFn = Callable[[torch.Tensor, Optional[torch.Tensor], slice], torch.Tensor]
 
@@ -97,12 +98,24 @@ def balanced_chunk_blocks(n_blocks: int, chunk_rows: int, K: int) -> int:
     return max(1, math.ceil(n_blocks / n))
 
 
-# "1": the drafter's and the teacher's logits of a chunk as one GEMM (bench before/after)
-ONE_GEMM = os.environ.get("DFLASH_HEAD_ONE_GEMM", "0") == "1"
+# "0": a chunk's teacher logits for every drafted row, even where blocks overlap (bench
+# before/after); "1": once per distinct target position of the chunk (``teacher_spans``)
+TEACHER_SPANS = os.environ.get("DFLASH_TEACHER_SPANS", "1") == "1"
 
 _FNS = {}
 # "0": the compiled passes above instead of trainer/head_kernels.py's Triton kernels (bench before/after)
 TRITON = os.environ.get("DFLASH_HEAD_TRITON", "1") == "1"
+
+
+def _gathering(f):
+    """A soft pass given a teacher table and each row's index into it, for the paths that
+    read the teacher row by row (CPU, compiled): the rows gathered first. The Triton kernels
+    take the index and read the table in place."""
+    def call(logits, teacher_logits, *rest, teacher_rows=None):
+        if teacher_rows is not None:
+            teacher_logits = teacher_logits.index_select(0, teacher_rows)
+        return f(logits, teacher_logits, *rest)
+    return call
 
 
 def _fns(device: torch.device):
@@ -120,10 +133,52 @@ def _fns(device: torch.device):
             _FNS[key] = (hk.stats, hk.stats_soft, hk.grad, hk.grad_soft, topk)
         elif device.type == "cuda":
             c = lambda f: torch.compile(f, dynamic=False)  # noqa: E731  (static: see fused_ops)
-            _FNS[key] = (c(_stats), c(_stats_soft), c(_grad), c(_grad_soft), _topk)
+            _FNS[key] = (c(_stats), _gathering(c(_stats_soft)), c(_grad), _gathering(c(_grad_soft)), _topk)
         else:
-            _FNS[key] = (_stats, _stats_soft, _grad, _grad_soft, _topk)
+            _FNS[key] = (_stats, _gathering(_stats_soft), _grad, _gathering(_grad_soft), _topk)
     return _FNS[key]
+
+
+def _teacher_logits(table: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, dtype: torch.dtype, span):
+    """A chunk's teacher logits from the target states ``table`` [R, H] and each drafted row's
+    index into it. With ``span`` (lo, hi), which holds every valid row's index: the logits of
+    table[lo:hi] once each and each row's index into them (blocks overlap — 1,024 anchors of
+    block 32 in 8,192 tokens cover each position about 4 times — so a chunk of 4,061 rows
+    needs ~1,100 distinct positions); rows outside it (padding blocks, weight 0) are clamped
+    in. Without: a row of logits per drafted row, index None."""
+    if span is None:
+        return table.index_select(0, rows).to(dtype) @ w.t(), None
+    lo, hi = span
+    return table[lo:hi].to(dtype) @ w.t(), (rows - lo).clamp_(0, hi - lo - 1)
+
+
+def chunk_spans(rows: torch.Tensor, block_valid: torch.Tensor, chunk_rows: int) -> torch.Tensor:
+    """Per head chunk (``chunked_head_loss``'s partition of the blocks), the least and one past
+    the largest teacher row of its valid blocks: rows [..., nb, K], block_valid [..., nb] bool →
+    [..., n_chunks, 2] on their device (lo ≥ hi where no block is valid). No host read, so a
+    caller can fetch every chunk's spans of a step in one."""
+    nb, K = rows.shape[-2:]
+    cb = balanced_chunk_blocks(nb, chunk_rows, K)
+    n = math.ceil(nb / cb)
+    big = torch.iinfo(torch.long).max
+    pad = rows.new_zeros((*rows.shape[:-2], n * cb - nb, K))  # whole chunks; padded blocks invalid
+    rows = torch.cat([rows.long(), pad], -2)
+    valid = torch.cat([block_valid, block_valid.new_zeros(pad.shape[:-1])], -1)
+    lo = torch.where(valid, rows.amin(-1), big).unflatten(-1, (n, cb)).amin(-1)
+    hi = torch.where(valid, rows.amax(-1) + 1, -big).unflatten(-1, (n, cb)).amax(-1)
+    return torch.stack([lo, hi], -1)
+
+
+def span_plan(spans, nb: int, chunk_rows: int, K: int) -> list:
+    """``chunk_spans``' values (host lists, [n_chunks][2]) → ``teacher_spans`` for
+    ``chunked_head_loss``: a chunk's (lo, hi) where it is shorter than the chunk's rows, else
+    None (sparse anchors: the rows themselves are fewer than the positions they span)."""
+    cb = balanced_chunk_blocks(nb, chunk_rows, K)
+    out = []
+    for i, (lo, hi) in enumerate(spans):
+        rows = (min(nb, (i + 1) * cb) - i * cb) * K
+        out.append((int(lo), int(hi)) if lo < hi and hi - lo < rows else None)
+    return out
 
 
 def _topk(logits: torch.Tensor, k: int) -> torch.Tensor:
@@ -133,7 +188,7 @@ def _topk(logits: torch.Tensor, k: int) -> torch.Tensor:
 class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, teacher, loss_fn, chunk_blocks, temperature,
-                teacher_is_logits, top_k):
+                teacher_is_logits, top_k, teacher_rows, teacher_spans):
         nb, K, H = hidden.shape
         grad_hidden = torch.empty_like(hidden)
         cand_all = torch.empty((nb, K, top_k), dtype=torch.long, device=hidden.device)
@@ -143,27 +198,24 @@ class _ChunkedHeadLoss(torch.autograd.Function):
         correct_all = torch.empty((nb, K), dtype=torch.bool, device=hidden.device)
         total = hidden.new_zeros((), dtype=stat_dtype)
         w = weight.detach()
-        for start in range(0, nb, chunk_blocks):
+        for i, start in enumerate(range(0, nb, chunk_blocks)):
             sl = slice(start, min(nb, start + chunk_blocks))
             h = hidden[sl].reshape(-1, H)
             t = targets[sl].reshape(-1)
-            tl = None
-            if teacher is not None and not teacher_is_logits and ONE_GEMM:
-                # both logits from one GEMM of twice the rows: they share the head's weight
-                both = torch.cat([h, teacher[sl].reshape(-1, H).to(h.dtype)]) @ w.t()
-                logits, tl = both[:h.shape[0]], both[h.shape[0]:]
-                del both
-            else:
-                logits = h @ w.t()
-                if teacher is not None:
-                    tsrc = teacher[sl]
-                    tl = tsrc.reshape(-1, tsrc.shape[-1]) if teacher_is_logits else tsrc.reshape(-1, H) @ w.t()
+            logits = h @ w.t()
+            tl, trow = None, None
+            if teacher is not None and teacher_rows is not None:
+                tl, trow = _teacher_logits(teacher, teacher_rows[sl].reshape(-1), w, h.dtype,
+                                           teacher_spans[i] if teacher_spans else None)
+            elif teacher is not None:
+                tsrc = teacher[sl]
+                tl = tsrc.reshape(-1, tsrc.shape[-1]) if teacher_is_logits else tsrc.reshape(-1, H) @ w.t()
             stats, stats_soft, grad, grad_soft, topk = _fns(h.device)
             if tl is None:
                 lse, ce, correct = stats(logits, t)
                 kl = None
             else:
-                lse, ce, correct, lse_s, lse_t, kl = stats_soft(logits, tl, t, temperature)
+                lse, ce, correct, lse_s, lse_t, kl = stats_soft(logits, tl, t, temperature, teacher_rows=trow)
             n = sl.stop - sl.start
             with torch.enable_grad():
                 ce_v = ce.detach().view(n, K).requires_grad_(True)
@@ -177,10 +229,10 @@ class _ChunkedHeadLoss(torch.autograd.Function):
                 gz = grad(logits, lse, t, g_ce, gdt)
             else:
                 g_kl = (grads[1] if grads[1] is not None else torch.zeros_like(kl_v)).reshape(-1).to(ce.dtype)
-                gz = grad_soft(logits, tl, lse, lse_s, lse_t, t, g_ce, g_kl, temperature, gdt)
+                gz = grad_soft(logits, tl, lse, lse_s, lse_t, t, g_ce, g_kl, temperature, gdt, teacher_rows=trow)
             if top_k:  # DFlash2's candidates: the slot's top-k of these same logits
                 cand_all[sl] = topk(logits, top_k).view(n, K, top_k)
-            del logits, tl
+            del logits, tl, trow
             grad_hidden[sl] = (gz @ w).view(n, K, H).to(hidden.dtype)
             del gz
             total = total + part.detach()
@@ -197,13 +249,14 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_total, *_):
         (grad_hidden,) = ctx.saved_tensors
-        return (grad_hidden * g_total.to(grad_hidden.dtype), None, None, None, None, None, None, None, None)
+        return (grad_hidden * g_total.to(grad_hidden.dtype),) + (None,) * 10
 
 
 def chunked_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                       loss_fn: LossFn, *, teacher: Optional[torch.Tensor] = None,
                       teacher_is_logits: bool = False, temperature: float = 1.0,
-                      chunk_rows: int = 4096, top_k: int = 0):
+                      chunk_rows: int = 4096, top_k: int = 0, teacher_rows: Optional[torch.Tensor] = None,
+                      teacher_spans: Optional[list] = None):
     """Total loss (scalar, differentiable w.r.t. ``hidden``) and detached per-position
     ce [nb, K], kl [nb, K] | None, correct (top-1 == target) [nb, K]; with ``top_k`` > 0 a
     fifth value, each position's top-k token ids [nb, K, top_k] (best first: DFlash2's
@@ -218,13 +271,23 @@ def chunked_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
              ``teacher_is_logits``. None: hard loss only; ``loss_fn`` then gets kl=None.
     loss_fn: (ce [n, K], kl [n, K] | None, blocks: slice) → this chunk's share of the loss.
     chunk_rows: positions per chunk (rounded down to whole blocks, at least one block).
+    teacher_rows: [n_blocks, K] long: ``teacher`` is then a table of target states [R, H] and
+             each position's teacher is its row of it (the same values as gathering them
+             first); teacher_spans: per chunk ``span_plan``'s (lo, hi) or None — with a span the
+             chunk's teacher logits are those of table[lo:hi], each position once.
     """
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [n_blocks, K, H], got {tuple(hidden.shape)}")
+    if teacher_rows is not None and (teacher is None or teacher_is_logits or teacher.dim() != 2):
+        raise ValueError("teacher_rows needs teacher as a [R, H] table of target states")
     K = hidden.shape[1]
     chunk_blocks = balanced_chunk_blocks(hidden.shape[0], chunk_rows, K)
+    if teacher_spans is not None and len(teacher_spans) != math.ceil(hidden.shape[0] / chunk_blocks):
+        raise ValueError(f"teacher_spans has {len(teacher_spans)} chunks, the head makes "
+                         f"{math.ceil(hidden.shape[0] / chunk_blocks)}")
     out = _ChunkedHeadLoss.apply(hidden, weight, targets.long(), teacher, loss_fn, chunk_blocks,
-                                 float(temperature), bool(teacher_is_logits), int(top_k))
+                                 float(temperature), bool(teacher_is_logits), int(top_k),
+                                 None if teacher_rows is None else teacher_rows.long(), teacher_spans)
     return out if top_k else out[:4]
 
 

@@ -21,7 +21,10 @@ result equals the unchunked step (tests/test_gpu_blocks.py checks loss and every
 against a dense reference).
 
 Parameters stay fp32 (master weights); each chunk casts them to the compute dtype (bf16),
-which is autocast's behaviour without its cache. Nothing here reads a GPU value on the host.
+which is autocast's behaviour without its cache. With soft labels the teacher's logits are
+formed once per distinct target position of a head chunk, not once per drafted slot
+(chunked_head.chunk_spans): the spans of a micro-batch's chunks are the one GPU value read on
+the host, once, before any of its work is queued.
 The layer math is the drafter's own (trainer/model.py: ``Drafter.context_kv`` and
 ``Drafter.block_forward``); this module owns only the chunking and the gradient plumbing.
 """
@@ -38,7 +41,8 @@ import torch.nn.functional as F
 from trainer import flex_mask
 from trainer import fused_ops as fo
 from trainer import selector_fused
-from trainer.chunked_head import chunked_head_loss, head_ce
+from trainer import chunked_head
+from trainer.chunked_head import chunk_spans, chunked_head_loss, head_ce, span_plan
 from trainer.flex_mask import dense_dflash_mask, dflash_mask_mod, direct_block_mask, flex_attention_fn
 from trainer.kernel_profile import REGION_HEAD, REGION_SELECTOR, region
 from trainer.loss import decay_weights, dflash_loss_fn, dpace_weights, selector_terms
@@ -82,6 +86,35 @@ def _chunk_block_mask(a, kp, S_pad: int, B: int, window: int | None = None):
         return direct_block_mask(a, kp, S_pad, B, mod, window=window)
     return create_block_mask(mod, 1, None, n * B, S_pad + n * B, device=a.device,
                              _compile=a.device.type == "cuda")
+
+
+def teacher_spans(tpos, keep, n_c: int, head_chunk_rows: int) -> list:
+    """Per (sequence, anchor chunk), chunked_head's teacher spans of its head chunks: tpos
+    [b, N', B-1] each slot's teacher position, keep [b, N'] (N' whole chunks of ``n_c``). One
+    small host read for the whole micro-batch."""
+    b, N, K = tpos.shape
+    sp = chunk_spans(tpos.reshape(b * (N // n_c), n_c, K), keep.reshape(b * (N // n_c), n_c), head_chunk_rows)
+    return [span_plan(g, n_c, head_chunk_rows, K) for g in sp.tolist()]
+
+
+def teacher_rows_computed(anchors, keep, S: int, block_size: int, chunk_anchors: int = 512,
+                          head_chunk_rows: int = 4096) -> int:
+    """Rows of teacher logits a soft-label step computes for this micro-batch (a span's
+    positions, or a chunk's rows where it has no span): the head GEMM's real work, for
+    bench/gpu/roofline.py's table."""
+    B, N = int(block_size), anchors.shape[1]
+    n_c = max(1, min(int(chunk_anchors), N))
+    pad = math.ceil(N / n_c) * n_c - N
+    anchors, keep = F.pad(anchors, (0, pad)), F.pad(keep, (0, pad), value=False)
+    tpos = (anchors[:, :, None] + torch.arange(1, B, device=anchors.device)).clamp(max=S - 1) - 1
+    if not chunked_head.TEACHER_SPANS:
+        return tpos.numel()
+    cb = chunked_head.balanced_chunk_blocks(n_c, head_chunk_rows, B - 1)
+    total = 0
+    for plan in teacher_spans(tpos.clamp(min=0), keep, n_c, head_chunk_rows):
+        for i, sp in enumerate(plan):
+            total += (sp[1] - sp[0]) if sp else (min(n_c, (i + 1) * cb) - i * cb) * (B - 1)
+    return total
 
 
 def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, anchors, keep, *,
@@ -145,6 +178,9 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
 
         def scorer(*a):
             return drafter.selector_scores(*a, dtype=dtype)
+
+    tpos_all = (posc - 1).clamp(min=0)  # [b, N', B-1] the target position whose logits teach slot k
+    spans = teacher_spans(tpos_all, keep, n_c, head_chunk_rows) if soft and chunked_head.TEACHER_SPANS else None
 
     # 1. context path (graph kept until the end)
     ctx = drafter.context_kv(taps, cos[:S], sin[:S], dtype)
@@ -211,16 +247,14 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
         leaves = [(k[s:s + 1].detach().requires_grad_(True), v[s:s + 1].detach().requires_grad_(True))
                   for k, v in leaves_src]
         h = chunk_hidden(s, sl, leaves)
-        teacher = None
-        if soft:
-            tpos = (posc[s, sl] - 1).clamp(min=0)
-            teacher = teacher_final[s].index_select(0, tpos.reshape(-1)).view(n_c, B - 1, -1).to(dtype)
+        teacher = teacher_final[s] if soft else None  # rows tpos_all[s, sl] of it (chunked_head)
         fn = dflash_loss_fn(weights[s, sl], kl_weight=kl_weight if soft else 0.0, temperature=temperature,
                             cap_lambda=cap_lambda, block_valid=kp, denom=denom, n_valid_blocks=n_valid_blocks)
         with region(REGION_HEAD):
-            loss, ce, kl, correct, *cand = chunked_head_loss(h, lm_head, labels[s, sl], fn, teacher=teacher,
-                                                             temperature=temperature, chunk_rows=head_chunk_rows,
-                                                             top_k=top_k)
+            loss, ce, kl, correct, *cand = chunked_head_loss(
+                h, lm_head, labels[s, sl], fn, teacher=teacher, temperature=temperature, chunk_rows=head_chunk_rows,
+                top_k=top_k, teacher_rows=tpos_all[s, sl] if soft else None,
+                teacher_spans=spans[s * n_chunks + sl.start // n_c] if spans else None)
         if top_k:
             with region(REGION_SELECTOR):
                 sel_args = (h.reshape(-1, h.shape[-1]), lm_head, cand[0].view(-1, top_k), labels[s, sl].reshape(-1),

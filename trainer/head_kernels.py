@@ -40,9 +40,18 @@ GRAD_CONFIG = (8192, 8)
 
 
 @triton.jit
-def _stats_kernel(z_ptr, zt_ptr, tgt_ptr, lse_ptr, ce_ptr, ok_ptr, lse_s_ptr, lse_t_ptr, kl_ptr,
+def _teacher_row(trow_ptr, row, INDIRECT: tl.constexpr):
+    # the teacher's logits are one row per distinct target position of the chunk (blocks
+    # overlap), indexed per drafted row; or one row per drafted row
+    if INDIRECT:
+        return tl.load(trow_ptr + row).to(tl.int64)
+    return row
+
+
+@triton.jit
+def _stats_kernel(z_ptr, zt_ptr, trow_ptr, tgt_ptr, lse_ptr, ce_ptr, ok_ptr, lse_s_ptr, lse_t_ptr, kl_ptr,
                   stride_z, stride_t, inv_T, V: tl.constexpr,
-                  SOFT: tl.constexpr, SQUARE: tl.constexpr, BLOCK: tl.constexpr):
+                  SOFT: tl.constexpr, SQUARE: tl.constexpr, BLOCK: tl.constexpr, INDIRECT: tl.constexpr):
     # One program a row, walking it block by block. The running maxima are the row's (one block
     # reduction each, the student's with its argmax); the sums stay per lane (vectors of BLOCK)
     # and are reduced once after the loop. The next block is loaded before this one is
@@ -52,7 +61,7 @@ def _stats_kernel(z_ptr, zt_ptr, tgt_ptr, lse_ptr, ce_ptr, ok_ptr, lse_s_ptr, ls
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     z_row = z_ptr + row * stride_z
-    t_row = zt_ptr + row * stride_t
+    t_row = zt_ptr + _teacher_row(trow_ptr, row, INDIRECT) * stride_t
     neg_inf = float("-inf")
     m = tl.full((), neg_inf, tl.float32)  # running max of z (of the row)
     mt = tl.full((), neg_inf, tl.float32)  # running max of z_t/T
@@ -112,9 +121,9 @@ def _stats_kernel(z_ptr, zt_ptr, tgt_ptr, lse_ptr, ce_ptr, ok_ptr, lse_s_ptr, ls
 
 
 @triton.jit
-def _grad_kernel(z_ptr, zt_ptr, tgt_ptr, lse_ptr, lse_s_ptr, lse_t_ptr, g_ce_ptr, g_kl_ptr, out_ptr,
+def _grad_kernel(z_ptr, zt_ptr, trow_ptr, tgt_ptr, lse_ptr, lse_s_ptr, lse_t_ptr, g_ce_ptr, g_kl_ptr, out_ptr,
                  stride_z, stride_t, stride_o, inv_T, V: tl.constexpr,
-                 SOFT: tl.constexpr, BLOCK: tl.constexpr):
+                 SOFT: tl.constexpr, BLOCK: tl.constexpr, INDIRECT: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     idx = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = idx < V
@@ -123,7 +132,8 @@ def _grad_kernel(z_ptr, zt_ptr, tgt_ptr, lse_ptr, lse_s_ptr, lse_t_ptr, g_ce_ptr
     g_ce = tl.load(g_ce_ptr + row)
     g = (tl.exp(x - tl.load(lse_ptr + row)) - (idx == tgt).to(tl.float32)) * g_ce
     if SOFT:
-        y = tl.load(zt_ptr + row * stride_t + idx, mask=mask, other=0.0).to(tl.float32)
+        y = tl.load(zt_ptr + _teacher_row(trow_ptr, row, INDIRECT) * stride_t + idx, mask=mask,
+                    other=0.0).to(tl.float32)
         q = tl.exp(x * inv_T - tl.load(lse_s_ptr + row))
         pt = tl.exp(y * inv_T - tl.load(lse_t_ptr + row))
         g += (q - pt) * (tl.load(g_kl_ptr + row) * inv_T)
@@ -134,7 +144,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _stats(logits, teacher_logits, targets, T: float):
+def _stats(logits, teacher_logits, targets, T: float, teacher_rows=None):
     z = _rows(logits)
     R, V = z.shape
     soft = teacher_logits is not None
@@ -144,8 +154,10 @@ def _stats(logits, teacher_logits, targets, T: float):
     ok = torch.empty(R, dtype=torch.int8, device=z.device)
     lse_s, lse_t, kl = (torch.empty(R, **f32) for _ in range(3)) if soft else (lse, lse, lse)
     block, warps = STATS_CONFIG
-    _stats_kernel[(R,)](z, zt, targets.contiguous(), lse, ce, ok, lse_s, lse_t, kl, z.stride(0), zt.stride(0),
-                        1.0 / float(T), V=V, SOFT=soft, SQUARE=float(T) == 2.0, BLOCK=block, num_warps=warps)
+    trow = targets if teacher_rows is None else teacher_rows.contiguous()
+    _stats_kernel[(R,)](z, zt, trow, targets.contiguous(), lse, ce, ok, lse_s, lse_t, kl, z.stride(0), zt.stride(0),
+                        1.0 / float(T), V=V, SOFT=soft, SQUARE=float(T) == 2.0, BLOCK=block,
+                        INDIRECT=teacher_rows is not None, num_warps=warps)
     correct = ok.view(torch.bool)
     return (lse, ce, correct, lse_s, lse_t, kl) if soft else (lse, ce, correct)
 
@@ -155,12 +167,14 @@ def stats(logits: torch.Tensor, targets: torch.Tensor):
     return _stats(logits, None, targets, 1.0)
 
 
-def stats_soft(logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor, T: float):
-    """chunked_head._stats_soft: lse, ce, correct, lse_s (of z/T), lse_t (of z_t/T), KL(p_t‖q)."""
-    return _stats(logits, teacher_logits, targets, T)
+def stats_soft(logits: torch.Tensor, teacher_logits: torch.Tensor, targets: torch.Tensor, T: float,
+               teacher_rows: torch.Tensor | None = None):
+    """chunked_head._stats_soft: lse, ce, correct, lse_s (of z/T), lse_t (of z_t/T), KL(p_t‖q).
+    teacher_rows [R]: row r's teacher is teacher_logits[teacher_rows[r]] (read in place)."""
+    return _stats(logits, teacher_logits, targets, T, teacher_rows)
 
 
-def _grad(logits, teacher_logits, lse, lse_s, lse_t, targets, g_ce, g_kl, T: float, out_dtype):
+def _grad(logits, teacher_logits, lse, lse_s, lse_t, targets, g_ce, g_kl, T: float, out_dtype, teacher_rows=None):
     z = _rows(logits)
     R, V = z.shape
     soft = teacher_logits is not None
@@ -169,9 +183,9 @@ def _grad(logits, teacher_logits, lse, lse_s, lse_t, targets, g_ce, g_kl, T: flo
     block, warps = GRAD_CONFIG
     f = lambda t: t.contiguous().float()  # noqa: E731  (per-row scalars: tiny)
     _grad_kernel[(R, triton.cdiv(V, block))](
-        z, zt, targets.contiguous(), f(lse), f(lse_s if soft else lse), f(lse_t if soft else lse), f(g_ce),
+        z, zt, targets if teacher_rows is None else teacher_rows.contiguous(), targets.contiguous(), f(lse), f(lse_s if soft else lse), f(lse_t if soft else lse), f(g_ce),
         f(g_kl if soft else g_ce), out, z.stride(0), zt.stride(0), out.stride(0), 1.0 / float(T), V=V,
-        SOFT=soft, BLOCK=block, num_warps=warps)
+        SOFT=soft, BLOCK=block, INDIRECT=teacher_rows is not None, num_warps=warps)
     return out
 
 
@@ -180,9 +194,11 @@ def grad(logits, lse, targets, g_ce, out_dtype: torch.dtype):
     return _grad(logits, None, lse, None, None, targets, g_ce, None, 1.0, out_dtype)
 
 
-def grad_soft(logits, teacher_logits, lse, lse_s, lse_t, targets, g_ce, g_kl, T: float, out_dtype: torch.dtype):
-    """chunked_head._grad_soft: … + g_kl · (softmax(z/T) − softmax(z_t/T)) / T."""
-    return _grad(logits, teacher_logits, lse, lse_s, lse_t, targets, g_ce, g_kl, T, out_dtype)
+def grad_soft(logits, teacher_logits, lse, lse_s, lse_t, targets, g_ce, g_kl, T: float, out_dtype: torch.dtype,
+              teacher_rows: torch.Tensor | None = None):
+    """chunked_head._grad_soft: … + g_kl · (softmax(z/T) − softmax(z_t/T)) / T (teacher_rows as
+    in :func:`stats_soft`)."""
+    return _grad(logits, teacher_logits, lse, lse_s, lse_t, targets, g_ce, g_kl, T, out_dtype, teacher_rows)
 
 
 # ------------------------------------------------------------------------- top-k (DFlash2)

@@ -29,7 +29,9 @@ Phases (one H200; random bf16 weights made on the GPU, random tokens, no downloa
   blocks, DFlash2's block convolution eager, block masks by a compiled create_block_mask,
   against the combined flex options, balanced head chunks, the convolution compiled, block
   masks from the anchors directly; ``--before selector``: DFlash2's selector checkpointed as in
-  trainer/loss.py, then trainer/selector_fused.py's; ``--runs`` picks arch:variant runs): the
+  trainer/loss.py, then trainer/selector_fused.py's; ``--before teacher``: the teacher's logits
+  at every drafted slot, then once per distinct position of a head chunk; ``--runs`` picks
+  arch:variant runs): the
   first step's wall time and compile seconds, the median of 3 timed steps (CUDA events), one profiled step
   (trainer/kernel_profile.py) as a table of kernel classes with FLOPs/bytes and the share of
   its roofline, allocated/reserved peaks beside trainer/memory.py's prediction.
@@ -359,13 +361,18 @@ SMOKE_SHAPE = fl.ModelShape(6, 64, 4, 2, 16, 128, 512, "tiny")
 
 
 def work_of(shape, layers: int, n_blocks: int, B: int, ctx_tokens: int, pairs: int, params: int,
-            soft: bool, top_k: int = 0) -> dict:
+            soft: bool, top_k: int = 0, teacher_rows: int | None = None) -> dict:
     """FLOPs (matrix classes) and the fewest bytes (memory-bound classes, an estimate: each
     pass reads its inputs once and writes its outputs once) of one drafter step, per class of
-    trainer/kernel_profile.py."""
+    trainer/kernel_profile.py. The MFU's total (``_total_flop``) counts the teacher's logits at
+    every drafted slot, as before and as for SpecForge; the head class counts the rows the
+    step computes (``teacher_rows``: fewer where blocks overlap), so its roofline share is the
+    GEMMs' own."""
     hp = n_blocks * (B - 1)
     f = fl.drafter_step_flops(shape, n_layers=layers, block_size=B, n_blocks=n_blocks, ctx_tokens=ctx_tokens,
                               visible_ctx_pairs=pairs, teacher_positions=hp if soft else 0)
+    head_flop = f["head"] if not soft or teacher_rows is None else \
+        f["head"] - 2 * shape.hidden * shape.vocab * (hp - teacher_rows)
     P = n_blocks * B
     V, H, I = shape.vocab, shape.hidden, shape.intermediate
     qkv = shape.q_dim + 2 * shape.kv_dim
@@ -376,7 +383,7 @@ def work_of(shape, layers: int, n_blocks: int, B: int, ctx_tokens: int, pairs: i
     # again and writes ∂L/∂z (bf16); top-k reads the logits once more
     head_b = hp * V * 2 * ((2 + 3) if soft else (1 + 2) + (1 if top_k else 0))
     return {kp.MATMUL_DRAFTER: {"flop": f["layers"] + f["context"]},
-            kp.MATMUL_HEAD: {"flop": f["head"]},
+            kp.MATMUL_HEAD: {"flop": head_flop},
             kp.FLEX_FWD: {"flop": f["attention"] / 3.5},
             kp.FLEX_BWD: {"flop": f["attention"] * 2.5 / 3.5},
             kp.HEAD_ELEMENTWISE: {"bytes": head_b},
@@ -431,8 +438,10 @@ RUNS: set = set()  # --runs: only these arch:variant runs of the step phase (emp
 def _set_variant(after: bool, flex_opts: dict) -> None:
     """``--before main`` (session 2): "before" is the shipped step with the head's compiled
     passes, "after" the same with trainer/head_kernels.py's Triton passes. ``--before s3``
-    (session 3): "before" is the step as session 3 found it, "after" with the logits of a head
-    chunk in one GEMM, the flex options chosen and DFlash2's fused selector. ``--before s1``
+    (session 3): "before" is the step as session 3 found it, "after" with the flex options
+    chosen and DFlash2's fused selector (the one-GEMM logits it also measured lost: removed).
+    ``--before teacher`` (session 4): "before" computes a head chunk's teacher logits once per
+    drafted slot, "after" once per distinct target position (chunked_head.TEACHER_SPANS). ``--before s1``
     (session 1's changes): "before" without the balanced head chunks, the compiled
     convolution, the direct block masks and the flex options (and the fused selector).
     ``--before selector`` (session 3, that change alone): "before" is the shipped step with
@@ -449,7 +458,7 @@ def _set_variant(after: bool, flex_opts: dict) -> None:
     fast_drafter.DIRECT_MASKS = not old
     chunked_head.TRITON = after or choice in ("s1", "s3", "selector")
     # session 3 (``--before s3``): "before" is main at the session's start, "after" adds its changes
-    chunked_head.ONE_GEMM = after and choice == "s3"
+    chunked_head.TEACHER_SPANS = after or choice != "teacher"
     selector_fused.FUSED = after or choice not in ("s1", "s3", "selector")
     selector_fused.COMPILE = True
 
@@ -501,8 +510,11 @@ def phase_step(smoke: bool, iters: int, archs: list[str], flex_opts: dict, ceili
                 positions = b * args.max_anchors * args.block_size
                 pairs = int(mb.anchors.sum()) * args.block_size
                 top_k = dcfg.selector_top_k if drafter.selector is not None else 0
+                from trainer.fast_drafter import teacher_rows_computed
+
+                rec["teacher_rows"] = teacher_rows_computed(mb.anchors, mb.keep, args.max_seq_len, args.block_size)
                 work = work_of(shape, args.num_draft_layers, b * args.max_anchors, args.block_size,
-                               b * args.max_seq_len, pairs, rec["params"], True, top_k)
+                               b * args.max_seq_len, pairs, rec["params"], True, top_k, rec["teacher_rows"])
                 extra = ds.dflash2_extra_flops(shape, args.num_draft_layers, positions,
                                                b * args.max_anchors * (args.block_size - 1)) if arch == "dflash2" else 0
                 rec.update(drafted_pos_s=positions / med, tokens_s=b * args.max_seq_len / med,
@@ -542,7 +554,7 @@ def main() -> int:
     r.add_argument("--flex-window", type=int, default=2048, help="the flexwindow phase's sliding window")
     r.add_argument("--flex-variants", default=None, help="comma-separated FLEX_VARIANTS names (default: all)")
     r.add_argument("--smoke", action="store_true")
-    r.add_argument("--before", default="main", choices=["main", "s1", "s3", "selector"],
+    r.add_argument("--before", default="main", choices=["main", "s1", "s3", "selector", "teacher"],
                    help="what the step's 'before' turns off")
     r.add_argument("--runs", default="", help="only these of the step phase, e.g. dflash:after,dflash2:before,"
                    "dflash2:after (a before that equals its after for one architecture need not run)")
