@@ -359,6 +359,86 @@ def test_a_killed_worker_is_one_line_and_nothing_written(tmp_path, targets):
     assert not os.path.exists(out) and not list(tmp_path.glob(".out.partial-*"))
 
 
+def _blocked_in_read(pid: int) -> bool:
+    """Whether the process sits in read(2): an idle pool worker waiting for a task, holding its
+    queue's read lock (/proc/PID/syscall's first field is the syscall number, 0 on x86-64)."""
+    try:
+        with open(f"/proc/{pid}/syscall") as fh:
+            return fh.read().split()[0] == "0"
+    except (OSError, IndexError):
+        return False
+
+
+# iter_samples over a FIFO (the command takes a pipe as pre-tokenized JSONL, so this drives the
+# chat pool itself): the test decides when the workers are idle by what it writes.
+_FIFO_DRIVER = """
+import sys
+from trainer import chat_prepare as cp
+from trainer.chat_template import Renderer
+fifo, target = sys.argv[1:3]
+opts = cp.ChatOptions(target=target, thinking=False, workers=2)
+n = 0
+try:
+    for _ in cp.iter_samples(fifo, opts, Renderer(target, False, False), cp.ChatStats(), "jsonl", "openai"):
+        n += 1
+        if n == cp.BATCH_ROWS:
+            print("batch back", flush=True)
+except cp.WorkerDied as exc:
+    print(exc, file=sys.stderr)
+    sys.exit(1)
+print(n, flush=True)
+"""
+
+
+def test_a_worker_killed_while_idle_inside_the_queue_lock_ends_the_pool_not_hangs_it(tmp_path, targets):
+    """CI hung in the killed-worker test: an idle worker waits for its next batch inside its
+    queue's read lock, and multiprocessing.Pool's terminate then waited on that lock for ever.
+    Enough full batches to fill the pipeline, then nothing until an idle worker waiting in
+    read(2) is killed, then the FIFO's end (a last short batch)."""
+    import threading
+    import time
+
+    from trainer.chat_prepare import BATCH_ROWS
+
+    fifo = str(tmp_path / "slow.jsonl")
+    os.mkfifo(fifo)
+    proc = subprocess.Popen([sys.executable, "-c", _FIFO_DRIVER, fifo, targets["header"]], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=REPO, env={**os.environ, "PYTHONPATH": REPO})
+
+    def give_up():  # a hang fails the test instead of stalling the suite; frees a writer stuck in open()
+        proc.kill()
+        os.close(os.open(fifo, os.O_RDONLY | os.O_NONBLOCK))
+
+    watchdog = threading.Timer(90, give_up)
+    watchdog.start()
+    try:
+        with open(fifo, "w") as feed:
+            for i in range(7 * BATCH_ROWS):  # the 6 batches in flight, and one more read ahead
+                feed.write(json.dumps({"messages": [{"role": "user", "content": f"q {i}"},
+                                                    {"role": "assistant", "content": f"a {i}"}]}) + "\n")
+            feed.flush()
+            assert proc.stdout.readline() == "batch back\n"
+            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as fh:
+                workers = [int(p) for p in fh.read().split()]
+            holder = []
+            for _ in range(3000):  # the queue drains; an idle worker then waits inside the lock
+                holder = [w for w in workers if _blocked_in_read(w)]
+                if holder:
+                    break
+                time.sleep(0.01)
+            assert holder, f"no worker of {workers} waits in read(2)"
+            os.kill(holder[0], signal.SIGKILL)
+            feed.write(json.dumps({"messages": [{"role": "user", "content": "q"},
+                                                {"role": "assistant", "content": "a"}]}) + "\n")
+        out, err = proc.communicate(timeout=100)
+    finally:
+        watchdog.cancel()
+        proc.kill()
+    assert proc.returncode == 1, (out, err)
+    assert err.strip().splitlines()[-1] == ("prepare: a worker process died (killed, perhaps for memory); "
+                                            "nothing written — try fewer --workers")
+
+
 def test_on_a_terminal_progress_is_one_redrawn_bar_with_rates_and_eta():
     import io
 

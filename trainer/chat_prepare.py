@@ -16,6 +16,8 @@ import os
 import signal
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -167,8 +169,11 @@ def iter_samples(path: str, opts: ChatOptions, renderer: Renderer, stats: ChatSt
     global _RENDERER
     _RENDERER = renderer  # inherited by the forked workers: no tokenizer load per worker
     workers = opts.workers or cores()
-    pool = multiprocessing.get_context("fork").Pool(workers, initializer=_init_worker, initargs=(form,))
-    started = list(pool._pool)  # Pool replaces a dead worker silently and its batch is lost: watch them
+    # concurrent.futures, not multiprocessing.Pool: a worker killed (the OOM killer) while it
+    # waits for a batch dies inside its queue's read lock, and Pool.terminate then waits on that
+    # lock for ever (CI hung so); the executor marks itself broken and kills the rest instead.
+    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                               initializer=_init_worker, initargs=(form,))
     pending: collections.deque = collections.deque()
     finished = False
     try:
@@ -180,18 +185,11 @@ def iter_samples(path: str, opts: ChatOptions, renderer: Renderer, stats: ChatSt
                 if batch is None:
                     break
                 size = sum(len(item[0]) for item in batch) if fmt == "jsonl" else None
-                pending.append((pool.apply_async(_work, (batch,)), size))
+                pending.append((pool.submit(_work, batch), size))
             if not pending:
                 break
             job, size = pending.popleft()
-            while True:
-                try:
-                    results = job.get(timeout=1.0)
-                    break
-                except multiprocessing.TimeoutError:
-                    if any(p.exitcode is not None for p in started):
-                        raise WorkerDied("prepare: a worker process died (killed, perhaps for memory); "
-                                         "nothing written — try fewer --workers") from None
+            results = job.result()
             if size is not None:
                 stats.done_bytes = (stats.done_bytes or 0) + size
             for result in results:
@@ -211,12 +209,14 @@ def iter_samples(path: str, opts: ChatOptions, renderer: Renderer, stats: ChatSt
                     ids, mask = ids[:opts.max_seq_len], mask[:opts.max_seq_len]
                 yield ids, mask
         finished = True
+    except BrokenProcessPool:
+        raise WorkerDied("prepare: a worker process died (killed, perhaps for memory); "
+                         "nothing written — try fewer --workers") from None
     finally:
-        if finished:
-            pool.close()
-        else:  # stopped early (a signal, --strict, an error): the workers' batches are not wanted
-            pool.terminate()
-        pool.join()
+        if not finished:  # stopped early (a signal, --strict, an error): the workers' batches are not wanted
+            for proc in multiprocessing.active_children():  # this process's only children are the workers
+                proc.kill()
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 class Progress:
