@@ -247,3 +247,26 @@ def test_the_27b_colocated_step_counts_the_hybrid_target_and_its_drafter():
     assert w[kp.MATMUL_TARGET]["flop"] + w[kp.ATTN_TARGET]["flop"] == pytest.approx(target)
     assert 0 < w[kp.ATTN_TARGET]["flop"] < 0.1 * target
     assert w[kp.HEAD_ELEMENTWISE]["bytes"] == 5 * 1024 * 31 * 248320 * 2 * 5
+
+
+def test_the_colocated_head_counts_the_teacher_rows_the_launch_computed():
+    """With teacher spans (the default) the head class counts one teacher row per distinct target
+    position of a head chunk, fewer than one per drafted slot; a launch run with
+    DFLASH_TEACHER_SPANS=0 (``--phase-env``, kept in meta.json) counts every slot. The MFU total
+    counts every slot either way."""
+    sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
+    co = importlib.import_module("colocated")
+    from trainer import flops as fl
+
+    step = {"tokens": 2 * 8192}
+    per_slot, spans = co.colocated_work(step, spans=False), co.colocated_work(step, spans=True)
+    hp = 2 * 1024 * 31
+    rows = co.teacher_rows(2, 8192, 1024, 32, True)
+    assert 0.2 * hp < rows < 0.35 * hp  # blocks of 32 at 1,024 anchors cover each position ~4 times
+    assert co.teacher_rows(2, 8192, 1024, 32, False) == hp
+    saved = 2 * fl.QWEN3_8B.hidden * fl.QWEN3_8B.vocab * (hp - rows)
+    assert per_slot[kp.MATMUL_HEAD]["flop"] - spans[kp.MATMUL_HEAD]["flop"] == saved
+    assert per_slot["_total_flop"] == spans["_total_flop"]
+    assert co.spans_of({"profiled": "warm", "phase_env": ["cold:DFLASH_TEACHER_SPANS=0"]})
+    assert not co.spans_of({"profiled": "cold", "phase_env": ["cold:DFLASH_TEACHER_SPANS=0"]})
+    assert co.spans_of({"profiled": "warm"})  # meta.json before --phase-env: the default, on

@@ -56,7 +56,7 @@ def cmd_run(a) -> int:
         os.environ.pop(k, None)
     with open(os.path.join(out, "meta.json"), "w") as fh:
         json.dump({"scale": scale, "phases": [p[0] for p in phases], "profiled": profiled, "t0": t0,
-                   "host": os.uname().nodename}, fh)
+                   "host": os.uname().nodename, "phase_env": a.phase_env}, fh)
     smi = None
     if not a.cpu:
         smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,memory.used", "--format=csv,noheader,nounits",
@@ -94,15 +94,46 @@ def cmd_run(a) -> int:
     return 0
 
 
+def teacher_rows(seqs: int, L: int, anchors: int, B: int, spans: bool = True) -> int:
+    """Rows of teacher logits the step's head computes, for anchors drawn as the trainer draws
+    them (trainer/loss.py's sample_anchors) over full sequences with every position in the loss:
+    the launches' synthetic samples. ``spans`` off (DFLASH_TEACHER_SPANS=0): one per drafted slot."""
+    import numpy as np
+    import torch
+
+    from trainer import chunked_head
+    from trainer.fast_drafter import teacher_rows_computed
+    from trainer.loss import sample_anchors
+
+    a, keep = sample_anchors(np.ones((seqs, L), np.int64), np.full(seqs, L), anchors, list(range(seqs)))
+    before, chunked_head.TEACHER_SPANS = chunked_head.TEACHER_SPANS, spans
+    try:
+        return teacher_rows_computed(torch.from_numpy(a), torch.from_numpy(keep), L, B)
+    finally:
+        chunked_head.TEACHER_SPANS = before
+
+
+def spans_of(meta: dict) -> bool:
+    """Whether the profiled launch computed teacher spans (meta.json's ``phase_env``, from
+    ``--phase-env``; absent before session 4, when every launch had the default: on)."""
+    for item in meta.get("phase_env", []):
+        phase, _, kv = item.partition(":")
+        key, _, value = kv.partition("=")
+        if phase == meta.get("profiled") and key == "DFLASH_TEACHER_SPANS":
+            return value != "0"
+    return True
+
+
 def colocated_work(step: dict, shape=fl.QWEN3_8B, drafter_layers: int = 5, B: int = 32, anchors: int = 1024,
-                   L: int = 8192, drafter_params: int = 1_048_626_432) -> dict:
+                   L: int = 8192, drafter_params: int = 1_048_626_432, spans: bool = True) -> dict:
     """FLOPs and bytes per class of one colocated optimizer step of ``step``'s tokens (full
     8,192-token sequences): the target forward through all its layers (soft labels ship the
-    final state) and the drafter step."""
+    final state) and the drafter step, its head counting the teacher rows it computes."""
     tokens = int(step["tokens"])
     seqs = max(1, tokens // L)
     n_blocks = seqs * anchors
-    w = rl.work_of(shape, drafter_layers, n_blocks, B, tokens, n_blocks * B * L // 2, drafter_params, True)
+    w = rl.work_of(shape, drafter_layers, n_blocks, B, tokens, n_blocks * B * L // 2, drafter_params, True,
+                   teacher_rows=teacher_rows(seqs, L, anchors, B, spans))
     lin = 2 * shape.layer_params * tokens * shape.n_layers
     attn = fl.target_forward_flops(shape, [L] * seqs) - lin
     qkv = shape.q_dim + 2 * shape.kv_dim
@@ -117,7 +148,8 @@ def colocated_work(step: dict, shape=fl.QWEN3_8B, drafter_layers: int = 5, B: in
 DRAFTER_27B_PARAMS = 1_730_213_120
 
 
-def colocated_work_27b(step: dict, drafter_layers: int = 5, B: int = 32, anchors: int = 1024, L: int = 8192) -> dict:
+def colocated_work_27b(step: dict, drafter_layers: int = 5, B: int = 32, anchors: int = 1024, L: int = 8192,
+                       spans: bool = True) -> dict:
     """The same for the Qwen3.6-27B shape: the hybrid target's forward (trainer/fast_hybrid.py's
     count: projections + MLP as matmuls; gated attention's scores/values and the Gated DeltaNet
     recurrence's state products as its attention) and the drafter built from it (32/8 × 128
@@ -138,7 +170,8 @@ def colocated_work_27b(step: dict, drafter_layers: int = 5, B: int = 32, anchors
     W = int(dcfg.sliding_window or L)
     full, slide = n_blocks * B * L // 2, n_blocks * B * (W - W * W // (2 * L))
     pairs = (full * (drafter_layers - n_slide) + slide * n_slide) // drafter_layers
-    w = rl.work_of(shape, drafter_layers, n_blocks, B, tokens, pairs, DRAFTER_27B_PARAMS, True)
+    w = rl.work_of(shape, drafter_layers, n_blocks, B, tokens, pairs, DRAFTER_27B_PARAMS, True,
+                   teacher_rows=teacher_rows(seqs, L, anchors, B, spans))
     dims = fh.HybridDims.from_text_config(cfg)
     types = family.target_layer_types(cfg)
     total = fh.forward_flops(cfg, L, seqs)
@@ -166,7 +199,8 @@ def cmd_table(a) -> int:
     ceilings = {"matmul_flop_s": 787e12, "copy_bytes_s": 4.24e12}
     if a.ceilings:
         ceilings = json.load(open(a.ceilings))["phases"]["ceilings"]
-    work = colocated_work_27b(step) if meta.get("scale") == "gpu27" else colocated_work(step)
+    fn = colocated_work_27b if meta.get("scale") == "gpu27" else colocated_work
+    work = fn(step, spans=spans_of(meta))
     t = rl.table(prof, work, ceilings, step_s)
     print(f"colocated step of {step['tokens']:,} tokens: profiled {prof['wall_s']:.2f} s, unprofiled steps "
           f"{step_s or 0:.2f} s, {step['tokens'] / (step_s or prof['wall_s']):,.0f} tokens/s\n")
