@@ -26,6 +26,18 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("triton_tem_fused_flex_attention_0", None, kp.FLEX_FWD),
     ("triton_tem_fused_flex_attention_backward_1", None, kp.FLEX_BWD),
     ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", kp.REGION_TARGET, kp.ATTN_TARGET),
+    # --attention-kernel flash: flash-attn-4's CuTe kernels as the H200's trace named them
+    # (session 4); "cutlass" in the name made them drafter matmuls before
+    ("kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_object_at__tensor0000o4", None,
+     kp.FLEX_FWD),
+    ("kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90FlashAttentionBackwardSm90_object_at__tensor0000o1", None,
+     kp.FLEX_BWD),
+    ("kernel_cutlass_kernel_flash_attncuteflash_bwd_preprocessFlashAttentionBackwardPreprocess_object_at", None,
+     kp.FLEX_BWD),
+    ("kernel_cutlass_kernel_flash_attncuteflash_bwd_postprocessFlashAttentionBackwardPostprocess_object", None,
+     kp.FLEX_BWD),
+    ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", kp.REGION_TARGET,
+     kp.ATTN_TARGET),
     ("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", kp.REGION_TARGET, kp.ATTN_TARGET),
     ("merge_16x16_to_64x64_inverse_kernel", kp.REGION_TARGET, kp.ATTN_TARGET),
     ("triton_poi_fused_chunk_0", kp.REGION_TARGET, kp.ELEMENTWISE_TARGET),

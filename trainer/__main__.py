@@ -42,6 +42,14 @@ def validate(args) -> list[str]:
         except (OSError, ValueError):
             target_cfg = None  # refused below with the reason
     args.target_forward = flags.target_forward_for(vars(args), cuda, target_cfg)
+    if args.attention_kernel in ("auto", "flash"):
+        from trainer.flex_mask import flash_missing
+
+        missing = flash_missing() if cuda else "this run is on CPU"
+        if args.attention_kernel == "flash" and missing:
+            problems.append(f"--attention-kernel flash: {missing}; install flash-attn-4 into the container's venv "
+                            "(ctl env install flash-attn-4) on a Hopper or newer GPU, or use --attention-kernel triton")
+        args.attention_kernel = flags.attention_kernel_for(vars(args), cuda, missing)
     if args.token_budget == "auto":
         # Resolved on the GPUs themselves (train.memory_check), from the memory model of the
         # chunked drafter step. CPU: refused rather than guessed — host RAM is shared with

@@ -61,10 +61,16 @@ FLEX_OPTIONS: dict = {}
 DIRECT_MASKS = flex_mask.DIRECT_MASKS
 
 
-def flex_options() -> dict | None:
+def flex_options(kernel: str = "triton") -> dict | None:
+    """flex attention's kernel_options for --attention-kernel ``kernel`` (resolved: triton or
+    flash); DFLASH_FLEX_OPTIONS replaces them whole (benchmarks)."""
     env = os.environ.get("DFLASH_FLEX_OPTIONS")
-    opts = json.loads(env) if env else FLEX_OPTIONS
-    return dict(opts) or None
+    if env:
+        return dict(json.loads(env)) or None
+    opts = dict(FLEX_OPTIONS)
+    if kernel == "flash":  # the Triton knobs mean nothing to the CuTe kernels
+        opts = {"BACKEND": "FLASH"}
+    return opts or None
 
 
 def _chunk_block_mask(a, kp, S_pad: int, B: int, window: int | None = None):
@@ -122,7 +128,7 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
                   temperature: float = 1.0, cap_lambda: float = 0.0, teacher_final=None,
                   position_weights: str = "decay", dpace_alpha: float = 0.5,
                   chunk_anchors: int = 512, head_chunk_rows: int = 4096, dtype=torch.bfloat16,
-                  attn: str = "flex", ctx_multiple: int = 1, loss_scale: float = 1.0,
+                  attn: str = "flex", attention_kernel: str = "triton", ctx_multiple: int = 1, loss_scale: float = 1.0,
                   n_anchors_host=None, selector_weight: float = 1.0) -> dict:
     """Forward + backward of the DFlash loss for one micro-batch; gradients land in the
     drafter's parameters (accumulating, as ``loss.backward()`` would — scale with
@@ -134,6 +140,7 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
     input_ids/loss_mask [b, S]; lengths [b]; taps [b, S, n·H]; anchors/keep [b, N] (sorted,
     padded with keep False); teacher_final [b, S, H] final-normed target states (soft labels).
     attn: "flex" (block-sparse, CUDA compiled / CPU eager) or "sdpa" (dense mask; tests).
+    attention_kernel: flex's kernels on CUDA, "triton" or "flash" (--attention-kernel, resolved).
     ctx_multiple: pad the context length to a multiple of this (fewer distinct shapes for
     the compiled kernels). n_anchors_host: optional host list of real anchors per sequence,
     so chunks that hold only padding are skipped without reading the GPU.
@@ -214,7 +221,7 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
         """attend(q, k, v) under the DFlash mask of one chunk for layers of this window."""
         if attn == "flex":
             bm = _chunk_block_mask(a, kp, S_pad, B, window)
-            opts = flex_options() if dev.type == "cuda" else None
+            opts = flex_options(attention_kernel) if dev.type == "cuda" else None
             return lambda q, k, v: flex(q, k, v, block_mask=bm, enable_gqa=k.shape[1] != q.shape[1], kernel_options=opts)
         m = dense_dflash_mask(a[None], S_pad, B, kp[None], window)[:, None]
 

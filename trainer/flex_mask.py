@@ -37,6 +37,7 @@ Q × KV); on CPU it runs eagerly, forward only.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from typing import Optional
 
@@ -154,6 +155,34 @@ def visible_pairs(anchors: torch.Tensor, ctx_len: int, block_size: int,
 
 
 _FLEX: dict = {}
+
+
+def flash_missing() -> str | None:
+    """Why flex attention's FLASH backend (flash-attn-4's CuTe DSL kernels) cannot run here,
+    one line; None when it can. Asks NVML for the GPU's compute capability, so the caller's
+    process never initialises CUDA (the trainer's parent forks its ranks afterwards)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            if pynvml.nvmlDeviceGetCount() == 0:
+                return "no CUDA device"
+            major, minor = pynvml.nvmlDeviceGetCudaComputeCapability(pynvml.nvmlDeviceGetHandleByIndex(0))
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as exc:  # noqa: BLE001 - no NVML, no driver: the GPU is not known
+        return f"the GPU's compute capability is unknown ({type(exc).__name__}: {exc})"
+    if major < 9:
+        return f"the GPU's compute capability is {major}.{minor}: flash-attn-4's kernels need 9.0 (Hopper) or newer"
+    if importlib.util.find_spec("flash_attn") is None:
+        return "flash-attn-4 is not installed"
+    try:
+        import cutlass  # noqa: F401  (nvidia-cutlass-dsl: the DSL the kernels are written in)
+        import flash_attn.cute  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - a broken install is a reason, not a crash
+        return f"flash-attn-4 does not import ({type(exc).__name__}: {str(exc)[:200]})"
+    return None
 
 
 def flex_attention_fn(device_type: str, dynamic: bool = False):

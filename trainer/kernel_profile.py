@@ -53,6 +53,11 @@ CLASSES = (MATMUL_DRAFTER, MATMUL_HEAD, MATMUL_TARGET, FLEX_FWD, FLEX_BWD, ATTN_
 # builds ..gemm..; Inductor's matmul templates triton_tem_fused_mm/addmm/bmm.
 _MATMUL = re.compile(r"nvjet|gemm|cutlass|xmma|wgmma|triton_tem_fused_(?:add)?b?mm|splitKreduce", re.I)
 _FLEX = re.compile(r"flex_attention|flex_decoding", re.I)
+# flex attention's FLASH backend (--attention-kernel flash): flash-attn-4's CuTe DSL kernels,
+# named after their module and class (kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90
+# FlashAttentionBackwardSm90…, and the backward's pre/postprocess kernels); checked before
+# the matmul names, which "cutlass" would match
+_FLEX_CUTE = re.compile(r"flash_attn_?cute|FlashAttention(?:Forward|Backward)", re.I)
 _FLEX_BWD = re.compile(r"backward|bwd", re.I)
 _SDPA = re.compile(r"flash|fmha|sdpa|attention|cudnn_generated", re.I)
 # flash-linear-attention's Triton kernels of a hybrid target's Gated DeltaNet layers (fla 0.6:
@@ -69,7 +74,7 @@ def kernel_class(name: str, region: str | None) -> str:
     ``region`` (the innermost of :data:`REGIONS` around it on the GPU clock, or None)."""
     if region == REGION_SELECTOR:
         return SELECTOR
-    if _FLEX.search(name):
+    if _FLEX.search(name) or region != REGION_TARGET and _FLEX_CUTE.search(name):
         return FLEX_BWD if _FLEX_BWD.search(name) else FLEX_FWD
     if region == REGION_TARGET and (_SDPA.search(name) or _LINEAR_ATTN.search(name)):
         return ATTN_TARGET

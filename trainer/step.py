@@ -149,6 +149,7 @@ class ChunkedStep:
                        position_weights=args.position_weights, dpace_alpha=args.dpace_alpha,
                        kl_weight=args.kl_weight if args.use_soft_labels else 0.0, temperature=args.kl_temperature,
                        cap_lambda=args.cap_lambda, attn="flex" if cuda else "sdpa",
+                       attention_kernel=attention_kernel(args, cuda),
                        dtype=torch.bfloat16 if cuda else torch.float32, selector_weight=selector_weight(args))
 
     def __call__(self, mb: MicroBatch, taps: torch.Tensor) -> StepStats:
@@ -160,6 +161,17 @@ class ChunkedStep:
         return StepStats(r["loss"], r["ce"], r["kl"], r["cap"], r["correct"], r["valid"], mb.lengths.sum(),
                          sel=r["sel"], sel_correct=r["sel_correct"], covered=r["covered"],
                          selector=self.drafter.selector is not None)
+
+
+def attention_kernel(args, cuda: bool) -> str:
+    """--attention-kernel, resolved: ``python -m trainer`` resolves auto before the run starts;
+    a caller that builds its args otherwise (benchmarks, tests) gets it resolved here."""
+    from trainer import flags, flex_mask
+
+    choice = getattr(args, "attention_kernel", None) or "auto"
+    if choice != "auto":
+        return choice
+    return flags.attention_kernel_for({"attention_kernel": choice}, cuda, flex_mask.flash_missing() if cuda else "CPU")
 
 
 def selector_weight(args) -> float:

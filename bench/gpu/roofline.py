@@ -138,6 +138,34 @@ def _flex_inputs(shape, n_anchors: int, B: int, S: int, dev, dtype, window: int 
     return q, k, v, bm, pairs
 
 
+def flex_timing(flex, q, k, v, bm, go, fwd_flop: float, opts: dict | None, smoke: bool) -> dict:
+    """Forward and forward + backward of one flex call under ``opts`` (kernel options): the
+    first call (compile included), then medians (CUDA events); on CPU the forward only."""
+    import torch
+
+    kw = {"kernel_options": opts or None} if not smoke else {}
+
+    def fwd():
+        with torch.no_grad():
+            return flex(q, k, v, block_mask=bm, enable_gqa=True, **kw)
+
+    def fwdbwd():
+        o = flex(q, k, v, block_mask=bm, enable_gqa=True, **kw)
+        if not smoke:
+            o.backward(go)
+            q.grad = k.grad = v.grad = None
+    t0 = time.perf_counter()
+    fwd()
+    if not smoke:
+        fwdbwd()
+        torch.cuda.synchronize()
+    first = time.perf_counter() - t0
+    tf, _ = _timed(fwd, 2, 7, not smoke)
+    tb, _ = _timed(fwdbwd, 1, 5, not smoke) if not smoke else (tf, [])
+    return {"fwd_s": tf, "fwdbwd_s": tb, "bwd_s": tb - tf, "compile_and_first_s": first,
+            "fwd_tflop_s": fwd_flop / tf / 1e12, "bwd_tflop_s": 2.5 * fwd_flop / max(1e-9, tb - tf) / 1e12}
+
+
 def phase_flex(smoke: bool, only: list[str] | None = None, window: int | None = None) -> dict:
     import torch
 
@@ -156,27 +184,7 @@ def phase_flex(smoke: bool, only: list[str] | None = None, window: int | None = 
     out = {"pairs": pairs, "fwd_flop": fwd_flop, "window": window, "variants": {}}
 
     def measure(opts):
-        kw = {"kernel_options": opts or None} if not smoke else {}
-
-        def fwd():
-            with torch.no_grad():
-                return flex(q, k, v, block_mask=bm, enable_gqa=True, **kw)
-
-        def fwdbwd():
-            o = flex(q, k, v, block_mask=bm, enable_gqa=True, **kw)
-            if not smoke:
-                o.backward(go)
-                q.grad = k.grad = v.grad = None
-        t0 = time.perf_counter()
-        fwd()
-        if not smoke:
-            fwdbwd()
-            torch.cuda.synchronize()
-        first = time.perf_counter() - t0
-        tf, _ = _timed(fwd, 2, 7, not smoke)
-        tb, _ = _timed(fwdbwd, 1, 5, not smoke) if not smoke else (tf, [])
-        return {"fwd_s": tf, "fwdbwd_s": tb, "bwd_s": tb - tf, "compile_and_first_s": first,
-                "fwd_tflop_s": fwd_flop / tf / 1e12, "bwd_tflop_s": 2.5 * fwd_flop / max(1e-9, tb - tf) / 1e12}
+        return flex_timing(flex, q, k, v, bm, go, fwd_flop, opts, smoke)
 
     if not only or "kv_tiles_64" in only:  # the ragged edges (staircase, window, own block) in finer kv
         # tiles: less of each partial tile is masked-out work
