@@ -37,9 +37,52 @@ def test_the_flash_kernel_is_flex_attentions_flash_backend_and_the_environment_s
     assert fd.flex_options("flash") == {"BACKEND": "TRITON"}
 
 
-def test_flash_missing_names_why_on_a_machine_without_a_hopper_gpu():
-    why = flex_mask.flash_missing()
-    assert isinstance(why, str) and why  # CI and this machine: no GPU (NVML answers, or is absent)
+class _FakeNvml:
+    """pynvml for one GPU of a given compute capability (the reason is the thing under test)."""
+
+    def __init__(self, capability):
+        self.capability = capability
+
+    def nvmlInit(self):
+        pass
+
+    def nvmlShutdown(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return 1
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle):
+        return self.capability
+
+
+def test_flash_missing_names_each_reason_and_none_only_when_everything_is_there(monkeypatch):
+    import importlib.util
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "pynvml", _FakeNvml((8, 0)))
+    assert flex_mask.flash_missing() == ("the GPU's compute capability is 8.0: flash-attn-4's kernels need 9.0 "
+                                         "(Hopper) or newer")
+    monkeypatch.setitem(sys.modules, "pynvml", _FakeNvml((9, 0)))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "flash_attn" else real_find_spec(name, *a))
+    assert flex_mask.flash_missing() == "flash-attn-4 is not installed"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    monkeypatch.setitem(sys.modules, "cutlass", None)  # installed but broken: the import fails
+    assert flex_mask.flash_missing().startswith("flash-attn-4 does not import (")
+    flash_attn = types.ModuleType("flash_attn")
+    flash_attn.cute = types.ModuleType("flash_attn.cute")
+    monkeypatch.setitem(sys.modules, "cutlass", types.ModuleType("cutlass"))
+    monkeypatch.setitem(sys.modules, "flash_attn", flash_attn)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute", flash_attn.cute)
+    assert flex_mask.flash_missing() is None
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # no NVML at all: unknown, so auto keeps triton
+    assert flex_mask.flash_missing().startswith("the GPU's compute capability is unknown (")
 
 
 def test_a_step_built_without_the_cli_resolves_auto_itself():

@@ -104,16 +104,17 @@ def teacher_spans(tpos, keep, n_c: int, head_chunk_rows: int) -> list:
 
 
 def teacher_rows_computed(anchors, keep, S: int, block_size: int, chunk_anchors: int = 512,
-                          head_chunk_rows: int = 4096) -> int:
+                          head_chunk_rows: int = 4096, spans: bool | None = None) -> int:
     """Rows of teacher logits a soft-label step computes for this micro-batch (a span's
     positions, or a chunk's rows where it has no span): the head GEMM's real work, for
-    bench/gpu/roofline.py's table."""
+    bench/gpu/roofline.py's table. ``spans``: with or without teacher spans (default: the
+    step's switch, chunked_head.TEACHER_SPANS)."""
     B, N = int(block_size), anchors.shape[1]
     n_c = max(1, min(int(chunk_anchors), N))
     pad = math.ceil(N / n_c) * n_c - N
     anchors, keep = F.pad(anchors, (0, pad)), F.pad(keep, (0, pad), value=False)
     tpos = (anchors[:, :, None] + torch.arange(1, B, device=anchors.device)).clamp(max=S - 1) - 1
-    if not chunked_head.TEACHER_SPANS:
+    if not (chunked_head.TEACHER_SPANS if spans is None else spans):
         return tpos.numel()
     cb = chunked_head.balanced_chunk_blocks(n_c, head_chunk_rows, B - 1)
     total = 0

@@ -76,7 +76,7 @@ def cmd_run(a) -> int:
             os.environ["DFLASH_PROFILE_STEP"] = str(PROFILE_STEP) if name == profiled else ""
             os.environ["DFLASH_PROFILE_DIR"] = out
             os.environ["DFLASH_COMPILE_REPORT"] = "1"
-            pairs = [(i.partition(":")[0], *i.partition(":")[2].partition("=")[::2]) for i in a.phase_env]
+            pairs = phase_env(a.phase_env)
             for phase, key, value in pairs:  # PHASE:KEY=VALUE: set for that launch, unset for the others
                 os.environ.pop(key, None)
             for phase, key, value in pairs:
@@ -101,24 +101,27 @@ def teacher_rows(seqs: int, L: int, anchors: int, B: int, spans: bool = True) ->
     import numpy as np
     import torch
 
-    from trainer import chunked_head
     from trainer.fast_drafter import teacher_rows_computed
     from trainer.loss import sample_anchors
 
     a, keep = sample_anchors(np.ones((seqs, L), np.int64), np.full(seqs, L), anchors, list(range(seqs)))
-    before, chunked_head.TEACHER_SPANS = chunked_head.TEACHER_SPANS, spans
-    try:
-        return teacher_rows_computed(torch.from_numpy(a), torch.from_numpy(keep), L, B)
-    finally:
-        chunked_head.TEACHER_SPANS = before
+    return teacher_rows_computed(torch.from_numpy(a), torch.from_numpy(keep), L, B, spans=spans)
+
+
+def phase_env(items: list[str]) -> list[tuple[str, str, str]]:
+    """``--phase-env`` items PHASE:KEY=VALUE as (phase, key, value); the value may hold ':' and '='."""
+    out = []
+    for item in items:
+        phase, _, kv = item.partition(":")
+        key, _, value = kv.partition("=")
+        out.append((phase, key, value))
+    return out
 
 
 def spans_of(meta: dict) -> bool:
     """Whether the profiled launch computed teacher spans (meta.json's ``phase_env``, from
     ``--phase-env``; absent before session 4, when every launch had the default: on)."""
-    for item in meta.get("phase_env", []):
-        phase, _, kv = item.partition(":")
-        key, _, value = kv.partition("=")
+    for phase, key, value in phase_env(meta.get("phase_env", [])):
         if phase == meta.get("profiled") and key == "DFLASH_TEACHER_SPANS":
             return value != "0"
     return True

@@ -43,7 +43,10 @@ GIB = 1024 ** 3
 OPERATORS = dict(block_size=32, max_anchors=1024, token_budget=49152, max_seq_len=8192, max_batch_size=64,
                  num_draft_layers=5, gamma=10.0, position_weights="decay", use_soft_labels=True, kl_weight=0.15,
                  kl_temperature=2.0, cap_lambda=0.1, grad_accum=1, drafter_step="chunked",
-                 target_gpus=(0,), drafter_gpus=(0,))
+                 target_gpus=(0,), drafter_gpus=(0,),
+                 # not auto: flash-attn-4 installed on the machine would switch both halves of a
+                 # before/after; the FLASH kernels are measured through --flex-options instead
+                 attention_kernel="triton")
 # --smoke: the same code on CPU at tiny widths (the step is then the chunked step's CPU path)
 SMOKE_SHAPE = fl.ModelShape(6, 64, 4, 2, 16, 128, 512, "tiny")
 SMOKE = {**OPERATORS, "block_size": 8, "max_anchors": 16, "token_budget": 256, "max_seq_len": 128, "num_draft_layers": 2}
