@@ -160,7 +160,8 @@ def cmd_follow(args, _tail) -> int:
         print(f"agent follow: no run directory {rd.path}", file=sys.stderr)
         return protocol.EXIT_USAGE
     try:
-        return follow(rd.path, args.from_seq, sys.stdout.buffer, _supervised(rd), once=args.once)
+        return follow(rd.path, args.from_seq, sys.stdout.buffer, _supervised(rd), once=args.once,
+                      writer_alive=lambda: agent_alive(rd))
     except (BrokenPipeError, KeyboardInterrupt):
         try:
             sys.stdout = None  # the reader went away: nothing more to say

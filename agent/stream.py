@@ -145,9 +145,21 @@ def _status_state(raw: bytes) -> Optional[RunState]:
         return None
 
 
+# How long a follower waits, after the run's final status, for an agent still writing (its
+# shutdown stops leftover processes and appends that report and the status again).
+FINAL_WRITES_WAIT_S = 30.0
+
+
+def _unread(fh: IO[bytes]) -> bool:
+    """Whether the file has grown past what was read (the loop's next read takes it)."""
+    return os.fstat(fh.fileno()).st_size > fh.tell()
+
+
 def follow(run_dir: str, after: int, out: IO[bytes], agent_alive: Callable[[], bool],
-           poll: float = 0.1, dead_check: float = 2.0, once: bool = False) -> int:
-    """Print records with seq > ``after`` until the run's terminal status record.
+           poll: float = 0.1, dead_check: float = 2.0, once: bool = False,
+           writer_alive: Optional[Callable[[], bool]] = None) -> int:
+    """Print records with seq > ``after`` until the run's terminal status record and, while
+    ``writer_alive`` says the agent still holds the stream, what it appends after that.
 
     Returns EXIT_OK at the end of a finished run, EXIT_AGENT_GONE when the agent is gone and
     the run is not finished (the stream would never end: say so rather than hang; research
@@ -165,6 +177,7 @@ def follow(run_dir: str, after: int, out: IO[bytes], agent_alive: Callable[[], b
     last_state: Optional[RunState] = None  # of the last status record read, printed or not (records
     # such as a GPU sample may follow a run's final status)
     last_check = time.monotonic()
+    terminal_since: Optional[float] = None
     with open(path, "rb") as fh:
         while True:
             chunk = fh.read(1 << 20)
@@ -199,17 +212,24 @@ def follow(run_dir: str, after: int, out: IO[bytes], agent_alive: Callable[[], b
             if once:
                 return EXIT_STREAM_RUN_FAILED if last_state is RunState.FAILED else EXIT_OK
             if last_state is not None and last_state.is_terminal():
-                # the run's final status has been read: what came after it (a re-attached
-                # agent's GPU sample) is printed too, and there is nothing more to wait for
+                # The run's final status has been read. An agent still holding the stream may
+                # append after it (its shutdown's leftover-process report and the status again):
+                # wait for it to let go, then read once more; what came after the status (a
+                # re-attached agent's GPU sample) is printed too.
+                terminal_since = terminal_since or time.monotonic()
+                if writer_alive is not None and writer_alive() \
+                        and time.monotonic() - terminal_since < FINAL_WRITES_WAIT_S:
+                    time.sleep(poll)
+                    continue
+                if _unread(fh):
+                    continue
                 return EXIT_OK
             now = time.monotonic()
             if now - last_check >= dead_check:
                 last_check = now
                 if not agent_alive():
                     # One last read: the agent may have written its final records and exited.
-                    more = fh.read(1 << 20)
-                    if more:
-                        buf += more
+                    if _unread(fh):
                         continue
                     print(f"agent follow: the agent of {run_dir} is not running and the run has not "
                           "finished; re-attach with `python3 -m agent start --run-dir DIR --reattach`",

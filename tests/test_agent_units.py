@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 
@@ -220,3 +221,52 @@ def test_agent_start_flags_come_from_the_options_table():
     assert Options.from_args(start.parse_args(["--run-dir", "d", *argv])) == Options(settle=3.0, max_restarts=2)
     with pytest.raises(ValueError, match="settle_s"):
         Options.argv({"settle_s": 1})
+
+
+def test_follow_waits_for_the_records_an_agent_appends_after_the_final_status(tmp_path):
+    """CI (stop 35): the agent's shutdown stops a run's leftover processes after the final
+    status and appends that report and the status again; a follower that ended at the first
+    terminal status lost those two records (the tail had 737 of 739)."""
+    import io
+    import threading
+
+    w = StreamWriter(str(tmp_path))
+    w.append([("log", {"line": "a"}, None), ("status", {"state": "completed"}, None)])
+    writing = threading.Event()
+    writing.set()
+
+    def shutdown():
+        writing.wait()
+        time.sleep(0.3)  # the follower reaches the end of the stream past the final status first
+        w.append([("event", {"kind": "agent.stop"}, None), ("status", {"state": "completed"}, None)])
+        os.close(w.fd)
+        writing.clear()
+
+    t = threading.Thread(target=shutdown)
+    t.start()
+    out = io.BytesIO()
+    assert follow(str(tmp_path), 0, out, lambda: False, poll=0.01, writer_alive=writing.is_set) == 0
+    t.join()
+    assert [json.loads(l)["seq"] for l in out.getvalue().splitlines()] == [1, 2, 3, 4]
+
+
+def test_follow_prints_the_last_records_of_an_agent_that_died_between_two_reads(tmp_path):
+    """The agent-gone check's last read went into a buffer the loop never parsed: records
+    written just before the agent exited were dropped and the tail said the agent was gone."""
+    import io
+
+    w = StreamWriter(str(tmp_path))
+    w.append([("log", {"line": "a"}, None)])
+    calls = []
+
+    def alive() -> bool:
+        calls.append(1)
+        if len(calls) == 1:  # the agent writes its final status, then exits, between two reads
+            w.append([("status", {"state": "failed"}, None)])
+            os.close(w.fd)
+        return False
+
+    out = io.BytesIO()
+    rc = follow(str(tmp_path), 0, out, alive, poll=0.01, dead_check=0.0)
+    assert [json.loads(l)["seq"] for l in out.getvalue().splitlines()] == [1, 2]
+    assert rc == 0
