@@ -23,10 +23,16 @@ def test_apply_sets_what_is_unset_and_keeps_what_the_operator_set(tmp_path):
     assert env[runtime_env.ENV_ALLOC] == "expandable_segments:True"
     assert env[runtime_env.ENV_INDUCTOR] == str(tmp_path / "cc" / "gen-3f2a9c0d1b7e" / "inductor")
     assert env[runtime_env.ENV_TRITON] == str(tmp_path / "cc" / "gen-3f2a9c0d1b7e" / "triton")
-    assert set(done) == {runtime_env.ENV_ALLOC, runtime_env.ENV_INDUCTOR, runtime_env.ENV_TRITON}
+    # flash-attn-4's own kernel cache, off by default there: on, beside Inductor's
+    assert env["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "1"
+    assert env["FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"] == str(tmp_path / "cc" / "gen-3f2a9c0d1b7e" / "flash-attn-cute")
+    assert set(done) == {runtime_env.ENV_ALLOC, runtime_env.ENV_INDUCTOR, runtime_env.ENV_TRITON,
+                         "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"}
     mine = {runtime_env.ENV_ALLOC: "max_split_size_mb:256", runtime_env.ENV_INDUCTOR: "/mine",
-            runtime_env.ENV_TRITON: "/mine-too", "HOME": str(tmp_path)}
+            runtime_env.ENV_TRITON: "/mine-too", "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED": "0",
+            "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": "/mine-three", "HOME": str(tmp_path)}
     assert runtime_env.apply(mine) == {} and mine[runtime_env.ENV_ALLOC] == "max_split_size_mb:256"
+    assert mine["FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"] == "0"
 
 
 def test_without_the_start_script_the_generation_is_this_interpreters_fingerprint(tmp_path):

@@ -14,7 +14,10 @@ Compile cache. torch.compile's Inductor and Triton caches default to /tmp, which
 restart empties: every relaunch then recompiled for 60-120 s. They are kept under
 ``DFLASH_COMPILE_CACHE`` (the start script sets ``<workspace>/.dflash-ctl/compile-cache``;
 by hand: ``~/.cache/dflash-ctl/compile-cache``), in one directory per env generation, so a
-rollback to another torch never loads kernels built by this one. The generation is
+rollback to another torch never loads kernels built by this one. flash-attn-4's CuTe kernels
+(``--attention-kernel flash``) keep no disk cache unless asked: each new process compiled them
+again, 17-29 s of a relaunch's first step on an H200 (docs/benchmarks.md, issue 29); their
+persistent cache is switched on and kept beside Inductor's. The generation is
 ``DFLASH_ENV_GENERATION`` when the start script found the venv to be a generation link
 (agent/envgen.py), else the same fingerprint id computed from this interpreter's packages.
 """
@@ -32,6 +35,9 @@ ENV_CACHE_ROOT = "DFLASH_COMPILE_CACHE"
 ENV_GENERATION = "DFLASH_ENV_GENERATION"
 ENV_INDUCTOR = "TORCHINDUCTOR_CACHE_DIR"
 ENV_TRITON = "TRITON_CACHE_DIR"
+# flash-attn-4 (flash_attn/cute/cache_utils.py) reads both when it is imported
+ENV_FLASH_CACHE_ON = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
+ENV_FLASH_CACHE_DIR = "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"
 WORKSPACE_CACHE = ".dflash-ctl/compile-cache"  # under the container's workspace (controller/render.py)
 _GEN_ID = re.compile(r"^[0-9a-f]{6,64}$")
 
@@ -69,9 +75,12 @@ def apply(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
     done = {}
     if ENV_ALLOC not in environ:
         environ[ENV_ALLOC] = done[ENV_ALLOC] = ALLOC_CONF
-    if ENV_INDUCTOR not in environ or ENV_TRITON not in environ:
+    if ENV_FLASH_CACHE_ON not in environ:
+        environ[ENV_FLASH_CACHE_ON] = done[ENV_FLASH_CACHE_ON] = "1"
+    dirs = ((ENV_INDUCTOR, "inductor"), (ENV_TRITON, "triton"), (ENV_FLASH_CACHE_DIR, "flash-attn-cute"))
+    if any(key not in environ for key, _ in dirs):
         gen_dir = os.path.join(cache_root(environ), "gen-" + env_generation(environ))
-        for key, sub in ((ENV_INDUCTOR, "inductor"), (ENV_TRITON, "triton")):
+        for key, sub in dirs:
             if key not in environ:
                 environ[key] = done[key] = os.path.join(gen_dir, sub)
     return done
