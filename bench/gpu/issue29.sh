@@ -8,8 +8,14 @@
 #   ROOFLINE_ARGS="--phases ceilings,head" COLOCATED_ARGS="--scale gpu27" bash bench/gpu/issue29.sh step colocated
 #                                         # session 2, call 1: the head kernels, then the Qwen3.6-27B shape
 #
-# Wheels in .whl/ (flash-linear-attention for the 27B shape's hybrid target) are installed into
-# /tmp/site first and put on PYTHONPATH (the trainer's subprocesses inherit it).
+# Wheels in .whl/ (flash-linear-attention for the 27B shape's hybrid target; flash-attn-4 and
+# its small dependencies) are installed into /tmp/site first and put on PYTHONPATH (the
+# trainer's subprocesses inherit it). A wheel over one call's carry (nvidia-cutlass-dsl's cu13
+# libraries, 92 MB) travels in parts, one carried folder per call on the same warm machine:
+#   python3 bench/gpu/wheel_parts.py split WHEEL --into .whl-part1 .whl-part2
+# each call gathers what it brought in /tmp/wheel-parts; the call that completes a wheel
+# installs it (bench/gpu/wheel_parts.py). "stage" as the only mode just gathers and installs.
+# flash-attn-4's kernel cache (trainer/runtime_env.py) goes under the call's fresh cache too.
 # The device tool sends the session's own checkout: from another worktree, unpack
 # `git archive BRANCH` (plus .whl/ and a COMMIT file naming the commit) into a folder that
 # checkout's .git/info/exclude ignores, carry that folder and cd into it (session 2's calls).
@@ -20,6 +26,7 @@ set -u
 export PYTHONUNBUFFERED=1 PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 FINAL=${OUT:-/tmp/out}; W=/tmp/issue29; rm -rf "$W"; mkdir -p "$W/out" "$FINAL"
 export TORCHINDUCTOR_CACHE_DIR=$W/cache/inductor TRITON_CACHE_DIR=$W/cache/triton
+export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=$W/cache/flash-attn-cute
 exec > >(tee "$FINAL/log.txt") 2>&1
 T0=$(date +%s)
 CALL_S=${CALL_S:-570}
@@ -28,16 +35,25 @@ pack() { tar czf "$FINAL/results.tgz.part" -C "$W" out && mv "$FINAL/results.tgz
 nvidia-smi --query-gpu=index,name,memory.total,power.limit,clocks.max.sm,driver_version --format=csv > "$W/out/gpu.csv" 2>&1 || true
 python3 -c 'import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)' > "$W/out/versions.txt" 2>&1
 { cat COMMIT 2>/dev/null || git log -1 --format='%H %s' 2>/dev/null; } > "$W/out/commit.txt"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+if ls -d .whl-part* >/dev/null 2>&1; then
+  python3 bench/gpu/wheel_parts.py gather --from .whl-part* --stage /tmp/wheel-parts --out /tmp/wheels-whole \
+    > "$W/out/wheel_parts.txt" 2>&1; echo "wheel parts rc $?" >> "$W/out/wheel_parts.txt"
+fi
+wheels=$(ls .whl/*.whl /tmp/wheels-whole/*.whl 2>/dev/null)
+if [ -n "$wheels" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $wheels \
     > "$W/out/pip.txt" 2>&1 && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  # the cutlass DSL's .pth file is not read under --target: its packages by hand
+  [ -d /tmp/site/nvidia_cutlass_dsl/dsl_packages ] && export PYTHONPATH=/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH
   python3 -c 'import fla; print("fla", fla.__version__)' >> "$W/out/versions.txt" 2>&1
+  python3 -c 'import flash_attn.cute, cutlass; print("flash_attn.cute", cutlass.__version__)' >> "$W/out/versions.txt" 2>&1
 fi
 for mode in ${@:-step}; do
   case "$mode" in
     step)  # ROOFLINE_ARGS: e.g. "--phases ceilings,step --archs dflash2 --flex-options {}"
       timeout -s TERM $(( $(left) - 20 )) python3 bench/gpu/roofline.py run --out "$W/out" ${ROOFLINE_ARGS:-}
       echo "roofline rc $?";;
+    stage) ;;  # the wheels above, nothing measured
     colocated)
       timeout -s TERM $(( $(left) - 20 )) python3 bench/gpu/colocated.py run --out "$W/co" --work "$W/cowork" \
         --deadline-s ${COLOCATED_S:-$(( $(left) - 30 ))} ${COLOCATED_ARGS:-}
