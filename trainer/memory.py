@@ -39,7 +39,10 @@ per chunk         bounded, whatever the budget
                   keeps its taps as it goes: this term then grows with T
   activations     one anchor chunk of C positions: per position per layer what backward keeps
   chunk_context   the chunk's sequence's context k/v concatenated with the block k/v
-  logits          one head chunk: bf16 logits + their gradient (+ teacher logits)
+  logits          one head chunk: bf16 logits + their gradient (+ teacher logits, one row
+                  per slot: the trainer forms them once per distinct target position, but a
+                  chunk's blocks need not overlap — sparse anchors, short sequences — so a
+                  row per slot is the bound; dense anchors measure up to 3 % under it)
   head_grad       the final-norm output and its stored gradient for one anchor chunk
   weights16       the bf16 working copies of the drafter's weights a chunk's backward needs
 
