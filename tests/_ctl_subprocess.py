@@ -38,3 +38,25 @@ def sh(env: dict, *argv, ct: int, check: bool = True) -> str:
     p = ctl(env, "exec", "-c", ct, "--", *argv)
     assert not check or p.returncode == 0, f"{argv}: {p.stderr}"
     return p.stdout
+
+
+# A shared container's baseline (agent/knowngood.py) is whatever the modules before left: a
+# run of theirs that reached steady state became it, and then the next module's launches
+# were judged against it (refused for drift, or its run id printed before theirs). A module
+# that launches sets the baseline and launch records aside for its own time, and puts them
+# back as found.
+def baseline_aside(workspace: str, saved: str) -> list[str]:
+    """argv, run in the container: move ``<workspace>/.dflash-ctl``'s known-good record and
+    launch records into the folder ``saved`` (an earlier save that was never put back is the
+    state as found: it is put back first)."""
+    return ["sh", "-c", 'set -e; s="$1"; d="$2"; mkdir -p "$d"; '
+            'if [ -d "$s" ]; then rm -rf "$d/known-good.json" "$d/launches"; cp -a "$s"/. "$d"/; rm -rf "$s"; fi; '
+            'mkdir -p "$s"; for f in known-good.json launches; do if [ -e "$d/$f" ]; then mv "$d/$f" "$s/"; fi; done',
+            "sh", saved, f"{workspace}/.dflash-ctl"]
+
+
+def baseline_back(workspace: str, saved: str) -> list[str]:
+    """argv, run in the container: drop what the module's runs made of the baseline and put
+    ``baseline_aside``'s copy back."""
+    return ["sh", "-c", 's="$1"; d="$2"; [ -d "$s" ] || exit 0; rm -rf "$d/known-good.json" "$d/launches"; '
+            'mkdir -p "$d" && cp -a "$s"/. "$d"/ && rm -rf "$s"', "sh", saved, f"{workspace}/.dflash-ctl"]

@@ -62,7 +62,7 @@ def run(env, toml):
     """A 4-step tiny run in container 201 (checkpoints at steps 2 and 4); on teardown our runs
     and launch records go and .dflash-ctl is put back as found."""
     saved = f"/tmp/dflash-{NAME}-saved"
-    sh(env, "sh", "-c", f'mkdir -p {WS}/.dflash-ctl && rm -rf "$1" && cp -a {WS}/.dflash-ctl "$1"', "sh", saved)
+    sh(env, *C.baseline_aside(WS, saved))
     launch = ctl(env, "launch", "--container", CT, "--config", toml, "--from-scratch", "--accept-drift", "--json",
                  "--set", "max-steps=4", "--set", "save-interval=2")
     assert launch.returncode == 0, launch.stdout + launch.stderr
@@ -70,9 +70,8 @@ def run(env, toml):
     done = ctl(env, "tail", "--container", CT, "--run", run_id, "--follow")
     assert done.returncode == 0, done.stdout + done.stderr
     yield {"run_id": run_id, "output": f"{WS}/runs/{run_id}/output"}
-    sh(env, "sh", "-c", f'rm -rf {WS}/runs/{NAME}-* {WS}/.dflash-ctl/secrets/{NAME}-* && '
-                        f'rm -rf {WS}/.dflash-ctl/known-good.json {WS}/.dflash-ctl/launches && '
-                        f'cp -a "$1"/. {WS}/.dflash-ctl/ && rm -rf "$1"', "sh", saved)
+    sh(env, "sh", "-c", f'rm -rf {WS}/runs/{NAME}-* {WS}/.dflash-ctl/secrets/{NAME}-*')
+    sh(env, *C.baseline_back(WS, saved))
 
 
 def local_sums(directory: Path) -> dict:

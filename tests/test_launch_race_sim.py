@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -26,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-from _ctl_subprocess import CTL, no_torch_env
+from _ctl_subprocess import CTL, baseline_aside, baseline_back, no_torch_env
 from controller import config as cfg
 from controller.agentcall import AgentCaller
 from controller.container import Container
@@ -39,6 +40,15 @@ WS = "/workspace"
 NAME = "racetest"
 REPO = Path(__file__).resolve().parent.parent
 TRIALS = 10
+SAVED = f"/tmp/dflash-{NAME}-saved"  # the container's baseline while this module runs
+
+
+def _launched(text: str) -> str:
+    """The run a launch started, from its own lines ("run ID started", or the follow/stop
+    lines of an interrupted one): other run ids appear in its report (the known-good run)."""
+    m = re.search(rf"\brun ({NAME}-\S+) started", text) or re.search(rf"--run ({NAME}-[\w-]+)", text)
+    assert m, text[-1500:]
+    return m.group(1)
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +62,11 @@ def ct(sim_node, ctl_config):
     with SSHRunner.for_node(name, node) as runner:
         container = Container(runner, name, node, CT)
         _stop_ours(container)
+        container.exec(baseline_aside(WS, SAVED))
         yield container
         _stop_ours(container)
         container.exec(["sh", "-c", f"rm -rf {WS}/runs/{NAME}-* {WS}/.dflash-ctl/launches/{NAME}-*"])
+        container.exec(baseline_back(WS, SAVED))
 
 
 @pytest.fixture(scope="module")
@@ -177,7 +189,7 @@ def test_a_terminal_ctrl_c_that_also_reaches_ssh_still_names_the_run(env, ct, to
     new = sorted(set(_ours(ct)) - set(before))
     try:
         assert proc.returncode == 130 and "Traceback" not in err, (proc.returncode, err)
-        run_id = next(w for w in (out + err).replace("`", " ").split() if w.startswith(f"{NAME}-"))
+        run_id = _launched(out + err)
         assert new in ([], [run_id]), (new, run_id)  # never a run other than the one named
         assert f"--run {run_id}" in out + err
     finally:
@@ -194,7 +206,7 @@ def done_run(env, ct, toml) -> str:
                                  "--set", "max-steps=2", "--set", "save-interval=2", "--set", "epochs=1"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    return next(w for w in proc.stdout.split() if w.startswith(f"{NAME}-"))
+    return _launched(proc.stdout)
 
 
 def test_ctrl_c_during_export_keeps_nothing_or_reports_it_complete(env, done_run, tmp_path):
@@ -271,7 +283,7 @@ def test_status_and_tail_of_a_failed_run_exit_1(env, ct, toml):
                                  "--set", "supervision.startup-timeout=0.5"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1, proc.stdout[-1500:] + proc.stderr[-1500:]
-    run_id = next(w for w in proc.stdout.split() if w.startswith(f"{NAME}-"))
+    run_id = _launched(proc.stdout)
     for args in (["status"], ["status", "--json"], ["tail"], ["tail", "--json"], ["tail", "--follow"]):
         got = subprocess.run(CTL + args + ["-c", str(CT), "--run", run_id], env=env, capture_output=True, text=True,
                              timeout=120)

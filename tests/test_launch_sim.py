@@ -33,13 +33,14 @@ REPO = Path(__file__).resolve().parent.parent
 # examples/tiny.toml under a name of our own, so runs of other tests sharing the container
 # (their run ids start with their config's name) never count as ours.
 NAME = "launchtest"
+SAVED = "/tmp/dflash-test-saved"  # the container's baseline while this module runs
 TINY = str(Path(os.environ.get("TMPDIR", "/tmp")) / f"dflash-{NAME}-{os.getpid()}.toml")
 Path(TINY).write_text((REPO / "examples" / "tiny.toml").read_text().replace('name = "tiny"', f'name = "{NAME}"'))
 PROBE = "dflash-driftprobe"
 LONG = ["--set", "epochs=10", "--set", "max-steps=360", "--set", "save-interval=180"]
 LAST = 360
 
-from _ctl_subprocess import BLOCKER  # noqa: E402  (makes `import torch` fail in ctl)
+from _ctl_subprocess import BLOCKER, baseline_aside, baseline_back  # noqa: E402  (BLOCKER makes `import torch` fail in ctl)
 
 
 # --- helpers -----------------------------------------------------------------------------------
@@ -200,17 +201,15 @@ def prepared(sim_node, ctl_env, tmp_path_factory):
     wheels = tmp_path_factory.mktemp("wheels")
     saved = tmp_path_factory.mktemp("saved-state")
     before_runs = runs_now(ctl_env)
-    sh(ctl_env, "sh", "-c", f'mkdir -p {WS}/.dflash-ctl && rm -rf "$1" && cp -a {WS}/.dflash-ctl "$1" || true',
-       "sh", f"/tmp/dflash-test-saved")
+    # no baseline but the ones these tests make (another module's run may have left one)
+    sh(ctl_env, *baseline_aside(WS, SAVED))
     install_probe(ctl_env, "1.0", wheels)
     yield {"wheels": wheels, "before_runs": before_runs, "saved": saved}
     sh(ctl_env, "/root/venv/bin/python3", "-m", "pip", "uninstall", "-y", "-q", PROBE, check=False)
     ours = [r for r in runs_now(ctl_env) if r not in before_runs]
     for run in ours:
         sh(ctl_env, "rm", "-rf", "--", f"{WS}/runs/{run}", f"{WS}/.dflash-ctl/secrets/{run}.env", check=False)
-    sh(ctl_env, "sh", "-c", f'rm -rf {WS}/.dflash-ctl/known-good.json {WS}/.dflash-ctl/launches && '
-                            f'cp -a /tmp/dflash-test-saved/. {WS}/.dflash-ctl/ 2>/dev/null; rm -rf /tmp/dflash-test-saved',
-       check=False)
+    sh(ctl_env, *baseline_back(WS, SAVED), check=False)
 
 
 @pytest.fixture(scope="module")
