@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from controller import configcache
+from controller import vmid
 
 DEFAULT_PATH = Path("~/.config/dflash-ctl/config.toml")
 ENV_CONFIG = "DFLASH_CTL_CONFIG"
@@ -124,8 +125,8 @@ class NodeConfig:
         fixed = {}
         for key, value in self.containers.items():
             key = str(key)
-            if not key.isdigit() or not 100 <= int(key) <= 999_999_999:
-                raise _Invalid("containers", f"container id {key!r} is not a Proxmox VMID (an integer from 100)")
+            if vmid.problem(key):
+                raise _Invalid("containers", f"container id {key!r}: {vmid.problem(key)}")
             if isinstance(value, dict):
                 value = _build(ContainerConfig, value, f"containers.{key}")
             fixed[key] = value

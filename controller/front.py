@@ -46,6 +46,14 @@ def _seconds(value: str) -> float:
     return seconds
 
 
+def _count(value: str) -> int:
+    """A whole number, 0 or more; anything else is typer's to refuse."""
+    count = int(value)
+    if count < 0:
+        raise ValueError(value)
+    return count
+
+
 NODE = Opt(("--node", "-n"), "node", str)
 TRUST = Opt(("--trust-new-host-key",), "trust_new_host_key", None)
 # controller/commands/remote.py
@@ -56,7 +64,7 @@ CONTAINER = Opt(("--container", "-c"), "container", int)
 RUN = Opt(("--run", "-r"), "run", str)
 CTL_CONFIG = Opt(("--ctl-config",), "ctl_config", str)
 STATUS = Spec((CONTAINER, RUN, Opt(("--json",), "json_out", None), NODE, CTL_CONFIG, TRUST))
-TAIL = Spec((CONTAINER, RUN, Opt(("--follow", "-f"), "follow", None), Opt(("--since",), "since", int, default=0),
+TAIL = Spec((CONTAINER, RUN, Opt(("--follow", "-f"), "follow", None), Opt(("--since",), "since", _count, default=0),
              Opt(("--json",), "raw", None), Opt(("--wait-stopped",), "stopped_wait", _seconds, default=300.0), NODE,
              CTL_CONFIG, TRUST))
 
@@ -107,23 +115,26 @@ def parse(spec: Spec, argv: list[str]) -> Optional[dict]:
 
 
 def _exec(params: dict) -> int:
-    from controller.commands.plain import exec_in
+    from controller.commands.plain import container_checked, exec_in
 
+    container_checked(params["container"])  # typer's --container callback
     return exec_in(**params)
 
 
 def _status(params: dict) -> int:
-    from controller.commands.plain import run_id_checked
+    from controller.commands.plain import container_checked, run_id_checked
     from controller.commands.watch import status_in
 
+    container_checked(params["container"])
     run_id_checked(params["run"])  # typer's --run callback
     return status_in(**params)
 
 
 def _tail(params: dict) -> int:
-    from controller.commands.plain import run_id_checked
+    from controller.commands.plain import container_checked, run_id_checked
     from controller.commands.watch import tail_in
 
+    container_checked(params["container"])
     run_id_checked(params["run"])
     return tail_in(**params)
 

@@ -38,6 +38,7 @@ from typing import Callable, Optional
 from agent.protocol import FailureKind, RunResult, RunState, RunStatus
 from controller import config as cfg
 from controller import interrupts
+from controller import vmid
 from controller.container import Container
 
 JOBS_DIR = "jobs"
@@ -80,8 +81,10 @@ class Member:
 def parse_container(text: str, default_node: Optional[str]) -> tuple[str, str]:
     node, _, ctid = text.rpartition(":")
     node = node or default_node or ""
-    if not ctid.isdigit() or not node:
+    if not node:
         raise JobError(f"--container {text!r}: a job names each container as NODE:CTID, e.g. sim:200")
+    if vmid.problem(ctid):
+        raise JobError(f"--container {text}: {vmid.problem(ctid)}")
     return node, ctid
 
 
@@ -109,8 +112,8 @@ def plan(containers: list[str], target_gpus: Optional[str], drafter_gpus: Option
     targets = parse_roles(target_gpus, "--target-gpus", default_node)
     drafters = parse_roles(drafter_gpus, "--drafter-gpus", default_node)
     members, seen = [], set()
-    for text in containers:
-        node, ctid = parse_container(text, default_node)
+    named = [parse_container(text, default_node) for text in containers]  # every id is checked first
+    for node, ctid in named:
         label = f"{node}:{ctid}"
         if label in seen:
             raise JobError(f"--container {label} is named twice")

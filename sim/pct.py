@@ -595,10 +595,13 @@ def parse(name: str, argv: list[str]) -> dict:
         args["extra-args"] = extra
     if "vmid" in args:
         raw = args["vmid"]
-        if not raw.isdigit():
+        # pve-common PVE/JSONSchema.pm: check_type's is_integer, then the pve-vmid format
+        # (^[1-9][0-9]{2,8}$) before any minimum/maximum, so 5, -5, 0100 and 10 digits all fail there
+        if not re.fullmatch(r"[+-]?\d+", raw):
             raise UsageError(f"400 Parameter verification failed.\nvmid: type check ('integer') failed - got '{raw}'")
-        if int(raw) < 100:
-            raise UsageError("400 Parameter verification failed.\nvmid: value must have a minimum value of 100")
+        if not re.fullmatch(r"[1-9][0-9]{2,8}", raw):
+            raise UsageError("400 Parameter verification failed.\nvmid: invalid format - value does not look like a "
+                             "valid VM ID")
         args["vmid"] = int(raw)
     if "snapname" in args and (not CONFIGID.match(args["snapname"]) or len(args["snapname"]) > 40):
         raise UsageError(f"400 Parameter verification failed.\nsnapname: invalid format - "

@@ -119,6 +119,68 @@ def test_a_bad_run_id_as_the_operator_types_it(env):
         assert "--run '" in one_line(proc)
 
 
+BAD_CONTAINERS = ["5", "99", "0", "-5", "1000000000", "99999999999999999999"]
+# every command that takes one --container, with what else it needs to get as far as sending
+CONTAINER_COMMANDS = [
+    ["status"], ["tail"], ["tail", "--follow"], ["runs"], ["stop", "--run", "tiny-20261201-114702-3fa9"],
+    ["exec", "--", "true"], ["kill-and-rollback", "--yes"], ["history"], ["export", "--to", "{tmp}/out"],
+    ["env", "list"], ["launch", "--config", str(REPO / "examples" / "tiny.toml"), "--from-scratch"],
+]
+
+
+def test_every_bad_container_id_on_every_command_is_refused_before_anything_is_sent(env, tmp_path, monkeypatch):
+    """A container id outside Proxmox's VMID format went to the node, and pct's parameter
+    verification error came back as exit 1 ("gave no readable reply"). Now: exit 2, one line
+    naming the value and the rule, never a connection (port 1 would say 255)."""
+    from typer.testing import CliRunner
+
+    monkeypatch.setenv("DFLASH_CTL_CONFIG", env["DFLASH_CTL_CONFIG"])
+    app, runner = _app(), CliRunner()
+    for command in CONTAINER_COMMANDS:
+        command = [c.replace("{tmp}", str(tmp_path)) for c in command]
+        where = 2 if command[0] == "env" else 1  # `ctl env list -c N`: a subcommand's option
+        for bad in BAD_CONTAINERS:
+            for form in (["--container", bad], [f"--container={bad}"], ["-c", bad]):
+                result = runner.invoke(app, command[:where] + form + command[where:])
+                assert result.exit_code == CtlExit.USAGE, (command, form, result.exit_code, result.output)
+                lines = [line for line in result.stderr.splitlines() if line.strip()]
+                assert len(lines) == 1 and lines[0].startswith(f"ctl: error: --container {bad}: not a Proxmox VMID"), \
+                    (command, form, result.stderr)
+        assert not (tmp_path / "out").exists()
+
+
+def test_a_bad_container_id_as_the_operator_types_it(env):
+    """Through a real `ctl` process: the one-shot commands' own parser (controller/front.py)
+    and typer's say the same line; a job's NODE:CTID too."""
+    said = set()
+    for args in (["status", "-c", "5"], ["status", "-c5"], ["exec", "-c", "99", "--", "true"], ["exec", "--container=-5", "--", "true"],
+                 ["tail", "--container", "1000000000"]):
+        proc = ctl(env, *args)
+        assert proc.returncode == CtlExit.USAGE, (args, proc.stderr)
+        said.add(one_line(proc).split(": ", 3)[3])
+    assert said == {"not a Proxmox VMID: a container id is an integer from 100 to 999999999, e.g. 200 "
+                    "(`pct list` on the node lists them)"}
+    job = ctl(env, "launch", "-c", "x:200", "-c", "x:5", "--config", REPO / "examples" / "tiny.toml", "--from-scratch")
+    assert job.returncode == CtlExit.USAGE and "--container x:5: not a Proxmox VMID" in one_line(job)
+
+
+@pytest.mark.parametrize("args", [["stop", "-c", "200", "--run", "tiny-20261201-114702-3fa9", "--grace", "nan"],
+                                  ["stop", "-c", "200", "--run", "tiny-20261201-114702-3fa9", "--grace=-1"],
+                                  ["kill-and-rollback", "-c", "200", "--yes", "--grace", "inf"],
+                                  ["tail", "-c", "200", "--follow", "--wait-stopped", "nan"]])
+def test_seconds_that_are_not_a_duration_are_refused(env, args):
+    """`--grace nan` reached the agent (a SIGKILL-or-never comparison); `--wait-stopped nan`
+    passed click's FloatRange(min=0)."""
+    proc = ctl(env, *args)
+    assert proc.returncode == CtlExit.USAGE, proc.stderr
+    assert "is not a number of seconds: give 0 or more" in one_line(proc)
+
+
+def test_a_negative_since_is_refused(env):
+    proc = ctl(env, "tail", "-c", "200", "--since", "-3")
+    assert proc.returncode == CtlExit.USAGE and "--since" in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_the_grammar_is_one_pattern():
     import re
 

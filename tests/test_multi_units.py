@@ -27,7 +27,9 @@ def test_containers_are_ordered_target_first_whatever_order_they_are_named_in():
     (["sim:200", "sim:201"], "sim:200=0;sim:202=0", "sim:201=0", "not a --container of the job"),
     (["sim:200", "sim:201"], "sim:200=0;sim:201=0", "sim:200=0;sim:201=1", "either colocated"),
     (["sim:200", "sim:201"], "sim:200=0;sim:201=0", "sim:200=1;sim:201=1", "at most one container"),
-    (["200x"], "sim:200=0", None, "NODE:CTID"),
+    (["200x"], "sim:200=0", None, "--container 200x: not a Proxmox VMID"),
+    (["sim:200", "sim:5"], "sim:200=0", None, "--container sim:5: not a Proxmox VMID"),  # before sim:5's roles
+    (["x:"], "sim:200=0", None, "not a Proxmox VMID"),
 ])
 def test_a_job_that_cannot_keep_target_first_rank_order_is_refused(containers, targets, drafters, message):
     with pytest.raises(J.JobError, match=message):

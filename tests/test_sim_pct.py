@@ -135,6 +135,20 @@ def test_bad_arguments_exit_255_with_usage(sim_node):
     assert r.rc == 255 and "unknown command 'pct frobnicate'" in r.err
 
 
+def test_a_vmid_is_checked_as_pve_common_checks_it(sim_node):
+    """PVE/JSONSchema.pm: the integer type check, then the pve-vmid format [1-9][0-9]{2,8} —
+    before the schema's minimum 100 and maximum 999999999 are ever reached (the sim said
+    "value must have a minimum value of 100" for 5, and took -5 for a type error)."""
+    for vmid in ("5", "-5", "0200", "+200", "1000000000", "99"):
+        r = pct(sim_node, "exec", vmid, "--", "true")
+        assert r.rc == 255 and "400 Parameter verification failed." in r.err, vmid
+        assert "vmid: invalid format - value does not look like a valid VM ID" in r.err, (vmid, r.err)
+    r = pct(sim_node, "status", "abc")
+    assert r.rc == 255 and "vmid: type check ('integer') failed - got 'abc'" in r.err, r.err
+    r = pct(sim_node, "status", "999999999")  # the largest id there can be: well formed, absent
+    assert r.rc == 255 and r.err == "Configuration file 'nodes/sim/lxc/999999999.conf' does not exist"
+
+
 # --- exec ------------------------------------------------------------------------------------
 def test_exec_keeps_the_callers_environment_by_default(sim_node):
     r = pct(sim_node, "exec", "200", "--", "env")

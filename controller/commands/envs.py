@@ -21,21 +21,20 @@ import typer
 
 from controller import envgen_client as eg
 from controller.commands import remote
-from controller.commands.remote import EXIT_REFUSED, ConfigOpt, NodeOpt, TrustOpt, container_session
+from controller.commands.remote import EXIT_REFUSED, ConfigOpt, NodeOpt, TrustOpt, container_option, container_session
 from controller.rollback import pin_known_good, render_diff
 
 
 group = typer.Typer(help="The environment of a container: its variables (no subcommand) and its venv generations.",
                     invoke_without_command=True)
 
-OptContainer = typer.Option(..., "--container", "-c", help="container id (Proxmox VMID), e.g. 200")
+OptContainer = container_option(..., "container id (Proxmox VMID), e.g. 200")
 
 
 @group.callback()
 def env_root(
     ctx: typer.Context,
-    container: Optional[int] = typer.Option(None, "--container", "-c",
-                                            help="container id: print the environment a process there gets"),
+    container: Optional[int] = container_option(None, "container id: print the environment a process there gets"),
     node: Optional[str] = NodeOpt,
     config: Optional[str] = ConfigOpt,
     trust_new_host_key: bool = TrustOpt,

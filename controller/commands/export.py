@@ -31,7 +31,7 @@ from typing import Callable, Optional
 import typer
 
 from controller.commands.remote import (EXIT_CONFIG, EXIT_CONTAINER, EXIT_INTERRUPTED, TrustOpt, container_session, fail,
-                                        run_option)
+                                        container_option, run_option)
 
 EXPORTS_DIR = ".dflash-ctl/exports"  # under the workspace; one temp dir per export, always removed
 
@@ -212,9 +212,8 @@ def fetch(ct, caller, run_dir: str, step: Optional[int], dtype: str, dest: Path,
 
 
 def export_command(
-    container: Optional[int] = typer.Option(None, "--container", "-c",
-                                            help="container id (default: the last launch's); for a job, any of its "
-                                                 "containers or none with --run"),
+    container: Optional[int] = container_option(None, "container id (default: the last launch's); for a job, any "
+                                                      "of its containers or none with --run"),
     run: Optional[str] = run_option("run id (default: the latest run in the container)"),
     step: Optional[int] = typer.Option(None, "--step", metavar="N",
                                        help="export the checkpoint of step N (default: the run's newest complete one)"),

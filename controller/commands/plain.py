@@ -72,6 +72,26 @@ def run_id_checked(value: Optional[str]) -> Optional[str]:
     return value
 
 
+def container_checked(value: Optional[int]) -> Optional[int]:
+    """Every `--container` that takes one id: a Proxmox VMID (controller/vmid.py), checked
+    before any connection is opened (pct's own refusal came back as exit 1 from the node)."""
+    if value is None:
+        return None
+    from controller import vmid
+
+    problem = vmid.problem(value)
+    if problem:
+        raise fail(f"--container {value}: {problem}", EXIT_CONFIG)
+    return value
+
+
+def seconds_checked(value: Optional[float]) -> Optional[float]:
+    """Options that take seconds: finite and not negative (click's FloatRange lets nan in)."""
+    if value is not None and not 0 <= value < float("inf"):
+        raise fail(f"{value} is not a number of seconds: give 0 or more, e.g. 30", EXIT_CONFIG)
+    return value
+
+
 @contextlib.contextmanager
 def container_session(container: int, node: Optional[str], config_path: Optional[str],
                       trust_new_host_key: bool, one_shot: bool = False) -> Iterator[Container]:

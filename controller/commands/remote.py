@@ -13,10 +13,25 @@ import typer
 
 from controller.commands.plain import (ENV_STATS, EXIT_CONFIG, EXIT_CONTAINER, EXIT_FAILED,  # noqa: F401 - the
                                        EXIT_INTERRUPTED, EXIT_NOT_DONE, EXIT_REFUSED, EXIT_RESTARTED,  # names the
-                                       EXIT_TRANSPORT, container_session, exec_in, fail,  # command modules
-                                       run_id_checked)  # import from here
+                                       EXIT_TRANSPORT, container_checked, container_session,  # command
+                                       exec_in, fail, run_id_checked, seconds_checked)  # modules import from here
 
-ContainerOpt = typer.Option(..., "--container", "-c", help="container id (Proxmox VMID), e.g. 200")
+def check_container_option(value: Optional[int]) -> Optional[int]:
+    """The callback of every `--container` option taking one id (plain.container_checked)."""
+    return container_checked(value)
+
+
+def container_option(default, help: str) -> typer.models.OptionInfo:  # noqa: A002 - typer's own word
+    """A `--container`/`-c` option with the VMID check."""
+    return typer.Option(default, "--container", "-c", help=help, callback=check_container_option)
+
+
+def check_seconds_option(value: Optional[float]) -> Optional[float]:
+    """The callback of options that take seconds (plain.seconds_checked)."""
+    return seconds_checked(value)
+
+
+ContainerOpt = container_option(..., "container id (Proxmox VMID), e.g. 200")
 NodeOpt = typer.Option(None, "--node", "-n", help="node name from the config (default: the only one / default_node)")
 ConfigOpt = typer.Option(None, "--config", help="controller config file (default: $DFLASH_CTL_CONFIG, "
                                                  "else ~/.config/dflash-ctl/config.toml)")

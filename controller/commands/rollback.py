@@ -19,13 +19,12 @@ from controller.commands.remote import EXIT_REFUSED, ConfigOpt, ContainerOpt, No
 
 
 def kill_and_rollback_command(
-    container: Optional[int] = typer.Option(None, "--container", "-c",
-                                            help="container id (Proxmox VMID), e.g. 200; not needed for a job's "
-                                                 "--run (every container of the job is acted on)"),
+    container: Optional[int] = remote.container_option(None, "container id (Proxmox VMID), e.g. 200; not needed "
+                                                             "for a job's --run (every container of the job is acted on)"),
     run: Optional[str] = remote.run_option("run id (default: the live run, else the newest)"),
     to: str = typer.Option("last-good", "--to", help="last-good | env:GENERATION | snapshot:NAME"),
-    grace: float = typer.Option(60.0, "--grace", help="seconds between SIGTERM and SIGKILL (the trainer "
-                                                      "checkpoints in between)"),
+    grace: float = typer.Option(60.0, "--grace", callback=remote.check_seconds_option,
+                                help="seconds between SIGTERM and SIGKILL (the trainer checkpoints in between)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the plan, change nothing"),
     yes: bool = typer.Option(False, "--yes", "-y", help="do not ask before stopping and rolling back"),
     node: Optional[str] = NodeOpt,

@@ -18,7 +18,8 @@ from typing import Optional
 import typer
 
 from controller.commands import watch
-from controller.commands.remote import TrustOpt, container_session, fail, run_option
+from controller.commands.remote import (TrustOpt, check_seconds_option, container_option, container_session, fail,
+                                        run_option)
 from controller.commands.watch import container_or_last_launch, resolve_run
 from controller.tail import STOPPED_WAIT_S
 
@@ -26,7 +27,7 @@ from controller.tail import STOPPED_WAIT_S
 NodeOpt = typer.Option(None, "--node", "-n", help="node name from the controller config (default: default_node)")
 CtlConfigOpt = typer.Option(None, "--ctl-config", help="controller config (default: $DFLASH_CTL_CONFIG, else "
                                                        "~/.config/dflash-ctl/config.toml)")
-ContainerOpt = typer.Option(None, "--container", "-c", help="container id (default: the last launch's)")
+ContainerOpt = container_option(None, "container id (default: the last launch's)")
 RunOpt = run_option("run id (default: the latest run in the container)")
 
 
@@ -36,9 +37,10 @@ def tail_command(
     container: Optional[int] = ContainerOpt,
     run: Optional[str] = RunOpt,
     follow: bool = typer.Option(False, "--follow", "-f", help="keep following until the run ends (Ctrl-C detaches)"),
-    since: int = typer.Option(0, "--since", metavar="SEQ", help="only records after this seq"),
+    since: int = typer.Option(0, "--since", metavar="SEQ", min=0, help="only records after this seq"),
     raw: bool = typer.Option(False, "--json", help="print the stream's records as JSON lines"),
-    stopped_wait: float = typer.Option(STOPPED_WAIT_S, "--wait-stopped", metavar="SECONDS", min=0,
+    stopped_wait: float = typer.Option(STOPPED_WAIT_S, "--wait-stopped", metavar="SECONDS",
+                                       callback=check_seconds_option,
                                        help="with --follow: how long to wait for a stopped container to run again "
                                             "before saying the run died with it (exit code 5)"),
     node: Optional[str] = NodeOpt,
@@ -105,7 +107,8 @@ def _stamp(run_id: str) -> str:
 def stop_command(
     container: Optional[int] = ContainerOpt,
     run: str = typer.Option(..., "--run", "-r", help="the run to stop (`ctl runs` lists them)"),
-    grace: float = typer.Option(30.0, "--grace", help="seconds between SIGTERM and SIGKILL"),
+    grace: float = typer.Option(30.0, "--grace", callback=check_seconds_option,
+                                help="seconds between SIGTERM and SIGKILL"),
     node: Optional[str] = NodeOpt,
     ctl_config: Optional[str] = CtlConfigOpt,
     trust_new_host_key: bool = TrustOpt,
