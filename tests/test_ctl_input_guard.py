@@ -176,6 +176,26 @@ def test_seconds_that_are_not_a_duration_are_refused(env, args):
     assert "is not a number of seconds: give 0 or more" in one_line(proc)
 
 
+def test_an_empty_export_destination_is_refused_not_taken_for_the_current_directory(env, tmp_path):
+    """`ctl export --to "$DEST"` with DEST unset: Path("") is ".", which was then judged as
+    the destination ("--to /home/me is not empty")."""
+    for to in ("", "  "):
+        proc = subprocess.run(CTL + ["export", "-c", "200", "--run", "tiny-20261201-114702-3fa9", "--to", to],
+                              env=env, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+        assert proc.returncode == CtlExit.USAGE
+        assert f"--to {to!r}: the destination is empty" in one_line(proc)
+    assert [p.name for p in tmp_path.iterdir()] == ["ctl.toml"]  # the env fixture's; nothing was written
+    step = ctl(env, "export", "-c", "200", "--step", "-1", "--to", tmp_path / "out")
+    assert step.returncode == CtlExit.USAGE and "--step" in step.stderr and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("option", ["--resume-from", "--init-from"])
+def test_an_empty_checkpoint_is_named_not_taken_for_no_start_decision(env, option):
+    proc = ctl(env, "launch", "-c", "200", "--config", REPO / "examples" / "tiny.toml", option, "")
+    assert proc.returncode == CtlExit.USAGE
+    assert f"{option} '': the checkpoint path is empty" in one_line(proc)
+
+
 def test_a_negative_since_is_refused(env):
     proc = ctl(env, "tail", "-c", "200", "--since", "-3")
     assert proc.returncode == CtlExit.USAGE and "--since" in proc.stderr and "Traceback" not in proc.stderr

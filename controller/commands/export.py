@@ -215,10 +215,10 @@ def export_command(
     container: Optional[int] = container_option(None, "container id (default: the last launch's); for a job, any "
                                                       "of its containers or none with --run"),
     run: Optional[str] = run_option("run id (default: the latest run in the container)"),
-    step: Optional[int] = typer.Option(None, "--step", metavar="N",
+    step: Optional[int] = typer.Option(None, "--step", metavar="N", min=0,
                                        help="export the checkpoint of step N (default: the run's newest complete one)"),
-    to: Path = typer.Option(..., "--to", metavar="DIR", help="where the drafter directory goes on this machine; "
-                                                             "must be absent or empty"),
+    to: str = typer.Option(..., "--to", metavar="DIR", help="where the drafter directory goes on this machine; "
+                                                            "must be absent or empty"),
     dtype: str = typer.Option("bf16", "--dtype", help="weight dtype: bf16 (what the serving stacks run) or fp32"),
     node: Optional[str] = typer.Option(None, "--node", "-n", help="node name from the controller config"),
     ctl_config: Optional[str] = typer.Option(None, "--ctl-config", help="controller config (default: "
@@ -238,7 +238,9 @@ def export_command(
 
     if dtype not in ("bf16", "fp32"):
         raise fail(f"--dtype {dtype}: expected bf16 or fp32", EXIT_CONFIG)
-    dest = to.expanduser().absolute()
+    if not to.strip():  # an unset $DEST: Path("") would be the current directory
+        raise fail(f"--to {to!r}: the destination is empty; name a new or empty directory", EXIT_CONFIG)
+    dest = Path(to).expanduser().absolute()
     try:
         earlier = check_destination(dest)
     except ExportFailed as exc:
