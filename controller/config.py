@@ -50,6 +50,14 @@ def _check(where: str, value: Any, kind: type, optional: bool = False) -> None:
                        value)
 
 
+def _ssh_word(where: str, value: str, what: str) -> None:
+    """A host or user name as ssh takes it: not empty (ssh would try to resolve ""), no space
+    or control character, not option-like (the argv ends options with "--" anyway)."""
+    if not value or value.startswith("-") or any(c.isspace() or not c.isprintable() for c in value):
+        raise _Invalid(where, f"must be a {what}: not empty, no spaces or control characters, not starting "
+                              "with '-'", value)
+
+
 def _absolute(where: str, value: str) -> str:
     _check(where, value, str)
     if not value.startswith("/"):
@@ -105,12 +113,15 @@ class NodeConfig:
 
     def __post_init__(self) -> None:
         _check("host", self.host, str)
+        _ssh_word("host", self.host, "hostname, IP address or ~/.ssh/config alias")
         if self.port is not None:
             _check("port", self.port, int)
             if not 1 <= self.port <= 65535:
                 raise _Invalid("port", "must be between 1 and 65535", self.port)
         for name in ("user", "identity_file", "known_hosts", "proxy_jump"):
             _check(name, getattr(self, name), str, optional=True)
+        if self.user is not None:
+            _ssh_word("user", self.user, "login name")
         if self.control_persist is not None:
             _check("control_persist", self.control_persist, int)
             if self.control_persist < 0:

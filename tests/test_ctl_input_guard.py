@@ -196,6 +196,22 @@ def test_an_empty_checkpoint_is_named_not_taken_for_no_start_decision(env, optio
     assert f"{option} '': the checkpoint path is empty" in one_line(proc)
 
 
+@pytest.mark.parametrize("field,value", [("host", ""), ("host", "-oProxyCommand=touch /tmp/x"), ("host", "node 1"),
+                                         ("host", "node\u00001"), ("user", ""), ("user", "-oProxyCommand=x"),
+                                         ("user", "ro ot")])
+def test_a_node_host_or_user_ssh_cannot_take_is_refused_in_the_config(env, tmp_path, field, value):
+    """host = "" was tried four times as ":22" before the error; an option-like host or user
+    never reached ssh's argv (it ends options with "--") but is refused all the same."""
+    import json
+
+    node = {"host": "127.0.0.1", "port": 1, "user": "root", field: value}
+    config = tmp_path / "bad.toml"
+    config.write_text("[nodes.x]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in node.items()))
+    proc = ctl({**env, "DFLASH_CTL_CONFIG": str(config)}, "status", "-c", "200")
+    assert proc.returncode == CtlExit.USAGE, proc.stderr
+    assert f"nodes.x.{field}: must be a " in one_line(proc) and "cannot connect" not in proc.stderr
+
+
 def test_a_negative_since_is_refused(env):
     proc = ctl(env, "tail", "-c", "200", "--since", "-3")
     assert proc.returncode == CtlExit.USAGE and "--since" in proc.stderr and "Traceback" not in proc.stderr
