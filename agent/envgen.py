@@ -550,9 +550,23 @@ def op_adopt(store: Store) -> dict:
         return {"current": gid, "adopted": was is None, "resumed": resumed}
 
 
+def requirement_problem(spec: str) -> Optional[str]:
+    """Why ``spec`` cannot be one requirement for pip, or None. pip reads a word that starts
+    with '-' as its own option (-e PATH, -r FILE, --index-url URL), not as a requirement."""
+    if not spec.strip():
+        return "a requirement cannot be empty; name a package, e.g. 'torch==2.9.1'"
+    if spec.lstrip().startswith("-"):
+        return (f"{spec!r} is a pip option, not a requirement: name packages, e.g. 'torch==2.9.1' "
+                "(offline wheels: --wheelhouse DIR)")
+    return None
+
+
 def op_install(store: Store, specs: list[str], wheelhouse: Optional[str], pip_args: list[str]) -> dict:
     if not specs:
         raise Refused("name at least one requirement to install, e.g. 'torch==2.9.1'")
+    for spec in specs:
+        if requirement_problem(spec):
+            raise Refused(requirement_problem(spec))
     if wheelhouse and not os.path.isdir(wheelhouse):
         raise Refused(f"wheelhouse {wheelhouse} does not exist in this container; copy the wheels "
                       f"there or bind-mount the node's wheelhouse")

@@ -212,6 +212,13 @@ def test_a_node_host_or_user_ssh_cannot_take_is_refused_in_the_config(env, tmp_p
     assert f"nodes.x.{field}: must be a " in one_line(proc) and "cannot connect" not in proc.stderr
 
 
+@pytest.mark.parametrize("spec", ["-e", "--index-url=http://x/simple", "-r/etc/passwd", ""])
+def test_a_pip_option_given_as_a_requirement_is_refused_before_connecting(env, spec):
+    proc = ctl(env, "env", "install", "-c", "200", "--", spec)
+    assert proc.returncode == CtlExit.USAGE, proc.stderr
+    assert "not a requirement" in one_line(proc) or "cannot be empty" in one_line(proc)
+
+
 def test_a_negative_since_is_refused(env):
     proc = ctl(env, "tail", "-c", "200", "--since", "-3")
     assert proc.returncode == CtlExit.USAGE and "--since" in proc.stderr and "Traceback" not in proc.stderr

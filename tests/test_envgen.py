@@ -115,6 +115,12 @@ def test_install_of_the_same_set_reuses_the_generation(venv, wheelhouse):
     (("switch", "feedbeef0000"), "does not exist"),
     (("install", "dflashprobe==9.9", "--wheelhouse", "WH"), "nothing changed"),
     (("install", "dflashprobe==2.0", "--wheelhouse", "/nonexistent/wh"), "wheelhouse /nonexistent/wh does not exist"),
+    # pip would read these as its own options (an editable path, another index); after "--"
+    # argparse hands them over as requirements and the refusal names them
+    (("install", "--wheelhouse", "WH", "--", "-e", "/tmp"), "'-e' is a pip option, not a requirement"),
+    (("install", "--wheelhouse", "WH", "--", "--index-url=http://127.0.0.1:1/simple", "dflashprobe==2.0"),
+     "is a pip option, not a requirement"),
+    (("install", "--wheelhouse", "WH", "--", " "), "a requirement cannot be empty"),
 ])
 def test_refusals_change_nothing(venv, wheelhouse, args, words):
     envgen(venv, "adopt")

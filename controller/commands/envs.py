@@ -129,11 +129,18 @@ def install_command(specs: List[str] = typer.Argument(..., help="requirements, e
                     trust_new_host_key: bool = TrustOpt) -> None:
     """Build a new generation with SPECS beside the current one and switch to it (atomic);
     the old generation is kept for `ctl kill-and-rollback`."""
+    from agent.envgen import requirement_problem
+
+    for spec in specs:  # before connecting; the container's envgen holds to the same rule
+        if requirement_problem(spec):
+            raise remote.fail(requirement_problem(spec), remote.EXIT_CONFIG)
     with _session(container, node, config, trust_new_host_key) as ct:
         if not force:
             _refuse_if_live(ct)
         typer.echo(f"building a new generation of {ct.config.venv} in container {container}: {' '.join(specs)} …")
-        body = _guard(lambda: eg.envgen(ct, "install", *specs, *(["--wheelhouse", wheelhouse] if wheelhouse else [])))
+        # "--": the requirements are positional there, whatever they look like
+        body = _guard(lambda: eg.envgen(ct, "install", *(["--wheelhouse", wheelhouse] if wheelhouse else []),
+                                        "--", *specs))
         # After the install: the first one adopts the venv, only then can the known-good
         # run's generation be found and pinned.
         pin_known_good(ct)
