@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import json
 import shlex
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
@@ -97,11 +98,25 @@ class Plan:
         return out
 
 
+# A generation as agent/envgen.py resolves it: current (or @), its id or a prefix of one, with
+# or without the gen- of its directory name.
+_GENERATION_REF = re.compile(r"current|@|(gen-)?[0-9a-f]{1,64}")
+
+
 def parse_to(text: str) -> tuple[str, Optional[str]]:
+    """``--to``'s target, checked before anything connects; RollbackRefused names what is wrong."""
     if text in ("last-good", "known-good"):
         return "last-good", None
     kind, sep, ref = text.partition(":")
-    if sep and kind in ("env", "snapshot") and ref:
+    if sep and kind == "env" and _GENERATION_REF.fullmatch(ref):
+        return kind, ref
+    if sep and kind == "env":
+        raise RollbackRefused(f"--to {text!r}: a generation is its id (hex, a unique prefix will do) or current; "
+                              "`ctl env list` shows them")
+    if sep and kind == "snapshot" and ref:
+        why = snaps.name_problem(ref)
+        if why:
+            raise RollbackRefused(f"--to {text!r}: {why}")
         return kind, ref
     raise RollbackRefused(f"--to {text!r}: give last-good, env:GENERATION or snapshot:NAME")
 

@@ -55,6 +55,15 @@ class Snapshot:
         return m.group(1) if m else None
 
 
+def name_problem(name: str) -> Optional[str]:
+    """Why Proxmox would refuse ``name`` as a snapshot name (pve-snapshot-name: the
+    pve-configid format, at most 40 characters), or None."""
+    if not _VALID.match(name) or len(name) > 40:
+        return ("a Proxmox snapshot name is a letter, then letters, digits, '-' or '_', at most 40 characters "
+                "(`ctl kill-and-rollback --dry-run` lists the container's snapshots)")
+    return None
+
+
 def snapshot_name(run_id: str) -> str:
     """``ctl-<run>`` made valid for Proxmox (letters, digits, - and _; at most 40 chars)."""
     body = re.sub(r"[^a-z0-9_-]+", "-", run_id.lower()).strip("-") or "run"
@@ -127,8 +136,8 @@ def find_snapshot(ct: Container, name: str) -> Snapshot:
 def rollback(ct: Container, name: str, wait_s: float = 120.0) -> float:
     """``pct rollback`` (hard-stops the container), ``pct start``, wait until a command runs
     in it. Returns the seconds the container took to answer again."""
-    if not _VALID.match(name):
-        raise SnapshotMissing(f"{name!r} is not a valid Proxmox snapshot name")
+    if name_problem(name):
+        raise SnapshotMissing(f"{name!r}: {name_problem(name)}")
     result = _pct(ct, "rollback", ct.ctid, name)
     if result.failed:
         text = result.stderr + result.stdout

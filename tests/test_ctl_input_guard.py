@@ -219,6 +219,30 @@ def test_a_pip_option_given_as_a_requirement_is_refused_before_connecting(env, s
     assert "not a requirement" in one_line(proc) or "cannot be empty" in one_line(proc)
 
 
+@pytest.mark.parametrize("to,said", [("snapshot:../x", "a Proxmox snapshot name is a letter"),
+                                     ("snapshot:" + "a" * 41, "a Proxmox snapshot name is a letter"),
+                                     ("env:../../etc", "a generation is its id"), ("env:zz", "a generation is its id"),
+                                     ("bogus", "give last-good, env:GENERATION or snapshot:NAME"),
+                                     ("snapshot:", "give last-good")])
+def test_a_rollback_target_that_cannot_exist_is_refused_before_connecting(env, to, said):
+    """--to was parsed only after connecting and claiming the container."""
+    for command in (["kill-and-rollback", "-c", "200", "--yes"], ["kill-and-rollback", "-c", "200", "--dry-run"],
+                    ["kill-and-rollback", "--run", "tiny-20261201-114702-3fa9", "--yes"]):
+        proc = ctl(env, *command, "--to", to)
+        assert proc.returncode == CtlExit.USAGE, (command, proc.stderr)
+        assert f"--to {to!r}: {said}" in one_line(proc)
+
+
+def test_the_rollback_targets_an_operator_names_still_parse():
+    from controller.rollback import parse_to
+
+    assert parse_to("last-good") == ("last-good", None) and parse_to("known-good") == ("last-good", None)
+    for ref in ("current", "@", "3f2a9c0d1b7e", "3f2a", "gen-3f2a9c0d1b7e"):
+        assert parse_to(f"env:{ref}") == ("env", ref)
+    for name in ("ctl-tiny-20261201-114702-3fa9", "before_upgrade", "a1"):
+        assert parse_to(f"snapshot:{name}") == ("snapshot", name)
+
+
 def test_a_negative_since_is_refused(env):
     proc = ctl(env, "tail", "-c", "200", "--since", "-3")
     assert proc.returncode == CtlExit.USAGE and "--since" in proc.stderr and "Traceback" not in proc.stderr

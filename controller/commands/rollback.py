@@ -18,11 +18,21 @@ from controller.commands.remote import EXIT_NOT_DONE as EXIT_ABORTED
 from controller.commands.remote import EXIT_REFUSED, ConfigOpt, ContainerOpt, NodeOpt, TrustOpt, container_session
 
 
+def _checked_target(value: str) -> str:
+    """``--to`` as controller/rollback.py parses it, before anything connects."""
+    try:
+        rb.parse_to(value)
+    except rb.RollbackRefused as exc:
+        raise remote.fail(str(exc), remote.EXIT_CONFIG) from None
+    return value
+
+
 def kill_and_rollback_command(
     container: Optional[int] = remote.container_option(None, "container id (Proxmox VMID), e.g. 200; not needed "
                                                              "for a job's --run (every container of the job is acted on)"),
     run: Optional[str] = remote.run_option("run id (default: the live run, else the newest)"),
-    to: str = typer.Option("last-good", "--to", help="last-good | env:GENERATION | snapshot:NAME"),
+    to: str = typer.Option("last-good", "--to", callback=_checked_target,
+                           help="last-good | env:GENERATION | snapshot:NAME"),
     grace: float = typer.Option(60.0, "--grace", callback=remote.check_seconds_option,
                                 help="seconds between SIGTERM and SIGKILL (the trainer checkpoints in between)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the plan, change nothing"),
