@@ -14,7 +14,7 @@ without anyone keeping a copy. Layout::
     [baseline]                    # when a run counts as known good (steady state)
 
 Path values may use ``{run_id}``, ``{run_dir}`` and ``{workspace}``; they are filled in at
-launch. The start decision is *not* part of a config: a file is reused across launches, so a
+launch. A path in the container is absolute (or starts with ``{run_dir}`` or ``{workspace}``). The start decision is *not* part of a config: a file is reused across launches, so a
 stored ``resume-from`` would be exactly the implicit resume this product exists to prevent.
 """
 
@@ -93,11 +93,22 @@ def _toml_text(value: Any) -> str:
     return ("true" if value else "false") if isinstance(value, bool) else repr(value)
 
 
+def container_path_problem(value: str, example: str = "/workspace/data") -> Optional[str]:
+    """Why ``value`` cannot name a path in the container, or None. A relative path meant
+    whatever directory the process judging it ran in: the preflight and the trainer do not
+    share one, so `--data-dir tiny/data` was refused or accepted by accident."""
+    if value.startswith("/") or value.startswith(("{run_dir}", "{workspace}")):
+        return None
+    return f"must be an absolute path inside the container, or start with {{run_dir}} or {{workspace}}, e.g. {example}"
+
+
 def _parser(flag: flags.Flag):
     def parse(value: Any) -> Any:
         if value is None:
             return None
         value = exact(flag.kind, value)
+        if flag.kind == "path" and isinstance(value, str) and container_path_problem(value):
+            raise ValueError(container_path_problem(value))
         if flag.kind in ("gpus", "layers") and isinstance(value, (list, tuple)):
             return flags.parse_gpus(list(value))
         if flag.kind in ("gpus", "layers", "budget"):
@@ -466,6 +477,9 @@ def start_decision(from_scratch: bool, resume_from: Optional[str], init_from: Op
         if value is not None and not value.strip():  # an unset $CKPT: not "no start decision"
             raise RunConfigError(f"{option} {value!r}: the checkpoint path is empty; name the checkpoint "
                                  "(`ctl status` shows a run's last one)")
+        why = None if value is None else container_path_problem(value, "/workspace/runs/RUN/output/step_N/checkpoint.pt")
+        if why:
+            raise RunConfigError(f"{option} {value!r}: the checkpoint path {why}")
     chosen = {"from_scratch": bool(from_scratch), "resume_from": resume_from or None, "init_from": init_from or None}
     names = flags.start_decision(chosen)
     if not names:

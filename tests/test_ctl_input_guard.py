@@ -243,6 +243,30 @@ def test_the_rollback_targets_an_operator_names_still_parse():
         assert parse_to(f"snapshot:{name}") == ("snapshot", name)
 
 
+@pytest.mark.parametrize("args,said", [
+    (["--from-scratch", "--data-dir", "tiny/data"], "[trainer] data-dir = 'tiny/data': must be an absolute path"),
+    (["--from-scratch", "--target-model", "./target"], "[trainer] target-model = './target': must be an absolute path"),
+    (["--from-scratch", "--set", "output-dir={run_id}/out"], "output-dir = '{run_id}/out': must be an absolute path"),
+    (["--resume-from", "output/step_4/checkpoint.pt"], "--resume-from 'output/step_4/checkpoint.pt': the checkpoint "
+                                                       "path must be an absolute path"),
+    (["--init-from", "ckpt.pt"], "--init-from 'ckpt.pt': the checkpoint path must be an absolute path"),
+])
+def test_a_relative_container_path_is_refused_before_connecting(env, args, said):
+    """A relative path meant the directory of whichever process judged it: the preflight
+    refused `--data-dir tiny/data` as missing from its own directory, where the trainer, in
+    another, might have found it."""
+    proc = ctl(env, "launch", "-c", "200", "--config", REPO / "examples" / "tiny.toml", *args)
+    assert proc.returncode == CtlExit.USAGE, proc.stderr
+    assert said in one_line(proc)
+
+
+def test_container_paths_an_operator_writes_still_pass():
+    from controller.runconfig import container_path_problem
+
+    for path in ("/workspace/tiny/data", "{run_dir}/output", "{workspace}/data", "/"):
+        assert container_path_problem(path) is None, path
+
+
 def test_a_negative_since_is_refused(env):
     proc = ctl(env, "tail", "-c", "200", "--since", "-3")
     assert proc.returncode == CtlExit.USAGE and "--since" in proc.stderr and "Traceback" not in proc.stderr
