@@ -564,9 +564,9 @@ def requirement_problem(spec: str) -> Optional[str]:
 def op_install(store: Store, specs: list[str], wheelhouse: Optional[str], pip_args: list[str]) -> dict:
     if not specs:
         raise Refused("name at least one requirement to install, e.g. 'torch==2.9.1'")
-    for spec in specs:
-        if requirement_problem(spec):
-            raise Refused(requirement_problem(spec))
+    why = next(filter(None, map(requirement_problem, specs)), None)
+    if why:
+        raise Refused(why)
     if wheelhouse and not os.path.isdir(wheelhouse):
         raise Refused(f"wheelhouse {wheelhouse} does not exist in this container; copy the wheels "
                       f"there or bind-mount the node's wheelhouse")

@@ -136,8 +136,9 @@ class NodeConfig:
         fixed = {}
         for key, value in self.containers.items():
             key = str(key)
-            if vmid.problem(key):
-                raise _Invalid("containers", f"container id {key!r}: {vmid.problem(key)}")
+            why = vmid.problem(key)
+            if why:
+                raise _Invalid("containers", f"container id {key!r}: {why}")
             if isinstance(value, dict):
                 value = _build(ContainerConfig, value, f"containers.{key}")
             fixed[key] = value

@@ -83,8 +83,9 @@ def parse_container(text: str, default_node: Optional[str]) -> tuple[str, str]:
     node = node or default_node or ""
     if not node:
         raise JobError(f"--container {text!r}: a job names each container as NODE:CTID, e.g. sim:200")
-    if vmid.problem(ctid):
-        raise JobError(f"--container {text}: {vmid.problem(ctid)}")
+    why = vmid.problem(ctid)
+    if why:
+        raise JobError(f"--container {text}: {why}")
     return node, ctid
 
 

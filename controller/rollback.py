@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import shlex
 import re
+import shlex
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional

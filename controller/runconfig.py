@@ -14,8 +14,9 @@ without anyone keeping a copy. Layout::
     [baseline]                    # when a run counts as known good (steady state)
 
 Path values may use ``{run_id}``, ``{run_dir}`` and ``{workspace}``; they are filled in at
-launch. A path in the container is absolute (or starts with ``{run_dir}`` or ``{workspace}``). The start decision is *not* part of a config: a file is reused across launches, so a
-stored ``resume-from`` would be exactly the implicit resume this product exists to prevent.
+launch. A path in the container is absolute (or starts with ``{run_dir}`` or ``{workspace}``).
+The start decision is *not* part of a config: a file is reused across launches, so a stored
+``resume-from`` would be exactly the implicit resume this product exists to prevent.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ def container_path_problem(value: str, example: str = "/workspace/data") -> Opti
     """Why ``value`` cannot name a path in the container, or None. A relative path meant
     whatever directory the process judging it ran in: the preflight and the trainer do not
     share one, so `--data-dir tiny/data` was refused or accepted by accident."""
-    if value.startswith("/") or value.startswith(("{run_dir}", "{workspace}")):
+    if value.startswith(("/", "{run_dir}", "{workspace}")):
         return None
     return f"must be an absolute path inside the container, or start with {{run_dir}} or {{workspace}}, e.g. {example}"
 
@@ -107,8 +108,9 @@ def _parser(flag: flags.Flag):
         if value is None:
             return None
         value = exact(flag.kind, value)
-        if flag.kind == "path" and isinstance(value, str) and container_path_problem(value):
-            raise ValueError(container_path_problem(value))
+        why = container_path_problem(value) if flag.kind == "path" and isinstance(value, str) else None
+        if why:
+            raise ValueError(why)
         if flag.kind in ("gpus", "layers") and isinstance(value, (list, tuple)):
             return flags.parse_gpus(list(value))
         if flag.kind in ("gpus", "layers", "budget"):

@@ -136,8 +136,9 @@ def find_snapshot(ct: Container, name: str) -> Snapshot:
 def rollback(ct: Container, name: str, wait_s: float = 120.0) -> float:
     """``pct rollback`` (hard-stops the container), ``pct start``, wait until a command runs
     in it. Returns the seconds the container took to answer again."""
-    if name_problem(name):
-        raise SnapshotMissing(f"{name!r}: {name_problem(name)}")
+    why = name_problem(name)
+    if why:
+        raise SnapshotMissing(f"{name!r}: {why}")
     result = _pct(ct, "rollback", ct.ctid, name)
     if result.failed:
         text = result.stderr + result.stdout

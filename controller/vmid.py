@@ -1,8 +1,8 @@
 """A container id as Proxmox takes it: pve-common's ``pve-vmid`` (PVE/JSONSchema.pm), an
 integer written ``[1-9][0-9]{2,8}``, so 100 to 999,999,999. Checked before a node is
 contacted: `ctl status -c 5` is one line naming the rule, not pct's parameter verification
-error relayed from the node with exit 1. Standard library only (controller/front.py's one-shot
-commands never load typer)."""
+error relayed from the node with exit 1. Standard library only (the config and the one-shot
+commands' front never load typer)."""
 
 from __future__ import annotations
 
@@ -23,10 +23,3 @@ def problem(value: object) -> Optional[str]:
     return (f"not a Proxmox VMID: a container id is an integer from {VMID_MIN} to {VMID_MAX}, e.g. 200 "
             "(`pct list` on the node lists them)")
 
-
-def vmid(value: object) -> int:
-    """The container id ``value`` names; ValueError with ``problem``'s line otherwise."""
-    why = problem(value)
-    if why:
-        raise ValueError(f"{value}: {why}")
-    return int(str(value).strip())

@@ -100,14 +100,14 @@ def test_a_step_built_without_the_cli_resolves_auto_itself():
 
 
 def test_an_explicit_flash_that_cannot_run_is_refused_up_front_with_the_fix(tmp_path, capsys):
+    from _trainer_tiny import base_args
     from trainer.__main__ import main
 
     (tmp_path / "t").mkdir()
     (tmp_path / "t" / "config.json").write_text(json.dumps(QWEN3_TINY))
-    base = ["--target-model", str(tmp_path / "t"), "--data-dir", str(tmp_path / "d"), "--output-dir",
-            str(tmp_path / "out"), "--target-gpus", "0", "--drafter-gpus", "0", "--from-scratch",
-            "--device", "cpu", "--token-budget", "192"]
-    assert main(base + ["--attention-kernel", "flash"]) == flags.EXIT_USAGE
+    args = base_args(str(tmp_path / "t"), str(tmp_path / "d"), str(tmp_path / "out"), "--from-scratch",
+                     "--attention-kernel", "flash")
+    assert main(args) == flags.EXIT_USAGE
     err = capsys.readouterr().err
     assert "--attention-kernel flash: this run is on CPU; install flash-attn-4" in err
     assert "or use --attention-kernel triton" in err and "Traceback" not in err

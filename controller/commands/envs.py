@@ -131,9 +131,9 @@ def install_command(specs: List[str] = typer.Argument(..., help="requirements, e
     the old generation is kept for `ctl kill-and-rollback`."""
     from agent.envgen import requirement_problem
 
-    for spec in specs:  # before connecting; the container's envgen holds to the same rule
-        if requirement_problem(spec):
-            raise remote.fail(requirement_problem(spec), remote.EXIT_CONFIG)
+    why = next(filter(None, map(requirement_problem, specs)), None)  # before connecting; envgen holds to it too
+    if why:
+        raise remote.fail(why, remote.EXIT_CONFIG)
     with _session(container, node, config, trust_new_host_key) as ct:
         if not force:
             _refuse_if_live(ct)

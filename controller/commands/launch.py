@@ -17,13 +17,13 @@ from typing import List, Optional
 
 import typer
 
+from controller import vmid
 from controller.commands.remote import (EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_REFUSED, EXIT_TRANSPORT, TrustOpt,
                                         container_session, fail)
 from controller.commands.run import CtlConfigOpt, NodeOpt
 from controller.commands.watch import _follow
 from controller.container import Container
 from controller.jobview import remember
-from controller import vmid
 
 
 def _help(flag: str) -> str:
@@ -106,8 +106,9 @@ def launch_command(
                                         drafter_gpus=drafter_gpus, accept_drift=accept_drift, follow=follow,
                                         json_out=json_out, wandb_key=wandb_key, ctl_config=ctl_config,
                                         trust_new_host_key=trust_new_host_key, share_gpus=share_gpus))
-    if vmid.problem(container[0]):
-        raise fail(f"--container {container[0]}: {vmid.problem(container[0])}", EXIT_CONFIG)
+    why = vmid.problem(container[0])
+    if why:
+        raise fail(f"--container {container[0]}: {why}", EXIT_CONFIG)
     container = int(container[0])
     say = (lambda line: typer.echo(line, err=True)) if json_out else typer.echo
     from agent.protocol import new_run_id
@@ -198,9 +199,12 @@ def _launch_data_job(container: List[str], config: Path, *, node, sets, follow, 
                    f"by {kind.resumes_by}", EXIT_CONFIG)
     if snapshot:
         raise fail(f"--snapshot: a {kind.name} job changes no environment; launch it without --snapshot", EXIT_CONFIG)
-    if len(container) != 1 or vmid.problem(container[0]):
+    if len(container) != 1:
         raise fail(f"--container: a {kind.name} job runs in one container; give its id, e.g. --container 200",
                    EXIT_CONFIG)
+    why = vmid.problem(container[0])
+    if why:
+        raise fail(f"--container {container[0]}: {why}", EXIT_CONFIG)
     say = (lambda line: typer.echo(line, err=True)) if json_out else typer.echo
     with container_session(int(container[0]), node, ctl_config, trust_new_host_key) as ct:
         try:

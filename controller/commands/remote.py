@@ -16,19 +16,9 @@ from controller.commands.plain import (ENV_STATS, EXIT_CONFIG, EXIT_CONTAINER, E
                                        EXIT_TRANSPORT, container_checked, container_session,  # command
                                        exec_in, fail, run_id_checked, seconds_checked)  # modules import from here
 
-def check_container_option(value: Optional[int]) -> Optional[int]:
-    """The callback of every `--container` option taking one id (plain.container_checked)."""
-    return container_checked(value)
-
-
 def container_option(default, help: str) -> typer.models.OptionInfo:  # noqa: A002 - typer's own word
-    """A `--container`/`-c` option with the VMID check."""
-    return typer.Option(default, "--container", "-c", help=help, callback=check_container_option)
-
-
-def check_seconds_option(value: Optional[float]) -> Optional[float]:
-    """The callback of options that take seconds (plain.seconds_checked)."""
-    return seconds_checked(value)
+    """A `--container`/`-c` option with the VMID check (plain.container_checked)."""
+    return typer.Option(default, "--container", "-c", help=help, callback=container_checked)
 
 
 ContainerOpt = container_option(..., "container id (Proxmox VMID), e.g. 200")

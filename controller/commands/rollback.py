@@ -33,7 +33,7 @@ def kill_and_rollback_command(
     run: Optional[str] = remote.run_option("run id (default: the live run, else the newest)"),
     to: str = typer.Option("last-good", "--to", callback=_checked_target,
                            help="last-good | env:GENERATION | snapshot:NAME"),
-    grace: float = typer.Option(60.0, "--grace", callback=remote.check_seconds_option,
+    grace: float = typer.Option(60.0, "--grace", callback=remote.seconds_checked,
                                 help="seconds between SIGTERM and SIGKILL (the trainer checkpoints in between)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="print the plan, change nothing"),
     yes: bool = typer.Option(False, "--yes", "-y", help="do not ask before stopping and rolling back"),

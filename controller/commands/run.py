@@ -18,8 +18,8 @@ from typing import Optional
 import typer
 
 from controller.commands import watch
-from controller.commands.remote import (TrustOpt, check_seconds_option, container_option, container_session, fail,
-                                        run_option)
+from controller.commands.remote import (TrustOpt, container_option, container_session, fail, run_option,
+                                        seconds_checked)
 from controller.commands.watch import container_or_last_launch, resolve_run
 from controller.tail import STOPPED_WAIT_S
 
@@ -40,7 +40,7 @@ def tail_command(
     since: int = typer.Option(0, "--since", metavar="SEQ", min=0, help="only records after this seq"),
     raw: bool = typer.Option(False, "--json", help="print the stream's records as JSON lines"),
     stopped_wait: float = typer.Option(STOPPED_WAIT_S, "--wait-stopped", metavar="SECONDS",
-                                       callback=check_seconds_option,
+                                       callback=seconds_checked,
                                        help="with --follow: how long to wait for a stopped container to run again "
                                             "before saying the run died with it (exit code 5)"),
     node: Optional[str] = NodeOpt,
@@ -107,7 +107,7 @@ def _stamp(run_id: str) -> str:
 def stop_command(
     container: Optional[int] = ContainerOpt,
     run: str = typer.Option(..., "--run", "-r", help="the run to stop (`ctl runs` lists them)"),
-    grace: float = typer.Option(30.0, "--grace", callback=check_seconds_option,
+    grace: float = typer.Option(30.0, "--grace", callback=seconds_checked,
                                 help="seconds between SIGTERM and SIGKILL"),
     node: Optional[str] = NodeOpt,
     ctl_config: Optional[str] = CtlConfigOpt,
