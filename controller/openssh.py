@@ -229,9 +229,12 @@ class _OpenSSHProcess(_LocalProcess):
             os.close(fd)  # EOF on self._ended
 
     def master_gone(self) -> bool:
-        """The command rode a shared connection that has ended: its master removes its socket
-        as it exits, before the channels it carried see their end (a mux client says nothing)."""
-        return self.on_master and not self.runner.sock.exists()
+        """The command rode a shared connection that has ended (a mux client says nothing of
+        it). Its socket may outlive it for a moment, or for good when it was killed: one that
+        is still there is asked."""
+        if not self.on_master:
+            return False
+        return not self.runner.sock.exists() or not sshmux.master_answers(self.runner.sock)
 
     def close_wake(self) -> None:
         if self._ended >= 0:

@@ -147,6 +147,20 @@ def masters(key_prefix: str = "") -> list[Path]:
         return []
 
 
+def master_answers(sock: Path, timeout: float = 10) -> bool:
+    """Whether a master listens on ``sock`` and answers (``ssh -O check``). A master whose
+    connection died frees the channels it carried before it removes its socket, and a master
+    that was killed never removes it: the socket alone says nothing in either case."""
+    import subprocess
+
+    try:
+        proc = subprocess.run(["ssh", "-F", "/dev/null", "-S", str(sock), "-O", "check", "--", "ctl-check"],
+                              stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):  # no ssh here, or a master that never answers
+        return False
+    return proc.returncode == 0
+
+
 def close_master(sock: Path, timeout: float = 10) -> bool:
     """Ask the master on ``sock`` to exit (``ssh -O exit``: it ends its connection, and with it
     the proxy commands of a ProxyJump) and wait until it has; True if one was there."""

@@ -246,11 +246,18 @@ def _descendants_of(pid: int) -> dict[int, bytes]:
     return {p: c for p, c in cmdline.items() if p in parent and under(p)}
 
 
-def _lose_the_connection_under_a_sleep(r, sshd) -> dict:
-    """Run `sleep 8` through ``r``; once it runs on the server, SIGKILL the server's
-    per-connection processes (what a rebooting node or a dropped link does)."""
+def _kill_the_servers_connections(sshd) -> None:
+    """SIGKILL the server's per-connection processes (what a rebooting node or a dropped link does)."""
     import os
     import signal
+
+    for pid, cmdline in _descendants_of(sshd.proc.pid).items():
+        if cmdline.startswith(b"sshd"):  # the per-connection sshd processes, not the command
+            os.kill(pid, signal.SIGKILL)
+
+
+def _lose_the_connection_under_a_sleep(r, sshd, cut=_kill_the_servers_connections) -> dict:
+    """Run `sleep 8` through ``r``; once it runs on the server, ``cut(sshd)``."""
     import threading
     import time
 
@@ -269,9 +276,7 @@ def _lose_the_connection_under_a_sleep(r, sshd) -> dict:
     while not any(c.startswith(b"sleep\x008\0") for c in _descendants_of(sshd.proc.pid).values()):
         assert time.monotonic() < deadline, "the command never started on the server"
         time.sleep(0.05)
-    for pid, cmdline in _descendants_of(sshd.proc.pid).items():
-        if cmdline.startswith(b"sshd"):  # the per-connection sshd processes, not the command
-            os.kill(pid, signal.SIGKILL)
+    cut(sshd)
     worker.join(30)
     assert not worker.is_alive()
     return outcome
@@ -360,6 +365,41 @@ def test_openssh_reports_a_connection_lost_mid_command(sshd):
         assert r._fallback is None  # lost under way, not a failure to connect: nothing is run again
     assert isinstance(outcome.get("error"), TransportError), outcome
     assert "may or may not have completed" in str(outcome["error"])
+
+
+def test_openssh_reports_a_command_lost_with_a_killed_master_whose_socket_stayed(sshd):
+    """A mux client whose master died says nothing and exits 255; the socket a killed master
+    leaves behind (as one that is still closing its channels does for a moment) must not make
+    that 255 the command's own."""
+    import os
+    import re
+    import signal
+    import subprocess
+
+    def check():
+        return subprocess.run(["ssh", "-F", "/dev/null", "-S", str(r.sock), "-O", "check", "--", "x"],
+                              capture_output=True, text=True)
+
+    with OpenSSHRunner("testnode", node(sshd)) as r:
+        r.run(["true"])  # the master is up
+        master = int(re.search(r"pid=(\d+)", check().stderr).group(1))
+        outcome = _lose_the_connection_under_a_sleep(r, sshd, cut=lambda _: os.kill(master, signal.SIGKILL))
+        assert r.sock.exists() and check().returncode != 0  # stale: what the runner must see through
+        r.sock.unlink()
+    assert isinstance(outcome.get("error"), TransportError), outcome
+    assert "may or may not have completed" in str(outcome["error"])
+
+
+def test_an_exit_status_of_255_through_a_live_master_is_the_commands_own(sshd):
+    from controller import sshmux
+
+    with OpenSSHRunner("testnode", node(sshd)) as r:
+        try:
+            assert r.run(["sh", "-c", "exit 255"], check=False).returncode == 255
+            assert r.run(["echo", "after"]).stdout == "after\n"
+            assert r.connections == 1
+        finally:
+            sshmux.close_master(r.sock)  # the next tests count their own connections
 
 
 def test_a_command_through_openssh_imports_no_paramiko_and_is_one_connection(sshd):
