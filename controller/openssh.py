@@ -117,6 +117,16 @@ def node_socket(node: NodeConfig) -> Optional[Path]:
     return sshmux.control_path(node, ssh_config_path())
 
 
+def _socket_id(sock: Optional[Path]) -> Optional[tuple[int, int, int]]:
+    """Which socket is at ``sock`` now (None for none): a master that replaced another's
+    left-over socket made a new one (its inode number may well be the old one's)."""
+    try:
+        st = sock.stat() if sock is not None else None
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_ctime_ns) if st is not None else None
+
+
 class OpenSSHRunner(Runner):
     """Runs each argv on ``node`` through one ``ssh`` process: a channel of the node's shared
     connection when there is one (controller/sshmux.py), else a connection of its own that
@@ -151,7 +161,7 @@ class OpenSSHRunner(Runner):
         except OSError:  # no writable cache for the config file
             return self.paramiko()._start(argv, with_stdin)
         for attempt in (1, 2):
-            shared = self.sock is not None and self.sock.exists()
+            before = _socket_id(self.sock)
             try:
                 popen = subprocess.Popen(command, stdin=subprocess.PIPE if with_stdin else subprocess.DEVNULL,
                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -166,8 +176,11 @@ class OpenSSHRunner(Runner):
             if started:
                 # Our master carries this command (it was there, or this ssh just became it);
                 # with the operator's own ControlPath ours is never made.
-                proc.on_master = self.sock is not None and self.sock.exists()
-                if not shared:
+                after = _socket_id(self.sock)
+                proc.on_master = after is not None
+                # A connection of its own, or a new master's socket (one that replaced the stale
+                # socket of a killed master too).
+                if after is None or after != before:
                     self.connections += 1
                     self._count_connection()
                 return proc
@@ -179,7 +192,7 @@ class OpenSSHRunner(Runner):
                 raise TransportError(f"the connection to node {self.node_name} was lost as {shlex.join(argv)} was "
                                      f"starting; it may or may not have run: check before running it again "
                                      f"({said.decode(errors='replace').strip().splitlines()[-1]})")
-            if not (shared and attempt == 1):
+            if not (before is not None and attempt == 1):
                 break
             # The shared connection failed before the command began (its peer gone: rebooted,
             # restarted, cut off, found out by ServerAlive): once more, through a new one.
