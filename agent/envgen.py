@@ -561,10 +561,15 @@ def requirement_problem(spec: str) -> Optional[str]:
     return None
 
 
+def requirements_problem(specs: list[str]) -> Optional[str]:
+    """The first of ``specs``' problems (requirement_problem), or None."""
+    return next(filter(None, map(requirement_problem, specs)), None)
+
+
 def op_install(store: Store, specs: list[str], wheelhouse: Optional[str], pip_args: list[str]) -> dict:
     if not specs:
         raise Refused("name at least one requirement to install, e.g. 'torch==2.9.1'")
-    why = next(filter(None, map(requirement_problem, specs)), None)
+    why = requirements_problem(specs)
     if why:
         raise Refused(why)
     if wheelhouse and not os.path.isdir(wheelhouse):

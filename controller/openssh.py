@@ -120,11 +120,13 @@ def node_socket(node: NodeConfig) -> Optional[Path]:
 def _socket_id(sock: Optional[Path]) -> Optional[tuple[int, int, int]]:
     """Which socket is at ``sock`` now (None for none): a master that replaced another's
     left-over socket made a new one (its inode number may well be the old one's)."""
+    if sock is None:
+        return None
     try:
-        st = sock.stat() if sock is not None else None
+        st = sock.stat()
     except OSError:
         return None
-    return (st.st_dev, st.st_ino, st.st_ctime_ns) if st is not None else None
+    return st.st_dev, st.st_ino, st.st_ctime_ns
 
 
 class OpenSSHRunner(Runner):

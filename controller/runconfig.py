@@ -476,10 +476,12 @@ def _closest(word: str, options: list[str]) -> Optional[str]:
 def start_decision(from_scratch: bool, resume_from: Optional[str], init_from: Optional[str]) -> dict[str, Any]:
     """The start flags from `ctl launch`'s options; exactly one, or RunConfigError with the help."""
     for option, value in (("--resume-from", resume_from), ("--init-from", init_from)):
-        if value is not None and not value.strip():  # an unset $CKPT: not "no start decision"
+        if value is None:
+            continue
+        if not value.strip():  # an unset $CKPT: not "no start decision"
             raise RunConfigError(f"{option} {value!r}: the checkpoint path is empty; name the checkpoint "
                                  "(`ctl status` shows a run's last one)")
-        why = None if value is None else container_path_problem(value, "/workspace/runs/RUN/output/step_N/checkpoint.pt")
+        why = container_path_problem(value, "/workspace/runs/RUN/output/step_N/checkpoint.pt")
         if why:
             raise RunConfigError(f"{option} {value!r}: the checkpoint path {why}")
     chosen = {"from_scratch": bool(from_scratch), "resume_from": resume_from or None, "init_from": init_from or None}

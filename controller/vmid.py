@@ -22,4 +22,3 @@ def problem(value: object) -> Optional[str]:
         return None
     return (f"not a Proxmox VMID: a container id is an integer from {VMID_MIN} to {VMID_MAX}, e.g. 200 "
             "(`pct list` on the node lists them)")
-

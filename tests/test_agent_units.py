@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import pytest
 
@@ -228,25 +227,24 @@ def test_follow_waits_for_the_records_an_agent_appends_after_the_final_status(tm
     status and appends that report and the status again; a follower that ended at the first
     terminal status lost those two records (the tail had 737 of 739)."""
     import io
-    import threading
 
     w = StreamWriter(str(tmp_path))
     w.append([("log", {"line": "a"}, None), ("status", {"state": "completed"}, None)])
-    writing = threading.Event()
-    writing.set()
+    asked = []
 
-    def shutdown():
-        writing.wait()
-        time.sleep(0.3)  # the follower reaches the end of the stream past the final status first
-        w.append([("event", {"kind": "agent.stop"}, None), ("status", {"state": "completed"}, None)])
-        os.close(w.fd)
-        writing.clear()
+    def writer_alive() -> bool:
+        """The follower has read the final status and found nothing after it: the agent,
+        still holding the stream, appends its shutdown's records, then lets go."""
+        asked.append(1)
+        if len(asked) == 1:
+            w.append([("event", {"kind": "agent.stop"}, None), ("status", {"state": "completed"}, None)])
+            return True
+        if len(asked) == 2:
+            os.close(w.fd)
+        return False
 
-    t = threading.Thread(target=shutdown)
-    t.start()
     out = io.BytesIO()
-    assert follow(str(tmp_path), 0, out, lambda: False, poll=0.01, writer_alive=writing.is_set) == 0
-    t.join()
+    assert follow(str(tmp_path), 0, out, lambda: False, poll=0.01, writer_alive=writer_alive) == 0
     assert [json.loads(l)["seq"] for l in out.getvalue().splitlines()] == [1, 2, 3, 4]
 
 

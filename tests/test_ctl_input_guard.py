@@ -162,6 +162,13 @@ def test_a_bad_container_id_as_the_operator_types_it(env):
                     "(`pct list` on the node lists them)"}
     job = ctl(env, "launch", "-c", "x:200", "-c", "x:5", "--config", REPO / "examples" / "tiny.toml", "--from-scratch")
     assert job.returncode == CtlExit.USAGE and "--container x:5: not a Proxmox VMID" in one_line(job)
+    for ids in (["5"], ["0200"]):  # a training run's and a data job's launch
+        proc = ctl(env, "launch", "-c", *ids, "--config", REPO / "examples" / "tiny.toml", "--from-scratch")
+        assert proc.returncode == CtlExit.USAGE and f"--container {ids[0]}: not a Proxmox VMID" in one_line(proc)
+    data = Path(env["DFLASH_CTL_CONFIG"]).parent / "prepare.toml"
+    data.write_text('name = "chat"\nkind = "prepare"\n[prepare]\ninput = "/w/chat.jsonl"\nout = "/w/data/x"\n')
+    proc = ctl(env, "launch", "-c", "99", "--config", data)
+    assert proc.returncode == CtlExit.USAGE and "--container 99: not a Proxmox VMID" in one_line(proc), proc.stderr
 
 
 @pytest.mark.parametrize("args", [["stop", "-c", "200", "--run", "tiny-20261201-114702-3fa9", "--grace", "nan"],

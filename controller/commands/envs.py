@@ -129,9 +129,9 @@ def install_command(specs: List[str] = typer.Argument(..., help="requirements, e
                     trust_new_host_key: bool = TrustOpt) -> None:
     """Build a new generation with SPECS beside the current one and switch to it (atomic);
     the old generation is kept for `ctl kill-and-rollback`."""
-    from agent.envgen import requirement_problem
+    from agent.envgen import requirements_problem
 
-    why = next(filter(None, map(requirement_problem, specs)), None)  # before connecting; envgen holds to it too
+    why = requirements_problem(specs)  # before connecting; envgen holds to it too
     if why:
         raise remote.fail(why, remote.EXIT_CONFIG)
     with _session(container, node, config, trust_new_host_key) as ct:

@@ -17,9 +17,8 @@ from typing import List, Optional
 
 import typer
 
-from controller import vmid
 from controller.commands.remote import (EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_REFUSED, EXIT_TRANSPORT, TrustOpt,
-                                        container_session, fail)
+                                        container_checked, container_session, fail)
 from controller.commands.run import CtlConfigOpt, NodeOpt
 from controller.commands.watch import _follow
 from controller.container import Container
@@ -106,10 +105,7 @@ def launch_command(
                                         drafter_gpus=drafter_gpus, accept_drift=accept_drift, follow=follow,
                                         json_out=json_out, wandb_key=wandb_key, ctl_config=ctl_config,
                                         trust_new_host_key=trust_new_host_key, share_gpus=share_gpus))
-    why = vmid.problem(container[0])
-    if why:
-        raise fail(f"--container {container[0]}: {why}", EXIT_CONFIG)
-    container = int(container[0])
+    container = int(container_checked(container[0]))
     say = (lambda line: typer.echo(line, err=True)) if json_out else typer.echo
     from agent.protocol import new_run_id
     from controller import interrupts
@@ -202,9 +198,7 @@ def _launch_data_job(container: List[str], config: Path, *, node, sets, follow, 
     if len(container) != 1:
         raise fail(f"--container: a {kind.name} job runs in one container; give its id, e.g. --container 200",
                    EXIT_CONFIG)
-    why = vmid.problem(container[0])
-    if why:
-        raise fail(f"--container {container[0]}: {why}", EXIT_CONFIG)
+    container_checked(container[0])
     say = (lambda line: typer.echo(line, err=True)) if json_out else typer.echo
     with container_session(int(container[0]), node, ctl_config, trust_new_host_key) as ct:
         try:

@@ -14,7 +14,7 @@ import json
 import os
 import re
 import sys
-from typing import Iterator, List, Optional
+from typing import Iterator, List, Optional, Union
 
 from controller import config as cfg
 from controller.container import Container, ContainerError
@@ -72,9 +72,10 @@ def run_id_checked(value: Optional[str]) -> Optional[str]:
     return value
 
 
-def container_checked(value: Optional[int]) -> Optional[int]:
-    """Every `--container` that takes one id: a Proxmox VMID (controller/vmid.py), checked
-    before any connection is opened (pct's own refusal came back as exit 1 from the node)."""
+def container_checked(value: Optional[Union[int, str]]) -> Optional[Union[int, str]]:
+    """Every `--container` that takes one id (an int from typer, a launch's text): a Proxmox
+    VMID (controller/vmid.py), checked before any connection is opened (pct's own refusal
+    came back as exit 1 from the node)."""
     if value is None:
         return None
     from controller import vmid
