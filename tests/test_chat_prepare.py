@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -359,14 +360,51 @@ def test_a_killed_worker_is_one_line_and_nothing_written(tmp_path, targets):
     assert not os.path.exists(out) and not list(tmp_path.glob(".out.partial-*"))
 
 
-def _blocked_in_read(pid: int) -> bool:
-    """Whether the process sits in read(2): an idle pool worker waiting for a task, holding its
-    queue's read lock (/proc/PID/syscall's first field is the syscall number, 0 on x86-64)."""
+def _workers_in_syscall(pid: int, number: int, polls: int) -> tuple[list[int], list[int]]:
+    """The prepare's workers, and those that sit in that system call (/proc/PID/syscall's first
+    field; x86-64: 0 read, 1 write), polled every 10 ms until one does."""
+    def in_it(w):
+        try:
+            with open(f"/proc/{w}/syscall") as fh:
+                return fh.read().split()[0] == str(number)
+        except (OSError, IndexError):
+            return False
+
+    with open(f"/proc/{pid}/task/{pid}/children") as fh:
+        workers = [int(p) for p in fh.read().split()]
+    for _ in range(polls):
+        found = [w for w in workers if in_it(w)]
+        if found:
+            return workers, found
+        time.sleep(0.01)
+    return workers, []
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 75)])
+def test_a_worker_killed_mid_result_then_a_stop_ends_the_run(tmp_path, targets, sig, code):
+    """CI hung after "prepare: interrupted; nothing written": a worker killed halfway through
+    writing its result left half a message in the pool's shared pipe, and the executor waited
+    for the rest for ever. Made certain here: the parent is stopped (SIGSTOP) so a worker's
+    result stays half written in write(2); that worker is killed, then the parent is told to
+    stop and continued."""
+    proc, out = start_big_prepare(tmp_path, targets["header"])
     try:
-        with open(f"/proc/{pid}/syscall") as fh:
-            return fh.read().split()[0] == "0"
-    except (OSError, IndexError):
-        return False
+        assert proc.stderr.readline().startswith("prepare: 256 samples")
+        os.kill(proc.pid, signal.SIGSTOP)
+        # each finishes its batch and blocks writing a result nobody reads
+        workers, writing = _workers_in_syscall(proc.pid, 1, 6000)
+        assert writing, f"no worker of {workers} sits in write(2)"
+        os.kill(writing[0], signal.SIGKILL)
+        os.kill(proc.pid, sig)
+        os.kill(proc.pid, signal.SIGCONT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == code, err
+    assert "nothing written" in err and "Traceback" not in err
+    assert not os.path.exists(out) and not list(tmp_path.glob(".out.partial-*"))
+    for w in workers:  # and no worker is left behind
+        assert not os.path.exists(f"/proc/{w}") or open(f"/proc/{w}/stat").read().split()[2] == "Z"
 
 
 # iter_samples over a FIFO (the command takes a pipe as pre-tokenized JSONL, so this drives the
@@ -396,7 +434,6 @@ def test_a_worker_killed_while_idle_inside_the_queue_lock_ends_the_pool_not_hang
     Enough full batches to fill the pipeline, then nothing until an idle worker waiting in
     read(2) is killed, then the FIFO's end (a last short batch)."""
     import threading
-    import time
 
     from trainer.chat_prepare import BATCH_ROWS
 
@@ -418,14 +455,7 @@ def test_a_worker_killed_while_idle_inside_the_queue_lock_ends_the_pool_not_hang
                                                     {"role": "assistant", "content": f"a {i}"}]}) + "\n")
             feed.flush()
             assert proc.stdout.readline() == "batch back\n"
-            with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as fh:
-                workers = [int(p) for p in fh.read().split()]
-            holder = []
-            for _ in range(3000):  # the queue drains; an idle worker then waits inside the lock
-                holder = [w for w in workers if _blocked_in_read(w)]
-                if holder:
-                    break
-                time.sleep(0.01)
+            workers, holder = _workers_in_syscall(proc.pid, 0, 3000)  # the pipeline drains; a worker waits
             assert holder, f"no worker of {workers} waits in read(2)"
             os.kill(holder[0], signal.SIGKILL)
             feed.write(json.dumps({"messages": [{"role": "user", "content": "q"},

@@ -3,8 +3,9 @@
 The main process only cuts the input into batches of raw rows (JSONL lines stay bytes);
 worker processes, forked with the target's tokenizer already loaded, decode and normalize
 each row (trainer/chatrows.py), render it once with the target's template and encode each
-batch once (trainer/chat_template.py). At most ``workers + 4`` batches are in flight, so
-memory stays flat whatever the input size. Rows that cannot be used come back as
+batch once (trainer/chat_template.py). Each worker has one batch at a time, and results run
+at most ``workers + 4`` batches ahead of the one awaited, so memory stays flat whatever the
+input size. Rows that cannot be used come back as
 ``(where, cause)`` and are counted; ``strict`` turns the first into a DataError.
 """
 
@@ -12,12 +13,12 @@ from __future__ import annotations
 
 import collections
 import multiprocessing
+import multiprocessing.connection
 import os
 import signal
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -35,7 +36,7 @@ TOO_LONG = ("truncate", "drop")
 # 1,000 about 10 % less than 500, docs/benchmarks.md), so a batch is up to 2,048 rows or
 # 8 MiB of JSONL (measured: a worker's peak RSS 0.58 GB with 8 MiB batches as with 4, most
 # of it the tokenizer and libraries shared with the parent), and at most
-# workers + 4 batches are in flight (memory: a few batches, whatever the input size).
+# workers + 4 batches are under way (memory: a few batches, whatever the input size).
 BATCH_ROWS = 2048
 BATCH_BYTES = 8 << 20
 # Near the end of a file of known size the batches shrink (to a share of what is left, at
@@ -43,6 +44,10 @@ BATCH_BYTES = 8 << 20
 # encodes the last batch alone while the others idle (measured: up to 6 % of the wall time
 # on 5,000 conversations, docs/benchmarks.md).
 TAIL_BYTES = 256 << 10
+# While the caller works through a batch's samples, finished workers get their next batch
+# every this many samples (a select(2) with no wait), not only when the caller asks for the
+# next batch: a worker's result would otherwise sit unread while the caller writes shards.
+TEND_EVERY = 256
 FIRST_NAMED = 5  # bad rows named by file:line in the summary
 
 
@@ -100,11 +105,29 @@ _RENDERER: Renderer | None = None
 _FORM: str | None = None
 
 
-def _init_worker(form: str | None) -> None:
+def _serve(conn, inherited: list, form: str | None) -> None:
+    """A worker: batches in, results out, on its own pipe until the parent closes it or dies."""
     global _FORM
     _FORM = form
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides what Ctrl-C means
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    for other in inherited:
+        other.close()
+    # The parent decides what Ctrl-C and the agent's SIGTERM (sent to every process of the
+    # job) mean, and kills its workers itself when it stops early.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while True:
+        try:
+            batch = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            answer = (True, _work(batch))
+        except Exception as exc:  # a bug; the parent stops with this one line
+            answer = (False, f"{type(exc).__name__}: {exc}")
+        try:
+            conn.send(answer)
+        except OSError:  # the parent is gone
+            return
 
 
 def _work(batch: list) -> list:
@@ -169,30 +192,18 @@ def iter_samples(path: str, opts: ChatOptions, renderer: Renderer, stats: ChatSt
     global _RENDERER
     _RENDERER = renderer  # inherited by the forked workers: no tokenizer load per worker
     workers = opts.workers or cores()
-    # concurrent.futures, not multiprocessing.Pool: a worker killed (the OOM killer) while it
-    # waits for a batch dies inside its queue's read lock, and Pool.terminate then waits on that
-    # lock for ever (CI hung so); the executor marks itself broken and kills the rest instead.
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
-                               initializer=_init_worker, initargs=(form,))
-    pending: collections.deque = collections.deque()
+    total = os.path.getsize(path) if fmt == "jsonl" and os.path.isfile(path) else None
+    feed = _batches(_raw_items(path, fmt), BATCH_ROWS, BATCH_BYTES, total, workers)
+    pool = _Pool(workers, form, feed)
     finished = False
     try:
-        total = os.path.getsize(path) if fmt == "jsonl" and os.path.isfile(path) else None
-        feed = _batches(_raw_items(path, fmt), BATCH_ROWS, BATCH_BYTES, total, workers)
-        while True:
-            while len(pending) < workers + 4:
-                batch = next(feed, None)
-                if batch is None:
-                    break
-                size = sum(len(item[0]) for item in batch) if fmt == "jsonl" else None
-                pending.append((pool.submit(_work, batch), size))
-            if not pending:
-                break
-            job, size = pending.popleft()
-            results = job.result()
-            if size is not None:
-                stats.done_bytes = (stats.done_bytes or 0) + size
-            for result in results:
+        while (got := pool.next_batch()) is not None:
+            batch, results = got
+            if fmt == "jsonl":
+                stats.done_bytes = (stats.done_bytes or 0) + sum(len(item[0]) for item in batch)
+            for i, result in enumerate(results):
+                if i % TEND_EVERY == TEND_EVERY - 1:
+                    pool.tend()
                 stats.rows += 1
                 if isinstance(result[0], str):
                     if opts.strict:
@@ -209,14 +220,116 @@ def iter_samples(path: str, opts: ChatOptions, renderer: Renderer, stats: ChatSt
                     ids, mask = ids[:opts.max_seq_len], mask[:opts.max_seq_len]
                 yield ids, mask
         finished = True
-    except BrokenProcessPool:
-        raise WorkerDied("prepare: a worker process died (killed, perhaps for memory); "
-                         "nothing written — try fewer --workers") from None
     finally:
-        if not finished:  # stopped early (a signal, --strict, an error): the workers' batches are not wanted
-            for proc in multiprocessing.active_children():  # this process's only children are the workers
-                proc.kill()
-        pool.shutdown(wait=True, cancel_futures=True)
+        # stopped early (a signal, --strict, an error): the workers' batches are not wanted
+        pool.close(kill=not finished)
+
+
+class _Pool:
+    """Forked workers, each on its own pipe with one batch at a time; results in batch order.
+
+    Not concurrent.futures: its workers share one result pipe, and a worker killed while it
+    writes a result (the OOM killer; our own stop on Ctrl-C or SIGTERM) leaves half a message
+    there, which the executor's manager thread then waits to complete for ever, in shutdown
+    and again at interpreter exit (CI hung so: test_a_signal_mid_run_stops_with_nothing_written;
+    test_a_worker_killed_mid_result_then_a_stop_ends_the_run reproduces it). Here nothing is
+    shared: a dead worker is the end of its own pipe, and closing kills and reaps, no thread
+    waits on anything.
+    """
+
+    def __init__(self, n: int, form: str | None, batches: Iterator[list]):
+        ctx = multiprocessing.get_context("fork")
+        self.conns: list = []
+        self.procs: list = []
+        # Also at interpreter exit, before multiprocessing's own hook joins its children (they
+        # would wait for the end of a pipe this process holds): a pool its caller abandoned,
+        # or one interrupted while forking, is killed, not waited for.
+        self._stop = weakref.finalize(self, _stop_workers, self.conns, self.procs, True)
+        pipes = [ctx.Pipe() for _ in range(n)]
+        self.conns.extend(mine for mine, _ in pipes)
+        for mine, theirs in pipes:
+            # every other end this child inherits is closed in it, so that a worker sees the
+            # parent's death as the end of its own pipe
+            inherited = [c for pair in pipes for c in pair if c is not theirs]
+            proc = ctx.Process(target=_serve, args=(theirs, inherited, form), name="prepare-worker")
+            proc.start()
+            self.procs.append(proc)
+        for _, theirs in pipes:
+            theirs.close()
+        self.batches, self.more = batches, True
+        self.idle, self.busy = list(range(n)), {}  # busy: worker → (batch number, batch)
+        self.done: dict[int, tuple[list, list]] = {}
+        self.sent = self.wanted = 0
+
+    def next_batch(self) -> tuple[list, list] | None:
+        """The next (batch, its results) in input order; None after the last."""
+        while True:
+            self._refill()
+            if self.wanted in self.done:
+                self.wanted += 1
+                return self.done.pop(self.wanted - 1)
+            if not self.busy:
+                return None
+            self._collect(None)
+
+    def tend(self) -> None:
+        """Take in the results that are ready and give their workers new batches, without
+        waiting: called while the caller works through a batch, so no worker idles then."""
+        self._collect(0)
+        self._refill()
+
+    def _refill(self) -> None:
+        # at most workers + 4 batches ahead of the one awaited: memory stays flat
+        while self.more and self.idle and self.sent - self.wanted < len(self.conns) + 4:
+            batch = next(self.batches, None)
+            if batch is None:
+                self.more = False
+                return
+            w = self.idle.pop()
+            self._send(w, batch)
+            self.busy[w] = (self.sent, batch)
+            self.sent += 1
+
+    def _collect(self, timeout: float | None) -> None:
+        # idle workers too: one that is ready has died (the end of its pipe)
+        for conn in multiprocessing.connection.wait(self.conns, timeout):
+            w = self.conns.index(conn)
+            if w not in self.busy:
+                raise WorkerDied(_DIED)
+            number, batch = self.busy.pop(w)
+            self.done[number] = (batch, self._receive(w))
+            self.idle.append(w)
+
+    def _send(self, w: int, batch: list) -> None:
+        try:
+            self.conns[w].send(batch)
+        except OSError:  # BrokenPipeError: it died
+            raise WorkerDied(_DIED) from None
+
+    def _receive(self, w: int) -> list:
+        try:
+            ok, payload = self.conns[w].recv()
+        except (EOFError, OSError):  # it died, perhaps halfway through its answer
+            raise WorkerDied(_DIED) from None
+        if not ok:
+            raise RuntimeError(f"prepare: a worker failed on a batch: {payload}")
+        return payload
+
+    def close(self, kill: bool) -> None:
+        self._stop.detach()
+        _stop_workers(self.conns, self.procs, kill)
+
+
+def _stop_workers(conns: list, procs: list, kill: bool) -> None:
+    for conn in conns:
+        conn.close()  # an idle worker sees the end of its pipe and exits
+    for proc in procs:
+        if kill:
+            proc.kill()
+        proc.join()
+
+
+_DIED = "prepare: a worker process died (killed, perhaps for memory); nothing written — try fewer --workers"
 
 
 class Progress:
