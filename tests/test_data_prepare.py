@@ -260,6 +260,43 @@ def test_kill_during_prepare_leaves_no_dataset(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["a.jsonl", "data", "in.jsonl"]
 
 
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, data._Stopped])
+def test_a_stop_after_the_data_is_in_place_says_it_is_complete(tmp_path, monkeypatch, capsys, stop):
+    """A Ctrl-C or SIGTERM that lands after the rename (here: in the parent's fsync) used to be
+    reported as "nothing written" with exit 130/75 while the data stood complete in --out."""
+    src = write_jsonl(tmp_path / "a.jsonl", random_samples(30))
+    out = str(tmp_path / "out")
+
+    def fsync_dir(path):
+        raise stop()  # where the signal's handler would raise it
+
+    monkeypatch.setattr(data, "_fsync_dir", fsync_dir)
+    assert data.main(["--input", src, "--out", out]) == 0
+    said = capsys.readouterr()
+    assert said.err.splitlines()[-1] == "prepare: the stop came after the data was in place; it is complete"
+    assert said.out.startswith(f"prepare: wrote {out}: 30 samples")
+    assert len(PreparedData(out)) == 30
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back to the caller
+
+
+def test_a_ctrl_c_in_the_interpreters_teardown_after_a_prepare_is_ignored(tmp_path):
+    """The command's work is done and reported; a Ctrl-C that comes while the interpreter
+    tears down (here: from an atexit hook, which runs last) put a KeyboardInterrupt traceback
+    under the summary, or killed the process by SIGINT after its data was written."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import atexit, os, signal, time\n"
+        "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(0.5)))\n")
+    src = write_jsonl(tmp_path / "a.jsonl", random_samples(5))
+    got = subprocess.run([sys.executable, "-m", "trainer", "prepare", "--input", src, "--out", str(tmp_path / "out")],
+                         capture_output=True, text=True, cwd=REPO, timeout=120,
+                         env={**os.environ, "PYTHONPATH": f"{hook}:{REPO}"})
+    assert got.returncode == 0, got.stderr
+    assert "KeyboardInterrupt" not in got.stderr and "Traceback" not in got.stderr, got.stderr
+    assert got.stdout.startswith(f"prepare: wrote {tmp_path / 'out'}: 5 samples")
+
+
 def test_interrupt_cleans_up(tmp_path, monkeypatch):
     """KeyboardInterrupt (or any exception) mid-stream removes the temp directory."""
     src = write_jsonl(tmp_path / "a.jsonl", random_samples(30))

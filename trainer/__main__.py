@@ -387,4 +387,9 @@ def _children(pid: int) -> list[int]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # The command is over: a Ctrl-C from here on could only interrupt the interpreter's
+    # teardown (a KeyboardInterrupt traceback from an atexit hook, or death by SIGINT after a
+    # prepare that wrote its data).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    sys.exit(code)

@@ -713,28 +713,47 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.monotonic()
     stopped = False
     try:
-        meta = prepare(args.input, args.out, shard_tokens=args.shard_tokens, progress_every=args.progress_every,
-                       chat=chat)
-    except ValueError as exc:  # DataError, and the chat readers' one-line errors
-        print(f"prepare: error: {exc}", file=sys.stderr, flush=True)
-        return EXIT_USAGE
-    except RuntimeError as exc:  # chat_prepare.WorkerDied
-        print(str(exc), file=sys.stderr, flush=True)
-        return EXIT_FAILURE
-    except _Stopped:
-        stopped = True
-        print("prepare: stopped (SIGTERM); nothing written", file=sys.stderr, flush=True)
-        return EXIT_STOPPED
-    except KeyboardInterrupt:
-        print("prepare: interrupted; nothing written", file=sys.stderr, flush=True)
-        return EXIT_INTERRUPTED
+        try:
+            meta = prepare(args.input, args.out, shard_tokens=args.shard_tokens, progress_every=args.progress_every,
+                           chat=chat)
+        except ValueError as exc:  # DataError, and the chat readers' one-line errors
+            print(f"prepare: error: {exc}", file=sys.stderr, flush=True)
+            return EXIT_USAGE
+        except RuntimeError as exc:  # chat_prepare.WorkerDied
+            print(str(exc), file=sys.stderr, flush=True)
+            return EXIT_FAILURE
+        except (_Stopped, KeyboardInterrupt) as exc:
+            meta = _written_meta(args.out)
+            if meta is None:
+                stopped = isinstance(exc, _Stopped)
+                print("prepare: stopped (SIGTERM); nothing written" if stopped else
+                      "prepare: interrupted; nothing written", file=sys.stderr, flush=True)
+                return EXIT_STOPPED if stopped else EXIT_INTERRUPTED
+            # after the rename: saying "nothing written" would leave the operator deleting good data
+            print("prepare: the stop came after the data was in place; it is complete", file=sys.stderr, flush=True)
+        # The data is in place: a stop now changes nothing, and must not cut the summary short.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            workers = (chat.workers or _cores()) if chat else 1
+            for line in summary(meta, os.path.abspath(args.out), time.monotonic() - started, workers):
+                print(line, flush=True)
+        finally:
+            signal.signal(signal.SIGINT, previous_int)
+        return EXIT_OK
     finally:
         if not stopped:  # stopped: later SIGTERMs (the agent sends several) stay ignored until the exit
             signal.signal(signal.SIGTERM, previous)
-    workers = (chat.workers or _cores()) if chat else 1
-    for line in summary(meta, os.path.abspath(args.out), time.monotonic() - started, workers):
-        print(line, flush=True)
-    return EXIT_OK
+
+
+def _written_meta(out: str) -> dict | None:
+    """The meta.json of ``out`` if this prepare put it in place (prepare refuses a non-empty
+    --out and holds the claim, so one there now is this run's), else None."""
+    try:
+        with open(os.path.join(out, META), encoding="utf-8") as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
 
 
 # The seed's run, for the "how long would it take" line (docs/data.md).
