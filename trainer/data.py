@@ -747,12 +747,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _written_meta(out: str) -> dict | None:
-    """The meta.json of ``out`` if this prepare put it in place (prepare refuses a non-empty
-    --out and holds the claim, so one there now is this run's), else None."""
+    """The meta of ``out`` if this prepare put its data in place (prepare refuses a non-empty
+    --out and holds the claim, so data there now is this run's), else None."""
     try:
-        with open(os.path.join(out, META), encoding="utf-8") as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
+        return PreparedData(out).meta
+    except (DataError, OSError):
         return None
 
 
