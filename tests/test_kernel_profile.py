@@ -282,3 +282,16 @@ def test_the_colocated_head_counts_the_teacher_rows_the_launch_computed():
     assert co.spans_of({"profiled": "warm", "phase_env": ["cold:DFLASH_TEACHER_SPANS=0"]})
     assert not co.spans_of({"profiled": "cold", "phase_env": ["cold:DFLASH_TEACHER_SPANS=0"]})
     assert co.spans_of({"profiled": "warm"})  # meta.json before --phase-env: the default, on
+
+
+def test_roofline_set_takes_flag_values_as_json_or_text_and_refuses_a_pair_without_a_value():
+    """``roofline.py run --set``: the step runs' flag values over the operators' (how dpace's
+    extra forward was measured); numbers stay numbers, and a malformed pair stops the run
+    before any device work with what was expected."""
+    sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
+    rl = importlib.import_module("roofline")
+    assert rl.config_set(["position_weights=dpace", "dpace_alpha=0.5", "use_soft_labels=false"]) == {
+        "position_weights": "dpace", "dpace_alpha": 0.5, "use_soft_labels": False}
+    for bad in ("position_weights", "=dpace"):
+        with pytest.raises(SystemExit, match="expected KEY=VALUE"):
+            rl.config_set([bad])

@@ -52,7 +52,9 @@ def cmd_run(a) -> int:
     os.makedirs(out, exist_ok=True)
     os.makedirs(final, exist_ok=True)
     os.environ["DFLASH_COMPILE_CACHE"] = os.path.join(work, "compile-cache")  # empty: the first launch is cold
-    for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):  # the trainer's own (trainer/runtime_env.py)
+    # the trainer's own caches (trainer/runtime_env.py), flash-attn-4's included: what a launch gets
+    for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED",
+              "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"):
         os.environ.pop(k, None)
     with open(os.path.join(out, "meta.json"), "w") as fh:
         json.dump({"scale": scale, "phases": [p[0] for p in phases], "profiled": profiled, "t0": t0,

@@ -441,6 +441,21 @@ def markdown(t: dict) -> str:
 
 BEFORE = {"choice": "main"}  # --before: what "before" turns off
 RUNS: set = set()  # --runs: only these arch:variant runs of the step phase (empty: all)
+CONFIG_SET: dict = {}  # --set: trainer flag values over the operators' (e.g. position_weights=dpace)
+
+
+def config_set(pairs: list[str]) -> dict:
+    """--set KEY=VALUE pairs: the value as JSON where it parses (numbers, booleans), else text."""
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--set {pair!r}: expected KEY=VALUE, e.g. position_weights=dpace")
+        try:
+            out[key] = json.loads(value)
+        except ValueError:
+            out[key] = value
+    return out
 
 
 def _set_variant(after: bool, flex_opts: dict) -> None:
@@ -481,6 +496,7 @@ def phase_step(smoke: bool, iters: int, archs: list[str], flex_opts: dict, ceili
     from trainer.train import compile_stats
 
     shape, config, device = (SMOKE_SHAPE, ds.SMOKE, "cpu") if smoke else (fl.QWEN3_8B, ds.OPERATORS, "cuda")
+    config = {**config, **CONFIG_SET}
     dev = torch.device(device)
     cuda = dev.type == "cuda"
     out = RESULTS["phases"].setdefault("step", {})
@@ -564,6 +580,8 @@ def main() -> int:
     r.add_argument("--smoke", action="store_true")
     r.add_argument("--before", default="main", choices=["main", "s1", "s3", "selector", "teacher"],
                    help="what the step's 'before' turns off")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a trainer flag's value over the operators' for every step run, e.g. position_weights=dpace")
     r.add_argument("--runs", default="", help="only these of the step phase, e.g. dflash:after,dflash2:before,"
                    "dflash2:after (a before that equals its after for one architecture need not run)")
     t = sub.add_parser("table")
@@ -584,6 +602,8 @@ def main() -> int:
     OUT = a.out
     BEFORE["choice"] = a.before
     RUNS.update(x for x in a.runs.split(",") if x)
+    CONFIG_SET.update(config_set(a.set))
+    RESULTS["config_set"] = CONFIG_SET
     os.makedirs(OUT, exist_ok=True)
     RESULTS.update(gpu=torch.cuda.get_device_name(0) if not a.smoke else "cpu", torch=torch.__version__,
                    date=time.strftime("%F %T %Z"))
