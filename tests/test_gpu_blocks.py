@@ -269,3 +269,100 @@ def test_gpus_per_role_rule():
     assert flops.gpus_per_role(2, 1.0, 1.0)[:2] == (1, 1)
     t, d = flops.role_tok_s(flops.QWEN3_8B, flops.QWEN3_8B, seq_len=8192, anchors_per_seq=1024, block_size=32)
     assert 30e3 < t < 50e3 and 10e3 < d < 20e3
+
+
+def _tiny_chunked_step_inputs(arch, param_dtype, soft, io_dtype, seed=5):
+    """A tiny drafter with ``param_dtype`` master weights, its frozen embedding/head, target
+    states and teacher in the compute dtype ``io_dtype`` (as the trainer holds them on GPU)."""
+    from trainer.model import Drafter, DrafterConfig
+
+    torch.manual_seed(seed)
+    H, nh, nkv, hd, I, V, nl, nt, B = 16, 4, 2, 4, 24, 53, 2, 2, 4
+    b, S, N = 2, 22, 5
+    cfg = DrafterConfig(hidden_size=H, intermediate_size=I, num_attention_heads=nh, num_key_value_heads=nkv,
+                        head_dim=hd, rms_norm_eps=1e-6, rope_theta=1e6, vocab_size=V, num_hidden_layers=nl,
+                        num_target_layers=6, target_layer_ids=list(range(nt)), block_size=B, mask_token_id=V - 1,
+                        arch=arch)
+    d = Drafter(cfg).to(param_dtype)
+    for p in d.parameters():
+        p.data.add_(0.1 * torch.randn_like(p))
+    data = dict(embed=torch.randn(V, H).to(io_dtype), lm_head=torch.randn(V, H).to(io_dtype),
+                input_ids=torch.randint(0, V - 1, (b, S)), taps=torch.randn(b, S, nt * H).to(io_dtype),
+                loss_mask=(torch.rand(b, S) > 0.15).long(), lengths=torch.tensor([S, 17]),
+                anchors=torch.sort(torch.stack([torch.randperm(S - 1)[:N], torch.randperm(15)[:N]]), -1).values,
+                keep=torch.ones(b, N, dtype=torch.bool))
+    data["keep"][1, -2:] = False
+    kw = dict(block_size=B, mask_token_id=V - 1, gamma=3.0, cap_lambda=0.2, kl_weight=0.3 if soft else 0.0,
+              temperature=2.0, teacher_final=torch.randn(b, S, H).to(io_dtype) if soft else None,
+              position_weights="dpace" if soft else "decay", dpace_alpha=0.3, chunk_anchors=2, head_chunk_rows=6,
+              attn="sdpa")
+    return d, data, kw
+
+
+@pytest.mark.parametrize("arch,param_dtype,dtype,soft", [
+    ("dflash", torch.float32, torch.bfloat16, False), ("dflash", torch.float32, torch.bfloat16, True),
+    ("dflash2", torch.float32, torch.bfloat16, True), ("dflash", torch.float64, torch.float32, True)])
+def test_gemm_weights_cast_once_per_step_give_the_per_chunk_gradients_bit_for_bit(arch, param_dtype, dtype, soft,
+                                                                                    monkeypatch):
+    """model.StepGemmWeights (the layers' GEMM weights in the compute dtype once per step, their
+    gradients scattered into the master weights' .grad chunk by chunk) against the casts in every
+    chunk: the same loss and the same fp32 gradients to the last bit, over two accumulated
+    micro-batches (a first .grad and adds), with soft labels, D-PACE's gradient-free pre-pass
+    and DFlash2's convolutions and selector."""
+    from trainer import fast_drafter as fd
+
+    def run(cast_once):
+        monkeypatch.setattr(fd, "CAST_ONCE", cast_once)
+        d, data, kw = _tiny_chunked_step_inputs(arch, param_dtype, soft, dtype)
+        outs = [fd.step_backward(d, data["embed"], data["lm_head"], data["input_ids"], data["taps"],
+                                 data["loss_mask"], data["lengths"], data["anchors"], data["keep"], dtype=dtype,
+                                 loss_scale=scale, **kw) for scale in (1.0, 0.5)]
+        return [float(o["loss"]) for o in outs], {n: p.grad for n, p in d.named_parameters()}
+
+    loss_chunk, g_chunk = run(False)
+    loss_once, g_once = run(True)
+    assert loss_once == loss_chunk
+    assert g_once.keys() == g_chunk.keys()
+    for n, g in g_chunk.items():
+        assert g is not None and g_once[n] is not None, n
+        assert g_once[n].dtype == param_dtype and torch.equal(g_once[n], g), n
+    assert any(g.abs().sum() > 0 for n, g in g_once.items() if "mlp.down_proj" in n)
+
+
+def test_the_chunked_step_casts_each_gemm_weight_once_not_once_per_chunk(monkeypatch):
+    """What StepGemmWeights is for: with fp32 master weights and bf16 compute, every layer's
+    q/k/v/o/gate/up/down weight is cast once in the block path (k and v once more by the
+    context path, which runs once per step), however many anchor chunks the step has; cast
+    per chunk, each was cast once per chunk (6 here)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from trainer import fast_drafter as fd
+
+    class CastCounter(TorchDispatchMode):
+        def __init__(self, ptrs):
+            super().__init__()
+            self.ptrs, self.counts = ptrs, {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten._to_copy.default,) and args[0].data_ptr() in self.ptrs:
+                name = self.ptrs[args[0].data_ptr()]
+                self.counts[name] = self.counts.get(name, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    def casts(cast_once):
+        monkeypatch.setattr(fd, "CAST_ONCE", cast_once)
+        d, data, kw = _tiny_chunked_step_inputs("dflash", torch.float32, False, torch.bfloat16)
+        gemm = {p.data_ptr(): n for n, p in d.layers.named_parameters() if n.endswith("proj.weight")}
+        counter = CastCounter(gemm)
+        with counter:
+            fd.step_backward(d, data["embed"], data["lm_head"], data["input_ids"], data["taps"], data["loss_mask"],
+                             data["lengths"], data["anchors"], data["keep"], dtype=torch.bfloat16, **kw)
+        assert set(counter.counts) == set(gemm.values())
+        return counter.counts
+
+    per_chunk, once = casts(False), casts(True)
+    chunks = 6  # 2 sequences × ceil(5 anchors / 2 per chunk) = 3
+    for name, n in once.items():
+        in_context = name.endswith(("k_proj.weight", "v_proj.weight"))
+        assert n == 1 + in_context, (name, n)
+        assert per_chunk[name] == chunks + in_context, (name, per_chunk[name])

@@ -295,3 +295,23 @@ def test_roofline_set_takes_flag_values_as_json_or_text_and_refuses_a_pair_witho
     for bad in ("position_weights", "=dpace"):
         with pytest.raises(SystemExit, match="expected KEY=VALUE"):
             rl.config_set([bad])
+
+
+def test_op_sources_ranks_the_operators_between_the_matmuls_by_where_they_were_asked_for():
+    """bench/gpu/op_sources.py's table: rows of one operator at one place merged, matmuls and
+    attention left to the roofline table, the innermost trainer/ frames named innermost first."""
+    sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
+    os_ = importlib.import_module("op_sources")
+    stack = ["/x/trainer/model.py(324): block_forward", "/usr/lib/torch/nn.py(1): f",
+             "/x/trainer/fast_drafter.py(200): chunk_hidden", "/x/trainer/step.py(155): __call__",
+             "/x/trainer/train.py(9): run"]
+    assert os_.trainer_frames(stack) == "model.py(324): block_forward < fast_drafter.py(200): chunk_hidden < step.py(155): __call__"
+    assert os_.trainer_frames(["/usr/lib/torch/autograd.py(3): backward"]) == "(outside trainer/)"
+    rows = [{"name": "aten::copy_", "device_us": 10.0, "count": 1, "where": "ToCopyBackward0 in a"},
+            {"name": "aten::copy_", "device_us": 15.0, "count": 1, "where": "ToCopyBackward0 in a"},
+            {"name": "aten::add_", "device_us": 20.0, "count": 1, "where": "b"},
+            {"name": "aten::mm", "device_us": 900.0, "count": 1, "where": "c"},
+            {"name": "aten::fill_", "device_us": 0.0, "count": 1, "where": "d"}]
+    ranked = os_.rank(rows, top=10)
+    assert [(r["name"], r["device_us"], r["count"]) for r in ranked] == [("aten::copy_", 25.0, 2), ("aten::add_", 20.0, 1)]
+    assert os_.rank(rows, top=1)[0]["where"] == "ToCopyBackward0 in a"

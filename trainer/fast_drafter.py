@@ -10,7 +10,8 @@ hidden_norm → each layer's context k/v). This module runs, for one micro-batch
    through every layer (q from the block; k/v = [context k/v | block k/v]; flex attention
    under the DFlash block mask), the final norm, and the chunked LM head + loss
    (chunked_head.py), then the chunk's backward at once — parameter gradients accumulate
-   (fp32, through the bf16 casts) and the context k/v gradients go to fp32 accumulators
+   in fp32 (the GEMM weights' through model.StepGemmWeights' hook, the small ones through
+   their casts) and the context k/v gradients go to fp32 accumulators
    (the context k/v enter each chunk as fresh leaves);
 3. one backward through the context path with the accumulated k/v gradients.
 
@@ -20,8 +21,9 @@ gradients and AdamW state + the micro-batch's context (per token) + one chunk of
 result equals the unchunked step (tests/test_gpu_blocks.py checks loss and every gradient
 against a dense reference).
 
-Parameters stay fp32 (master weights); each chunk casts them to the compute dtype (bf16),
-which is autocast's behaviour without its cache. With soft labels the teacher's logits are
+Parameters stay fp32 (master weights). The layers' GEMM weights are cast to the compute
+dtype (bf16) once per step (model.StepGemmWeights: their gradients go into the fp32 ``.grad``
+chunk by chunk); the small ones (norms, DFlash2's convolutions) are cast where they are used. With soft labels the teacher's logits are
 formed once per distinct target position of a head chunk, not once per drafted slot
 (chunked_head.chunk_spans): the spans of a micro-batch's chunks are the one GPU value read on
 the host, once, before any of its work is queued.
@@ -46,8 +48,13 @@ from trainer.chunked_head import chunk_spans, chunked_head_loss, head_ce, span_p
 from trainer.flex_mask import dense_dflash_mask, dflash_mask_mod, direct_block_mask, flex_attention_fn
 from trainer.kernel_profile import REGION_HEAD, REGION_SELECTOR, region
 from trainer.loss import decay_weights, dflash_loss_fn, dpace_weights, selector_terms
+from trainer.model import StepGemmWeights
 
 _MASKS: dict = {}
+
+# The block GEMM weights cast to the compute dtype once per step (model.StepGemmWeights)
+# rather than in every chunk; DFLASH_CAST_ONCE=0: per chunk, as before (bench before/after).
+CAST_ONCE = os.environ.get("DFLASH_CAST_ONCE", "1") == "1"
 
 # flex attention's kernel options for the DFlash masks on CUDA (issue 29: block sizes and
 # stages measured on an H200 at the operators' chunk shape, bench/gpu/roofline.py ``flex``);
@@ -216,7 +223,7 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
         if S_pad != S:
             kv = [(F.pad(k, (0, 0, 0, S_pad - S)), F.pad(v, (0, 0, 0, S_pad - S))) for k, v in kv]
         attends = {t: attend_fn(a, kp, c.window_of(t)) for t in set(c.layer_types)}
-        return drafter.block_forward(x, kv, cos[bpos], sin[bpos], attends, dtype).view(n_c, B, -1)[:, 1:]
+        return drafter.block_forward(x, kv, cos[bpos], sin[bpos], attends, dtype, gemm).view(n_c, B, -1)[:, 1:]
 
     def attend_fn(a, kp, window):
         """attend(q, k, v) under the DFlash mask of one chunk for layers of this window."""
@@ -230,6 +237,10 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
             rep = q.shape[1] // k.shape[1]
             return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), attn_mask=m)
         return attend
+
+    # the layers' GEMM weights in the compute dtype for every chunk (fp32 master weights only)
+    cast = CAST_ONCE and any(p.dtype != dtype for p in drafter.layers.parameters())
+    gemm = StepGemmWeights(drafter, dtype) if cast else None
 
     # 2. weights for every block (global normaliser, fixed before any chunk's backward)
     if position_weights == "dpace":
@@ -301,6 +312,7 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
         accepted = torch.cumprod(torch.exp(-ce) * v, dim=-1).sum(-1)
         cap_sum = cap_sum + ((1 - accepted / (B - 1)) * kp).sum()
         n_correct = n_correct + (correct & v).sum(0)
+    del gemm  # its gradients are in the parameters; the context path's backward has its own casts
     # 4. context path backward with the accumulated k/v gradients
     outs, grads = [], []
     for (k, v), (gk, gv) in zip(ctx, gacc):

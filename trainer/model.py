@@ -270,17 +270,18 @@ class Attention(nn.Module):
         return fo.kv_prep(_mm(ctx, w, bias), _cast(self.k_norm.weight, dtype), cos, sin,
                           c.num_key_value_heads, c.head_dim, c.rms_norm_eps)
 
-    def block_attention(self, h, ctx_kv, cos, sin, attend, dtype):
+    def block_attention(self, h, ctx_kv, cos, sin, attend, dtype, gemm=None):
         """Attention output [1, Q, H] of normed block states h [1, Q, H]: q from the block,
-        k/v = [context k/v | block k/v]; ``attend(q, k, v)`` applies the DFlash mask."""
+        k/v = [context k/v | block k/v]; ``attend(q, k, v)`` applies the DFlash mask.
+        ``gemm``: this layer's GEMM weights already in ``dtype`` (StepGemmWeights), else cast here."""
         c = self.c
         Q = h.shape[1]
-        w, bias = _fused((self.q_proj, self.k_proj, self.v_proj), dtype)
+        w, bias = gemm["qkv"] if gemm else _fused((self.q_proj, self.k_proj, self.v_proj), dtype)
         q, k, v = fo.qkv_prep(_mm(h, w, bias), _cast(self.q_norm.weight, dtype), _cast(self.k_norm.weight, dtype),
                               cos, sin, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps)
         kc, vc = ctx_kv
         o = attend(q, torch.cat([kc.to(dtype), k], dim=2), torch.cat([vc.to(dtype), v], dim=2))
-        wo, bo = _fused((self.o_proj,), dtype)
+        wo, bo = gemm["o"] if gemm else _fused((self.o_proj,), dtype)
         return _mm(o.transpose(1, 2).reshape(1, Q, -1), wo, bo)
 
 
@@ -302,17 +303,18 @@ class Layer(nn.Module):
         mask = masks[self.layer_type]
         return layer_forward(self, x, lambda h: self.self_attn(h, ctx, rope_q, rope_k, mask, impl), block_size)
 
-    def block_forward(self, x, ctx_kv, cos, sin, attends, dtype, block_size: int):
+    def block_forward(self, x, ctx_kv, cos, sin, attends, dtype, block_size: int, gemm=None):
         """The chunked step's layer: x [1, Q, H] → [1, Q, H], the residual add fused with the
         post-attention norm; ``attends[layer type](q, k, v)`` applies the layer's mask. A
-        DFlash2 layer's convolutions run with their weights cast to ``dtype``, as the GEMMs'."""
+        DFlash2 layer's convolutions run with their weights cast to ``dtype``, as the GEMMs'.
+        ``gemm``: the layer's GEMM weights already in ``dtype`` (StepGemmWeights), else cast here."""
         attend = attends[self.layer_type]
         eps = self.input_layernorm.eps
         h = fo.norm(x, _cast(self.input_layernorm.weight, dtype), eps)
         conv = getattr(self, "attention_conv", None)
         if conv is not None:
             h, dyn = _conv_prepare(conv, h, dtype, block_size)
-        o = self.self_attn.block_attention(h, ctx_kv, cos, sin, attend, dtype)
+        o = self.self_attn.block_attention(h, ctx_kv, cos, sin, attend, dtype, gemm)
         if conv is not None:
             o = block_conv.grouped_conv(o, dyn, _cast(conv.base_kernel, dtype)[1], conv.group_size, block_size)
         x, h = fo.add_norm(x, o, _cast(self.post_attention_layernorm.weight, dtype), eps)
@@ -320,8 +322,12 @@ class Layer(nn.Module):
         if conv is not None:
             h, dyn = _conv_prepare(conv, h, dtype, block_size)
         m = self.mlp
-        wgu = torch.cat([_cast(m.gate_proj.weight, dtype), _cast(m.up_proj.weight, dtype)])
-        out = fo.silu_mul(h @ wgu.t()) @ _cast(m.down_proj.weight, dtype).t()
+        if gemm:
+            wgu, wd = gemm["gate_up"][0], gemm["down"][0]
+        else:
+            wgu = torch.cat([_cast(m.gate_proj.weight, dtype), _cast(m.up_proj.weight, dtype)])
+            wd = _cast(m.down_proj.weight, dtype)
+        out = fo.silu_mul(h @ wgu.t()) @ wd.t()
         if conv is not None:
             out = block_conv.grouped_conv(out, dyn, _cast(conv.base_kernel, dtype)[1], conv.group_size, block_size)
         return x + out
@@ -334,6 +340,65 @@ def _conv_prepare(conv, h, dtype, block_size: int):
 
 def _cast(p: torch.Tensor, dtype) -> torch.Tensor:
     return p if p.dtype == dtype else p.to(dtype)
+
+
+class StepGemmWeights:
+    """The chunked step's block GEMM weights (fused q/k/v, o, fused gate/up, down of every
+    layer) cast to the compute dtype once per step instead of once per anchor chunk.
+
+    Cast per chunk, each weight cost a cast (and, for the fused ones, a concatenation) in
+    every chunk's forward and a bf16 → fp32 copy before its gradient was added in every
+    chunk's backward (bench/gpu/op_sources.py found them); once per step the DFlash step at
+    the operators' shape went 3.639 → 3.593 s on an H200 (docs/benchmarks.md, session
+    2026-12-05 call 8). Here each is one leaf in ``dtype`` for the
+    whole step; a hook adds its gradient into the fp32 parameters' ``.grad`` as soon as a
+    chunk's backward has produced it (one mixed-dtype add, the same fp32 sums as before, bit
+    for bit) and drops it. Each leaf is used once per chunk, so its bf16 gradient is never a
+    sum. The memory is the same: a chunk's forward kept all these casts for its backward anyway.
+    """
+
+    def __init__(self, drafter: nn.Module, dtype: torch.dtype):
+        self.layers = []
+        for layer in drafter.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.layers.append({"qkv": self._leaves((a.q_proj, a.k_proj, a.v_proj), dtype),
+                                "o": self._leaves((a.o_proj,), dtype),
+                                "gate_up": self._leaves((m.gate_proj, m.up_proj), dtype),
+                                "down": self._leaves((m.down_proj,), dtype)})
+
+    @staticmethod
+    def _leaves(linears, dtype):
+        def leaf(params):
+            params = list(params)
+            with torch.no_grad():
+                t = torch.cat([q.detach().to(dtype) for q in params]) if len(params) > 1 else \
+                    params[0].detach().to(dtype, copy=True)
+            if any(q.requires_grad for q in params):
+                bounds, lo = [], 0
+                for q in params:
+                    bounds.append((q, lo, lo + q.shape[0]))
+                    lo += q.shape[0]
+                t.requires_grad_(True)
+                t.register_post_accumulate_grad_hook(lambda leaf_: _scatter_grad(leaf_, bounds))
+            return t
+        w = leaf(m.weight for m in linears)
+        return w, (None if linears[0].bias is None else leaf(m.bias for m in linears))
+
+
+def _scatter_grad(leaf: torch.Tensor, bounds) -> None:
+    """A StepGemmWeights leaf's gradient into its parameters' ``.grad`` (row ranges), as
+    AccumulateGrad would after the cast's backward: a copy in the parameter's dtype the first
+    time, an add after."""
+    g = leaf.grad
+    leaf.grad = None
+    with torch.no_grad():
+        for p, lo, hi in bounds:
+            if not p.requires_grad:
+                continue
+            if p.grad is None:
+                p.grad = g[lo:hi].to(p.dtype, copy=True)
+            else:
+                p.grad.add_(g[lo:hi])
 
 
 def _fused(linears, dtype):
@@ -437,12 +502,14 @@ class Drafter(nn.Module):
                       self.hidden_norm.eps)
         return [layer.self_attn.context_kv(ctx, cos, sin, dtype) for layer in self.layers]
 
-    def block_forward(self, x: torch.Tensor, ctx_kv, cos, sin, attends, dtype) -> torch.Tensor:
+    def block_forward(self, x: torch.Tensor, ctx_kv, cos, sin, attends, dtype, gemm=None) -> torch.Tensor:
         """Embedded blocks x [1, Q, H] → final-normed states [1, Q, H]; ctx_kv: per layer the
         context (k, v) [1, nkv, S, hd]; ``attends[layer type](q, k, v)`` applies the DFlash
-        mask of that layer type."""
-        for layer, kv in zip(self.layers, ctx_kv):
-            x = layer.block_forward(x, kv, cos, sin, attends, dtype, self.config.block_size)
+        mask of that layer type. ``gemm``: a StepGemmWeights of this drafter (the layers' GEMM
+        weights cast once per step), else each call casts them."""
+        for i, (layer, kv) in enumerate(zip(self.layers, ctx_kv)):
+            x = layer.block_forward(x, kv, cos, sin, attends, dtype, self.config.block_size,
+                                    gemm.layers[i] if gemm else None)
         return fo.norm(x, _cast(self.norm.weight, dtype), self.norm.eps)
 
     # -- inference export (z-lab layout)

@@ -469,7 +469,9 @@ def _set_variant(after: bool, flex_opts: dict) -> None:
     convolution, the direct block masks and the flex options (and the fused selector).
     ``--before selector`` (session 3, that change alone): "before" is the shipped step with
     DFlash2's selector the checkpointed reference (trainer/loss.py), "after" with
-    trainer/selector_fused.py's (DFlash's step is the same both ways)."""
+    trainer/selector_fused.py's (DFlash's step is the same both ways). ``--before castonce``
+    (session 5): "before" casts the layers' GEMM weights in every chunk, "after" once per step
+    (model.StepGemmWeights)."""
     from trainer import block_conv, chunked_head, fast_drafter, selector_fused
 
     choice = BEFORE["choice"]
@@ -479,7 +481,8 @@ def _set_variant(after: bool, flex_opts: dict) -> None:
     chunked_head.BALANCED = not old
     block_conv.COMPILE = not old
     fast_drafter.DIRECT_MASKS = not old
-    chunked_head.TRITON = after or choice in ("s1", "s3", "selector")
+    chunked_head.TRITON = after or choice in ("s1", "s3", "selector", "castonce")
+    fast_drafter.CAST_ONCE = after or choice != "castonce"
     # session 3 (``--before s3``): "before" is main at the session's start, "after" adds its changes
     chunked_head.TEACHER_SPANS = after or choice != "teacher"
     selector_fused.FUSED = after or choice not in ("s1", "s3", "selector")
@@ -578,7 +581,7 @@ def main() -> int:
     r.add_argument("--flex-window", type=int, default=2048, help="the flexwindow phase's sliding window")
     r.add_argument("--flex-variants", default=None, help="comma-separated FLEX_VARIANTS names (default: all)")
     r.add_argument("--smoke", action="store_true")
-    r.add_argument("--before", default="main", choices=["main", "s1", "s3", "selector", "teacher"],
+    r.add_argument("--before", default="main", choices=["main", "s1", "s3", "selector", "teacher", "castonce"],
                    help="what the step's 'before' turns off")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a trainer flag's value over the operators' for every step run, e.g. position_weights=dpace")
