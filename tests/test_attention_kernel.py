@@ -86,8 +86,8 @@ def test_flash_missing_names_each_reason_and_none_only_when_everything_is_there(
 
 
 def test_a_step_built_without_the_cli_resolves_auto_itself():
-    # imported here, not at collection: trainer.step imports triton, and tests/test_head_kernels.py
-    # must be the first to import it (under TRITON_INTERPRET=1 on a machine without a GPU)
+    # imported here, not at collection: trainer.step imports triton (tests/test_head_kernels.py
+    # copes with triton imported before it sets TRITON_INTERPRET, but need not have to)
     from trainer.step import attention_kernel
 
     class Args:
