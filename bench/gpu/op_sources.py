@@ -27,7 +27,10 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.dirname(os.path.dirname(HERE)), HERE]
 
-REGIONS: set = set()  # trainer/kernel_profile.py's region names (record_function ranges)
+from trainer import kernel_profile as kp  # noqa: E402
+
+# the step's named regions (record_function ranges): they hold kernels, they launch none
+REGIONS = {kp.REGION_TARGET, kp.REGION_HEAD, kp.REGION_OPTIMIZER, kp.REGION_SELECTOR}
 # matmuls and attention are the roofline table's own classes; these are what lies between them
 AUTOGRAD = "autograd::engine::evaluate_function:"
 SKIP = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "flex_attention")
@@ -66,14 +69,10 @@ def main() -> int:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    global REGIONS
     import dflash2_step as ds
     import roofline as rl
     from trainer import flops as fl
-    from trainer import kernel_profile as kp
     from trainer.step import make_step
-
-    REGIONS = {v for k, v in vars(kp).items() if k.startswith("REGION_")}
 
     cuda = not a.smoke
     if cuda and not torch.cuda.is_available():
