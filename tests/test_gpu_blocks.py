@@ -344,7 +344,7 @@ def test_the_chunked_step_casts_each_gemm_weight_once_not_once_per_chunk(monkeyp
             self.ptrs, self.counts = ptrs, {}
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if func in (torch.ops.aten._to_copy.default,) and args[0].data_ptr() in self.ptrs:
+            if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.ptrs:
                 name = self.ptrs[args[0].data_ptr()]
                 self.counts[name] = self.counts.get(name, 0) + 1
             return func(*args, **(kwargs or {}))

@@ -193,7 +193,7 @@ def test_the_top_k_is_torch_topks_set_up_to_ties(dtype):
 
 
 @pytest.mark.skipif(CUDA, reason="the interpreter's import order matters only without a GPU")
-def test_the_kernels_run_under_the_interpreter_when_triton_was_imported_first(tmp_path):
+def test_the_kernels_run_under_the_interpreter_when_triton_was_imported_first():
     """The order CI's collection can produce: triton.language imported (here through
     trainer.model → transformers → torch._dynamo) before this module sets TRITON_INTERPRET.
     Before the fixture wrapped triton's own functions, every kernel test then failed with

@@ -30,6 +30,7 @@ Two forward paths over the same parameters, one per drafter step (trainer/step.p
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -368,21 +369,24 @@ class StepGemmWeights:
 
     @staticmethod
     def _leaves(linears, dtype):
-        def leaf(params):
-            params = list(params)
-            with torch.no_grad():
-                t = torch.cat([q.detach().to(dtype) for q in params]) if len(params) > 1 else \
-                    params[0].detach().to(dtype, copy=True)
-            if any(q.requires_grad for q in params):
-                bounds, lo = [], 0
-                for q in params:
-                    bounds.append((q, lo, lo + q.shape[0]))
-                    lo += q.shape[0]
-                t.requires_grad_(True)
-                t.register_post_accumulate_grad_hook(lambda leaf_: _scatter_grad(leaf_, bounds))
-            return t
-        w = leaf(m.weight for m in linears)
-        return w, (None if linears[0].bias is None else leaf(m.bias for m in linears))
+        """``_fused``'s weight and bias of ``linears``, each a leaf of its own whose gradient the
+        hook hands to the parameters' rows."""
+        with torch.no_grad():
+            fused = _fused(linears, dtype)
+        params = ([m.weight for m in linears], None if linears[0].bias is None else [m.bias for m in linears])
+        return tuple(None if t is None else _grad_leaf(t, ps) for t, ps in zip(fused, params))
+
+
+def _grad_leaf(t: torch.Tensor, params: list) -> torch.Tensor:
+    leaf = t.detach()
+    if leaf.data_ptr() == params[0].data_ptr():  # _cast returned the parameter itself
+        leaf = leaf.clone()
+    if any(p.requires_grad for p in params):
+        ends = list(itertools.accumulate(p.shape[0] for p in params))
+        bounds = [(p, end - p.shape[0], end) for p, end in zip(params, ends)]
+        leaf.requires_grad_(True)
+        leaf.register_post_accumulate_grad_hook(lambda leaf_: _scatter_grad(leaf_, bounds))
+    return leaf
 
 
 def _scatter_grad(leaf: torch.Tensor, bounds) -> None:

@@ -36,6 +36,7 @@ import memory_campaign as mc  # noqa: E402
 import roofline as rl  # noqa: E402
 from trainer import flops as fl  # noqa: E402
 from trainer import kernel_profile as kp  # noqa: E402
+from trainer import runtime_env  # noqa: E402
 
 PROFILE_STEP = 3
 PHASES = [("cold", 4), ("warm", 4)]
@@ -53,8 +54,8 @@ def cmd_run(a) -> int:
     os.makedirs(final, exist_ok=True)
     os.environ["DFLASH_COMPILE_CACHE"] = os.path.join(work, "compile-cache")  # empty: the first launch is cold
     # the trainer's own caches (trainer/runtime_env.py), flash-attn-4's included: what a launch gets
-    for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED",
-              "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"):
+    for k in (runtime_env.ENV_INDUCTOR, runtime_env.ENV_TRITON, runtime_env.ENV_FLASH_CACHE_ON,
+              runtime_env.ENV_FLASH_CACHE_DIR):
         os.environ.pop(k, None)
     with open(os.path.join(out, "meta.json"), "w") as fh:
         json.dump({"scale": scale, "phases": [p[0] for p in phases], "profiled": profiled, "t0": t0,

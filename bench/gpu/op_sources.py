@@ -67,6 +67,7 @@ def main() -> int:
     a = p.parse_args()
 
     import torch
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     import dflash2_step as ds
@@ -102,8 +103,6 @@ def main() -> int:
         if cuda:
             torch.cuda.synchronize()
     rows = []
-    from torch.autograd import DeviceType
-
     for e in prof.events():
         if e.device_type != DeviceType.CPU:
             continue  # a kernel's own record: its time is already its launching operator's
