@@ -7,54 +7,25 @@ Where a GPU exists the kernels run on it; elsewhere under Triton's interpreter
 (TRITON_INTERPRET=1, CPU tensors) when triton is importable; otherwise the tests skip (the CPU
 path never uses these kernels)."""
 
-import importlib
 import os
 
 import pytest
 import torch
 
-from trainer import chunked_head as ch
-from trainer.loss import dflash_loss_fn
+pytest.importorskip("triton")
 
-CUDA = torch.cuda.is_available()
-_saved = os.environ.get("TRITON_INTERPRET")
-if not CUDA:  # read when triton's and the kernels' functions are decorated (at the imports), and at
-    os.environ["TRITON_INTERPRET"] = "1"  # each launch (the fixture below); put back for the other tests
-try:
-    pytest.importorskip("triton")
-    hk = importlib.import_module("trainer.head_kernels")
-finally:
-    if _saved is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = _saved
+from _triton_interp import CUDA, import_interpreted, interpret_jit_functions  # noqa: E402
+from trainer import chunked_head as ch  # noqa: E402
+from trainer.loss import dflash_loss_fn  # noqa: E402
+
+hk = import_interpreted("trainer.head_kernels")
 DEV = "cuda" if CUDA else "cpu"
-
-
-def _interpret_jit_functions(monkeypatch):
-    """Triton decides when a function is decorated whether @triton.jit makes it interpreted.
-    When triton.language was imported before this module set TRITON_INTERPRET (transformers'
-    modeling_utils imports torch._dynamo and with it triton: any test module that imports
-    trainer.model at collection does so), its own functions (tl.zeros, tl.sum, ...) are
-    compiled-only, and a kernel that calls them fails under the interpreter ("Cannot call
-    @triton.jit'd outside of the scope of a kernel"); so would head_kernels' kernels imported
-    early. Each such function is wrapped in the interpreter's for the test."""
-    import triton.language as tl
-    import triton.language.standard as tl_standard
-    from triton.runtime.interpreter import InterpretedFunction
-    from triton.runtime.jit import JITFunction
-
-    for module in (tl, tl_standard, hk):
-        for name, value in list(vars(module).items()):
-            if isinstance(value, JITFunction):
-                monkeypatch.setattr(module, name, InterpretedFunction(value.fn))
 
 
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
     if not CUDA:  # the interpreter runs block by block in numpy: small blocks, several per row
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-        _interpret_jit_functions(monkeypatch)
+        interpret_jit_functions(monkeypatch, hk)
         monkeypatch.setattr(hk, "STATS_CONFIG", (256, 4))
         monkeypatch.setattr(hk, "GRAD_CONFIG", (256, 4))
         monkeypatch.setattr(hk, "TOPK_CONFIG", (64, 4))

@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer import flex_mask
+from trainer import grad_accumulate
 from trainer import fused_ops as fo
 from trainer import selector_fused
 from trainer import chunked_head
@@ -66,6 +67,16 @@ FLEX_OPTIONS: dict = {}
 # (flex_mask.direct_block_mask); DFLASH_DIRECT_MASKS=0: create_block_mask as before (bench
 # before/after; bench/gpu/roofline.py sets this attribute)
 DIRECT_MASKS = flex_mask.DIRECT_MASKS
+
+
+def _accumulator(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros of ``t``'s shape in the layout AccumulateGrad gives a gradient of a leaf viewing
+    ``t``: ``t``'s own strides when its elements are one dense run (the context k), else
+    contiguous (v, a view into the fused k/v output). Same layout, the chunk adds walk both as
+    flat arrays (grad_accumulate's kernel)."""
+    if grad_accumulate.one_run(t):
+        return torch.zeros_like(t, dtype=dtype)
+    return torch.zeros(t.shape, dtype=dtype, device=t.device)
 
 
 def flex_options(kernel: str = "triton") -> dict | None:
@@ -200,7 +211,7 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
     # 1. context path (graph kept until the end)
     ctx = drafter.context_kv(taps, cos[:S], sin[:S], dtype)
     leaves_src = [(k.detach(), v.detach()) for k, v in ctx]
-    gacc = [(torch.zeros_like(k, dtype=wdt), torch.zeros_like(v, dtype=wdt)) for k, v in leaves_src]
+    gacc = [(_accumulator(k, wdt), _accumulator(v, wdt)) for k, v in leaves_src]
 
     flex = flex_attention_fn(dev.type) if attn == "flex" else None
     block_ids = torch.full((n_c, B), int(mask_token_id), device=dev, dtype=torch.long)
@@ -299,9 +310,9 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
         ce, kl = ce.detach(), (None if kl is None else kl.detach())
         for (kl_, vl_), (gk, gv) in zip(leaves, gacc):
             if kl_.grad is not None:
-                gk[s:s + 1].add_(kl_.grad)
+                grad_accumulate.add_(gk[s:s + 1], kl_.grad)
             if vl_.grad is not None:
-                gv[s:s + 1].add_(vl_.grad)
+                grad_accumulate.add_(gv[s:s + 1], vl_.grad)
             kl_.grad = vl_.grad = None
         total = total + loss.detach()
         # the terms as loss.dflash_loss reports them (CAP also when it is not in the loss)

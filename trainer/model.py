@@ -45,6 +45,7 @@ from trainer import arch as archs
 from trainer import block_conv
 from trainer import family
 from trainer import fused_ops as fo
+from trainer import grad_accumulate
 from trainer.flex_mask import dense_dflash_mask, flex_attention_fn, make_dflash_block_mask
 # One implementation of the norm, RoPE and MLP: the export's modeling file (trainer/hf_dflash.py,
 # written into every drafter/ so transformers loads it without this package) must compute
@@ -402,7 +403,7 @@ def _scatter_grad(leaf: torch.Tensor, bounds) -> None:
             if p.grad is None:
                 p.grad = g[lo:hi].to(p.dtype, copy=True)
             else:
-                p.grad.add_(g[lo:hi])
+                grad_accumulate.add_(p.grad, g[lo:hi])
 
 
 def _fused(linears, dtype):

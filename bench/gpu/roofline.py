@@ -21,6 +21,8 @@ Phases (one H200; random bf16 weights made on the GPU, random tokens, no downloa
 * ``head``: the head chunk's two elementwise passes, compiled against trainer/head_kernels.py's
   Triton kernels at several block sizes (:func:`phase_head`).
 * ``headgemm``: the head chunk's three GEMMs, and the two logits GEMMs as one (:func:`phase_headgemm`).
+* ``accumulate``: the chunks' fp32 += bf16 weight-gradient adds, PyTorch's against
+  trainer/grad_accumulate.py's kernel at several block sizes (:func:`phase_accumulate`).
 * ``step``: trainer/step.py's ChunkedStep at the operators' config (Qwen3-8B widths, 5 layers,
   block 32, 1,024 anchors, 6 × 8,192 tokens, soft labels KL 0.15 at T 2, CAP 0.1, γ 10, clip,
   fused AdamW) for DFlash and DFlash2, each "before" and "after" in the same process (``--before
@@ -30,7 +32,9 @@ Phases (one H200; random bf16 weights made on the GPU, random tokens, no downloa
   against the combined flex options, balanced head chunks, the convolution compiled, block
   masks from the anchors directly; ``--before selector``: DFlash2's selector checkpointed as in
   trainer/loss.py, then trainer/selector_fused.py's; ``--before teacher``: the teacher's logits
-  at every drafted slot, then once per distinct position of a head chunk; ``--runs`` picks
+  at every drafted slot, then once per distinct position of a head chunk; ``--before castonce``:
+  the GEMM weights cast in every chunk, then once per step; ``--before addkernel``: the
+  gradient adds by PyTorch, then by trainer/grad_accumulate.py's kernel; ``--runs`` picks
   arch:variant runs): the
   first step's wall time and compile seconds, the median of 3 timed steps (CUDA events), one profiled step
   (trainer/kernel_profile.py) as a table of kernel classes with FLOPs/bytes and the share of
@@ -471,8 +475,10 @@ def _set_variant(after: bool, flex_opts: dict) -> None:
     DFlash2's selector the checkpointed reference (trainer/loss.py), "after" with
     trainer/selector_fused.py's (DFlash's step is the same both ways). ``--before castonce``
     (session 5): "before" casts the layers' GEMM weights in every chunk, "after" once per step
-    (model.StepGemmWeights)."""
-    from trainer import block_conv, chunked_head, fast_drafter, selector_fused
+    (model.StepGemmWeights). ``--before addkernel``: "before" adds the chunks' bf16 gradients
+    into the fp32 accumulators with PyTorch's mixed-dtype add, "after" with
+    trainer/grad_accumulate.py's kernel."""
+    from trainer import block_conv, chunked_head, fast_drafter, grad_accumulate, selector_fused
 
     choice = BEFORE["choice"]
     old = choice == "s1" and not after
@@ -481,12 +487,56 @@ def _set_variant(after: bool, flex_opts: dict) -> None:
     chunked_head.BALANCED = not old
     block_conv.COMPILE = not old
     fast_drafter.DIRECT_MASKS = not old
-    chunked_head.TRITON = after or choice in ("s1", "s3", "selector", "castonce")
+    chunked_head.TRITON = after or choice in ("s1", "s3", "selector", "castonce", "addkernel")
     fast_drafter.CAST_ONCE = after or choice != "castonce"
+    grad_accumulate.KERNEL = after or choice != "addkernel"
     # session 3 (``--before s3``): "before" is main at the session's start, "after" adds its changes
     chunked_head.TEACHER_SPANS = after or choice != "teacher"
     selector_fused.FUSED = after or choice not in ("s1", "s3", "selector")
     selector_fused.COMPILE = True
+
+
+def phase_accumulate(smoke: bool) -> dict:
+    """The chunked step's fp32 += bf16 weight-gradient adds (model.StepGemmWeights' hook) at
+    Qwen3-8B's layer widths: one layer's seven weights (q, k, v, o, gate, up, down) per chunk,
+    PyTorch's mixed-dtype add (the "before") and the fp32 + fp32 add it replaced, against
+    trainer/grad_accumulate.py's kernel at several (BLOCK, warps); each checked bit for bit
+    against PyTorch's, the median of 10 (CUDA events) after 3 warm-ups; bytes = fp32 read +
+    bf16 read + fp32 written; ms per step = per layer × 5 layers × 12 chunks. On CPU (smoke)
+    the two PyTorch adds only."""
+    import torch
+
+    from trainer import grad_accumulate as ga
+
+    dev = torch.device("cpu" if smoke else "cuda")
+    H, kv, I = (64, 16, 192) if smoke else (4096, 1024, 12288)
+    shapes = [(H, H), (kv, H), (kv, H), (H, H), (I, H), (I, H), (H, I)]
+    g = torch.Generator(device=dev).manual_seed(0)
+    dst = [torch.randn(s, device=dev, generator=g) for s in shapes]
+    src = [torch.randn(s, device=dev, generator=g).to(torch.bfloat16) for s in shapes]
+    src32 = [x.float() for x in src]
+    n = sum(x.numel() for x in dst)
+    per_step = 5 * 12
+
+    def row(t, nbytes):
+        return {"ms_per_layer": 1e3 * t, "ms_per_step": 1e3 * t * per_step, "bytes_s": nbytes / t}
+
+    out = {"elements_per_layer": n, "variants": {}}
+    t, _ = _timed(lambda: [d.add_(x) for d, x in zip(dst, src32)], 3, 10, not smoke)
+    out["variants"]["torch fp32 + fp32"] = row(t, 12 * n)
+    t, _ = _timed(lambda: [d.add_(x) for d, x in zip(dst, src)], 3, 10, not smoke)
+    out["variants"]["torch fp32 + bf16"] = row(t, 10 * n)
+    if not smoke:
+        want = [d.clone().add_(x) for d, x in zip(dst, src)]
+        for block in (1024, 2048, 4096, 8192):
+            for warps in (4, 8, 16):
+                ga.BLOCK, ga.WARPS = block, warps
+                got = [ga.kernel_add_(d.clone(), x) for d, x in zip(dst, src)]
+                t, _ = _timed(lambda: [ga.kernel_add_(d, x) for d, x in zip(dst, src)], 3, 10, True)
+                out["variants"][f"kernel {block}/{warps}"] = dict(
+                    row(t, 10 * n), bit_equal=all(torch.equal(a, b) for a, b in zip(got, want)))
+        ga.BLOCK, ga.WARPS = 4096, 8
+    return out
 
 
 def phase_step(smoke: bool, iters: int, archs: list[str], flex_opts: dict, ceilings: dict) -> dict:
@@ -581,7 +631,7 @@ def main() -> int:
     r.add_argument("--flex-window", type=int, default=2048, help="the flexwindow phase's sliding window")
     r.add_argument("--flex-variants", default=None, help="comma-separated FLEX_VARIANTS names (default: all)")
     r.add_argument("--smoke", action="store_true")
-    r.add_argument("--before", default="main", choices=["main", "s1", "s3", "selector", "teacher", "castonce"],
+    r.add_argument("--before", default="main", choices=["main", "s1", "s3", "selector", "teacher", "castonce", "addkernel"],
                    help="what the step's 'before' turns off")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a trainer flag's value over the operators' for every step run, e.g. position_weights=dpace")
@@ -634,6 +684,10 @@ def main() -> int:
         RESULTS["phases"]["flexwindow"] = phase_flex(a.smoke, a.flex_variants.split(",") if a.flex_variants else None,
                                                      window=a.flex_window)
         log("flex (window) chosen", json.dumps(RESULTS["phases"]["flexwindow"]["chosen"]))
+        save()
+    if "accumulate" in phases:
+        RESULTS["phases"]["accumulate"] = phase_accumulate(a.smoke)
+        log("accumulate", json.dumps(RESULTS["phases"]["accumulate"]))
         save()
     if "step" in phases:
         RESULTS["flex_after"] = flex_opts

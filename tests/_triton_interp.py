@@ -1,0 +1,47 @@
+"""Triton kernels on a machine without a GPU: Triton's interpreter runs them on CPU tensors
+(TRITON_INTERPRET=1), block by block in numpy. Shared by the kernel tests."""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+CUDA = torch.cuda.is_available()
+
+
+def import_interpreted(name: str):
+    """Import the kernel module ``name`` with TRITON_INTERPRET=1 set while its functions are
+    decorated (without a GPU), then put the variable back for the other tests."""
+    saved = os.environ.get("TRITON_INTERPRET")
+    if not CUDA:
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        return importlib.import_module(name)
+    finally:
+        if saved is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+def interpret_jit_functions(monkeypatch, *modules) -> None:
+    """Triton decides when a function is decorated whether @triton.jit makes it interpreted.
+    When triton.language was imported before TRITON_INTERPRET was set (transformers'
+    modeling_utils imports torch._dynamo and with it triton: any test module that imports
+    trainer.model at collection does so), its own functions (tl.zeros, tl.sum, ...) are
+    compiled-only, and a kernel that calls them fails under the interpreter ("Cannot call
+    @triton.jit'd outside of the scope of a kernel"); so do the kernels of ``modules`` when
+    they were imported early. Each such function is wrapped in the interpreter's for the test,
+    and TRITON_INTERPRET is set for its launches."""
+    import triton.language as tl
+    import triton.language.standard as tl_standard
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for module in (tl, tl_standard, *modules):
+        for name, value in list(vars(module).items()):
+            if isinstance(value, JITFunction):
+                monkeypatch.setattr(module, name, InterpretedFunction(value.fn))
