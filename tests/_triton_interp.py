@@ -45,3 +45,18 @@ def interpret_jit_functions(monkeypatch, *modules) -> None:
         for name, value in list(vars(module).items()):
             if isinstance(value, JITFunction):
                 monkeypatch.setattr(module, name, InterpretedFunction(value.fn))
+
+
+def kernel_fixture(module, **small):
+    """An autouse fixture for a kernel module's tests: without a GPU, its kernels (and
+    triton's own functions) interpreted, and its tile settings ``small`` (the interpreter runs
+    each program in numpy: small tiles, several per input)."""
+    import pytest
+
+    @pytest.fixture(autouse=True)
+    def _interpreted(monkeypatch):
+        if not CUDA:
+            interpret_jit_functions(monkeypatch, module)
+            for name, value in small.items():
+                monkeypatch.setattr(module, name, value)
+    return _interpreted

@@ -9,17 +9,13 @@ import torch
 
 pytest.importorskip("triton")
 
-from _triton_interp import CUDA, import_interpreted, interpret_jit_functions  # noqa: E402
+from _triton_interp import CUDA, import_interpreted, kernel_fixture  # noqa: E402
 
 ga = import_interpreted("trainer.grad_accumulate")
 DEV = "cuda" if CUDA else "cpu"
 
 
-@pytest.fixture(autouse=True)
-def interpreted(monkeypatch):
-    if not CUDA:
-        interpret_jit_functions(monkeypatch, ga)
-        monkeypatch.setattr(ga, "BLOCK", 64)  # several programs and a partial last block
+interpreted = kernel_fixture(ga, BLOCK=64)  # several programs and a partial last block
 
 
 def _operands(n, src_dtype, seed):

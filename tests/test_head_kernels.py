@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from _triton_interp import CUDA, import_interpreted, interpret_jit_functions  # noqa: E402
+from _triton_interp import CUDA, import_interpreted, kernel_fixture  # noqa: E402
 from trainer import chunked_head as ch  # noqa: E402
 from trainer.loss import dflash_loss_fn  # noqa: E402
 
@@ -22,14 +22,9 @@ hk = import_interpreted("trainer.head_kernels")
 DEV = "cuda" if CUDA else "cpu"
 
 
-@pytest.fixture(autouse=True)
-def small_blocks(monkeypatch):
-    if not CUDA:  # the interpreter runs block by block in numpy: small blocks, several per row
-        interpret_jit_functions(monkeypatch, hk)
-        monkeypatch.setattr(hk, "STATS_CONFIG", (256, 4))
-        monkeypatch.setattr(hk, "GRAD_CONFIG", (256, 4))
-        monkeypatch.setattr(hk, "TOPK_CONFIG", (64, 4))
-        monkeypatch.setattr(hk, "SELECT_CONFIG", (128, 4))
+# the interpreter runs block by block in numpy: small blocks, several per row
+small_blocks = kernel_fixture(hk, STATS_CONFIG=(256, 4), GRAD_CONFIG=(256, 4), TOPK_CONFIG=(64, 4),
+                              SELECT_CONFIG=(128, 4))
 
 
 def _inputs(R, V, dtype, seed):

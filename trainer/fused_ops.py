@@ -12,6 +12,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from trainer import silu_mul_kernel
+
 EPS = 1e-6
 _COMPILE = os.environ.get("DFLASH_FUSED_COMPILE", "1" if torch.cuda.is_available() else "0") == "1"
 
@@ -87,8 +89,16 @@ def _silu_mul(gu):
 norm = _maybe_compile(_norm)
 qkv_prep = _maybe_compile(_qkv_prep)
 kv_prep = _maybe_compile(_kv_prep)
-silu_mul = _maybe_compile(_silu_mul)
+_silu_mul_compiled = _maybe_compile(_silu_mul)
 add_norm = _maybe_compile(_add_norm)
+
+
+def silu_mul(gu):
+    """SiLU(gate)·up of gu = [gate | up]: compiled on CUDA, or trainer/silu_mul_kernel.py's
+    Triton kernels where DFLASH_SILU_KERNEL=1 (a candidate until measured); eager on CPU."""
+    if silu_mul_kernel.KERNEL and silu_mul_kernel.triton is not None and gu.is_cuda:
+        return silu_mul_kernel.silu_mul(gu)
+    return _silu_mul_compiled(gu)
 
 
 def rope_tables(max_pos: int, head_dim: int, device, theta: float = 1_000_000.0):

@@ -7,6 +7,7 @@
 #     bash bench/gpu/issue29.sh colocated step    # both in one call, in this order
 #   ROOFLINE_ARGS="--phases ceilings,head" COLOCATED_ARGS="--scale gpu27" bash bench/gpu/issue29.sh step colocated
 #                                         # session 2, call 1: the head kernels, then the Qwen3.6-27B shape
+#   bash bench/gpu/issue29.sh kernels     # grad_accumulate's and silu_mul_kernel's sweeps and step before/after
 #
 # Wheels in .whl/ (flash-linear-attention for the 27B shape's hybrid target; flash-attn-4 and
 # its small dependencies) are installed into /tmp/site first and put on PYTHONPATH (the
@@ -53,6 +54,15 @@ for mode in ${@:-step}; do
     step)  # ROOFLINE_ARGS: e.g. "--phases ceilings,step --archs dflash2 --flex-options {}"
       timeout -s TERM $(( $(left) - 20 )) python3 bench/gpu/roofline.py run --out "$W/out" ${ROOFLINE_ARGS:-}
       echo "roofline rc $?";;
+    kernels)  # the elementwise kernels written without a device (session 2026-12-05b): their
+      # sweeps, then the DFlash step before/after each (one process per --before; ~6 min)
+      timeout -s TERM $(( $(left) - 20 )) python3 bench/gpu/roofline.py run --out "$W/out/kernels" \
+        --phases ceilings,silu,accumulate; echo "kernels rc $?"
+      for b in addkernel silukernel; do
+        timeout -s TERM $(( $(left) - 20 )) python3 bench/gpu/roofline.py run --out "$W/out/$b" --phases step \
+          --archs dflash --before $b --iters 3 ${ROOFLINE_ARGS:-}; echo "$b rc $?"
+        pack
+      done;;
     stage) ;;  # the wheels above, nothing measured
     colocated)
       timeout -s TERM $(( $(left) - 20 )) python3 bench/gpu/colocated.py run --out "$W/co" --work "$W/cowork" \

@@ -21,6 +21,8 @@ Phases (one H200; random bf16 weights made on the GPU, random tokens, no downloa
 * ``head``: the head chunk's two elementwise passes, compiled against trainer/head_kernels.py's
   Triton kernels at several block sizes (:func:`phase_head`).
 * ``headgemm``: the head chunk's three GEMMs, and the two logits GEMMs as one (:func:`phase_headgemm`).
+* ``silu``: the MLP's SiLU(gate)·up forward and backward, compiled against
+  trainer/silu_mul_kernel.py's kernels at several tiles (:func:`phase_silu`).
 * ``accumulate``: the chunks' fp32 += bf16 weight-gradient adds, PyTorch's against
   trainer/grad_accumulate.py's kernel at several block sizes (:func:`phase_accumulate`).
 * ``step``: trainer/step.py's ChunkedStep at the operators' config (Qwen3-8B widths, 5 layers,
@@ -34,7 +36,8 @@ Phases (one H200; random bf16 weights made on the GPU, random tokens, no downloa
   trainer/loss.py, then trainer/selector_fused.py's; ``--before teacher``: the teacher's logits
   at every drafted slot, then once per distinct position of a head chunk; ``--before castonce``:
   the GEMM weights cast in every chunk, then once per step; ``--before addkernel``: the
-  gradient adds by PyTorch, then by trainer/grad_accumulate.py's kernel; ``--runs`` picks
+  gradient adds by PyTorch, then by trainer/grad_accumulate.py's kernel; ``--before
+  silukernel``: the MLP's SiLU·up compiled, then by trainer/silu_mul_kernel.py's kernels; ``--runs`` picks
   arch:variant runs): the
   first step's wall time and compile seconds, the median of 3 timed steps (CUDA events), one profiled step
   (trainer/kernel_profile.py) as a table of kernel classes with FLOPs/bytes and the share of
@@ -444,6 +447,7 @@ def markdown(t: dict) -> str:
 
 
 BEFORE = {"choice": "main"}  # --before: what "before" turns off
+SHIPPED: dict = {}  # switches as the trainer ships them, for the runs a --before leaves alone
 RUNS: set = set()  # --runs: only these arch:variant runs of the step phase (empty: all)
 CONFIG_SET: dict = {}  # --set: trainer flag values over the operators' (e.g. position_weights=dpace)
 
@@ -477,8 +481,10 @@ def _set_variant(after: bool, flex_opts: dict) -> None:
     (session 5): "before" casts the layers' GEMM weights in every chunk, "after" once per step
     (model.StepGemmWeights). ``--before addkernel``: "before" adds the chunks' bf16 gradients
     into the fp32 accumulators with PyTorch's mixed-dtype add, "after" with
-    trainer/grad_accumulate.py's kernel."""
-    from trainer import block_conv, chunked_head, fast_drafter, grad_accumulate, selector_fused
+    trainer/grad_accumulate.py's kernel. ``--before silukernel``: "before" runs the MLP's
+    SiLU·up compiled, "after" through trainer/silu_mul_kernel.py's kernels (off in the trainer
+    until measured: every other choice runs it as shipped)."""
+    from trainer import block_conv, chunked_head, fast_drafter, grad_accumulate, selector_fused, silu_mul_kernel
 
     choice = BEFORE["choice"]
     old = choice == "s1" and not after
@@ -487,9 +493,11 @@ def _set_variant(after: bool, flex_opts: dict) -> None:
     chunked_head.BALANCED = not old
     block_conv.COMPILE = not old
     fast_drafter.DIRECT_MASKS = not old
-    chunked_head.TRITON = after or choice in ("s1", "s3", "selector", "castonce", "addkernel")
+    chunked_head.TRITON = after or choice in ("s1", "s3", "selector", "castonce", "addkernel", "silukernel")
     fast_drafter.CAST_ONCE = after or choice != "castonce"
     grad_accumulate.KERNEL = after or choice != "addkernel"
+    SHIPPED.setdefault("silu", silu_mul_kernel.KERNEL)  # the trainer's own setting, before any run changed it
+    silu_mul_kernel.KERNEL = after if choice == "silukernel" else SHIPPED["silu"]
     # session 3 (``--before s3``): "before" is main at the session's start, "after" adds its changes
     chunked_head.TEACHER_SPANS = after or choice != "teacher"
     selector_fused.FUSED = after or choice not in ("s1", "s3", "selector")
@@ -536,6 +544,62 @@ def phase_accumulate(smoke: bool) -> dict:
                 out["variants"][f"kernel {block}/{warps}"] = dict(
                     row(t, 10 * n), bit_equal=all(torch.equal(a, b) for a, b in zip(got, want)))
         ga.BLOCK, ga.WARPS = 4096, 8
+    return out
+
+
+def phase_silu(smoke: bool) -> dict:
+    """The drafter MLP's SiLU(gate)·up at the chunk's shape (512 anchors × 32 = 16,384 rows,
+    Qwen3-8B's intermediate 12,288, bf16): forward and backward compiled (trainer/fused_ops.py,
+    the "before") against trainer/silu_mul_kernel.py's kernels at several (rows, columns,
+    warps) tiles; each kernel's numbers against the compiled ones (max difference in units of
+    bf16's last place), the median of 10 (CUDA events) after 3 warm-ups; bytes = gu read +
+    y written (forward), gu and dy read + dgu written (backward). On CPU (smoke) the eager
+    function only."""
+    import torch
+
+    from trainer import fused_ops as fo
+    from trainer import silu_mul_kernel as sk
+
+    dev = torch.device("cpu" if smoke else "cuda")
+    M, I = (64, 96) if smoke else (16384, 12288)
+    dt = torch.float32 if smoke else torch.bfloat16
+    g = torch.Generator(device=dev).manual_seed(0)
+    gu = (torch.randn(M, 2 * I, device=dev, generator=g) * 3).to(dt)
+    dy = torch.randn(M, I, device=dev, generator=g).to(dt)
+    size = gu.element_size()
+    fwd_bytes, bwd_bytes = size * (2 * M * I + M * I), size * (2 * M * I + M * I + 2 * M * I)
+
+    def compiled_bwd():
+        x = gu.detach().requires_grad_(True)
+        fo._silu_mul_compiled(x).backward(dy)
+        return x.grad
+
+    def fwd_bwd_rows(name, fwd, bwd):
+        tf, _ = _timed(fwd, 3, 10, not smoke)
+        tb, _ = _timed(bwd, 3, 10, not smoke)
+        return {"fwd_ms": 1e3 * tf, "fwd_bytes_s": fwd_bytes / tf, "bwd_ms": 1e3 * tb, "bwd_bytes_s": bwd_bytes / tb}
+
+    out = {"rows": M, "intermediate": I, "variants": {}}
+    shipped_config = sk.CONFIG
+    # the compiled backward's time includes its forward (autograd needs it): subtract it
+    comp = fwd_bwd_rows("compiled", lambda: fo._silu_mul_compiled(gu), compiled_bwd)
+    comp["bwd_ms"] -= comp["fwd_ms"]
+    comp["bwd_bytes_s"] = bwd_bytes / (1e-3 * comp["bwd_ms"])
+    out["variants"]["compiled"] = comp
+    if not smoke:
+        y_ref, d_ref = fo._silu_mul_compiled(gu), compiled_bwd()
+
+        def ulps(a, b):
+            scale = torch.exp2(torch.floor(torch.log2(b.float().abs().clamp_min(1e-30))) - 7)
+            return float(((a.float() - b.float()).abs() / scale).max())
+        for bm in (4, 8, 16):
+            for bn in (256, 512, 1024):
+                for warps in (4, 8):
+                    sk.CONFIG = (bm, bn, warps)
+                    rec = fwd_bwd_rows("kernel", lambda: sk.forward(gu), lambda: sk.backward(gu, dy))
+                    rec.update(fwd_max_ulps=ulps(sk.forward(gu), y_ref), bwd_max_ulps=ulps(sk.backward(gu, dy), d_ref))
+                    out["variants"][f"kernel {bm}x{bn}/{warps}"] = rec
+        sk.CONFIG = shipped_config
     return out
 
 
@@ -631,7 +695,8 @@ def main() -> int:
     r.add_argument("--flex-window", type=int, default=2048, help="the flexwindow phase's sliding window")
     r.add_argument("--flex-variants", default=None, help="comma-separated FLEX_VARIANTS names (default: all)")
     r.add_argument("--smoke", action="store_true")
-    r.add_argument("--before", default="main", choices=["main", "s1", "s3", "selector", "teacher", "castonce", "addkernel"],
+    r.add_argument("--before", default="main", choices=["main", "s1", "s3", "selector", "teacher", "castonce", "addkernel",
+                                                      "silukernel"],
                    help="what the step's 'before' turns off")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a trainer flag's value over the operators' for every step run, e.g. position_weights=dpace")
@@ -684,6 +749,10 @@ def main() -> int:
         RESULTS["phases"]["flexwindow"] = phase_flex(a.smoke, a.flex_variants.split(",") if a.flex_variants else None,
                                                      window=a.flex_window)
         log("flex (window) chosen", json.dumps(RESULTS["phases"]["flexwindow"]["chosen"]))
+        save()
+    if "silu" in phases:
+        RESULTS["phases"]["silu"] = phase_silu(a.smoke)
+        log("silu", json.dumps(RESULTS["phases"]["silu"]))
         save()
     if "accumulate" in phases:
         RESULTS["phases"]["accumulate"] = phase_accumulate(a.smoke)
