@@ -420,7 +420,7 @@ def test_plan_run_takes_both_qwen36_layouts_and_refuses_only_what_does_not_fit()
 
 
 # Issue 19's H200 runs (docs/benchmarks.md, "Qwen3.6-27B on one H200"; raw rows in
-# bench/gpu/results/hybrid_results.jsonl and hybrid_colocated_*), made with the build of
+# bench/results/hybrid/hybrid_results.jsonl and hybrid_colocated_*), made with the build of
 # b6e60f8: torch's default allocator (nothing set PYTORCH_CUDA_ALLOC_CONF then: reserved ran
 # 2.6 GiB above allocated, where expandable segments hold 0.3-0.4 GiB), the chunked step's
 # context-gradient leak fixed since (bench/gpu/memory_campaign.leak_bytes_of), and in

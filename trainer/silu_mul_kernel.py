@@ -7,7 +7,7 @@ the flat output with a division and a remainder by the intermediate size (12,288
 Qwen3-8B) to find g and u, and writes the backward's two halves through a ``cat``: in the
 DFlash step's profile on an H200 the backward ran at about half the copy rate
 (``triton_poi_fused_cat_mul_silu_silu_backward_split_0``, 58 ms over 60 calls, ~2 GB each;
-bench/gpu/results/op_sources_s5_call6/). These kernels walk 2-D tiles (rows × columns of
+bench/results/roofline/op_sources_s5_call6/). These kernels walk 2-D tiles (rows × columns of
 the intermediate), so g and u of a tile are two strided loads with no index arithmetic, and
 the backward writes dg and du into its two halves directly.
 

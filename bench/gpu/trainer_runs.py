@@ -1,5 +1,5 @@
 """Figures of the `python -m trainer` runs on H200s (device calls 4 and 5) from their raw
-outputs in bench/gpu/results: tokens/s, drafted positions/s, drafter wait, MFU per role
+outputs in bench/results/trainer_and_quality/ and bench/results/operators_layouts/: tokens/s, drafted positions/s, drafter wait, MFU per role
 (trainer/flops.py's count, against 989 TFLOP/s), peaks, and the split of 8 GPUs between the
 roles that the measured per-GPU rates imply (flops.gpus_per_role).
 
@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 
 from trainer import flops as fl  # noqa: E402
 
-RESULTS = os.path.join(HERE, "results")
+RESULTS = os.path.join(os.path.dirname(HERE), "results")  # bench/results/<topic>/
 L, ANCHORS, BLOCK, LAYERS = 8192, 1024, 32, 5
 MEAN_ANCHOR = int(0.55 * L)
 
@@ -84,14 +84,14 @@ def main() -> int:
     rows = [
         summarize("8B colocated, transformers forward + reference step, 1 × 8,192", _ref8b(), S8, 1, 1, True),
         summarize("8B colocated, fast forward + chunked step (defaults on CUDA), 1 × 8,192",
-                  steps_from_jsonl(os.path.join(RESULTS, "call4_fast8b-events.jsonl")), S8, 1, 1, True),
+                  steps_from_jsonl(os.path.join(RESULTS, "trainer_and_quality", "call4_fast8b-events.jsonl")), S8, 1, 1, True),
         summarize("8B colocated, --token-budget auto (chose 27 × 8,192)",
-                  steps_from_jsonl(os.path.join(RESULTS, "call4_auto8b-events.jsonl")), S8, 1, 1, True),
+                  steps_from_jsonl(os.path.join(RESULTS, "trainer_and_quality", "call4_auto8b-events.jsonl")), S8, 1, 1, True),
         summarize("8B split 1 + 1, operators' flags (grad-accum 4 × 49,152)",
-                  steps_from_jsonl(os.path.join(RESULTS, "call4_events.jsonl")), S8, 1, 1, False),
-        summarize("27B-like 3 + 1, operators' flags", steps_from_log(os.path.join(RESULTS, "call5_log.txt"), "l3p1"),
+                  steps_from_jsonl(os.path.join(RESULTS, "trainer_and_quality", "call4_events.jsonl")), S8, 1, 1, False),
+        summarize("27B-like 3 + 1, operators' flags", steps_from_log(os.path.join(RESULTS, "operators_layouts", "call5_log.txt"), "l3p1"),
                   S27, 3, 1, False),
-        summarize("27B-like 2 + 2, operators' flags", steps_from_log(os.path.join(RESULTS, "call5_log.txt"), "l2p2"),
+        summarize("27B-like 2 + 2, operators' flags", steps_from_log(os.path.join(RESULTS, "operators_layouts", "call5_log.txt"), "l2p2"),
                   S27, 2, 2, False),
     ]
     print("| run | steady steps | tokens/s | drafted pos/s | drafter wait / step | step | drafter peak (allocated) "
@@ -126,9 +126,9 @@ def main() -> int:
 
 def _ref8b() -> list[dict]:
     """The reference run's step lines (its events file did not come back: the device tool
-    returns 8 files); tokens/s and wait from the printed log in bench/gpu/results/call4_tail.txt."""
+    returns 8 files); tokens/s and wait from the printed log in bench/results/trainer_and_quality/call4_tail.txt."""
     out = []
-    for line in open(os.path.join(RESULTS, "call4_tail.txt")):
+    for line in open(os.path.join(RESULTS, "trainer_and_quality", "call4_tail.txt")):
         m = re.match(r"step (\d+)/8 \| .* \| (\d+) tok/s \| acc@1 \S+ \| wait ([0-9.]+)s", line.strip())
         if m and "ce" in line:
             out.append({"step": int(m.group(1)), "tokens": 8192, "tokens_per_s": float(m.group(2)),

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Device call 2 (one H200): the fast paths after the static-shape fix, the core engineer's
+# The fast paths and the memory probe on one H200 (first run as device call 2, 2026-11-29;
+# raw results in bench/results/fast_paths_probe/): the fast paths after the static-shape fix, the core engineer's
 # Drafter, the 27B-like shapes, the memory probe (measured vs model) and a refused launch.
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

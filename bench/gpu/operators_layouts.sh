@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Device call 5 (nvidia-h200-x4), issue 8 with the GPUs lent: the operators' exact flag set
+# The operators' layouts 3 + 1 and 2 + 2 (nvidia-h200-x4; first run as device call 5, raw
+# results in bench/results/operators_layouts/), issue 8 with the GPUs lent: the operators' exact flag set
 # (TRAINER_SPEC.md, without the wandb flags: no wandb on that image) on a synthetic
 # Qwen3-27B-shaped target (random weights made on the GPUs), under the agent, in the two
 # layouts four GPUs allow: 3 target + 1 drafter and 2 + 2. Then, for issue 7: the 1 + 1

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Device call 4 (nvidia-h200-x4). GPU 3: issue 10's quality pipeline (bench/quality/run.py
+# `python -m trainer` on GPUs beside the quality pipeline (nvidia-h200-x4; first run as device
+# call 4, raw results in bench/results/trainer_and_quality/). GPU 3: issue 10's quality pipeline (bench/quality/run.py
 # --scale gpu). GPUs 0-2 meanwhile: issue 7 inside `python -m trainer` itself on a synthetic
 # Qwen3-8B-shaped target (random weights made on the GPU, random full-length data):
 #   phase 1  the transformers target + reference drafter step against the defaults on CUDA
