@@ -98,7 +98,7 @@ class Plan:
         return out
 
 
-# A generation as agent/envgen.py resolves it: current (or @), its id or a prefix of one, with
+# A generation as agent/genstore.py resolves it: current (or @), its id or a prefix of one, with
 # or without the gen- of its directory name.
 _GENERATION_REF = re.compile(r"current|@|(gen-)?[0-9a-f]{1,64}")
 

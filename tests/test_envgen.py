@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.envgen import FAULT_POINTS, diff_packages, version_key
+from agent.genstore import FAULT_POINTS
+from agent.pkgdiff import diff_packages, version_key
 from agent.protocol import extract_payload
 from wheel_factory import probe_wheelhouse
 

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from agent import envgen
+from agent import genstore
 from trainer import runtime_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,12 +37,12 @@ def test_apply_sets_what_is_unset_and_keeps_what_the_operator_set(tmp_path):
 
 def test_without_the_start_script_the_generation_is_this_interpreters_fingerprint(tmp_path):
     """By hand (no DFLASH_ENV_GENERATION, or a malformed one) the cache is keyed by the same
-    id agent/envgen.py gives this venv as a generation, under ~/.cache."""
+    id agent/genstore.py gives this venv as a generation, under ~/.cache."""
     venv = os.path.dirname(os.path.dirname(sys.executable))
-    assert runtime_env.interpreter_generation() == envgen.fingerprint(venv)["id"]
+    assert runtime_env.interpreter_generation() == genstore.fingerprint(venv)["id"]
     env = {"HOME": str(tmp_path), runtime_env.ENV_GENERATION: "../../etc"}
     runtime_env.apply(env)
-    gen = envgen.fingerprint(venv)["id"]
+    gen = genstore.fingerprint(venv)["id"]
     assert env[runtime_env.ENV_INDUCTOR] == str(tmp_path / ".cache/dflash-ctl/compile-cache" / f"gen-{gen}" / "inductor")
 
 
