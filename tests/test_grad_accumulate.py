@@ -87,6 +87,7 @@ def test_what_the_kernel_does_not_cover_is_refused_by_it_and_added_by_torch(case
 def test_add_sends_cpu_tensors_to_torch_and_the_switch_turns_the_kernel_off(monkeypatch):
     dst, src = _operands(100, torch.bfloat16, 5)
     launched = []
+    monkeypatch.setattr(ga, "KERNEL", True)  # DFLASH_ADD_KERNEL=1
     monkeypatch.setattr(ga, "kernel_add_", lambda d, s: launched.append(1))
     ga.add_(dst, src)
     assert not launched  # CPU: torch's add
@@ -95,7 +96,7 @@ def test_add_sends_cpu_tensors_to_torch_and_the_switch_turns_the_kernel_off(monk
     assert launched == [1]  # "CUDA" and covered: the kernel
     monkeypatch.setattr(ga, "KERNEL", False)
     ga.add_(dst, src)
-    assert launched == [1]  # DFLASH_ADD_KERNEL=0: torch's add
+    assert launched == [1]  # switched off (the default until measured): torch's add
 
 
 @pytest.mark.parametrize("arch,soft", [("dflash", False), ("dflash2", True)])

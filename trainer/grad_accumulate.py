@@ -12,8 +12,9 @@ loads instead.
 The sum is PyTorch's to the last bit: each element is ``dst + float(src)``, one fp32 addition
 rounded to nearest, which is what ``dst.add_(src)`` computes for alpha 1. Anything the kernel
 does not cover (CPU tensors, other dtypes, layouts that are not one dense run of elements)
-goes to ``dst.add_(src)``; ``KERNEL = False`` (DFLASH_ADD_KERNEL=0) sends everything there
-(benchmark before/after).
+goes to ``dst.add_(src)``. Off until a GPU has timed it (a kernel that fails to build there
+would stop every step): DFLASH_ADD_KERNEL=1 turns it on, bench/gpu/roofline.py's
+``--before addkernel`` measures it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ except ImportError:  # pragma: no cover - depends on the image
 
 __all__ = ["add_", "kernel_add_", "one_run", "KERNEL", "BLOCK", "WARPS"]
 
-KERNEL = os.environ.get("DFLASH_ADD_KERNEL", "1") == "1"
+KERNEL = os.environ.get("DFLASH_ADD_KERNEL", "0") == "1"
 
 # elements per program and its warps: 16 per thread, four 8-byte bf16 loads and four 16-byte
 # fp32 loads each (chosen by the copy kernels' usual shape, not yet tuned on a GPU)

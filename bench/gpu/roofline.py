@@ -482,8 +482,8 @@ def _set_variant(after: bool, flex_opts: dict) -> None:
     (model.StepGemmWeights). ``--before addkernel``: "before" adds the chunks' bf16 gradients
     into the fp32 accumulators with PyTorch's mixed-dtype add, "after" with
     trainer/grad_accumulate.py's kernel. ``--before silukernel``: "before" runs the MLP's
-    SiLU·up compiled, "after" through trainer/silu_mul_kernel.py's kernels (off in the trainer
-    until measured: every other choice runs it as shipped)."""
+    SiLU·up compiled, "after" through trainer/silu_mul_kernel.py's kernels. Both kernels are
+    off in the trainer until measured: every other choice runs them as shipped."""
     from trainer import block_conv, chunked_head, fast_drafter, grad_accumulate, selector_fused, silu_mul_kernel
 
     choice = BEFORE["choice"]
@@ -495,8 +495,10 @@ def _set_variant(after: bool, flex_opts: dict) -> None:
     fast_drafter.DIRECT_MASKS = not old
     chunked_head.TRITON = after or choice in ("s1", "s3", "selector", "castonce", "addkernel", "silukernel")
     fast_drafter.CAST_ONCE = after or choice != "castonce"
-    grad_accumulate.KERNEL = after or choice != "addkernel"
-    SHIPPED.setdefault("silu", silu_mul_kernel.KERNEL)  # the trainer's own setting, before any run changed it
+    # the trainer's own settings, before any run changed them: the runs a --before leaves alone
+    SHIPPED.setdefault("add", grad_accumulate.KERNEL)
+    SHIPPED.setdefault("silu", silu_mul_kernel.KERNEL)
+    grad_accumulate.KERNEL = after if choice == "addkernel" else SHIPPED["add"]
     silu_mul_kernel.KERNEL = after if choice == "silukernel" else SHIPPED["silu"]
     # session 3 (``--before s3``): "before" is main at the session's start, "after" adds its changes
     chunked_head.TEACHER_SPANS = after or choice != "teacher"
