@@ -33,7 +33,7 @@ __all__ = ["add_", "kernel_add_", "one_run", "KERNEL", "BLOCK", "WARPS"]
 
 KERNEL = os.environ.get("DFLASH_ADD_KERNEL", "0") == "1"
 
-# elements per program and its warps: 16 per thread, four 8-byte bf16 loads and four 16-byte
+# elements per program and its warps: 16 per thread, two 16-byte bf16 loads and four 16-byte
 # fp32 loads each (chosen by the copy kernels' usual shape, not yet tuned on a GPU)
 BLOCK = 4096
 WARPS = 8
