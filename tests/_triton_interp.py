@@ -3,27 +3,9 @@
 
 from __future__ import annotations
 
-import importlib
-import os
-
 import torch
 
 CUDA = torch.cuda.is_available()
-
-
-def import_interpreted(name: str):
-    """Import the kernel module ``name`` with TRITON_INTERPRET=1 set while its functions are
-    decorated (without a GPU), then put the variable back for the other tests."""
-    saved = os.environ.get("TRITON_INTERPRET")
-    if not CUDA:
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        return importlib.import_module(name)
-    finally:
-        if saved is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
 
 
 def interpret_jit_functions(monkeypatch, *modules) -> None:

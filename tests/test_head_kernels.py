@@ -14,11 +14,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from _triton_interp import CUDA, import_interpreted, kernel_fixture  # noqa: E402
+from _triton_interp import CUDA, kernel_fixture  # noqa: E402
+from trainer import head_kernels as hk  # noqa: E402
 from trainer import chunked_head as ch  # noqa: E402
 from trainer.loss import dflash_loss_fn  # noqa: E402
 
-hk = import_interpreted("trainer.head_kernels")
 DEV = "cuda" if CUDA else "cpu"
 
 

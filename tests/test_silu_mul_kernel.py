@@ -11,9 +11,9 @@ import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
-from _triton_interp import CUDA, import_interpreted, kernel_fixture  # noqa: E402
+from _triton_interp import CUDA, kernel_fixture  # noqa: E402
+from trainer import silu_mul_kernel as sk  # noqa: E402
 
-sk = import_interpreted("trainer.silu_mul_kernel")
 DEV = "cuda" if CUDA else "cpu"
 
 

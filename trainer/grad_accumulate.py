@@ -69,7 +69,7 @@ def add_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     walks both as flat arrays); everything else ``dst.add_(src)``. The result is the same
     either way."""
     if KERNEL and triton is not None and dst.is_cuda and _covered(dst, src):
-        return kernel_add_(dst, src)
+        return _launch(dst, src)
     return dst.add_(src)
 
 
@@ -79,6 +79,10 @@ def kernel_add_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"kernel_add_ takes an fp32 dst in one run of memory and a bf16/fp16 src of its shape "
                          f"and memory order, "
                          f"not {dst.dtype} {tuple(dst.shape)} and {src.dtype} {tuple(src.shape)}")
+    return _launch(dst, src)
+
+
+def _launch(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     n = dst.numel()
     if n:
         _add_kernel[(triton.cdiv(n, BLOCK),)](dst, src, n, BLOCK=BLOCK, num_warps=WARPS)

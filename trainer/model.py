@@ -324,11 +324,8 @@ class Layer(nn.Module):
         if conv is not None:
             h, dyn = _conv_prepare(conv, h, dtype, block_size)
         m = self.mlp
-        if gemm:
-            wgu, wd = gemm["gate_up"][0], gemm["down"][0]
-        else:
-            wgu = torch.cat([_cast(m.gate_proj.weight, dtype), _cast(m.up_proj.weight, dtype)])
-            wd = _cast(m.down_proj.weight, dtype)
+        wgu, _ = gemm["gate_up"] if gemm else _fused((m.gate_proj, m.up_proj), dtype)
+        wd, _ = gemm["down"] if gemm else _fused((m.down_proj,), dtype)
         out = fo.silu_mul(h @ wgu.t()) @ wd.t()
         if conv is not None:
             out = block_conv.grouped_conv(out, dyn, _cast(conv.base_kernel, dtype)[1], conv.group_size, block_size)

@@ -537,6 +537,7 @@ def phase_accumulate(smoke: bool) -> dict:
     t, _ = _timed(lambda: [d.add_(x) for d, x in zip(dst, src)], 3, 10, not smoke)
     out["variants"]["torch fp32 + bf16"] = row(t, 10 * n)
     if not smoke:
+        shipped_config = ga.BLOCK, ga.WARPS
         want = [d.clone().add_(x) for d, x in zip(dst, src)]
         for block in (1024, 2048, 4096, 8192):
             for warps in (4, 8, 16):
@@ -545,7 +546,7 @@ def phase_accumulate(smoke: bool) -> dict:
                 t, _ = _timed(lambda: [ga.kernel_add_(d, x) for d, x in zip(dst, src)], 3, 10, True)
                 out["variants"][f"kernel {block}/{warps}"] = dict(
                     row(t, 10 * n), bit_equal=all(torch.equal(a, b) for a, b in zip(got, want)))
-        ga.BLOCK, ga.WARPS = 4096, 8
+        ga.BLOCK, ga.WARPS = shipped_config
     return out
 
 
@@ -576,7 +577,7 @@ def phase_silu(smoke: bool) -> dict:
         fo._silu_mul_compiled(x).backward(dy)
         return x.grad
 
-    def fwd_bwd_rows(name, fwd, bwd):
+    def fwd_bwd_rows(fwd, bwd):
         tf, _ = _timed(fwd, 3, 10, not smoke)
         tb, _ = _timed(bwd, 3, 10, not smoke)
         return {"fwd_ms": 1e3 * tf, "fwd_bytes_s": fwd_bytes / tf, "bwd_ms": 1e3 * tb, "bwd_bytes_s": bwd_bytes / tb}
@@ -584,7 +585,7 @@ def phase_silu(smoke: bool) -> dict:
     out = {"rows": M, "intermediate": I, "variants": {}}
     shipped_config = sk.CONFIG
     # the compiled backward's time includes its forward (autograd needs it): subtract it
-    comp = fwd_bwd_rows("compiled", lambda: fo._silu_mul_compiled(gu), compiled_bwd)
+    comp = fwd_bwd_rows(lambda: fo._silu_mul_compiled(gu), compiled_bwd)
     comp["bwd_ms"] -= comp["fwd_ms"]
     comp["bwd_bytes_s"] = bwd_bytes / (1e-3 * comp["bwd_ms"])
     out["variants"]["compiled"] = comp
@@ -598,7 +599,7 @@ def phase_silu(smoke: bool) -> dict:
             for bn in (256, 512, 1024):
                 for warps in (4, 8):
                     sk.CONFIG = (bm, bn, warps)
-                    rec = fwd_bwd_rows("kernel", lambda: sk.forward(gu), lambda: sk.backward(gu, dy))
+                    rec = fwd_bwd_rows(lambda: sk.forward(gu), lambda: sk.backward(gu, dy))
                     rec.update(fwd_max_ulps=ulps(sk.forward(gu), y_ref), bwd_max_ulps=ulps(sk.backward(gu, dy), d_ref))
                     out["variants"][f"kernel {bm}x{bn}/{warps}"] = rec
         sk.CONFIG = shipped_config
