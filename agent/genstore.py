@@ -40,6 +40,7 @@ FAULT_POINTS = (
     "install:before-switch",   # build renamed to gen-<id>, live link still old
     "switch:after-link",       # temp link created, not yet renamed over the venv path
     "remove:after-trash",      # generation moved to .trash-*, not yet deleted
+    "cache-import:mid-merge",  # agent/compilecache.py: one staged entry moved into the cache, the rest not
 )
 
 

@@ -161,3 +161,38 @@ def sample() -> dict:
 
 def driver_version() -> str | None:
     return sample().get("driver")
+
+
+def architectures() -> list[dict]:
+    """``[{"name", "compute_cap"}]`` of every visible GPU (compute_cap "9.0" for Hopper; None
+    where neither NVML nor nvidia-smi tells it); [] without a GPU. Compiled kernels are made
+    for one compute capability: agent/compilecache.py compares these before it imports a
+    cache built elsewhere."""
+    if _init() is None:
+        errors: dict[str, str] = {}
+        out = []
+        for i in range(_call(errors, "count", _nv.nvmlDeviceGetCount) or 0):
+            handle = _call(errors, "handle", _nv.nvmlDeviceGetHandleByIndex, i)
+            if handle is None:
+                continue
+            cap = _call(errors, "compute_cap", _nv.nvmlDeviceGetCudaComputeCapability, handle)
+            out.append({"name": _call(errors, "name", _nv.nvmlDeviceGetName, handle),
+                        "compute_cap": f"{cap[0]}.{cap[1]}" if cap else None})
+        if out:
+            return out
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    try:
+        got = subprocess.run([exe, "--query-gpu=name,compute_cap", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    if got.returncode != 0:
+        return []
+    out = []
+    for line in got.stdout.strip().splitlines():
+        name, _, cap = (part.strip() for part in line.rpartition(","))
+        if name:
+            out.append({"name": name, "compute_cap": cap if re.fullmatch(r"\d+\.\d+", cap) else None})
+    return out

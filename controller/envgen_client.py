@@ -1,5 +1,6 @@
-"""Calls into the in-container modules agent.envgen (venv generations) and agent.recovery
-(survivor scan, GPU sample, history), with the container's *system* python3.
+"""Calls into the in-container modules agent.envgen (venv generations), agent.compilecache (a
+generation's compile cache, packed and unpacked) and agent.recovery (survivor scan, GPU
+sample, history), with the container's *system* python3.
 
 Both run on the container's system python (AgentCaller's ``python="system"``, which says
 why); this module maps their replies to refused/interrupted errors.
@@ -11,7 +12,7 @@ import json
 import os
 from typing import Optional, Sequence
 
-from agent.protocol import ENVGEN_EXIT_REFUSED
+from agent.protocol import ENVGEN_EXIT_REFUSED, PayloadError, extract_payload
 from controller.agentcall import AgentCaller
 from controller.container import Container, ContainerError
 
@@ -63,3 +64,34 @@ def recovery(ct: Container, *args: str, stdin: Optional[bytes] = None) -> dict:
 
 def append_history(ct: Container, record: dict) -> dict:
     return recovery(ct, "history-append", stdin=json.dumps(record).encode())["record"]
+
+
+def compile_cache(ct: Container, *args: str, stdin=None) -> dict:
+    """``python3 -m agent.compilecache --workspace … --venv … <args…>`` (stdin: an archive
+    for ``unpack -``, streamed from a file object)."""
+    return _call(ct, "agent.compilecache", ["--workspace", ct.config.workspace, "--venv", ct.config.venv, *args],
+                 stdin=stdin)
+
+
+def compile_cache_pack(ct: Container, sink, generation: str = "current") -> dict:
+    """Stream one generation's compile-cache archive into ``sink`` (a binary writer) from
+    ``agent.compilecache pack --out -``: the archive on stdout, the reply on stderr, so no
+    archive is left behind in the container. Returns the reply (its manifest)."""
+    import io
+
+    env = {k: os.environ[k] for k in FORWARDED_ENV if os.environ.get(k)}
+    caller = AgentCaller(ct, python="system", env=env)
+    caller.ensure_bundle()  # the stderr a missing bundle would show is not captured below
+    err = io.BytesIO()
+    args = ["--workspace", ct.config.workspace, "--venv", ct.config.venv, "pack", "--generation", generation, "--out", "-"]
+    result = caller.run("agent.compilecache", args, capture=False, stdout_sink=sink, stderr_sink=err)
+    text = err.getvalue().decode("utf-8", "replace")
+    try:
+        payload = extract_payload(text)
+    except PayloadError:
+        raise ContainerError(f"packing the compile cache in {ct} gave no reply (exit code {result.returncode}): "
+                             f"{text.strip()[-600:]}") from None
+    if not payload.get("ok"):
+        cls = EnvGenRefused if payload.get("kind") == "refused" else ContainerError
+        raise cls(f"{ct}: {payload.get('error')}")
+    return payload

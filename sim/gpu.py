@@ -60,7 +60,8 @@ if "--query-gpu=" in args:
     for i in range(STATE["gpus"]):
         row = {"index": i, "name": "NVIDIA H200", "uuid": f"GPU-5a{i:06d}-sim", "memory.total": 143771,
                "memory.used": 143771 - STATE["free_mib"], "memory.free": STATE["free_mib"],
-               "utilization.gpu": 0, "temperature.gpu": 31, "driver_version": STATE["driver"]}
+               "utilization.gpu": 0, "temperature.gpu": 31, "driver_version": STATE["driver"],
+               "compute_cap": "9.0"}
         print(", ".join(str(row.get(f, "[N/A]")) for f in fields))
     sys.exit(0)
 print(f"NVIDIA-SMI {STATE['driver']}    Driver Version: {STATE['driver']}")

@@ -80,3 +80,29 @@ def test_a_bug_of_ours_is_raised_not_reported_as_unsupported(monkeypatch):
     monkeypatch.setattr(gpus, "_initialised", False)
     with pytest.raises(AttributeError):
         gpus.sample()
+
+
+def test_architectures_come_from_nvml_else_nvidia_smi_else_none(monkeypatch, tmp_path):
+    """The compute capabilities a compile-cache import compares (agent/compilecache.py)."""
+    import json
+    import os
+
+    from sim import gpu as simgpu
+
+    monkeypatch.setattr(gpus, "_nv", None)
+    monkeypatch.setattr(gpus, "_initialised", False)
+    monkeypatch.setenv("PATH", str(tmp_path) + os.pathsep + "/usr/bin:/bin")
+    assert gpus.architectures() == []  # no NVML, no nvidia-smi
+    smi = tmp_path / "nvidia-smi"  # the simulated node's nvidia-smi, which prints what the real one prints
+    smi.write_text(simgpu.SMI)
+    smi.chmod(0o755)
+    (tmp_path / "nvidia-smi.json").write_text(json.dumps({"state": "ok", "gpus": 2, "free_mib": 1000,
+                                                          "driver": simgpu.NODE_DRIVER}))
+    assert gpus.architectures() == [{"name": "NVIDIA H200", "compute_cap": "9.0"}] * 2
+    (tmp_path / "nvidia-smi.json").write_text(json.dumps({"state": "no-cgroup"}))
+    assert gpus.architectures() == []  # "Failed to initialize NVML": no answer, not a crash
+
+    nv = _fake_nvml(lost_index=1)
+    nv.nvmlDeviceGetCudaComputeCapability = lambda h: (9, 0)
+    monkeypatch.setattr(gpus, "_nv", nv)
+    assert gpus.architectures() == [{"name": "H200", "compute_cap": "9.0"}] * 2  # the lost GPU left out

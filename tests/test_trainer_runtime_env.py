@@ -4,15 +4,14 @@ process, per env generation — checked with real processes, a real venv and rea
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 
-import pytest
-
 from agent import genstore
 from trainer import runtime_env
+
+from _inductor_cache import compile_once
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -66,31 +65,8 @@ def test_python_m_trainer_sets_them_before_torch_and_reports_them_in_the_first_s
     assert subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env).returncode == 0
 
 
-COMPILE = """
-import json, os, sys
-from trainer import runtime_env
-runtime_env.apply()
-import torch
-from trainer.train import compile_stats
-
-@torch.compile(dynamic=False)
-def f(x):
-    return (x.float() * 2).sin().to(x.dtype)
-
-f(torch.randn(16, 16))
-print(json.dumps({**compile_stats(), "dir": os.environ["TORCHINDUCTOR_CACHE_DIR"]}))
-"""
-
-
 def _compile_once(tmp_path, generation: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR", "TRITON"))}
-    env.update({runtime_env.ENV_CACHE_ROOT: str(tmp_path / "cache"), runtime_env.ENV_GENERATION: generation,
-                "PYTHONPATH": ROOT})
-    r = subprocess.run([sys.executable, "-c", COMPILE], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    if r.returncode != 0 and "compiler" in r.stderr.lower():
-        pytest.skip("no C++ compiler for torch.compile on CPU here")
-    assert r.returncode == 0, r.stderr[-2000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
+    return compile_once(tmp_path / "cache", generation)
 
 
 def test_a_relaunch_loads_its_kernels_from_the_cache_and_another_generation_does_not(tmp_path):

@@ -27,20 +27,19 @@ from __future__ import annotations
 
 import os
 import sys
-import re
 from typing import MutableMapping
+
+from agent import compilecache
 
 ENV_ALLOC = "PYTORCH_CUDA_ALLOC_CONF"
 ALLOC_CONF = "expandable_segments:True"
 ENV_CACHE_ROOT = "DFLASH_COMPILE_CACHE"
 ENV_GENERATION = "DFLASH_ENV_GENERATION"
-ENV_INDUCTOR = "TORCHINDUCTOR_CACHE_DIR"
-ENV_TRITON = "TRITON_CACHE_DIR"
-# flash-attn-4 (flash_attn/cute/cache_utils.py) reads both when it is imported
+# The cache's layout has its home in agent/compilecache.py, which also ships it between containers.
+ENV_INDUCTOR, ENV_TRITON, ENV_FLASH_CACHE_DIR = (key for key, _ in compilecache.KINDS)
+# flash-attn-4 (flash_attn/cute/cache_utils.py) reads this and its cache directory when it is imported
 ENV_FLASH_CACHE_ON = "FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED"
-ENV_FLASH_CACHE_DIR = "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"
-WORKSPACE_CACHE = ".dflash-ctl/compile-cache"  # under the container's workspace (controller/render.py)
-_GEN_ID = re.compile(r"^[0-9a-f]{6,64}$")
+WORKSPACE_CACHE = compilecache.WORKSPACE_CACHE  # under the container's workspace (controller/render.py)
 
 
 def interpreter_generation() -> str:
@@ -59,7 +58,7 @@ def interpreter_generation() -> str:
 
 def env_generation(environ: MutableMapping[str, str] = os.environ) -> str:
     gen = environ.get(ENV_GENERATION, "").strip()
-    return gen if _GEN_ID.match(gen) else interpreter_generation()
+    return gen if compilecache.generation_id_ok(gen) else interpreter_generation()
 
 
 def cache_root(environ: MutableMapping[str, str] = os.environ) -> str:
@@ -78,10 +77,20 @@ def apply(environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
         environ[ENV_ALLOC] = done[ENV_ALLOC] = ALLOC_CONF
     if ENV_FLASH_CACHE_ON not in environ:
         environ[ENV_FLASH_CACHE_ON] = done[ENV_FLASH_CACHE_ON] = "1"
-    dirs = ((ENV_INDUCTOR, "inductor"), (ENV_TRITON, "triton"), (ENV_FLASH_CACHE_DIR, "flash-attn-cute"))
-    if any(key not in environ for key, _ in dirs):
-        gen_dir = os.path.join(cache_root(environ), "gen-" + env_generation(environ))
-        for key, sub in dirs:
+    if any(key not in environ for key, _ in compilecache.KINDS):
+        gen_dir = compilecache.generation_dir(cache_root(environ), env_generation(environ))
+        for key, sub in compilecache.KINDS:
             if key not in environ:
                 environ[key] = done[key] = os.path.join(gen_dir, sub)
     return done
+
+
+if __name__ == "__main__":
+    # `python -m trainer.runtime_env`: the values a trainer started here with this environment
+    # would run under (the compile cache's directories above all), as JSON
+    import json
+
+    env = dict(os.environ)
+    apply(env)
+    print(json.dumps({key: env[key] for key in (ENV_ALLOC, ENV_FLASH_CACHE_ON, *(k for k, _ in compilecache.KINDS))},
+                     indent=1))

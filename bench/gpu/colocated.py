@@ -18,6 +18,9 @@ relaunch's compile and the steady tokens/s; its step 3 profiled). memory_campaig
 gpu27`` runs the same with the 64-layer Qwen3.6-27B text target (``synthetic --shape
 qwen3.6-27b``) and its drafter (vocabulary 248,320, 4 sliding-window layers + 1 full);
 ``--phases cold`` profiles the cold launch's step 3 instead (one launch, no relaunch).
+``shipped`` is a fresh machine given another's cache (``ctl env cache export/import``): the
+generation's cache is packed by agent/compilecache.py, the whole cache root deleted, the
+archive unpacked into the empty root, and the same launch run (``--phases cold,shipped``).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from trainer import kernel_profile as kp  # noqa: E402
 from trainer import runtime_env  # noqa: E402
 
 PROFILE_STEP = 3
-PHASES = [("cold", 4), ("warm", 4)]
+PHASES = [("cold", 4), ("warm", 4), ("shipped", 4)]
 
 
 def cmd_run(a) -> int:
@@ -85,6 +88,8 @@ def cmd_run(a) -> int:
             for phase, key, value in pairs:
                 if phase == name:
                     os.environ[key] = value
+            if name == "shipped":
+                mc.log(ship_cache(os.environ["DFLASH_COMPILE_CACHE"], work))
             mc.launch(name, [*flags_, "--token-budget", a.budget], steps, left - 20, work, out)
             mc.pack(out, final)
     finally:
@@ -95,6 +100,30 @@ def cmd_run(a) -> int:
         mc.pack(out, final)
     print(open(os.path.join(out, "summary.txt")).read(), flush=True)
     return 0
+
+
+def ship_cache(root: str, work: str) -> str:
+    """What `ctl env cache export` then `import` on another machine leave: this generation's
+    cache packed, every cache under ``root`` deleted (Inductor's, Triton's, flash-attn-4's),
+    the archive unpacked into the empty root."""
+    import shutil
+
+    from agent import compilecache as cc
+
+    gen = runtime_env.env_generation()
+    archive = os.path.join(work, "shipped-cache.tar.gz")
+    t = time.time()
+    try:
+        packed = cc.op_pack(root, sys.prefix, gen, archive)
+    except cc.Refused as exc:  # a CPU run (--cpu) compiles nothing
+        return f"nothing shipped: {exc}"
+    pack_s = time.time() - t
+    shutil.rmtree(root)
+    t = time.time()
+    got = cc.op_unpack(root, sys.prefix, archive)
+    return (f"shipped the compile cache of generation {gen}: {packed['manifest']['files']} files, "
+            f"{packed['manifest']['bytes'] / 2**20:.1f} MiB ({packed['bytes'] / 2**20:.1f} MiB packed in {pack_s:.1f} s), "
+            f"{got['added']} entries unpacked into an empty {root} in {time.time() - t:.1f} s")
 
 
 def teacher_rows(seqs: int, L: int, anchors: int, B: int, spans: bool = True) -> int:
@@ -225,7 +254,8 @@ def main() -> int:
     r.add_argument("--deadline-s", type=float, default=300)
     r.add_argument("--cpu", action="store_true")
     r.add_argument("--scale", default="gpu", choices=["gpu", "gpu27"], help="the target: Qwen3-8B or Qwen3.6-27B")
-    r.add_argument("--phases", default="cold,warm", help="launches, of: cold,warm (the last one's step 3 profiled)")
+    r.add_argument("--phases", default="cold,warm", help="launches, of: cold,warm,shipped (the last one's step 3 profiled; shipped: "
+                        "a fresh machine given the cold launch's cache)")
     r.add_argument("--phase-env", action="append", default=[], metavar="PHASE:KEY=VALUE",
                    help="an environment variable for one launch only (e.g. cold:DFLASH_HEAD_TRITON=0)")
     t = sub.add_parser("table")

@@ -8,6 +8,8 @@
 #   ROOFLINE_ARGS="--phases ceilings,head" COLOCATED_ARGS="--scale gpu27" bash bench/gpu/issue29.sh step colocated
 #                                         # session 2, call 1: the head kernels, then the Qwen3.6-27B shape
 #   bash bench/gpu/issue29.sh kernels     # grad_accumulate's and silu_mul_kernel's sweeps and step before/after
+#   COLOCATED_ARGS='--phases cold,shipped' bash bench/gpu/issue29.sh colocated
+#                                         # a fresh machine given the cold launch's cache (ctl env cache)
 #
 # Wheels in .whl/ (flash-linear-attention for the 27B shape's hybrid target; flash-attn-4 and
 # its small dependencies) are installed into /tmp/site first and put on PYTHONPATH (the

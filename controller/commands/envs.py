@@ -8,7 +8,9 @@
   (offline with a wheelhouse in the container: pip --no-index --find-links) and switch to
   it atomically, keeping the old one;
 - ``switch GEN``, ``resume`` (finish an interrupted operation), ``remove GEN`` (refused
-  for the current generation and for one a known-good run used), ``adopt``.
+  for the current generation and for one a known-good run used), ``adopt``;
+- ``cache list | export | import``: a generation's compile cache, carried to another
+  container (controller/commands/envcache.py).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import typer
 
 from controller import envgen_client as eg
 from controller.commands import remote
-from controller.commands.remote import EXIT_REFUSED, ConfigOpt, NodeOpt, TrustOpt, container_option, container_session
+from controller.commands import envcache
+from controller.commands.remote import (EXIT_REFUSED, ConfigOpt, NodeOpt, TrustOpt, container_option, container_session,
+                                        guard_refused)
 from controller.rollback import pin_known_good, render_diff
 
 
@@ -67,7 +71,7 @@ def list_command(container: int = OptContainer, node: Optional[str] = NodeOpt, c
                  as_json: bool = typer.Option(False, "--json"), trust_new_host_key: bool = TrustOpt) -> None:
     """The venv's generations, oldest first; * marks the one in use."""
     with _session(container, node, config, trust_new_host_key) as ct:
-        body = _guard(lambda: eg.envgen(ct, "list"))
+        body = guard_refused(lambda: eg.envgen(ct, "list"))
     if as_json:
         typer.echo(json.dumps(body, indent=1, sort_keys=True))
         return
@@ -92,7 +96,7 @@ def show_command(gen: str = typer.Argument("current", help="generation id (or un
                  as_json: bool = typer.Option(False, "--json"), trust_new_host_key: bool = TrustOpt) -> None:
     """One generation: fingerprint, where it came from, every package."""
     with _session(container, node, config, trust_new_host_key) as ct:
-        body = _guard(lambda: eg.envgen(ct, "show", gen))
+        body = guard_refused(lambda: eg.envgen(ct, "show", gen))
     if as_json:
         typer.echo(json.dumps(body, indent=1, sort_keys=True))
         return
@@ -113,7 +117,7 @@ def diff_command(a: str = typer.Argument(..., help="from this generation"),
                  trust_new_host_key: bool = TrustOpt) -> None:
     """Packages up, down, added and removed from A to B, and the torch build."""
     with _session(container, node, config, trust_new_host_key) as ct:
-        d = _guard(lambda: eg.envgen(ct, "diff", a, b))
+        d = guard_refused(lambda: eg.envgen(ct, "diff", a, b))
     typer.echo(f"{d['from']} → {d['to']}")
     for line in render_diff(d):
         typer.echo(f"  {line}")
@@ -139,7 +143,7 @@ def install_command(specs: List[str] = typer.Argument(..., help="requirements, e
             _refuse_if_live(ct)
         typer.echo(f"building a new generation of {ct.config.venv} in container {container}: {' '.join(specs)} …")
         # "--": the requirements are positional there, whatever they look like
-        body = _guard(lambda: eg.envgen(ct, "install", *(["--wheelhouse", wheelhouse] if wheelhouse else []),
+        body = guard_refused(lambda: eg.envgen(ct, "install", *(["--wheelhouse", wheelhouse] if wheelhouse else []),
                                         "--", *specs))
         # After the install: the first one adopts the venv, only then can the known-good
         # run's generation be found and pinned.
@@ -160,7 +164,7 @@ def switch_command(gen: str = typer.Argument(...), container: int = OptContainer
     with _session(container, node, config, trust_new_host_key) as ct:
         if not force:
             _refuse_if_live(ct)
-        body = _guard(lambda: eg.envgen(ct, "switch", gen))
+        body = guard_refused(lambda: eg.envgen(ct, "switch", gen))
     typer.echo(f"generation {body['from']} → {body['to']} (fingerprint verified: {body['verified']})")
     for line in render_diff(body["diff"]):
         typer.echo(f"  {line}")
@@ -171,7 +175,7 @@ def resume_command(container: int = OptContainer, node: Optional[str] = NodeOpt,
                    trust_new_host_key: bool = TrustOpt) -> None:
     """Complete an env operation that was interrupted (ssh dropped, ctl or the container process killed)."""
     with _session(container, node, config, trust_new_host_key) as ct:
-        body = _guard(lambda: eg.envgen(ct, "resume"))
+        body = guard_refused(lambda: eg.envgen(ct, "resume"))
     done = body.get("resumed")
     typer.echo(f"completed the interrupted {done['resumed']}; current generation {body['current']}" if done
                else f"nothing was pending; current generation {body['current']}")
@@ -182,7 +186,7 @@ def adopt_command(container: int = OptContainer, node: Optional[str] = NodeOpt, 
                   trust_new_host_key: bool = TrustOpt) -> None:
     """Make the container's existing venv directory its first generation (done by install anyway)."""
     with _session(container, node, config, trust_new_host_key) as ct:
-        body = _guard(lambda: eg.envgen(ct, "adopt"))
+        body = guard_refused(lambda: eg.envgen(ct, "adopt"))
     typer.echo(("adopted" if body["adopted"] else "already managed:") + f" current generation {body['current']}")
 
 
@@ -192,7 +196,7 @@ def remove_command(gen: str = typer.Argument(...), container: int = OptContainer
     """Delete a generation. Refused for the current one and for one a known-good run used."""
     with _session(container, node, config, trust_new_host_key) as ct:
         pin_known_good(ct)
-        body = _guard(lambda: eg.envgen(ct, "remove", gen))
+        body = guard_refused(lambda: eg.envgen(ct, "remove", gen))
     typer.echo(f"removed generation {body['removed']}")
 
 
@@ -207,12 +211,6 @@ def _refuse_if_live(ct) -> None:
                           f"or pass --force", EXIT_REFUSED)
 
 
-def _guard(call):
-    try:
-        return call()
-    except eg.EnvGenRefused as exc:
-        raise remote.fail(f"refused: {exc}", EXIT_REFUSED) from None
-
-
 def register(app: typer.Typer) -> None:
+    group.add_typer(envcache.group, name="cache")
     app.add_typer(group, name="env")

@@ -30,6 +30,7 @@ from typing import Callable, Optional
 
 import typer
 
+from controller import byteprogress
 from controller.commands.remote import (EXIT_CONFIG, EXIT_CONTAINER, EXIT_INTERRUPTED, TrustOpt, container_session, fail,
                                         container_option, run_option)
 
@@ -263,7 +264,7 @@ def export_command(
             run_dir = posixpath.join(ct.config.workspace, "runs", run_id)
             say(f"exporting run {run_id} from {ct}")
             try:
-                manifest = fetch(ct, caller, run_dir, step, dtype, dest, say, _progress, earlier=earlier)
+                manifest = fetch(ct, caller, run_dir, step, dtype, dest, say, byteprogress.receiving, earlier=earlier)
             except ExportFailed as exc:
                 raise fail(str(exc), exc.code) from None
             except KeyboardInterrupt:
@@ -289,26 +290,6 @@ def served_check_hint(dest: Path) -> str:
 
     return (f"check that it serves with its trained τ: {PROG} {dest} --target TARGET_DIR --data DATA_DIR "
             "(vLLM; docs/export.md)")
-
-
-class _progress:
-    """A rich progress bar over the bytes received (stderr); a context manager whose value
-    is the advance function."""
-
-    def __init__(self, total: int):
-        from rich.console import Console
-        from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-
-        self.bar = Progress("receiving", BarColumn(), DownloadColumn(), TransferSpeedColumn(),
-                            console=Console(stderr=True), transient=True)
-        self.task = self.bar.add_task("export", total=total)
-
-    def __enter__(self):
-        self.bar.start()
-        return lambda n: self.bar.advance(self.task, n)
-
-    def __exit__(self, *exc) -> None:
-        self.bar.stop()
 
 
 def register(app: typer.Typer) -> None:

@@ -16,6 +16,17 @@ from controller.commands.plain import (ENV_STATS, EXIT_CONFIG, EXIT_CONTAINER, E
                                        EXIT_TRANSPORT, container_checked, container_session,  # command
                                        exec_in, fail, run_id_checked, seconds_checked)  # modules import from here
 
+def guard_refused(call):
+    """``call()``; an in-container refusal (envgen, compilecache: nothing was changed) becomes
+    the command's one error line and its refused exit code."""
+    from controller.envgen_client import EnvGenRefused
+
+    try:
+        return call()
+    except EnvGenRefused as exc:
+        raise fail(f"refused: {exc}", EXIT_REFUSED) from None
+
+
 def container_option(default, help: str) -> typer.models.OptionInfo:  # noqa: A002 - typer's own word
     """A `--container`/`-c` option with the VMID check (plain.container_checked)."""
     return typer.Option(default, "--container", "-c", help=help, callback=container_checked)
