@@ -34,7 +34,7 @@ import sys
 import time
 from typing import Any, Iterator, Optional
 
-from agent import ckptcompat, envfp, gpuview, knowngood
+from agent import ckptcompat, compilecache, envfp, gpuview, knowngood
 from agent import gpus as nvml_gpus
 from agent.protocol import FINGERPRINT, atomic_write, atomic_write_json, read_json_doc, wrap_payload
 
@@ -245,6 +245,16 @@ def check_data_job(req: dict) -> dict:
             "disk": disk_info(first), "workspace": workspace, "ts": time.time()}
 
 
+def compile_cache_info(workspace: str, gen: str) -> dict:
+    """What the run's first step will find compiled (trainer/runtime_env.py's directory for
+    this generation): an empty cache means a fresh machine's full compile, which `ctl env
+    cache import` can spare it."""
+    gen_dir = compilecache.generation_dir(compilecache.root_of(workspace), gen)
+    kinds = compilecache.summary(gen_dir) if os.path.isdir(gen_dir) else {}
+    return {"generation": gen, "dir": gen_dir, "files": sum(k["files"] for k in kinds.values()),
+            "bytes": sum(k["bytes"] for k in kinds.values())}
+
+
 def check(req: dict) -> dict:
     """The whole preflight. ``req`` keys: workspace, run_id, flags (trainer values by dest),
     start {kind, path}, config (name), share_gpus (start although a live run holds a GPU)."""
@@ -323,7 +333,8 @@ def check(req: dict) -> dict:
     return {"ok": not errors and gpu_shortfall is None, "errors": errors, "warnings": warnings, "python": py,
             "torch": torch, "packages_count": len(pkgs), "fingerprint": fp, "gpu": gpu, "roles": roles,
             "device": "cuda" if use_cuda else "cpu", "gpu_shortfall": gpu_shortfall, "model": model, "data": data, "checkpoint": ckpt,
-            "disk": disk, "known_good": known, "workspace": workspace, "ts": time.time()}
+            "disk": disk, "known_good": known, "workspace": workspace, "ts": time.time(),
+            "compile_cache": compile_cache_info(workspace, fp["id"]) if use_cuda else None}
 
 
 # --- commit ------------------------------------------------------------------------------------

@@ -75,6 +75,21 @@ def _trainer_looks_in(ct_id: int, env) -> dict:
         return json.loads(got.stdout)
 
 
+def _launch_preflight_sees(ct_id: int, env) -> dict:
+    """The compile cache a GPU launch's preflight (agent/preflight.py, in the container) reports."""
+    from controller import config as cfg
+    from controller.agentcall import AgentCaller
+    from controller.container import Container
+    from controller.session import open_runner
+
+    name, node = cfg.load(env["DFLASH_CTL_CONFIG"]).node()
+    with open_runner(name, node) as runner:
+        ct = Container(runner, name, node, ct_id)
+        request = {"workspace": WORKSPACE, "run_id": "cache-probe", "start": {"kind": "scratch"},
+                   "flags": {"device": "auto", "target_gpus": [0], "drafter_gpus": [0]}}
+        return AgentCaller(ct).call("agent.preflight", ["check"], request=request)["compile_cache"]
+
+
 def test_a_compile_cache_goes_from_container_to_container_and_lands_where_the_trainer_looks(env, tmp_path):
     gen = _listing(env, CT_A)["current"]
     assert gen and _listing(env, CT_B)["current"] == gen  # one rootfs, one venv: one generation
@@ -82,6 +97,7 @@ def test_a_compile_cache_goes_from_container_to_container_and_lands_where_the_tr
     looks = _trainer_looks_in(CT_A, env)
     assert looks["TORCHINDUCTOR_CACHE_DIR"] == f"{CACHE_ROOT}/gen-{gen}/inductor"
     assert looks["TRITON_CACHE_DIR"] == f"{CACHE_ROOT}/gen-{gen}/triton"
+    assert _launch_preflight_sees(CT_A, env) == {"generation": gen, "dir": f"{CACHE_ROOT}/gen-{gen}", "files": 0, "bytes": 0}
 
     # a real Inductor cache of that generation, made here and packed by the agent
     seed_ws = tmp_path / "seed-ws"
@@ -99,6 +115,8 @@ def test_a_compile_cache_goes_from_container_to_container_and_lands_where_the_tr
     assert f"gained {files} entries (0 were there already)" in imported.stdout
     (entry,) = _listing(env, CT_A)["generations"]
     assert entry["generation"] == gen and entry["current"] and entry["files"] == files
+    seen = _launch_preflight_sees(CT_A, env)  # and the next GPU launch there is told so
+    assert seen["generation"] == gen and seen["files"] == files
 
     from_a = tmp_path / "from-a.tar.gz"
     exported = ctl(env, "env", "cache", "export", "--container", CT_A, "--out", from_a)

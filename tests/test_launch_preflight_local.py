@@ -90,3 +90,30 @@ def test_check_reports_what_runs_and_refuses_missing_paths(tmp_path):
     assert any(e.startswith(f"--data-dir {tmp_path / 'd'}: no such directory") for e in reply["errors"])
     assert reply["python"]["executable"] == sys.executable
     assert reply["fingerprint"]["packages"]  # what the venv holds, by name and version
+
+
+def test_a_gpu_launch_is_told_what_its_first_step_will_find_compiled(tmp_path):
+    """A fresh machine's first step compiles for a minute; the preflight says so, and names
+    the command that spares it (ctl env cache import)."""
+    from agent import compilecache
+    from controller.launch import compile_cache_lines
+
+    request = {"workspace": str(tmp_path), "run_id": "r9", "start": {"kind": "scratch"},
+               "flags": {"device": "auto", "target_gpus": [0], "drafter_gpus": [0],
+                         "output_dir": str(tmp_path / "runs/r9/output")}}
+    cold = preflight.check(request)["compile_cache"]
+    gen = preflight.fingerprint(None)["id"]
+    assert cold == {"generation": gen, "dir": compilecache.generation_dir(compilecache.root_of(str(tmp_path)), gen),
+                    "files": 0, "bytes": 0}
+    (line,) = compile_cache_lines(cold, "200")
+    assert f"nothing cached for generation {gen}" in line and "ctl env cache import FILE --container 200" in line
+    entry = os.path.join(cold["dir"], "inductor", "fxgraph", "ab", "graph")
+    os.makedirs(os.path.dirname(entry))
+    with open(entry, "wb") as fh:
+        fh.write(b"x" * 3 * 2**20)
+    warm = preflight.check(request)["compile_cache"]
+    assert warm["files"] == 1 and warm["bytes"] == 3 * 2**20
+    assert compile_cache_lines(warm, "200") == [f"compile  1 cached entries (3 MiB) for generation {gen}: the first "
+                                                f"step loads what it finds"]
+    assert preflight.check({**request, "flags": {**request["flags"], "device": "cpu"}})["compile_cache"] is None
+    assert compile_cache_lines(None, "200") == []  # a CPU launch compiles nothing: no line
