@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
@@ -177,10 +179,22 @@ def test_what_cannot_help_is_refused_before_or_with_nothing_changed(env, tmp_pat
     assert "Traceback" not in p.stderr
 
 
-def test_ctrl_c_while_an_archive_is_sent_leaves_the_cache_as_it_was_and_the_same_command_completes_it(env, tmp_path):
-    import signal
-    import time
+def _interrupted(env, pause: Path, point: str, *args) -> tuple[int, str]:
+    """`ctl *args` stopped by SIGINT once it reaches ``point`` (controller/interrupts.py);
+    the paused place is never let go: the process ends on the signal."""
+    pause.mkdir()
+    proc = subprocess.Popen([*C.CTL, *map(str, args)], env={**env, "DFLASH_CTL_PAUSE_AT": point,
+                                                            "DFLASH_CTL_PAUSE_DIR": str(pause)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    while not (pause / f"{point}.reached").exists():
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
 
+
+def test_ctrl_c_while_an_archive_is_sent_leaves_the_cache_as_it_was_and_the_same_command_completes_it(env, tmp_path):
     for ct in (CT_A, CT_B):
         sh(env, "rm", "-rf", CACHE_ROOT, ct=ct)
     gen = _listing(env, CT_A)["current"]
@@ -193,17 +207,9 @@ def test_ctrl_c_while_an_archive_is_sent_leaves_the_cache_as_it_was_and_the_same
     assert subprocess.run(["python3", "-m", "agent.compilecache", "--workspace", str(ws), "--venv", sys.prefix, "pack",
                            "--generation", gen, "--out", str(archive)],
                           env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True).returncode == 0
-    pause = tmp_path / "pause"
-    pause.mkdir()
-    proc = subprocess.Popen([*C.CTL, "env", "cache", "import", str(archive), "--container", str(CT_A)],
-                            env={**env, "DFLASH_CTL_PAUSE_AT": "cache.import.sending", "DFLASH_CTL_PAUSE_DIR": str(pause)},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    while not (pause / "cache.import.sending.reached").exists():
-        assert proc.poll() is None, proc.communicate()
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 130 and "Traceback" not in err, err
+    code, err = _interrupted(env, tmp_path / "pause", "cache.import.sending",
+                             "env", "cache", "import", archive, "--container", CT_A)
+    assert code == 130 and "Traceback" not in err, err
     assert "interrupted: container 200's compile cache holds what it held" in err
     # the container refuses the cut archive and removes what it staged
     for _ in range(300):
@@ -215,3 +221,12 @@ def test_ctrl_c_while_an_archive_is_sent_leaves_the_cache_as_it_was_and_the_same
     assert _listing(env, CT_A)["generations"] == []
     again = ctl(env, "env", "cache", "import", archive, "--container", CT_A)
     assert again.returncode == 0 and "gained 8 entries (0 were there already)" in again.stdout, again.stderr
+
+    # and Ctrl-C while that cache comes back: nothing is written here, no part file is left
+    out = tmp_path / "back" / "c.tar.gz"
+    out.parent.mkdir()
+    code, err = _interrupted(env, tmp_path / "pause-export", "cache.export.receiving",
+                             "env", "cache", "export", "--container", CT_A, "--out", out)
+    assert code == 130 and "Traceback" not in err, err
+    assert f"interrupted: nothing was written to {out}" in err
+    assert os.listdir(out.parent) == []

@@ -33,7 +33,7 @@ from controller import envgen_client as eg
 from controller import interrupts
 from controller.byteprogress import ByteProgress
 from controller.commands import remote
-from controller.commands.remote import (EXIT_CONFIG, EXIT_CONTAINER, EXIT_INTERRUPTED, EXIT_REFUSED, ConfigOpt,
+from controller.commands.remote import (EXIT_CONFIG, EXIT_CONTAINER, EXIT_INTERRUPTED, ConfigOpt,
                                         NodeOpt, TrustOpt, container_option, container_session, guard_refused)
 
 group = typer.Typer(help="A venv generation's compile cache: list it, export it from one container, import it "
@@ -83,9 +83,13 @@ def export_command(container: int = OptContainer,
                    trust_new_host_key: bool = TrustOpt) -> None:
     """Copy the container's compile cache into a local archive (gzip'd tar with a manifest:
     generation, torch, GPUs it was built on)."""
-    out = out.expanduser()
+    out = out.expanduser().absolute()
+    if out.is_dir():
+        raise remote.fail(f"--out {out} is a directory: name the archive file, e.g. {out / 'cache.tar.gz'}", EXIT_CONFIG)
     if not out.parent.is_dir():
         raise remote.fail(f"--out {out}: the directory {out.parent} does not exist", EXIT_CONFIG)
+    if not os.access(out.parent, os.W_OK | os.X_OK):
+        raise remote.fail(f"--out {out}: cannot write in {out.parent}", EXIT_CONFIG)
     if out.exists() and not force:
         raise remote.fail(f"--out {out} exists; name a new file or pass --force", EXIT_CONFIG)
     if generation != "current" and not compilecache.generation_id_ok(generation):
@@ -96,24 +100,28 @@ def export_command(container: int = OptContainer,
         with container_session(container, node, config, trust_new_host_key) as ct:
             typer.echo(f"packing the compile cache of generation {generation} in container {container} …", err=True)
             started = time.monotonic()
-            with open(part, "wb") as fh, ByteProgress("receiving", None) as advance:
-                body = guard_refused(lambda: eg.compile_cache_pack(ct, _CountingWriter(fh, advance), generation))
-                fh.flush()
-                os.fsync(fh.fileno())
+            try:
+                with open(part, "wb") as fh, ByteProgress("receiving", None) as advance:
+                    body = guard_refused(lambda: eg.compile_cache_pack(ct, _CountingWriter(fh, advance), generation))
+                    fh.flush()
+                    os.fsync(fh.fileno())
+            except KeyboardInterrupt:  # here, not in container_session: this one knows nothing was changed
+                raise remote.fail(f"interrupted: nothing was written to {out} (the container's cache is untouched); "
+                                  f"run the same command again", EXIT_INTERRUPTED) from None
+        sent = body["manifest"]
         try:
             manifest = _local_manifest(part)  # what arrived is an archive this ctl can import
         except ValueError as exc:
             raise remote.fail(f"what container {container} sent is not a whole archive: {exc}; nothing was written "
                               f"to {out}", EXIT_CONTAINER) from None
+        if manifest.get("files") != sent.get("files") or manifest.get("generation") != sent.get("generation"):
+            raise remote.fail(f"what container {container} sent does not match what it packed; nothing was written "
+                              f"to {out}", EXIT_CONTAINER)
         os.replace(part, out)
-    except KeyboardInterrupt:
-        raise remote.fail(f"interrupted: nothing was written to {out} (the container's cache is untouched); run the "
-                          f"same command again", EXIT_INTERRUPTED) from None
+    except OSError as exc:  # this machine's side: a full disk, a directory that went away
+        raise remote.fail(f"cannot write {out}: {exc}; nothing was written", EXIT_CONFIG) from None
     finally:
         part.unlink(missing_ok=True)
-    sent = body["manifest"]
-    if manifest.get("files") != sent.get("files") or manifest.get("generation") != sent.get("generation"):
-        raise remote.fail(f"the archive written to {out} does not match what the container packed", EXIT_REFUSED)
     typer.echo(f"{out}: generation {sent['generation']}, {sent['files']} files ({_mib(sent['bytes'])} unpacked, "
                f"{_mib(out.stat().st_size)} packed), built on {_gpus(sent.get('gpus'))}, "
                f"in {time.monotonic() - started:.1f} s")
@@ -133,7 +141,8 @@ def import_command(archive: Path = typer.Argument(..., help="an archive made by 
     another GPU architecture's."""
     archive = archive.expanduser()
     if not archive.is_file():
-        raise remote.fail(f"{archive} is not a file", EXIT_CONFIG)
+        raise remote.fail(f"{archive} is not a file{' (a directory)' if archive.is_dir() else ''}: name an archive "
+                          f"made by `ctl env cache export`", EXIT_CONFIG)
     try:
         manifest = _local_manifest(archive)
     except ValueError as exc:
@@ -183,6 +192,7 @@ class _CountingWriter:
     def write(self, data: bytes) -> int:
         self.fh.write(data)
         self.advance(len(data))
+        interrupts.pause_point("cache.export.receiving")  # tests: a Ctrl-C mid-transfer
         return len(data)
 
     def flush(self) -> None:
