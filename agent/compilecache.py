@@ -80,8 +80,9 @@ def generation_dir(root: str, gen: str) -> str:
 
 
 def _skipped(name: str) -> bool:
-    """Work files of a cache being written, not entries: locks and temp files."""
-    return name == "locks" or name.endswith((".lock", ".tmp")) or name.startswith((".tmp", IMPORT_PREFIX))
+    """Work files of a cache being written, not entries: locks, temp files (Inductor's
+    ``.<pid>.<thread>.tmp``) and Triton's per-writer ``tmp.pid_<pid>_<n>/`` directories."""
+    return name == "locks" or name.endswith((".lock", ".tmp")) or name.startswith((".tmp", "tmp.pid_", IMPORT_PREFIX))
 
 
 def entries(gen_dir: str) -> Iterator[tuple[str, str, int]]:
@@ -164,9 +165,9 @@ def _file_sha256(path: str) -> str:
         return hashlib.file_digest(fh, "sha256").hexdigest()
 
 
-def _tarinfo(name: str, size: int, mode: int, kind: bytes = tarfile.REGTYPE) -> tarfile.TarInfo:
+def _tarinfo(name: str, size: int, mode: int) -> tarfile.TarInfo:
     info = tarfile.TarInfo(name)
-    info.size, info.mode, info.type, info.mtime = size, mode, kind, int(time.time())
+    info.size, info.mode, info.mtime = size, mode, int(time.time())
     return info
 
 
@@ -202,9 +203,12 @@ def op_pack(root: str, venv: str, gen: Optional[str], out: str, *, stream: Optio
     if not generation_id_ok(gen):
         raise Refused(f"{gen!r} is not a generation id (hex digits, as `list` shows them)")
     src = generation_dir(root, gen)
+    if not os.path.isdir(src):  # before the lock: a refused export leaves no trace
+        raise Refused(f"the compile cache of generation {gen} ({src}) is empty: nothing has compiled there yet. A "
+                      f"run's first step fills it (a CUDA run; CPU runs compile nothing)")
     with _Lock(root):
         _clear_leftovers(root)
-        files = list(entries(src)) if os.path.isdir(src) else []
+        files = list(entries(src))
         if not files:
             raise Refused(f"the compile cache of generation {gen} ({src}) is empty: nothing has compiled there yet. A "
                           f"run's first step fills it (a CUDA run; CPU runs compile nothing)")

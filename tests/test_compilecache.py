@@ -170,9 +170,10 @@ def test_pack_leaves_out_locks_and_temp_files_and_refuses_an_empty_cache(tmp_pat
     ws = tmp_path / "ws"
     code, reply = agent(ws, "pack", "--out", str(tmp_path / "c.tar.gz"))
     assert code == 2 and "is empty: nothing has compiled there yet" in reply["error"]
-    assert not (tmp_path / "c.tar.gz").exists()
+    assert sorted(os.listdir(tmp_path)) == []  # neither an archive nor a cache directory made by the refusal
     _cache_files(ws, files={"inductor/fxgraph/ab/entry": b"graph", "inductor/locks/abc.lock": b"",
-                            "triton/K/.tmp.k.cubin": b"half", "triton/K/k.cubin.tmp": b"half",
+                            "inductor/fxgraph/ab/.123.456.tmp": b"half", "triton/K/.tmp.k.cubin": b"half",
+                            "triton/K/k.cubin.tmp": b"half", "triton/K/tmp.pid_77_123/k.cubin": b"half",
                             "flash-attn-cute/f.o": b"obj"})
     code, reply = agent(ws, "pack", "--out", str(tmp_path / "c.tar.gz"))
     assert code == 0
