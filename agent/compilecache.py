@@ -154,6 +154,18 @@ def capability_problem(built_on: list[dict], here: list[dict]) -> Optional[str]:
             f"be loaded. Export the cache from a machine with these GPUs")
 
 
+def model_note(built_on: list[dict], here: list[dict]) -> Optional[str]:
+    """What is lost when the GPU models differ within one compute capability (an H200's cache
+    on an H100): Inductor keys a graph by the GPU's name too (torch/_inductor/codecache.py,
+    CacheBase.get_system), Triton and flash-attn-4 key a kernel by the architecture only."""
+    built = {g.get("name") for g in built_on if g.get("name")}
+    have = {g.get("name") for g in here if g.get("name")}
+    if not built or not have or have <= built:
+        return None
+    return (f"built on {', '.join(sorted(built))}, imported where {', '.join(sorted(have))} run: Triton's and "
+            f"flash-attn-4's kernels will load, Inductor's graphs (keyed by the GPU's name) compile again")
+
+
 def _gpus() -> list[dict]:
     from agent import gpus
 
@@ -338,7 +350,8 @@ def op_unpack(root: str, venv: str, archive: str, force_gpu: bool = False, here_
             finally:
                 genstore.rmtree(staging)
     return {"generation": gen, "added": added, "present": present, "root": root,
-            "from": manifest.get("host"), "gpus": manifest.get("gpus"), "gpu_mismatch": mismatch}
+            "from": manifest.get("host"), "gpus": manifest.get("gpus"), "gpu_mismatch": mismatch,
+            "gpu_note": None if mismatch else model_note(manifest.get("gpus") or [], here)}
 
 
 def _stage(tar: tarfile.TarFile, archive: str, staging: str, declared: int) -> None:

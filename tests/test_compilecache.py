@@ -156,6 +156,17 @@ def test_kernels_built_on_the_same_compute_capability_or_without_a_gpu_are_taken
     assert cc.capability_problem([], [h100]) is None  # a CPU machine's Inductor graphs
     assert cc.capability_problem([h200], []) is None
     assert "8.0" in cc.capability_problem([h200], [{"name": "NVIDIA A100", "compute_cap": "8.0"}])
+    # within one capability the kernels load, and what does not is said
+    assert cc.model_note([h200], [h200]) is None and cc.model_note([], [h100]) is None
+    assert "Inductor's graphs (keyed by the GPU's name) compile again" in cc.model_note([h200], [h100])
+
+
+def test_an_import_onto_another_gpu_model_of_the_same_capability_is_taken_with_a_note(tmp_path):
+    archive = _archive(tmp_path / "a.tar.gz", {**GOOD_MANIFEST, "gpus": [{"name": "NVIDIA H200", "compute_cap": "9.0"}]},
+                       [("cache/triton/x", tarfile.REGTYPE, b"x")])
+    got = cc.op_unpack(cc.root_of(str(tmp_path / "ws")), VENV, str(archive),
+                       here_gpus=[{"name": "NVIDIA H100 80GB HBM3", "compute_cap": "9.0"}])
+    assert got["added"] == 1 and got["gpu_mismatch"] is None and "NVIDIA H100 80GB HBM3" in got["gpu_note"]
 
 
 def test_the_other_gpu_refusal_can_be_overridden_and_is_reported(tmp_path):

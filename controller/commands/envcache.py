@@ -163,8 +163,9 @@ def import_command(archive: Path = typer.Argument(..., help="an archive made by 
                               f"command completes it", EXIT_INTERRUPTED) from None
     typer.echo(f"container {container}: generation {body['generation']}'s compile cache gained {body['added']} "
                f"entries ({body['present']} were there already), built on {_gpus(body.get('gpus'))}")
-    if body.get("gpu_mismatch"):
-        typer.echo(f"warning: {body['gpu_mismatch']}", err=True)
+    for why in (body.get("gpu_mismatch"), body.get("gpu_note")):
+        if why:
+            typer.echo(f"warning: {why}", err=True)
 
 
 def _local_manifest(path: Path) -> dict:
