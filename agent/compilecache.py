@@ -9,20 +9,23 @@ trainer keeps them in one directory per env generation (trainer/runtime_env.py):
 
 Every entry there is named by a hash of what it compiled (graph, shapes, torch and Triton
 versions, GPU target) and holds no absolute path, so the directory can be copied to another
-container whose venv is the same generation and its first step loads instead of compiling.
-This module packs one generation's directory into an archive and unpacks one into the
-container's cache; `ctl env cache export/import` (controller/commands/envcache.py) carry it
-between containers and nodes.
+container and its first step loads instead of compiling. What the entries depend on is the
+*compile stack* (python, torch's build and COMPILE_PACKAGES below); generations with the same
+stack (they differ in numpy, say) share entries. This module packs one generation's directory
+into an archive and unpacks one into the current generation's cache (`ctl env cache
+export/import`, controller/commands/envcache.py, between containers and nodes), and seeds a
+new generation from its parent's when the stack did not change (`ctl env install`).
 
-An archive is a gzip'd tar: ``MANIFEST.json`` first (the generation, its torch, the GPUs it
-was built on, file and byte counts), then ``cache/<kind>/…``. An import is refused, with
-nothing changed, when the archive is another generation's (its kernels would never be looked
-up), when it was built for another compute capability than this container's GPUs, when a
-member is anything but a plain file or directory under ``cache/<kind>/``, or when the disk
-cannot hold it. Entries are extracted into a temp directory beside the cache and moved in one
-rename each, entries already present kept, Triton's group files (which mark a kernel
-complete) last: a trainer reading the cache meanwhile sees whole entries or none, and an
-import cut short leaves a smaller valid cache that a rerun completes.
+An archive is a gzip'd tar: ``MANIFEST.json`` first (the generation, its compile stack and
+key, the GPUs it was built on, file and byte counts), then ``cache/<kind>/…``. An import is
+refused, with nothing changed, when the archive's compile stack is not this venv's (its
+kernels would never be looked up), when it was built for another compute capability than
+this container's GPUs, when a member is anything but a plain file or directory under
+``cache/<kind>/``, or when the disk cannot hold it. Entries are extracted into a temp
+directory beside the cache and moved in one rename each (a seed links them), entries already
+present kept, Triton's group files (which mark a kernel complete) last: a trainer reading the
+cache meanwhile sees whole entries or none, and an import cut short leaves a smaller valid
+cache that a rerun completes.
 
 Standard library only; runs on the container's system python like agent.envgen.
 """
@@ -65,6 +68,42 @@ _GEN_ID = re.compile(r"^[0-9a-f]{6,64}$")  # agent/envfp.py's ids; also what kee
 # Triton writes a kernel's files, then __grp__<name>.json naming them: a reader trusts a
 # kernel only once its group file is there, so those move in last.
 _GROUP_PREFIX = "__grp__"
+
+
+# What compiled code depends on besides the interpreter and torch's build: the compilers and
+# the packages whose kernels are compiled at run time (prefixes of PEP 503 names). A package
+# outside these (numpy, safetensors, wandb) makes another generation but not one other
+# compiled byte, so generations that differ only there share their cache entries.
+COMPILE_PACKAGES = ("torch", "triton", "pytorch-triton", "flash-attn", "nvidia-cutlass-dsl", "apache-tvm-ffi",
+                    "fla-core", "flash-linear-attention")
+
+
+def compile_stack(fp: dict) -> dict:
+    """The part of a fingerprint (agent/envfp.py) that compiled kernels depend on."""
+    packages = fp.get("packages") or {}
+    return {"python": fp.get("python"), "torch": fp.get("torch"),
+            "packages": {name: packages[name] for name in sorted(packages)
+                         if any(name == p or name.startswith(p + "-") for p in COMPILE_PACKAGES)}}
+
+
+def compile_key(fp: dict) -> str:
+    """12 hex digits naming a compile stack: equal keys, interchangeable cache entries."""
+    return hashlib.sha256(json.dumps(compile_stack(fp), sort_keys=True).encode()).hexdigest()[:12]
+
+
+def stack_difference(a: dict, b: dict) -> str:
+    """What differs between two compile stacks, for a message ("torch 2.9.1 → 2.11.0, …")."""
+    out = []
+    if a.get("python") != b.get("python"):
+        out.append(f"python {a.get('python')} → {b.get('python')}")
+    ta, tb = a.get("torch") or {}, b.get("torch") or {}
+    if (ta.get("version"), ta.get("build")) != (tb.get("version"), tb.get("build")):
+        out.append(f"torch {ta.get('version')} ({ta.get('build')}) → {tb.get('version')} ({tb.get('build')})")
+    pa, pb = a.get("packages") or {}, b.get("packages") or {}
+    for name in sorted(set(pa) | set(pb)):
+        if name != "torch" and pa.get(name) != pb.get(name):
+            out.append(f"{name} {pa.get(name, 'absent')} → {pb.get(name, 'absent')}")
+    return ", ".join(out) or "nothing"
 
 
 def generation_id_ok(gen: str) -> bool:
@@ -138,6 +177,19 @@ def _clear_leftovers(root: str) -> list[str]:
 def venv_generation(venv: str) -> dict:
     """The venv's fingerprint (its id is the generation whose cache the trainer uses)."""
     return genstore.fingerprint(venv)
+
+
+def generation_fingerprint(venv: str, gen: str) -> Optional[dict]:
+    """The fingerprint of generation ``gen``: the venv's own when it is current, else what the
+    generations store recorded when it was built (agent/genstore.py); None when unknown."""
+    try:
+        current = venv_generation(venv)
+        if current["id"] == gen:
+            return current
+    except EnvGenError:
+        pass
+    fp = genstore.read_meta(genstore.Store(venv), gen).get("fingerprint")
+    return fp if isinstance(fp, dict) and fp.get("id") == gen else None
 
 
 def capability_problem(built_on: list[dict], here: list[dict]) -> Optional[str]:
@@ -225,13 +277,10 @@ def op_pack(root: str, venv: str, gen: Optional[str], out: str, *, stream: Optio
             raise Refused(f"the compile cache of generation {gen} ({src}) is empty: nothing has compiled there yet. A "
                           f"run's first step fills it (a CUDA run; CPU runs compile nothing)")
         if fp is None:
-            try:
-                current = venv_generation(venv)
-                fp = current if current["id"] == gen else None
-            except EnvGenError:
-                pass
+            fp = generation_fingerprint(venv, gen)
         manifest = {"format": ARCHIVE_FORMAT, "generation": gen, "created": time.time(), "host": socket.gethostname(),
                     "torch": (fp or {}).get("torch"), "gpus": _gpus(), "kinds": summary(src),
+                    "compile_key": compile_key(fp) if fp else None, "compile_stack": compile_stack(fp) if fp else None,
                     "files": len(files), "bytes": sum(size for _, _, size in files)}
         if stream is not None:
             _write_archive(stream, manifest, files)
@@ -319,14 +368,14 @@ def op_unpack(root: str, venv: str, archive: str, force_gpu: bool = False, here_
         if not isinstance(gen, str) or not generation_id_ok(gen):
             raise Refused(f"{archive}: its manifest names generation {gen!r}, not a generation id")
         fp = venv_generation(venv)
-        if fp["id"] != gen:
-            theirs = (manifest.get("torch") or {}).get("version")
-            raise Refused(f"the archive holds the compile cache of generation {gen}"
-                          + (f" (torch {theirs})" if theirs else "")
-                          + f"; this container's venv {venv} is generation {fp['id']} (torch "
-                          f"{(fp.get('torch') or {}).get('version')}): the trainer would never look these entries up. "
-                          f"Make the package sets equal (`ctl env diff`, `ctl env install`) or export from a container "
-                          f"running generation {fp['id']}")
+        same_stack = manifest.get("compile_key") is not None and manifest["compile_key"] == compile_key(fp)
+        if fp["id"] != gen and not same_stack:
+            theirs = manifest.get("compile_stack")
+            what = (f"its compile stack differs: {stack_difference(theirs, compile_stack(fp))}" if theirs
+                    else "the archive does not say what it was compiled with")
+            raise Refused(f"the archive holds the compile cache of generation {gen}; this container's venv {venv} is "
+                          f"generation {fp['id']} and {what}: the trainer would never look these entries up. Install "
+                          f"the same versions (`ctl env install`) or export from a container running them")
         here = _gpus() if here_gpus is None else here_gpus
         mismatch = capability_problem(manifest.get("gpus") or [], here)
         if mismatch and not force_gpu:
@@ -342,14 +391,15 @@ def op_unpack(root: str, venv: str, archive: str, force_gpu: bool = False, here_
             os.makedirs(staging)
             try:
                 _stage(tar, archive, staging, declared)
-                added, present = _merge(staging, generation_dir(root, gen))
-                atomic_write_json(os.path.join(generation_dir(root, gen), "imported.json"),
-                                  {"from": manifest.get("host"), "created": manifest.get("created"),
+                dest = generation_dir(root, fp["id"])
+                added, present = _merge(_files_under(staging), dest, os.replace)
+                atomic_write_json(os.path.join(dest, "imported.json"),
+                                  {"from": manifest.get("host"), "generation": gen, "created": manifest.get("created"),
                                    "gpus": manifest.get("gpus"), "imported": time.time(),
                                    "added": added, "present": present})
             finally:
                 genstore.rmtree(staging)
-    return {"generation": gen, "added": added, "present": present, "root": root,
+    return {"generation": fp["id"], "archive_generation": gen, "added": added, "present": present, "root": root,
             "from": manifest.get("host"), "gpus": manifest.get("gpus"), "gpu_mismatch": mismatch,
             "gpu_note": None if mismatch else model_note(manifest.get("gpus") or [], here)}
 
@@ -381,26 +431,69 @@ def _stage(tar: tarfile.TarFile, archive: str, staging: str, declared: int) -> N
         raise EnvGenError(f"staging {archive} failed ({exc}); nothing was imported") from None
 
 
-def _merge(staging: str, dest: str) -> tuple[int, int]:
-    """Move every staged file not already in ``dest`` into place, one rename each, Triton's
-    group files last. (added, already present)."""
-    files = []
-    for dirpath, _, filenames in os.walk(staging):
+def _files_under(top: str) -> list[tuple[str, str]]:
+    """(absolute path, path relative to top) of every file under ``top``."""
+    out = []
+    for dirpath, _, filenames in os.walk(top):
         for name in filenames:
-            files.append(os.path.join(dirpath, name))
-    files.sort(key=lambda p: (os.path.basename(p).startswith(_GROUP_PREFIX), p))
+            path = os.path.join(dirpath, name)
+            out.append((path, os.path.relpath(path, top)))
+    return out
+
+
+def _merge(files: list[tuple[str, str]], dest: str, place) -> tuple[int, int]:
+    """Put every file not already in ``dest`` in place with ``place(src, target)`` (a rename
+    or a hard link: one step each, so a reader sees an entry whole or not at all), Triton's
+    group files last. (added, already present)."""
+    files = sorted(files, key=lambda f: (os.path.basename(f[1]).startswith(_GROUP_PREFIX), f[1]))
     added = present = 0
-    for path in files:
-        target = os.path.join(dest, os.path.relpath(path, staging))
+    for path, rel in files:
+        target = os.path.join(dest, rel)
         if os.path.exists(target):
             present += 1
             continue
         os.makedirs(os.path.dirname(target), exist_ok=True)
-        os.replace(path, target)
+        place(path, target)
         added += 1
         if added == 1:
             genstore.fault("cache-import:mid-merge")
     return added, present
+
+
+def _link_or_copy(src: str, target: str) -> None:
+    """A hard link (the entries are written once and replaced, never changed in place, so two
+    generations can share one inode); a copy renamed into place where links are refused."""
+    try:
+        os.link(src, target)
+    except OSError:
+        tmp = f"{target}.{secrets.token_hex(4)}.tmp"
+        shutil.copy2(src, tmp)
+        os.replace(tmp, target)
+
+
+def op_seed(root: str, venv: str, src_gen: str) -> dict:
+    """Give the venv's current generation the cache entries of ``src_gen`` (the generation it
+    was built from) when both compile the same: same python, torch build and compile
+    packages (COMPILE_PACKAGES). `ctl env install` calls it, so an upgrade of numpy costs no
+    recompile. Never refused: a different stack or nothing cached seeds nothing, and says why."""
+    if not generation_id_ok(src_gen):
+        raise Refused(f"{src_gen!r} is not a generation id")
+    fp = venv_generation(venv)
+    reply = {"generation": fp["id"], "from": src_gen, "seeded": 0}
+    if src_gen == fp["id"]:
+        return dict(reply, why="the same generation")
+    src_fp = generation_fingerprint(venv, src_gen)
+    if src_fp is None:
+        return dict(reply, why=f"generation {src_gen}'s packages are not recorded")
+    if compile_key(src_fp) != compile_key(fp):
+        return dict(reply, why=f"the compile stack changed: {stack_difference(compile_stack(src_fp), compile_stack(fp))}")
+    src = generation_dir(root, src_gen)
+    if not os.path.isdir(src):
+        return dict(reply, why=f"generation {src_gen} has nothing cached")
+    with _Lock(root):
+        added, present = _merge([(path, rel) for rel, path, _ in entries(src)], generation_dir(root, fp["id"]),
+                                _link_or_copy)
+    return dict(reply, seeded=added, present=present, compile_key=compile_key(fp))
 
 
 # --- CLI --------------------------------------------------------------------------------
@@ -417,6 +510,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("unpack", help="an archive into the current generation's cache")
     s.add_argument("archive", help="archive path; - reads it from stdin")
     s.add_argument("--any-gpu", action="store_true", help="import even when built for another compute capability")
+    s = sub.add_parser("seed", help="the current generation starts with another's entries when both compile the same")
+    s.add_argument("--from", dest="src", required=True, help="the generation to take them from")
     return p
 
 
@@ -431,6 +526,8 @@ def dispatch(args: argparse.Namespace) -> dict:
         piped = args.archive == "-"
         return op_unpack(root, args.venv, "the archive on stdin" if piped else args.archive, force_gpu=args.any_gpu,
                          stream=sys.stdin.buffer if piped else None)
+    if args.verb == "seed":
+        return op_seed(root, args.venv, args.src)
     raise Refused(f"unknown verb {args.verb}")
 
 

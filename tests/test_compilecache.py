@@ -27,7 +27,8 @@ from _inductor_cache import compile_once
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 VENV = sys.prefix  # this interpreter's venv: its fingerprint is the generation the cache is for
-GEN = genstore.fingerprint(VENV)["id"]
+FP = genstore.fingerprint(VENV)
+GEN = FP["id"]
 
 def _compile(workspace: Path) -> dict:
     return compile_once(cc.root_of(str(workspace)), GEN)
@@ -113,9 +114,13 @@ GOOD_MANIFEST = {"format": cc.ARCHIVE_FORMAT, "generation": GEN, "gpus": [], "by
 
 
 @pytest.mark.parametrize("manifest, members, words", [
-    ({**GOOD_MANIFEST, "generation": "0123456789ab", "torch": {"version": "2.9.1"}},
-     [("cache/inductor/x", tarfile.REGTYPE, b"x")], ["generation 0123456789ab (torch 2.9.1)", f"generation {GEN}",
+    ({**GOOD_MANIFEST, "generation": "0123456789ab", "compile_key": "ffffffffffff",
+      "compile_stack": {**cc.compile_stack(FP), "torch": {"version": "2.9.1", "build": "cu128"}}},
+     [("cache/inductor/x", tarfile.REGTYPE, b"x")], ["generation 0123456789ab", f"generation {GEN}",
+                                                     "its compile stack differs: torch 2.9.1 (cu128) → ",
                                                      "never look these entries up"]),
+    ({**GOOD_MANIFEST, "generation": "0123456789ab"}, [("cache/inductor/x", tarfile.REGTYPE, b"x")],
+     ["the archive does not say what it was compiled with"]),
     (GOOD_MANIFEST, [("cache/inductor/../../../../etc/evil", tarfile.REGTYPE, b"x")], ["not a plain relative path"]),
     (GOOD_MANIFEST, [("/etc/evil", tarfile.REGTYPE, b"x")], ["not a plain relative path"]),
     (GOOD_MANIFEST, [("cache/bin/evil", tarfile.REGTYPE, b"x")], ["outside cache/<inductor|triton|flash-attn-cute>/"]),
@@ -127,7 +132,7 @@ GOOD_MANIFEST = {"format": cc.ARCHIVE_FORMAT, "generation": GEN, "gpus": [], "by
      ["holds more than the 1 bytes its manifest declares"]),
     ({**GOOD_MANIFEST, "gpus": [{"name": "NVIDIA A100", "compute_cap": "8.0"}]},
      [("cache/triton/x", tarfile.REGTYPE, b"x")], ["compute capability 8.0 (NVIDIA A100)", "9.0 (NVIDIA H200)"]),
-], ids=["other-generation", "dot-dot", "absolute", "other-kind", "symlink", "device", "no-manifest", "format",
+], ids=["other-stack", "unknown-stack", "dot-dot", "absolute", "other-kind", "symlink", "device", "no-manifest", "format",
         "more-than-declared", "other-gpu"])
 def test_an_archive_that_cannot_help_or_could_harm_is_refused_with_nothing_changed(tmp_path, manifest, members, words):
     existing = _cache_files(tmp_path / "ws")
@@ -265,3 +270,75 @@ def test_an_archive_the_disk_cannot_hold_is_refused_before_or_while_staging_with
                                                               str(tmp_path / "many.tar.gz"))[1]["archive"]), "256k")
     assert code == 2 and "filled up while staging" in reply["error"], reply
     assert (tmp_path / "left.txt").read_text().split() == [".lock"]
+
+
+
+def _with(fp: dict, **packages) -> dict:
+    return {**fp, "packages": {**fp["packages"], **packages}}
+
+
+def test_the_compile_key_follows_what_compiled_code_depends_on_and_nothing_else():
+    key = cc.compile_key(FP)
+    assert cc.compile_key(_with(FP, numpy="9.9.9", safetensors="99.0", wandb="0.1")) == key
+    for changed in (_with(FP, triton="9.9.9"), _with(FP, **{"flash-attn-4": "4.0.0b36"}),
+                    _with(FP, **{"nvidia-cutlass-dsl-libs-cu13": "4.8.1"}), {**FP, "python": "3.99.0"},
+                    {**FP, "torch": {**(FP["torch"] or {}), "build": "cu999"}}):
+        assert cc.compile_key(changed) != key
+    assert cc.stack_difference(cc.compile_stack(FP), cc.compile_stack(_with(FP, triton="9.9.9"))) == \
+        f"triton {FP['packages'].get('triton', 'absent')} → 9.9.9"
+
+
+def test_another_generation_with_the_same_compile_stack_takes_the_archive_into_its_own_cache(tmp_path):
+    """Two nodes whose venvs differ only in, say, numpy: the entries are the same."""
+    archive = _archive(tmp_path / "a.tar.gz", {**GOOD_MANIFEST, "generation": "0123456789ab",
+                                               "compile_key": cc.compile_key(_with(FP, numpy="0.0.1"))},
+                       [("cache/triton/K/k.cubin", tarfile.REGTYPE, b"x")])
+    got = cc.op_unpack(cc.root_of(str(tmp_path / "ws")), VENV, str(archive), here_gpus=[])
+    assert got["added"] == 1 and got["generation"] == GEN and got["archive_generation"] == "0123456789ab"
+    assert (Path(cc.generation_dir(cc.root_of(str(tmp_path / "ws")), GEN)) / "triton/K/k.cubin").read_bytes() == b"x"
+
+
+def _managed_venv(tmp_path: Path, parent_fp: dict) -> tuple[str, str]:
+    """A venv path whose generations store records a parent generation with ``parent_fp``'s
+    packages (agent/genstore.py's own layout): (venv, parent id)."""
+    venv = tmp_path / "venv"
+    venv.symlink_to(VENV)
+    parent = dict(parent_fp, id="0123456789ab")
+    store = genstore.Store(str(venv))
+    os.makedirs(store.gen_dir(parent["id"]))
+    with open(os.path.join(store.gen_dir(parent["id"]), genstore.META), "w") as fh:
+        json.dump({"id": parent["id"], "fingerprint": parent}, fh)
+    return str(venv), parent["id"]
+
+
+def test_a_new_generation_that_compiles_the_same_starts_with_its_parents_entries_linked(tmp_path):
+    """`ctl env install numpy==…` makes a new generation; its first step must not recompile."""
+    venv, parent = _managed_venv(tmp_path, _with(FP, numpy="0.0.1"))
+    ws = tmp_path / "ws"
+    src = _cache_files(ws, gen=parent)
+    r = agent_venv(ws, venv, "seed", "--from", parent)
+    assert r["seeded"] == 4 and r["generation"] == GEN
+    dst = Path(cc.generation_dir(cc.root_of(str(ws)), GEN))
+    assert _tree(dst) == _tree(src)
+    assert os.stat(dst / "triton/KEY/k.cubin").st_ino == os.stat(src / "triton/KEY/k.cubin").st_ino  # no copy
+    assert agent_venv(ws, venv, "seed", "--from", parent)["seeded"] == 0  # already there
+
+
+def test_a_new_torch_or_an_unrecorded_parent_seeds_nothing_and_says_why(tmp_path):
+    venv, parent = _managed_venv(tmp_path, {**FP, "torch": {"version": "2.9.1", "build": "cu128"}})
+    ws = tmp_path / "ws"
+    _cache_files(ws, gen=parent)
+    r = agent_venv(ws, venv, "seed", "--from", parent)
+    assert r["seeded"] == 0 and r["why"].startswith("the compile stack changed: torch 2.9.1 (cu128) → ")
+    assert not os.path.exists(cc.generation_dir(cc.root_of(str(ws)), GEN))
+    r = agent_venv(ws, venv, "seed", "--from", "abcdefabcdef")
+    assert r["seeded"] == 0 and "packages are not recorded" in r["why"]
+    code, reply = agent(ws, "seed", "--from", "../../etc")
+    assert code == 2 and "is not a generation id" in reply["error"]
+
+
+def agent_venv(workspace: Path, venv: str, *args: str) -> dict:
+    r = subprocess.run(["python3", "-m", "agent.compilecache", "--workspace", str(workspace), "--venv", venv, *args],
+                       cwd="/", env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return extract_payload(r.stdout)

@@ -147,7 +147,7 @@ def test_a_compile_cache_goes_from_container_to_container_and_lands_where_the_tr
 def test_what_cannot_help_is_refused_before_or_with_nothing_changed(env, tmp_path):
     for ct in (CT_A, CT_B):
         sh(env, "rm", "-rf", CACHE_ROOT, ct=ct)
-    # another generation's cache: this machine's own venv, packed by the agent
+    # another compile stack's cache: this machine's own venv (another python), packed by the agent
     own = genstore.fingerprint(sys.prefix)["id"]
     ws = tmp_path / "ws"
     kernel = Path(cc.generation_dir(cc.root_of(str(ws)), own)) / "triton" / "K" / "k.cubin"
@@ -159,6 +159,7 @@ def test_what_cannot_help_is_refused_before_or_with_nothing_changed(env, tmp_pat
     gen = _listing(env, CT_A)["current"]
     p = ctl(env, "env", "cache", "import", other, "--container", CT_A)
     assert p.returncode == 3 and "refused" in p.stderr and own in p.stderr and f"generation {gen}" in p.stderr, p.stderr
+    assert "its compile stack differs: python " in p.stderr  # this machine's python is not the container's
     assert _listing(env, CT_A)["generations"] == []
 
     # an empty cache has nothing to export, and no file is left behind

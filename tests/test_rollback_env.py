@@ -112,7 +112,30 @@ def history(config) -> list[dict]:
     return [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
 
 
-def test_the_story_good_run_upgrade_breaks_kill_and_rollback_resume(node, rb_config, run_config):
+def compile_cache_of(config, gen: str, tmp_path: Path) -> int:
+    """Real Inductor entries for generation ``gen``, compiled here and imported into the
+    container with `ctl env cache import`; how many files."""
+    import os
+    import subprocess
+    import sys
+
+    from _inductor_cache import ROOT, compile_once
+
+    root = tmp_path / "cc-ws" / ".dflash-ctl" / "compile-cache"
+    compile_once(root, gen)
+    archive = tmp_path / "a.tar.gz"
+    packed = subprocess.run(["python3", "-m", "agent.compilecache", "--workspace", str(tmp_path / "cc-ws"), "--venv",
+                             sys.prefix, "pack", "--generation", gen, "--out", str(archive)],
+                            env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True)
+    assert packed.returncode == 0, packed.stdout + packed.stderr
+    proc = ctl(config, "env", "cache", "import", str(archive), "--container", CT)
+    assert proc.returncode == 0, proc.stderr
+    from agent.protocol import extract_payload
+
+    return extract_payload(packed.stdout)["manifest"]["files"]
+
+
+def test_the_story_good_run_upgrade_breaks_kill_and_rollback_resume(node, rb_config, run_config, tmp_path):
     h = node
     # 1. A good run on the container's venv as provisioned; it becomes the known-good run.
     rc, out, good_run = launch(rb_config, run_config, "--from-scratch")
@@ -121,6 +144,10 @@ def test_the_story_good_run_upgrade_breaks_kill_and_rollback_resume(node, rb_con
     assert "known-good" in status.stdout, status.stdout
     good_ckpt = next(line.split(": ", 1)[1] for line in out.splitlines() if line.startswith("== checkpoint step 4"))
 
+    # Generation A's compile cache (real Inductor entries compiled here for A: the container has
+    # no C++ compiler), put there by `ctl env cache import`.
+    cached = compile_cache_of(rb_config, env_list(rb_config)["current"], tmp_path)
+
     # 2. Generation B: a newer safetensors from the in-container wheelhouse (offline).
     proc = ctl(rb_config, "env", "install", "--container", CT, "safetensors==99.0", "--wheelhouse", WHEELHOUSE)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -128,6 +155,12 @@ def test_the_story_good_run_upgrade_breaks_kill_and_rollback_resume(node, rb_con
     gens = env_list(rb_config)
     gen_a, gen_b = (g["id"] for g in gens["generations"])
     assert gens["current"] == gen_b
+    # safetensors compiles nothing: B starts with A's entries, linked, not compiled again
+    assert f"compile cache: {cached} entries of generation {gen_a} carried over" in proc.stdout, proc.stdout
+    inodes = h.sh("sh", "-c", f'cd /workspace/.dflash-ctl/compile-cache && for f in $(cd gen-{gen_a} && find . -type f ! -name imported.json); '
+                              f'do echo "$(stat -c %i gen-{gen_a}/$f) $(stat -c %i gen-{gen_b}/$f)"; done')
+    pairs = [line.split() for line in inodes.stdout.splitlines()]
+    assert len(pairs) == cached and all(a == b for a, b in pairs), inodes.stdout + inodes.stderr
     assert "known-good-" + good_run in [r for g in gens["generations"] for r in g["refs"]]
     assert venv_safetensors(h) == "99.0 (broken)"
 

@@ -14,7 +14,9 @@ Compile cache. torch.compile's Inductor and Triton caches default to /tmp, which
 restart empties: every relaunch then recompiled for 60-120 s. They are kept under
 ``DFLASH_COMPILE_CACHE`` (the start script sets ``<workspace>/.dflash-ctl/compile-cache``;
 by hand: ``~/.cache/dflash-ctl/compile-cache``), in one directory per env generation, so a
-rollback to another torch never loads kernels built by this one. flash-attn-4's CuTe kernels
+rollback to another torch never loads kernels built by this one (a generation that compiles
+the same as its parent starts with the parent's entries, and a node can be given another's:
+agent/compilecache.py). flash-attn-4's CuTe kernels
 (``--attention-kernel flash``) keep no disk cache unless asked: each new process compiled them
 again, 17-29 s of a relaunch's first step on an H200 (docs/benchmarks.md, issue 29); their
 persistent cache is switched on and kept beside Inductor's (measured: a relaunch's first step

@@ -148,12 +148,34 @@ def install_command(specs: List[str] = typer.Argument(..., help="requirements, e
         # After the install: the first one adopts the venv, only then can the known-good
         # run's generation be found and pinned.
         pin_known_good(ct)
+        seeded = _seed_compile_cache(ct, body) if body["from"] != body["to"] else None
     if body["from"] == body["to"]:
         typer.echo(f"nothing changed: generation {body['to']} already holds {' '.join(specs)}")
         return
     typer.echo(f"container {container}: generation {body['from']} → {body['to']} (the old one is kept)")
     for line in render_diff(body["diff"]):
         typer.echo(f"  {line}")
+    if seeded:
+        typer.echo(seeded)
+
+
+def _seed_compile_cache(ct, body: dict) -> Optional[str]:
+    """The new generation starts with the old one's compiled kernels when both compile the
+    same (agent/compilecache.py seed): one line saying so, or why not; an install never fails
+    for it."""
+    from controller.container import ContainerError
+
+    try:
+        got = eg.compile_cache(ct, "seed", "--from", body["from"])
+    except ContainerError as exc:
+        return f"compile cache: not carried over ({exc}); the first step compiles"
+    if got.get("seeded"):
+        return (f"compile cache: {got['seeded']} entries of generation {body['from']} carried over (the same torch and "
+                f"compilers): the next launch loads them instead of compiling")
+    why = got.get("why") or ""
+    if why.startswith("the compile stack changed"):
+        return f"compile cache: starts empty, {why}: the first step compiles"
+    return None
 
 
 @group.command("switch")
