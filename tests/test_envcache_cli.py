@@ -41,3 +41,19 @@ def test_import_refuses_a_directory_a_missing_file_and_a_non_archive_before_conn
         p = ctl(tmp_path, "env", "cache", "import", tmp_path / name, "--container", "200")
         assert p.returncode == 2 and words in p.stderr and "Traceback" not in p.stderr, p.stderr
         assert "no-config.toml" not in p.stderr
+
+
+def test_import_refuses_an_archive_whose_manifest_is_not_an_object(tmp_path):
+    import gzip
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tar:
+        doc = b"[1, 2]"
+        info = tarfile.TarInfo("MANIFEST.json")
+        info.size = len(doc)
+        tar.addfile(info, io.BytesIO(doc))
+    (tmp_path / "list.tar.gz").write_bytes(gzip.compress(buf.getvalue()))
+    p = ctl(tmp_path, "env", "cache", "import", tmp_path / "list.tar.gz", "--container", "200")
+    assert p.returncode == 2 and "archive format ?" in p.stderr and "Traceback" not in p.stderr, p.stderr

@@ -82,7 +82,7 @@ def export_command(container: int = OptContainer,
                    force: bool = typer.Option(False, "--force", help="replace --out if it exists"),
                    trust_new_host_key: bool = TrustOpt) -> None:
     """Copy the container's compile cache into a local archive (gzip'd tar with a manifest:
-    generation, torch, GPUs it was built on)."""
+    generation, compile stack, GPUs it was built on)."""
     out = out.expanduser().absolute()
     if out.is_dir():
         raise remote.fail(f"--out {out} is a directory: name the archive file, e.g. {out / 'cache.tar.gz'}", EXIT_CONFIG)
@@ -125,7 +125,7 @@ def export_command(container: int = OptContainer,
     typer.echo(f"{out}: generation {sent['generation']}, {sent['files']} files ({_mib(sent['bytes'])} unpacked, "
                f"{_mib(out.stat().st_size)} packed), built on {_gpus(sent.get('gpus'))}, "
                f"in {time.monotonic() - started:.1f} s")
-    typer.echo(f"import it where the same generation runs on the same GPUs: "
+    typer.echo(f"import it where the same torch and compilers run on the same GPUs: "
                f"ctl env cache import {out} --container ID [--node NODE]")
 
 
@@ -137,8 +137,8 @@ def import_command(archive: Path = typer.Argument(..., help="an archive made by 
                                                      "capability (its GPU kernels will not be used)"),
                    trust_new_host_key: bool = TrustOpt) -> None:
     """Add an exported compile cache to the container's current generation (entries already
-    there are kept). Refused, with nothing changed, for another generation's archive or
-    another GPU architecture's."""
+    there are kept). Refused, with nothing changed, for an archive compiled by another torch
+    or compilers (another compile stack) or for another GPU architecture."""
     archive = archive.expanduser()
     if not archive.is_file():
         raise remote.fail(f"{archive} is not a file{' (a directory)' if archive.is_dir() else ''}: name an archive "
@@ -161,8 +161,10 @@ def import_command(archive: Path = typer.Argument(..., help="an archive made by 
             raise remote.fail(f"interrupted: container {container}'s compile cache holds what it held, or all of "
                               f"this archive if it had been sent; `ctl env cache list` shows which, and the same "
                               f"command completes it", EXIT_INTERRUPTED) from None
+    other = body.get("archive_generation")
     typer.echo(f"container {container}: generation {body['generation']}'s compile cache gained {body['added']} "
-               f"entries ({body['present']} were there already), built on {_gpus(body.get('gpus'))}")
+               f"entries ({body['present']} were there already), built on {_gpus(body.get('gpus'))}"
+               + (f" by generation {other} (the same compile stack)" if other and other != body["generation"] else ""))
     for why in (body.get("gpu_mismatch"), body.get("gpu_note")):
         if why:
             typer.echo(f"warning: {why}", err=True)
@@ -179,8 +181,9 @@ def _local_manifest(path: Path) -> dict:
             manifest = json.loads(tar.extractfile(first).read())
     except (OSError, EOFError, tarfile.TarError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path} is not a compile-cache archive ({exc})") from None
-    if manifest.get("format") != compilecache.ARCHIVE_FORMAT:
-        raise ValueError(f"{path}: archive format {manifest.get('format')}, this ctl reads {compilecache.ARCHIVE_FORMAT}")
+    if not isinstance(manifest, dict) or manifest.get("format") != compilecache.ARCHIVE_FORMAT:
+        raise ValueError(f"{path}: archive format {manifest.get('format') if isinstance(manifest, dict) else '?'}, "
+                         f"this ctl reads {compilecache.ARCHIVE_FORMAT}")
     return manifest
 
 
