@@ -538,10 +538,11 @@ def phase_accumulate(smoke: bool) -> dict:
     out["variants"]["torch fp32 + bf16"] = row(t, 10 * n)
     if not smoke:
         shipped_config = ga.BLOCK, ga.WARPS
-        want = [d.clone().add_(x) for d, x in zip(dst, src)]
         for block in (1024, 2048, 4096, 8192):
             for warps in (4, 8, 16):
                 ga.BLOCK, ga.WARPS = block, warps
+                # from dst as it is now: the timed adds below change it in place
+                want = [d.clone().add_(x) for d, x in zip(dst, src)]
                 got = [ga.kernel_add_(d.clone(), x) for d, x in zip(dst, src)]
                 t, _ = _timed(lambda: [ga.kernel_add_(d, x) for d, x in zip(dst, src)], 3, 10, True)
                 out["variants"][f"kernel {block}/{warps}"] = dict(
