@@ -137,10 +137,11 @@ def entries(gen_dir: str) -> Iterator[tuple[str, str, int]]:
                 yield os.path.relpath(path, gen_dir), path, os.path.getsize(path)
 
 
-def summary(gen_dir: str) -> dict:
-    """{kind: {"files", "bytes"}} of one generation's cache."""
+def summary(gen_dir: str, files: Optional[list] = None) -> dict:
+    """{kind: {"files", "bytes"}} of one generation's cache (of ``files``, its entries() when
+    the caller has them already)."""
     out = {kind: {"files": 0, "bytes": 0} for kind in KIND_NAMES}
-    for rel, _, size in entries(gen_dir):
+    for rel, _, size in entries(gen_dir) if files is None else files:
         kind = rel.split(os.sep, 1)[0]
         out[kind]["files"] += 1
         out[kind]["bytes"] += size
@@ -279,7 +280,7 @@ def op_pack(root: str, venv: str, gen: Optional[str], out: str, *, stream: Optio
         if fp is None:
             fp = generation_fingerprint(venv, gen)
         manifest = {"format": ARCHIVE_FORMAT, "generation": gen, "created": time.time(), "host": socket.gethostname(),
-                    "torch": (fp or {}).get("torch"), "gpus": _gpus(), "kinds": summary(src),
+                    "torch": (fp or {}).get("torch"), "gpus": _gpus(), "kinds": summary(src, files),
                     "compile_key": compile_key(fp) if fp else None, "compile_stack": compile_stack(fp) if fp else None,
                     "files": len(files), "bytes": sum(size for _, _, size in files)}
         if stream is not None:
@@ -314,7 +315,9 @@ def _write_archive(raw: IO[bytes], manifest: dict, files: list[tuple[str, str, i
                 tar.addfile(_tarinfo(f"{MEMBER_ROOT}/{'/'.join(rel.split(os.sep))}", size, 0o644), fh)
 
 
-def _read_manifest(tar: tarfile.TarFile, archive: str) -> dict:
+def read_manifest(tar: tarfile.TarFile, archive: str) -> dict:
+    """The archive's manifest, its first member (``tar`` read as a stream); Refused when it is
+    not one this module wrote."""
     first = tar.next()
     if first is None or first.name != MANIFEST or not first.isfile():
         raise Refused(f"{archive} is not a compile-cache archive: its first member is not {MANIFEST} "
@@ -359,7 +362,7 @@ def op_unpack(root: str, venv: str, archive: str, force_gpu: bool = False, here_
     with raw, gzip.GzipFile(fileobj=raw, mode="rb") as gz:
         try:
             tar = tarfile.open(fileobj=gz, mode="r|")
-            manifest = _read_manifest(tar, archive)
+            manifest = read_manifest(tar, archive)
         except Refused:
             raise
         except _UNREADABLE as exc:

@@ -171,20 +171,15 @@ def import_command(archive: Path = typer.Argument(..., help="an archive made by 
 
 
 def _local_manifest(path: Path) -> dict:
-    """The archive's manifest, read here before anything is sent (the container checks it again)."""
+    """The archive's manifest, read here before anything is sent (the container checks it
+    again, with the same agent code)."""
     try:
         with gzip.open(path, "rb") as gz, tarfile.open(fileobj=gz, mode="r|") as tar:
-            first = tar.next()
-            if first is None or first.name != compilecache.MANIFEST:
-                raise ValueError(f"{path} is not a compile-cache archive (no {compilecache.MANIFEST} first); make one "
-                                 f"with `ctl env cache export`")
-            manifest = json.loads(tar.extractfile(first).read())
-    except (OSError, EOFError, tarfile.TarError, json.JSONDecodeError) as exc:
+            return compilecache.read_manifest(tar, str(path))
+    except compilecache.Refused as exc:
+        raise ValueError(str(exc)) from None
+    except (OSError, EOFError, tarfile.TarError) as exc:
         raise ValueError(f"{path} is not a compile-cache archive ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != compilecache.ARCHIVE_FORMAT:
-        raise ValueError(f"{path}: archive format {manifest.get('format') if isinstance(manifest, dict) else '?'}, "
-                         f"this ctl reads {compilecache.ARCHIVE_FORMAT}")
-    return manifest
 
 
 class _CountingWriter:
