@@ -46,6 +46,7 @@ from trainer import block_conv
 from trainer import family
 from trainer import fused_ops as fo
 from trainer import grad_accumulate
+from trainer import master_grad_linear
 from trainer.flex_mask import dense_dflash_mask, flex_attention_fn, make_dflash_block_mask
 # One implementation of the norm, RoPE and MLP: the export's modeling file (trainer/hf_dflash.py,
 # written into every drafter/ so transformers loads it without this package) must compute
@@ -278,13 +279,13 @@ class Attention(nn.Module):
         ``gemm``: this layer's GEMM weights already in ``dtype`` (StepGemmWeights), else cast here."""
         c = self.c
         Q = h.shape[1]
-        w, bias = gemm["qkv"] if gemm else _fused((self.q_proj, self.k_proj, self.v_proj), dtype)
-        q, k, v = fo.qkv_prep(_mm(h, w, bias), _cast(self.q_norm.weight, dtype), _cast(self.k_norm.weight, dtype),
+        qkv = gemm["qkv"](h) if gemm else _mm(h, *_fused((self.q_proj, self.k_proj, self.v_proj), dtype))
+        q, k, v = fo.qkv_prep(qkv, _cast(self.q_norm.weight, dtype), _cast(self.k_norm.weight, dtype),
                               cos, sin, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps)
         kc, vc = ctx_kv
         o = attend(q, torch.cat([kc.to(dtype), k], dim=2), torch.cat([vc.to(dtype), v], dim=2))
-        wo, bo = gemm["o"] if gemm else _fused((self.o_proj,), dtype)
-        return _mm(o.transpose(1, 2).reshape(1, Q, -1), wo, bo)
+        o = o.transpose(1, 2).reshape(1, Q, -1)
+        return gemm["o"](o) if gemm else _mm(o, *_fused((self.o_proj,), dtype))
 
 
 class Layer(nn.Module):
@@ -324,9 +325,12 @@ class Layer(nn.Module):
         if conv is not None:
             h, dyn = _conv_prepare(conv, h, dtype, block_size)
         m = self.mlp
-        wgu, _ = gemm["gate_up"] if gemm else _fused((m.gate_proj, m.up_proj), dtype)
-        wd, _ = gemm["down"] if gemm else _fused((m.down_proj,), dtype)
-        out = fo.silu_mul(h @ wgu.t()) @ wd.t()
+        if gemm:
+            out = gemm["down"](fo.silu_mul(gemm["gate_up"](h)))
+        else:
+            wgu, _ = _fused((m.gate_proj, m.up_proj), dtype)
+            wd, _ = _fused((m.down_proj,), dtype)
+            out = fo.silu_mul(h @ wgu.t()) @ wd.t()
         if conv is not None:
             out = block_conv.grouped_conv(out, dyn, _cast(conv.base_kernel, dtype)[1], conv.group_size, block_size)
         return x + out
@@ -349,30 +353,53 @@ class StepGemmWeights:
     every chunk's forward and a bf16 → fp32 copy before its gradient was added in every
     chunk's backward (bench/gpu/op_sources.py found them); once per step the DFlash step at
     the operators' shape went 3.639 → 3.593 s on an H200 (docs/benchmarks.md, session
-    2026-12-05 call 8). Here each is one leaf in ``dtype`` for the
-    whole step; a hook adds its gradient into the fp32 parameters' ``.grad`` as soon as a
-    chunk's backward has produced it (one mixed-dtype add, the same fp32 sums as before, bit
-    for bit) and drops it. Each leaf is used once per chunk, so its bf16 gradient is never a
-    sum. The memory is the same: a chunk's forward kept all these casts for its backward anyway.
+    2026-12-05 call 8). ``self.layers[i][name](x)`` is that GEMM (:class:`StepLinear`).
+
+    Its weight gradient reaches the fp32 parameters' ``.grad`` one of two ways. By default each
+    cast is a leaf of its own and a hook adds its gradient into the parameters' ``.grad`` as soon
+    as a chunk's backward has produced it (one mixed-dtype add, the same fp32 sums as the
+    per-chunk casts, bit for bit) and drops it; each leaf is used once per chunk, so its bf16
+    gradient is never a sum. With master_grad_linear.ENABLED (where this PyTorch can run it) the
+    backward's weight GEMM adds into the ``.grad`` itself and no bf16 gradient exists. The
+    memory is the same either way: a chunk's forward kept all these casts for its backward anyway.
     """
 
     def __init__(self, drafter: nn.Module, dtype: torch.dtype):
+        device = next(drafter.parameters()).device
+        into_grad = master_grad_linear.ENABLED and (device.type != "cuda"
+                                                    or master_grad_linear.fused_gemm_supported(device))
         self.layers = []
         for layer in drafter.layers:
             a, m = layer.self_attn, layer.mlp
-            self.layers.append({"qkv": self._leaves((a.q_proj, a.k_proj, a.v_proj), dtype),
-                                "o": self._leaves((a.o_proj,), dtype),
-                                "gate_up": self._leaves((m.gate_proj, m.up_proj), dtype),
-                                "down": self._leaves((m.down_proj,), dtype)})
+            self.layers.append({"qkv": StepLinear((a.q_proj, a.k_proj, a.v_proj), dtype, into_grad),
+                                "o": StepLinear((a.o_proj,), dtype, into_grad),
+                                "gate_up": StepLinear((m.gate_proj, m.up_proj), dtype, into_grad),
+                                "down": StepLinear((m.down_proj,), dtype, into_grad)})
 
-    @staticmethod
-    def _leaves(linears, dtype):
-        """``_fused``'s weight and bias of ``linears``, each a leaf of its own whose gradient the
-        hook hands to the parameters' rows."""
+
+class StepLinear:
+    """One fused GEMM of StepGemmWeights: ``linears``' weights (and biases) stacked along their
+    outputs, cast to ``dtype`` once; calling it computes ``x @ w.t() (+ bias)``. ``into_grad``:
+    the weight gradient goes into the parameters' ``.grad`` from the backward's GEMM
+    (master_grad_linear), else through a leaf and its hook."""
+
+    def __init__(self, linears, dtype: torch.dtype, into_grad: bool):
         with torch.no_grad():
-            fused = _fused(linears, dtype)
-        params = ([m.weight for m in linears], None if linears[0].bias is None else [m.bias for m in linears])
-        return tuple(None if t is None else _grad_leaf(t, ps) for t, ps in zip(fused, params))
+            w, b = _fused(linears, dtype)
+        weights = [m.weight for m in linears]
+        biases = None if linears[0].bias is None else [m.bias for m in linears]
+        self.into_grad = into_grad
+        if into_grad:
+            self.weight, self.bias = w.detach(), None if b is None else b.detach()
+            self.rows = (master_grad_linear.rows_of(weights), None if biases is None else master_grad_linear.rows_of(biases))
+        else:
+            self.weight = _grad_leaf(w, weights)
+            self.bias = None if b is None else _grad_leaf(b, biases)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.into_grad:
+            return master_grad_linear.linear(x, self.weight, self.bias, *self.rows)
+        return _mm(x, self.weight, self.bias)
 
 
 def _grad_leaf(t: torch.Tensor, params: list) -> torch.Tensor:

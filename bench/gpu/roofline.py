@@ -482,9 +482,13 @@ def _set_variant(after: bool, flex_opts: dict) -> None:
     (model.StepGemmWeights). ``--before addkernel``: "before" adds the chunks' bf16 gradients
     into the fp32 accumulators with PyTorch's mixed-dtype add, "after" with
     trainer/grad_accumulate.py's kernel. ``--before silukernel``: "before" runs the MLP's
-    SiLU·up compiled, "after" through trainer/silu_mul_kernel.py's kernels. Both kernels are
-    off in the trainer until measured: every other choice runs them as shipped."""
-    from trainer import block_conv, chunked_head, fast_drafter, grad_accumulate, selector_fused, silu_mul_kernel
+    SiLU·up compiled, "after" through trainer/silu_mul_kernel.py's kernels. ``--before wgrad``:
+    "before" hands the GEMM weights' bf16 gradients to a hook that adds them into the fp32
+    ``.grad``, "after" the backward's GEMM adds into ``.grad`` itself
+    (trainer/master_grad_linear.py). All three are off in the trainer until measured: every
+    other choice runs them as shipped."""
+    from trainer import (block_conv, chunked_head, fast_drafter, grad_accumulate, master_grad_linear, selector_fused,
+                         silu_mul_kernel)
 
     choice = BEFORE["choice"]
     old = choice == "s1" and not after
@@ -493,13 +497,15 @@ def _set_variant(after: bool, flex_opts: dict) -> None:
     chunked_head.BALANCED = not old
     block_conv.COMPILE = not old
     fast_drafter.DIRECT_MASKS = not old
-    chunked_head.TRITON = after or choice in ("s1", "s3", "selector", "castonce", "addkernel", "silukernel")
+    chunked_head.TRITON = after or choice in ("s1", "s3", "selector", "castonce", "addkernel", "wgrad", "silukernel")
     fast_drafter.CAST_ONCE = after or choice != "castonce"
     # the trainer's own settings, before any run changed them: the runs a --before leaves alone
     SHIPPED.setdefault("add", grad_accumulate.KERNEL)
     SHIPPED.setdefault("silu", silu_mul_kernel.KERNEL)
+    SHIPPED.setdefault("wgrad", master_grad_linear.ENABLED)
     grad_accumulate.KERNEL = after if choice == "addkernel" else SHIPPED["add"]
     silu_mul_kernel.KERNEL = after if choice == "silukernel" else SHIPPED["silu"]
+    master_grad_linear.ENABLED = after if choice == "wgrad" else SHIPPED["wgrad"]
     # session 3 (``--before s3``): "before" is main at the session's start, "after" adds its changes
     chunked_head.TEACHER_SPANS = after or choice != "teacher"
     selector_fused.FUSED = after or choice not in ("s1", "s3", "selector")
@@ -700,7 +706,7 @@ def main() -> int:
     r.add_argument("--flex-variants", default=None, help="comma-separated FLEX_VARIANTS names (default: all)")
     r.add_argument("--smoke", action="store_true")
     r.add_argument("--before", default="main", choices=["main", "s1", "s3", "selector", "teacher", "castonce", "addkernel",
-                                                      "silukernel"],
+                                                      "silukernel", "wgrad"],
                    help="what the step's 'before' turns off")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a trainer flag's value over the operators' for every step run, e.g. position_weights=dpace")
