@@ -95,7 +95,7 @@ add_norm = _maybe_compile(_add_norm)
 
 def silu_mul(gu):
     """SiLU(gate)·up of gu = [gate | up]: compiled on CUDA, or trainer/silu_mul_kernel.py's
-    Triton kernels where DFLASH_SILU_KERNEL=1 (a candidate until measured); eager on CPU."""
+    Triton kernels where DFLASH_SILU_KERNEL=1 (measured 0.997× in the step: off); eager on CPU."""
     if silu_mul_kernel.KERNEL and silu_mul_kernel.triton is not None and gu.is_cuda:
         return silu_mul_kernel.silu_mul(gu)
     return _silu_mul_compiled(gu)
