@@ -62,6 +62,33 @@ def test_accumulate_adds_bias_rows_and_writes_a_first_grad():
     assert torch.equal(w[1].grad, 2 * torch.tensor([[11.0] * 4, [13.0] * 4]))
 
 
+def test_a_fused_weights_gradients_are_rows_of_one_matrix_and_a_replaced_grad_is_taken_back_in():
+    """q|k|v's gradients are row ranges of one fp32 matrix (one GEMM per chunk adds into all
+    three); a .grad replaced between chunks (AccumulateGrad adding out of place, a user's
+    clone) keeps its value and is made a row range again; a frozen parameter's rows are skipped."""
+    torch.manual_seed(2)
+    q, k, v = (torch.zeros(r, 3, requires_grad=True) for r in (4, 2, 2))
+    rows = mgl.rows_of([q, k, v])
+    dys, xs = [torch.randn(5, 8) for _ in range(3)], [torch.randn(5, 3) for _ in range(3)]
+    mgl.accumulate(rows, None, dys[0], xs[0])
+    storage = q.grad.untyped_storage().data_ptr()
+    assert all(p.grad.untyped_storage().data_ptr() == storage for p in (q, k, v))
+    assert (k.grad.storage_offset(), v.grad.storage_offset()) == (q.grad.storage_offset() + 12, q.grad.storage_offset() + 18)
+    k.grad = k.grad.clone() + 1.0
+    mgl.accumulate(rows, None, dys[1], xs[1])
+    again = q.grad.untyped_storage().data_ptr()
+    mgl.accumulate(rows, None, dys[2], xs[2])
+    assert q.grad.untyped_storage().data_ptr() == again  # still one matrix: added into, not remade
+    want = sum(dy.t() @ x for dy, x in zip(dys, xs))
+    assert torch.allclose(q.grad, want[:4], atol=1e-5) and torch.allclose(v.grad, want[6:], atol=1e-5)
+    assert torch.allclose(k.grad, want[4:6] + 1.0, atol=1e-5)
+    assert k.grad.untyped_storage().data_ptr() == q.grad.untyped_storage().data_ptr()
+    frozen = torch.zeros(2, 3, requires_grad=False)
+    w = torch.zeros(4, 3, requires_grad=True)
+    mgl.accumulate(mgl.rows_of([w, frozen]), None, dys[0][:, :6], xs[0])
+    assert frozen.grad is None and torch.allclose(w.grad, dys[0][:, :4].t() @ xs[0], atol=1e-6)
+
+
 def test_linear_gives_x_its_gradient_and_the_weight_none():
     torch.manual_seed(1)
     p = torch.randn(6, 5, requires_grad=True)

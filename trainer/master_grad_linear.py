@@ -15,7 +15,8 @@ with its own CUDA extension. The sums are the GEMM's fp32 ones without the bf16 
 between, so the gradients are more exact than the hook's, not bit-equal to them.
 
 The first chunk of a step finds ``.grad`` None and writes it (``mm`` with the fp32 output).
-A fused weight (q|k|v, gate|up) feeds each parameter its own rows. Where PyTorch's build
+A fused weight (q|k|v, gate|up) keeps one fp32 gradient matrix whose row ranges are its
+parameters' ``.grad``, so each chunk adds into it with one GEMM. Where PyTorch's build
 cannot run an fp32-output GEMM of bf16 operands (the check runs once per device, on 2 × 2
 matrices), or on CPU, the same function computes the product in the master dtype: slower,
 still exact. Off until a GPU has timed it: DFLASH_WGRAD_INTO_GRAD=1 turns it on,
@@ -78,22 +79,18 @@ def fused_gemm_supported(device: torch.device) -> bool:
 def accumulate(weight_rows: list[MasterRows], bias_rows: list[MasterRows] | None,
                dy: torch.Tensor, x: torch.Tensor) -> None:
     """``param.grad += dy[:, lo:hi].t() @ x`` (and the bias's ``+= dy[:, lo:hi].sum(0)``) for each
-    row range; a ``.grad`` that is None is written. ``dy`` [N, out] and ``x`` [N, in]."""
+    row range; a ``.grad`` that is None is written. ``dy`` [N, out] and ``x`` [N, in].
+
+    Parameters that share a fused weight get one GEMM into one matrix whose row ranges are
+    their ``.grad`` (views): split into a GEMM per parameter, the same work ran 1.7 % slower
+    in the drafter's matmuls on an H100 (docs/benchmarks.md, issue 29, session 2026-12-05d)."""
     fused = dy.dtype in _LOW and x.dtype == dy.dtype and fused_gemm_supported(dy.device)
-    for r in weight_rows:
-        p = r.param
-        if not p.requires_grad:
-            continue
-        a = dy[:, r.lo:r.hi].t()
-        if fused and p.dtype == torch.float32:
-            if p.grad is None:
-                p.grad = torch.mm(a, x, out_dtype=torch.float32)
-            else:
-                torch.addmm(p.grad, a, x, out_dtype=torch.float32, out=p.grad)
-        elif p.grad is None:
-            p.grad = torch.mm(a.to(p.dtype), x.to(p.dtype))
-        else:
-            p.grad.addmm_(a.to(p.dtype), x.to(p.dtype))
+    if all(r.param.requires_grad for r in weight_rows):
+        _gemm_into(_stacked_grad(weight_rows, x.shape[1]), weight_rows, dy.t(), x, fused)
+    else:  # a frozen parameter in the group: its rows are skipped, one GEMM per trained one
+        for r in weight_rows:
+            if r.param.requires_grad:
+                _gemm_into(_stacked_grad([r], x.shape[1]), [r], dy[:, r.lo:r.hi].t(), x, fused)
     for r in bias_rows or ():
         p = r.param
         if not p.requires_grad:
@@ -103,6 +100,49 @@ def accumulate(weight_rows: list[MasterRows], bias_rows: list[MasterRows] | None
             p.grad = g
         else:
             p.grad.add_(g)
+
+
+def _gemm_into(grad: torch.Tensor | None, rows: list[MasterRows], a: torch.Tensor, b: torch.Tensor,
+               fused: bool) -> None:
+    """``grad += a @ b`` (``grad`` None: written), then each parameter's ``.grad`` its rows of it."""
+    master = rows[0].param.dtype
+    if fused and master == torch.float32:
+        if grad is None:
+            grad = torch.mm(a, b, out_dtype=torch.float32)
+        else:
+            torch.addmm(grad, a, b, out_dtype=torch.float32, out=grad)
+    elif grad is None:
+        grad = torch.mm(a.to(master), b.to(master))
+    else:
+        grad.addmm_(a.to(master), b.to(master))
+    base = rows[0].lo
+    for r in rows:
+        if r.param.grad is None or r.param.grad.data_ptr() != grad[r.lo - base].data_ptr():
+            r.param.grad = grad[r.lo - base:r.hi - base]
+
+
+def _stacked_grad(rows: list[MasterRows], cols: int) -> torch.Tensor | None:
+    """The parameters' ``.grad`` as one [rows, cols] matrix: the one they are views of when they
+    still are (the step before made it), else a new one with their sums so far; None when no
+    parameter has a gradient yet."""
+    grads = [r.param.grad for r in rows]
+    if all(g is None for g in grads):
+        return None
+    n = rows[-1].hi - rows[0].lo
+    if len(rows) == 1:
+        return grads[0]
+    g0 = grads[0]
+    if all(g is not None and g.is_contiguous() for g in grads):
+        storage, off = g0.untyped_storage(), g0.storage_offset()
+        if (all(g.untyped_storage().data_ptr() == storage.data_ptr()
+                and g.storage_offset() == off + (r.lo - rows[0].lo) * cols for g, r in zip(grads, rows))
+                and storage.nbytes() >= (off + n * cols) * g0.element_size()):
+            return g0.as_strided((n, cols), (cols, 1), off)
+    # not (or no longer) one matrix: something replaced a .grad (AccumulateGrad adding out of
+    # place, a zero_grad that kept some): start one from the sums so far
+    dtype, device = rows[0].param.dtype, rows[0].param.device
+    return torch.cat([torch.zeros(r.param.shape, dtype=dtype, device=device) if g is None else g
+                      for g, r in zip(grads, rows)])
 
 
 class _Linear(torch.autograd.Function):
