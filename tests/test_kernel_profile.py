@@ -330,6 +330,48 @@ def test_roofline_before_turns_off_only_its_own_change_and_runs_the_candidates_a
     assert seen[False] == (False, False, False, choice != "castonce")
 
 
+def test_idle_sources_charges_each_gpu_gap_to_a_late_launch_a_sync_or_the_queue():
+    """bench/gpu/idle_sources.py on a hand-made trace: a gap whose next kernel was launched
+    after the GPU went idle goes to the op and trainer/ frames that launched it, with what the
+    host ran meanwhile; a gap the host spent in a synchronize goes to what asked for it; a gap
+    with the kernel already queued is the queue's; gaps under the threshold are not counted."""
+    sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
+    isrc = importlib.import_module("idle_sources")
+    host = {"pid": 1, "tid": 1}
+
+    def x(cat, name, ts, dur, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, **({"args": args} if args else {}),
+                **(host if cat in ("cpu_op", "python_function", "cuda_runtime") else {"pid": 0, "tid": 7})}
+
+    trace = {"traceEvents": [
+        x("python_function", "/r/trainer/fast_drafter.py(300): step_backward", 0, 200),
+        x("python_function", "/r/trainer/model.py(280): block_attention", 12, 20),
+        x("cpu_op", "aten::cat", 14, 3),
+        x("cpu_op", "aten::mul", 24, 3),
+        x("cuda_runtime", "cudaLaunchKernel", 1, 1, correlation=1),
+        x("cuda_runtime", "cudaLaunchKernel", 25, 1, correlation=2),
+        x("cuda_runtime", "cudaLaunchKernel", 26, 1, correlation=3),
+        x("cuda_runtime", "cudaLaunchKernel", 28, 1, correlation=4),
+        x("cpu_op", "aten::item", 50, 50),
+        x("cuda_runtime", "cudaStreamSynchronize", 51, 48),
+        x("cuda_runtime", "cudaLaunchKernel", 101, 1, correlation=5),
+        x("kernel", "k1", 2, 8, correlation=1),      # [2, 10]
+        x("kernel", "k2", 30, 10, correlation=2),    # gap 20: launched at 25, after the GPU went idle
+        x("kernel", "k3", 43, 2, correlation=3),     # gap 3: under the threshold
+        x("kernel", "k4", 55, 5, correlation=4),     # gap 10, launched at 28: queued
+        x("kernel", "k5", 102, 4, correlation=5),    # gap 42, the host in a synchronize
+    ]}
+    r = isrc.analyze(trace, min_gap_us=5)
+    assert r["gaps"] == 3 and r["gap_us"] == 72 and r["span_us"] == 104
+    rows = {(g["kind"], g["where"]): g for g in r["rows"]}
+    late = rows[("late launch", "aten::mul @ model.py(280): block_attention < fast_drafter.py(300): step_backward")]
+    assert late["us"] == 20 and late["gaps"] == 1 and late["host"] == ["aten::cat", "aten::mul"]
+    assert rows[("sync", "aten::item @ fast_drafter.py(300): step_backward")]["us"] == 42
+    assert rows[("queued", "k4")]["us"] == 10
+    assert [g["kind"] for g in r["rows"]] == ["sync", "late launch", "queued"]
+    assert "| sync | aten::item @ fast_drafter.py(300): step_backward | 0.04 | 1 |" in isrc.table(r, 10)
+
+
 def test_op_sources_ranks_the_operators_between_the_matmuls_by_where_they_were_asked_for():
     """bench/gpu/op_sources.py's table: rows of one operator at one place merged, matmuls and
     attention left to the roofline table, the innermost trainer/ frames named innermost first."""

@@ -57,17 +57,11 @@ def rank(rows: list[dict], top: int) -> list[dict]:
     return sorted(merged.values(), key=lambda m: -m["device_us"])[:top]
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True)
-    p.add_argument("--arch", default="dflash", choices=["dflash", "dflash2"])
-    p.add_argument("--flex-options", default=None, help='JSON, e.g. {"BACKEND": "FLASH"}')
-    p.add_argument("--top", type=int, default=60)
-    p.add_argument("--smoke", action="store_true")
-    a = p.parse_args()
-
+def profiled_step(arch: str, flex_options: str | None, smoke: bool):
+    """One optimizer step of the operators' shape (roofline.py's, the shipped code; tiny widths
+    on CPU with ``smoke``) under torch.profiler with Python stacks, after two unprofiled steps
+    (compiled, autotuned, optimizer state held): the profiler object."""
     import torch
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     import dflash2_step as ds
@@ -75,13 +69,11 @@ def main() -> int:
     from trainer import flops as fl
     from trainer.step import make_step
 
-    cuda = not a.smoke
-    if cuda and not torch.cuda.is_available():
-        p.error("needs a CUDA device (or --smoke)")
-    shape, config, dev = (rl.SMOKE_SHAPE, ds.SMOKE, torch.device("cpu")) if a.smoke else \
+    cuda = not smoke
+    shape, config, dev = (rl.SMOKE_SHAPE, ds.SMOKE, torch.device("cpu")) if smoke else \
         (fl.QWEN3_8B, ds.OPERATORS, torch.device("cuda"))
-    rl._set_variant(True, json.loads(a.flex_options) if a.flex_options else {})
-    values, args, dcfg, drafter, head, dtype = ds.drafter_and_head(a.arch, shape, config, dev)
+    rl._set_variant(True, json.loads(flex_options) if flex_options else {})
+    values, args, dcfg, drafter, head, dtype = ds.drafter_and_head(arch, shape, config, dev)
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4, weight_decay=0.01, fused=cuda or None)
     step = make_step(args, drafter, head, dcfg)
     b = args.token_budget // args.max_seq_len
@@ -93,7 +85,7 @@ def main() -> int:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    for _ in range(2):  # compiled, autotuned, optimizer state held
+    for _ in range(2):
         one()
     if cuda:
         torch.cuda.synchronize()
@@ -102,6 +94,26 @@ def main() -> int:
         one()
         if cuda:
             torch.cuda.synchronize()
+    return prof
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", required=True)
+    p.add_argument("--arch", default="dflash", choices=["dflash", "dflash2"])
+    p.add_argument("--flex-options", default=None, help='JSON, e.g. {"BACKEND": "FLASH"}')
+    p.add_argument("--top", type=int, default=60)
+    p.add_argument("--smoke", action="store_true")
+    a = p.parse_args()
+
+    from torch.autograd import DeviceType
+
+    if not a.smoke:
+        import torch
+        if not torch.cuda.is_available():
+            p.error("needs a CUDA device (or --smoke)")
+    cuda = not a.smoke
+    prof = profiled_step(a.arch, a.flex_options, a.smoke)
     rows = []
     for e in prof.events():
         if e.device_type != DeviceType.CPU:
