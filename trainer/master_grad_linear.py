@@ -19,8 +19,11 @@ A fused weight (q|k|v, gate|up) keeps one fp32 gradient matrix whose row ranges 
 parameters' ``.grad``, so each chunk adds into it with one GEMM. Where PyTorch's build
 cannot run an fp32-output GEMM of bf16 operands (the check runs once per device, on 2 × 2
 matrices), or on CPU, the same function computes the product in the master dtype: slower,
-still exact. Off until a GPU has timed it: DFLASH_WGRAD_INTO_GRAD=1 turns it on,
-bench/gpu/roofline.py's ``--before wgrad`` measures it.
+still exact. Timed on an H100 (docs/benchmarks.md, session 2026-12-05d): the add's 46 ms
+went away, but the GEMMs' fp32 epilogue took 16 ms more and the GPU idled 20 ms more, so the
+step was the same (0.999× with flash-attn-4, 1.001× with the Triton kernels) and it stays
+off: DFLASH_WGRAD_INTO_GRAD=1 turns it on, bench/gpu/roofline.py's ``--before wgrad``
+measures it.
 """
 
 from __future__ import annotations
@@ -82,8 +85,8 @@ def accumulate(weight_rows: list[MasterRows], bias_rows: list[MasterRows] | None
     row range; a ``.grad`` that is None is written. ``dy`` [N, out] and ``x`` [N, in].
 
     Parameters that share a fused weight get one GEMM into one matrix whose row ranges are
-    their ``.grad`` (views): split into a GEMM per parameter, the same work ran 1.7 % slower
-    in the drafter's matmuls on an H100 (docs/benchmarks.md, issue 29, session 2026-12-05d)."""
+    their ``.grad`` (views): split into a GEMM per parameter, the drafter's matmuls took 28 ms
+    more a DFlash step on an H100 (docs/benchmarks.md, issue 29, session 2026-12-05d)."""
     fused = dy.dtype in _LOW and x.dtype == dy.dtype and fused_gemm_supported(dy.device)
     if all(r.param.requires_grad for r in weight_rows):
         _gemm_into(_stacked_grad(weight_rows, x.shape[1]), weight_rows, dy.t(), x, fused)
