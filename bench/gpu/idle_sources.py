@@ -26,7 +26,6 @@ Writes DIR/idle_sources.txt (the table), DIR/idle_sources.json and DIR/trace.jso
 
 from __future__ import annotations
 
-import argparse
 import bisect
 import gzip
 import json
@@ -151,21 +150,12 @@ def table(result: dict, top: int) -> str:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True)
-    p.add_argument("--arch", default="dflash", choices=["dflash", "dflash2"])
-    p.add_argument("--flex-options", default=None, help='JSON, e.g. {"BACKEND": "FLASH"}')
-    p.add_argument("--min-gap-us", type=float, default=5.0)
-    p.add_argument("--top", type=int, default=40)
-    p.add_argument("--smoke", action="store_true")
-    a = p.parse_args()
-    if not a.smoke:
-        import torch
-        if not torch.cuda.is_available():
-            p.error("needs a CUDA device (or --smoke)")
-    from op_sources import profiled_step
+    from op_sources import profile_for, step_parser, write_outputs
 
-    prof = profiled_step(a.arch, a.flex_options, a.smoke)
+    p = step_parser(__doc__, 40)
+    p.add_argument("--min-gap-us", type=float, default=5.0)
+    a = p.parse_args()
+    prof = profile_for(p, a)
     os.makedirs(a.out, exist_ok=True)
     raw = os.path.join(a.out, "trace.json")
     prof.export_chrome_trace(raw)
@@ -175,13 +165,7 @@ def main() -> int:
         dst.write(src.read())
     os.remove(raw)
     result = analyze(trace, a.min_gap_us)
-    result.update(arch=a.arch, flex_options=a.flex_options, smoke=a.smoke)
-    with open(os.path.join(a.out, "idle_sources.json"), "w") as fh:
-        json.dump(result, fh, indent=1)
-    text = table(result, a.top)
-    with open(os.path.join(a.out, "idle_sources.txt"), "w") as fh:
-        fh.write(text + "\n")
-    print(text, flush=True)
+    write_outputs(a, "idle_sources", result, table(result, a.top))
     return 0
 
 

@@ -97,23 +97,34 @@ def profiled_step(arch: str, flex_options: str | None, smoke: bool):
     return prof
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def step_parser(doc: str, top: int) -> argparse.ArgumentParser:
+    """The profiled step's command line (this script's and idle_sources.py's)."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--arch", default="dflash", choices=["dflash", "dflash2"])
     p.add_argument("--flex-options", default=None, help='JSON, e.g. {"BACKEND": "FLASH"}')
-    p.add_argument("--top", type=int, default=60)
+    p.add_argument("--top", type=int, default=top)
     p.add_argument("--smoke", action="store_true")
-    a = p.parse_args()
+    return p
 
-    from torch.autograd import DeviceType
 
+def profile_for(p: argparse.ArgumentParser, a: argparse.Namespace):
+    """profiled_step for parsed arguments ``a``; a GPU run without a GPU is a usage error."""
     if not a.smoke:
         import torch
         if not torch.cuda.is_available():
             p.error("needs a CUDA device (or --smoke)")
+    return profiled_step(a.arch, a.flex_options, a.smoke)
+
+
+def main() -> int:
+    p = step_parser(__doc__, 60)
+    a = p.parse_args()
+
+    from torch.autograd import DeviceType
+
     cuda = not a.smoke
-    prof = profiled_step(a.arch, a.flex_options, a.smoke)
+    prof = profile_for(p, a)
     rows = []
     for e in prof.events():
         if e.device_type != DeviceType.CPU:
@@ -131,17 +142,22 @@ def main() -> int:
         rows.append({"name": e.name, "device_us": float(us), "count": 1,
                      "where": grad_fn + trainer_frames(stack)})
     ranked = rank(rows, a.top)
-    os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, "op_sources.json"), "w") as fh:
-        json.dump({"arch": a.arch, "flex_options": a.flex_options, "smoke": a.smoke, "rows": ranked}, fh, indent=1)
     unit = "GPU ms" if cuda else "CPU ms"
     lines = [f"| operator | {unit} | calls | asked for at (innermost trainer/ frames) |", "| --- | --- | --- | --- |"]
     lines += [f"| {r['name']} | {r['device_us'] / 1e3:.1f} | {r['count']} | {r['where']} |" for r in ranked]
-    text = "\n".join(lines)
-    with open(os.path.join(a.out, "op_sources.txt"), "w") as fh:
+    write_outputs(a, "op_sources", {"rows": ranked}, "\n".join(lines))
+    return 0
+
+
+def write_outputs(a: argparse.Namespace, name: str, result: dict, text: str) -> None:
+    """DIR/NAME.json (``result`` with the run's arch, flex options and smoke flag) and
+    DIR/NAME.txt (``text``, also printed)."""
+    os.makedirs(a.out, exist_ok=True)
+    with open(os.path.join(a.out, name + ".json"), "w") as fh:
+        json.dump({"arch": a.arch, "flex_options": a.flex_options, "smoke": a.smoke, **result}, fh, indent=1)
+    with open(os.path.join(a.out, name + ".txt"), "w") as fh:
         fh.write(text + "\n")
     print(text, flush=True)
-    return 0
 
 
 if __name__ == "__main__":
