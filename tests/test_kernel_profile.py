@@ -337,6 +337,9 @@ def test_idle_sources_charges_each_gpu_gap_to_a_late_launch_a_sync_or_the_queue(
     with the kernel already queued is the queue's; gaps under the threshold are not counted."""
     sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
     isrc = importlib.import_module("idle_sources")
+
+    def rows_of(result):
+        return {(g["kind"], g["where"]): g for g in result["rows"]}
     host = {"pid": 1, "tid": 1}
 
     def x(cat, name, ts, dur, **args):
@@ -355,20 +358,25 @@ def test_idle_sources_charges_each_gpu_gap_to_a_late_launch_a_sync_or_the_queue(
         x("cpu_op", "aten::item", 50, 50),
         x("cuda_runtime", "cudaStreamSynchronize", 51, 48),
         x("cuda_runtime", "cudaLaunchKernel", 101, 1, correlation=5),
+        x("cpu_op", "autograd::engine::evaluate_function: MmBackward0", 110, 20),
+        x("cpu_op", "aten::mm", 112, 5),
+        x("cuda_runtime", "cudaLaunchKernel", 114, 1, correlation=6),
         x("kernel", "k1", 2, 8, correlation=1),      # [2, 10]
         x("kernel", "k2", 30, 10, correlation=2),    # gap 20: launched at 25, after the GPU went idle
         x("kernel", "k3", 43, 2, correlation=3),     # gap 3: under the threshold
         x("kernel", "k4", 55, 5, correlation=4),     # gap 10, launched at 28: queued
         x("kernel", "k5", 102, 4, correlation=5),    # gap 42, the host in a synchronize
+        x("kernel", "k6", 116, 2, correlation=6),    # gap 10, launched late in a backward node
     ]}
     r = isrc.analyze(trace, min_gap_us=5)
-    assert r["gaps"] == 3 and r["gap_us"] == 72 and r["span_us"] == 104
-    rows = {(g["kind"], g["where"]): g for g in r["rows"]}
+    assert r["gaps"] == 4 and r["gap_us"] == 82 and r["span_us"] == 116
+    assert rows_of(r)[("late launch", "aten::mm in MmBackward0 @ fast_drafter.py(300): step_backward")]["us"] == 10
+    rows = rows_of(r)
     late = rows[("late launch", "aten::mul @ model.py(280): block_attention < fast_drafter.py(300): step_backward")]
     assert late["us"] == 20 and late["gaps"] == 1 and late["host"] == ["aten::cat", "aten::mul"]
     assert rows[("sync", "aten::item @ fast_drafter.py(300): step_backward")]["us"] == 42
     assert rows[("queued", "k4")]["us"] == 10
-    assert [g["kind"] for g in r["rows"]] == ["sync", "late launch", "queued"]
+    assert [g["kind"] for g in r["rows"]] == ["sync", "late launch", "queued", "late launch"]
     assert "| sync | aten::item @ fast_drafter.py(300): step_backward | 0.04 | 1 |" in isrc.table(r, 10)
 
 

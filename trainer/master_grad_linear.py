@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ENABLED", "MasterRows", "linear", "accumulate", "fused_gemm_supported"]
+__all__ = ["ENABLED", "MasterRows", "rows_of", "linear", "accumulate", "fused_gemm_supported"]
 
 ENABLED = os.environ.get("DFLASH_WGRAD_INTO_GRAD", "0") == "1"
 
@@ -126,7 +126,7 @@ def _gemm_into(grad: torch.Tensor | None, rows: list[MasterRows], a: torch.Tenso
 
 def _stacked_grad(rows: list[MasterRows], cols: int) -> torch.Tensor | None:
     """The parameters' ``.grad`` as one [rows, cols] matrix: the one they are views of when they
-    still are (the step before made it), else a new one with their sums so far; None when no
+    still are (an earlier chunk's GEMM made it), else a new one with their sums so far; None when no
     parameter has a gradient yet."""
     grads = [r.param.grad for r in rows]
     if all(g is None for g in grads):

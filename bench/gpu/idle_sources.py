@@ -40,10 +40,7 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
               "cudaMemcpyAsync", "cuStreamSynchronize", "cuCtxSynchronize")
 LAUNCH_CATS = ("cuda_runtime", "cuda_driver")
 
-
-def _frames(stack: list[str], depth: int = 3) -> str:
-    mine = [f for f in stack if "trainer/" in f]
-    return " < ".join(f.split("trainer/")[-1] for f in mine[:depth]) or "(outside trainer/)"
+from op_sources import AUTOGRAD, profile_for, step_parser, trainer_frames, write_outputs  # noqa: E402
 
 
 class _Thread:
@@ -77,11 +74,11 @@ class _Thread:
 def where(enclosing: list[dict]) -> str:
     """``op [in autograd node] @ trainer frames`` for a launch's enclosing events."""
     ops = [e["name"] for e in enclosing if e.get("cat") == "cpu_op" and not e["name"].startswith("autograd::")]
-    nodes = [e["name"].split(":", 2)[-1].strip() for e in enclosing
-             if e.get("cat") == "cpu_op" and e["name"].startswith("autograd::engine::evaluate_function:")]
+    nodes = [e["name"][len(AUTOGRAD):].strip() for e in enclosing
+             if e.get("cat") == "cpu_op" and e["name"].startswith(AUTOGRAD)]
     stack = [e["name"] for e in reversed(enclosing) if e.get("cat") == "python_function"]
     op = ops[-1] if ops else "(no op)"
-    return f"{op}{' in ' + nodes[-1] if nodes else ''} @ {_frames(stack)}"
+    return f"{op}{' in ' + nodes[-1] if nodes else ''} @ {trainer_frames(stack)}"
 
 
 def analyze(trace: dict, min_gap_us: float = 5.0) -> dict:
@@ -150,8 +147,6 @@ def table(result: dict, top: int) -> str:
 
 
 def main() -> int:
-    from op_sources import profile_for, step_parser, write_outputs
-
     p = step_parser(__doc__, 40)
     p.add_argument("--min-gap-us", type=float, default=5.0)
     a = p.parse_args()
