@@ -71,6 +71,8 @@ CASES = [
     (256, 128, 2, 0, 100, 128, ""), (256, 128, 2, 0, 300, 128, "end"), (300, 24, 9, 2, 77, 128, ""),
     (1000, 8, 40, 5, 333, 128, ""), (256, 32, 8, 0, 96, (64, 32), ""), (96, 8, 10, 1, 40, 16, "end"),
     (64, 4, 16, 0, 9, (16, 32), "zero"), (512, 256, 1, 0, 400, 128, ""), (512, 32, 6, 6, 500, 128, ""),
+    # flex_mask.Q_TILE's candidate: query tiles of 640 rows (20 blocks of 32), KV tiles of 128
+    (1024, 32, 44, 3, None, (640, 128), ""), (1024, 32, 44, 0, 300, (640, 128), "end"),
 ]
 
 
@@ -145,6 +147,36 @@ def test_the_chunked_steps_masks_never_call_create_block_mask(monkeypatch, windo
         fd._chunk_block_mask(a[0], keep[0], 200, 24, window)
     with pytest.raises(AssertionError, match="direct path"):
         fm.make_dflash_block_mask(a, 200, 24, keep, window=window, direct=False)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_the_chunked_steps_masks_take_their_query_tile_from_flex_mask(monkeypatch, direct):
+    """flex_mask.Q_TILE (DFLASH_FLEX_Q_TILE) sets the query side of every chunk's mask, on
+    both builders, and the masks stay create_block_mask's at that tile."""
+    a, keep = _layout(5, 1, 44, 1024, 3)
+    monkeypatch.setattr(fd, "DIRECT_MASKS", direct)
+    monkeypatch.setattr(fm, "Q_TILE", 640)
+    bm = fd._chunk_block_mask(a[0], keep[0], 1024, 32, None)
+    assert bm.BLOCK_SIZE == (640, 128)
+    assert bm.kv_indices.shape == (1, 1, 3, 19)  # 1,408 queries in 640-row tiles, 2,432 keys in 128s
+    want = fm.make_dflash_block_mask(a[:1], 1024, 32, keep[:1], direct=not direct)
+    for name in FIELDS:
+        assert torch.equal(getattr(bm, name), getattr(want, name)), name
+
+
+def test_the_query_tile_reads_dflash_flex_q_tile_and_refuses_a_bad_one():
+    code = "from trainer import flex_mask as fm; print(fm.Q_TILE)"
+    for env, want in (("640", "640"), (None, "128")):
+        extra = {} if env is None else {"DFLASH_FLEX_Q_TILE": env}
+        base = {k: v for k, v in os.environ.items() if k != "DFLASH_FLEX_Q_TILE"}
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
+                             env={**base, **extra})
+        assert out.stdout.split() == [want]
+    for bad in ("100", "0", "wide"):
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                             env={**os.environ, "DFLASH_FLEX_Q_TILE": bad})
+        assert out.returncode != 0 and "Traceback" not in out.stderr
+        assert f"DFLASH_FLEX_Q_TILE='{bad}': expected a positive multiple of 64" in out.stderr
 
 
 def test_the_switch_reads_dflash_direct_masks():

@@ -297,19 +297,20 @@ def test_roofline_set_takes_flag_values_as_json_or_text_and_refuses_a_pair_witho
             rl.config_set([bad])
 
 
-@pytest.mark.parametrize("choice", ["addkernel", "silukernel", "wgrad", "castonce"])
+@pytest.mark.parametrize("choice", ["addkernel", "silukernel", "wgrad", "castonce", "qtile"])
 def test_roofline_before_turns_off_only_its_own_change_and_runs_the_candidates_as_shipped(choice, monkeypatch):
     """``--before addkernel`` / ``silukernel`` / ``wgrad`` time the gradient-add and SiLU·up
     kernels and the weight GEMMs adding into .grad (off in the trainer until measured) against
     what ships: "after" turns on only that one; every other choice leaves all three as the
-    trainer ships them, in "before" and "after" alike."""
+    trainer ships them, in "before" and "after" alike. ``--before qtile`` changes only the
+    block masks' query tile: 128 rows, then --q-tile's."""
     sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
     rl = importlib.import_module("roofline")
-    from trainer import (block_conv, chunked_head, fast_drafter, grad_accumulate, master_grad_linear, selector_fused,
-                         silu_mul_kernel)
+    from trainer import (block_conv, chunked_head, fast_drafter, flex_mask, grad_accumulate, master_grad_linear,
+                         selector_fused, silu_mul_kernel)
 
     touched = {grad_accumulate: ["KERNEL"], silu_mul_kernel: ["KERNEL"], master_grad_linear: ["ENABLED"],
-               block_conv: ["COMPILE"],
+               block_conv: ["COMPILE"], flex_mask: ["Q_TILE"],
                fast_drafter: ["CAST_ONCE", "FLEX_OPTIONS", "DIRECT_MASKS"], selector_fused: ["FUSED", "COMPILE"],
                chunked_head: ["TRITON", "BALANCED", "TEACHER_SPANS"]}
     for mod, names in touched.items():  # _set_variant sets module switches: put them back after
@@ -318,16 +319,18 @@ def test_roofline_before_turns_off_only_its_own_change_and_runs_the_candidates_a
     monkeypatch.delenv("DFLASH_FLEX_OPTIONS", raising=False)  # _set_variant drops it
     monkeypatch.setattr(rl, "SHIPPED", {})
     monkeypatch.setitem(rl.BEFORE, "choice", choice)
-    shipped = (grad_accumulate.KERNEL, silu_mul_kernel.KERNEL, master_grad_linear.ENABLED)
-    assert shipped == (False, False, False)  # candidates: off in the trainer
+    monkeypatch.setitem(rl.Q_TILE_AFTER, "rows", 640)
+    shipped = (grad_accumulate.KERNEL, silu_mul_kernel.KERNEL, master_grad_linear.ENABLED, flex_mask.Q_TILE)
+    assert shipped == (False, False, False, 128)  # candidates: off in the trainer
     seen = {}
     for after in (False, True):
         rl._set_variant(after, {})
         seen[after] = (grad_accumulate.KERNEL, silu_mul_kernel.KERNEL, master_grad_linear.ENABLED,
-                       fast_drafter.CAST_ONCE)
-    want_after = (choice == "addkernel", choice == "silukernel", choice == "wgrad", True)
+                       fast_drafter.CAST_ONCE, flex_mask.Q_TILE)
+    want_after = (choice == "addkernel", choice == "silukernel", choice == "wgrad", True,
+                  640 if choice == "qtile" else 128)
     assert seen[True] == want_after
-    assert seen[False] == (False, False, False, choice != "castonce")
+    assert seen[False] == (False, False, False, choice != "castonce", 128)
 
 
 def test_idle_sources_charges_each_gpu_gap_to_a_late_launch_a_sync_or_the_queue():

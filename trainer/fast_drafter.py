@@ -106,9 +106,10 @@ def _chunk_block_mask(a, kp, S_pad: int, B: int, window: int | None = None):
     a_buf, k_buf, mod = _MASKS[key]
     a_buf.copy_(a[None])
     k_buf.copy_(kp[None])
+    tile = (flex_mask.Q_TILE, 128)
     if DIRECT_MASKS:  # no compile: the tiles follow from the anchors (flex_mask.py)
-        return direct_block_mask(a, kp, S_pad, B, mod, window=window)
-    return create_block_mask(mod, 1, None, n * B, S_pad + n * B, device=a.device,
+        return direct_block_mask(a, kp, S_pad, B, mod, tile=tile, window=window)
+    return create_block_mask(mod, 1, None, n * B, S_pad + n * B, device=a.device, BLOCK_SIZE=tile,
                              _compile=a.device.type == "cuda")
 
 

@@ -48,6 +48,25 @@ import torch
 # (benchmarks' before/after). trainer/fast_drafter.py reads it as its DIRECT_MASKS.
 DIRECT_MASKS = os.environ.get("DFLASH_DIRECT_MASKS", "1") == "1"
 
+
+def _q_tile(raw: str) -> int:
+    try:
+        tile = int(raw)
+    except ValueError:
+        tile = 0
+    if tile <= 0 or tile % 64:
+        raise SystemExit(f"DFLASH_FLEX_Q_TILE={raw!r}: expected a positive multiple of 64 (rows of a query tile), "
+                         "e.g. 128 (the default) or 640")
+    return tile
+
+
+# Rows of the block masks' query tile (the sparse tile's KV side stays 128). flash-attn-4's
+# Hopper backward uses its wider non-causal 80-row tile only when this is a multiple of 80
+# (flash_attn/cute/interface.py, _tile_size_bwd_sm90), its forward the 128-row tile when a
+# multiple of 128: 640 allows both, at the price of coarser tiles (bench/gpu/roofline.py
+# ``--before qtile`` measures it). DFLASH_FLEX_Q_TILE sets it; fast_drafter reads it per mask.
+Q_TILE = _q_tile(os.environ.get("DFLASH_FLEX_Q_TILE", "128"))
+
 __all__ = [
     "dflash_mask_mod",
     "dense_dflash_mask",
@@ -114,17 +133,18 @@ def dense_dflash_mask(anchors: torch.Tensor, ctx_len: int, block_size: int,
 
 def make_dflash_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int,
                            keep: Optional[torch.Tensor] = None, *, window: Optional[int] = None,
-                           q_block: int = 128, kv_block: int = 128,
+                           q_block: Optional[int] = None, kv_block: int = 128,
                            compile: Optional[bool] = None, direct: Optional[bool] = None):
     """A flex_attention ``BlockMask`` for the DFlash layout (heads broadcast).
 
-    ``direct`` (default :data:`DIRECT_MASKS`): the tiles from the anchors
+    ``q_block`` defaults to :data:`Q_TILE`. ``direct`` (default :data:`DIRECT_MASKS`): the tiles from the anchors
     (:func:`direct_block_mask`, no compile; ``compile`` unused). Otherwise create_block_mask, ``compile``
     defaulting to True on CUDA (it builds the sparse tile index on the GPU without
     materialising Q × KV, after a compile of tens of seconds) and False on CPU.
     """
     from torch.nn.attention.flex_attention import create_block_mask
 
+    q_block = Q_TILE if q_block is None else q_block
     bsz, n = anchors.shape
     q_len = n * block_size
     kv_len = ctx_len + n * block_size

@@ -37,7 +37,9 @@ Phases (one H200; random bf16 weights made on the GPU, random tokens, no downloa
   at every drafted slot, then once per distinct position of a head chunk; ``--before castonce``:
   the GEMM weights cast in every chunk, then once per step; ``--before addkernel``: the
   gradient adds by PyTorch, then by trainer/grad_accumulate.py's kernel; ``--before
-  silukernel``: the MLP's SiLU·up compiled, then by trainer/silu_mul_kernel.py's kernels; ``--runs`` picks
+  silukernel``: the MLP's SiLU·up compiled, then by trainer/silu_mul_kernel.py's kernels;
+  ``--before wgrad``: the weight gradients added into ``.grad`` by a hook, then by the GEMM;
+  ``--before qtile``: the block masks' 128-row query tiles, then ``--q-tile`` rows; ``--runs`` picks
   arch:variant runs): the
   first step's wall time and compile seconds, the median of 3 timed steps (CUDA events), one profiled step
   (trainer/kernel_profile.py) as a table of kernel classes with FLOPs/bytes and the share of
@@ -448,6 +450,7 @@ def markdown(t: dict) -> str:
 
 BEFORE = {"choice": "main"}  # --before: what "before" turns off
 SHIPPED: dict = {}  # switches as the trainer ships them, for the runs a --before leaves alone
+Q_TILE_AFTER = {"rows": 640}  # --q-tile: the query tile "after" uses under --before qtile
 RUNS: set = set()  # --runs: only these arch:variant runs of the step phase (empty: all)
 CONFIG_SET: dict = {}  # --set: trainer flag values over the operators' (e.g. position_weights=dpace)
 
@@ -486,9 +489,11 @@ def _set_variant(after: bool, flex_opts: dict) -> None:
     "before" hands the GEMM weights' bf16 gradients to a hook that adds them into the fp32
     ``.grad``, "after" the backward's GEMM adds into ``.grad`` itself
     (trainer/master_grad_linear.py). All three are off in the trainer until measured: every
-    other choice runs them as shipped."""
-    from trainer import (block_conv, chunked_head, fast_drafter, grad_accumulate, master_grad_linear, selector_fused,
-                         silu_mul_kernel)
+    other choice runs them as shipped. ``--before qtile``: "before" builds the block masks with
+    128-row query tiles, "after" with ``--q-tile`` rows (flex_mask.Q_TILE; 640 lets
+    flash-attn-4's Hopper backward take its 80-row tile)."""
+    from trainer import (block_conv, chunked_head, fast_drafter, flex_mask, grad_accumulate, master_grad_linear,
+                         selector_fused, silu_mul_kernel)
 
     choice = BEFORE["choice"]
     old = choice == "s1" and not after
@@ -503,9 +508,11 @@ def _set_variant(after: bool, flex_opts: dict) -> None:
     SHIPPED.setdefault("add", grad_accumulate.KERNEL)
     SHIPPED.setdefault("silu", silu_mul_kernel.KERNEL)
     SHIPPED.setdefault("wgrad", master_grad_linear.ENABLED)
+    SHIPPED.setdefault("qtile", flex_mask.Q_TILE)
     grad_accumulate.KERNEL = after if choice == "addkernel" else SHIPPED["add"]
     silu_mul_kernel.KERNEL = after if choice == "silukernel" else SHIPPED["silu"]
     master_grad_linear.ENABLED = after if choice == "wgrad" else SHIPPED["wgrad"]
+    flex_mask.Q_TILE = (Q_TILE_AFTER["rows"] if after else 128) if choice == "qtile" else SHIPPED["qtile"]
     # session 3 (``--before s3``): "before" is main at the session's start, "after" adds its changes
     chunked_head.TEACHER_SPANS = after or choice != "teacher"
     selector_fused.FUSED = after or choice not in ("s1", "s3", "selector")
@@ -706,8 +713,10 @@ def main() -> int:
     r.add_argument("--flex-variants", default=None, help="comma-separated FLEX_VARIANTS names (default: all)")
     r.add_argument("--smoke", action="store_true")
     r.add_argument("--before", default="main", choices=["main", "s1", "s3", "selector", "teacher", "castonce", "addkernel",
-                                                      "silukernel", "wgrad"],
+                                                      "silukernel", "wgrad", "qtile"],
                    help="what the step's 'before' turns off")
+    r.add_argument("--q-tile", type=int, default=640,
+                   help="with --before qtile: the block masks' query tile rows 'after' uses (a multiple of 64)")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="a trainer flag's value over the operators' for every step run, e.g. position_weights=dpace")
     r.add_argument("--runs", default="", help="only these of the step phase, e.g. dflash:after,dflash2:before,"
@@ -729,6 +738,9 @@ def main() -> int:
         p.error("needs a CUDA device (or --smoke)")
     OUT = a.out
     BEFORE["choice"] = a.before
+    if a.q_tile <= 0 or a.q_tile % 64:
+        raise SystemExit(f"--q-tile {a.q_tile}: expected a positive multiple of 64, e.g. 640")
+    Q_TILE_AFTER["rows"] = a.q_tile
     RUNS.update(x for x in a.runs.split(",") if x)
     CONFIG_SET.update(config_set(a.set))
     RESULTS["config_set"] = CONFIG_SET
