@@ -297,7 +297,7 @@ def test_roofline_set_takes_flag_values_as_json_or_text_and_refuses_a_pair_witho
             rl.config_set([bad])
 
 
-@pytest.mark.parametrize("choice", ["addkernel", "silukernel", "wgrad", "castonce", "qtile"])
+@pytest.mark.parametrize("choice", ["addkernel", "silukernel", "wgrad", "castonce", "qtile", "cumprod"])
 def test_roofline_before_turns_off_only_its_own_change_and_runs_the_candidates_as_shipped(choice, monkeypatch):
     """``--before addkernel`` / ``silukernel`` / ``wgrad`` time the gradient-add and SiLU·up
     kernels and the weight GEMMs adding into .grad (off in the trainer until measured) against
@@ -306,11 +306,11 @@ def test_roofline_before_turns_off_only_its_own_change_and_runs_the_candidates_a
     block masks' query tile: 128 rows, then --q-tile's."""
     sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
     rl = importlib.import_module("roofline")
-    from trainer import (block_conv, chunked_head, fast_drafter, flex_mask, grad_accumulate, master_grad_linear,
+    from trainer import (block_conv, chunked_head, fast_drafter, flex_mask, grad_accumulate, loss, master_grad_linear,
                          selector_fused, silu_mul_kernel)
 
     touched = {grad_accumulate: ["KERNEL"], silu_mul_kernel: ["KERNEL"], master_grad_linear: ["ENABLED"],
-               block_conv: ["COMPILE"], flex_mask: ["Q_TILE"],
+               block_conv: ["COMPILE"], flex_mask: ["Q_TILE"], loss: ["RUN_CUMSUM"],
                fast_drafter: ["CAST_ONCE", "FLEX_OPTIONS", "DIRECT_MASKS"], selector_fused: ["FUSED", "COMPILE"],
                chunked_head: ["TRITON", "BALANCED", "TEACHER_SPANS"]}
     for mod, names in touched.items():  # _set_variant sets module switches: put them back after
@@ -326,11 +326,11 @@ def test_roofline_before_turns_off_only_its_own_change_and_runs_the_candidates_a
     for after in (False, True):
         rl._set_variant(after, {})
         seen[after] = (grad_accumulate.KERNEL, silu_mul_kernel.KERNEL, master_grad_linear.ENABLED,
-                       fast_drafter.CAST_ONCE, flex_mask.Q_TILE)
+                       fast_drafter.CAST_ONCE, flex_mask.Q_TILE, loss.RUN_CUMSUM)
     want_after = (choice == "addkernel", choice == "silukernel", choice == "wgrad", True,
-                  640 if choice == "qtile" else 128)
+                  640 if choice == "qtile" else 128, True)
     assert seen[True] == want_after
-    assert seen[False] == (False, False, False, choice != "castonce", 128)
+    assert seen[False] == (False, False, False, choice != "castonce", 128, choice != "cumprod")
 
 
 def test_idle_sources_charges_each_gpu_gap_to_a_late_launch_a_sync_or_the_queue():

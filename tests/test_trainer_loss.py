@@ -209,3 +209,71 @@ def test_selector_term_matches_direct_computation():
     for a, b in zip(g1, g2):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8)
         assert a.abs().sum() > 0
+
+
+def _graph_nodes(t: torch.Tensor) -> set:
+    seen, todo, names = set(), [t.grad_fn], set()
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        todo.extend(n for n, _ in node.next_functions)
+    return names
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_run_products_equal_cumprod_in_value_and_gradient_without_a_cumprod_node(dtype):
+    """CAP's run products (loss.run_products) against cumprod(exp(−ce) · live): dead slots
+    first, in the middle, at the end and everywhere; the same values and ce gradients to float
+    rounding, and the graph holds no CumprodBackward0 (its backward reads the input on the host,
+    one GPU sync per anchor chunk)."""
+    from trainer import loss as L
+
+    g = torch.Generator().manual_seed(4)
+    ce = (torch.rand(6, 31, generator=g, dtype=dtype) * 3).requires_grad_()
+    live = torch.rand(6, 31, generator=g) > 0.15
+    live[0] = True
+    live[1] = False
+    live[2, 0] = False
+    live[3, -1] = False
+    up = torch.randn(6, 31, generator=g, dtype=dtype)
+    want = torch.cumprod(torch.exp(-ce) * live, dim=-1)
+    got = L.run_products(ce, live)
+    tol = 1e-6 if dtype == torch.float32 else 1e-13
+    assert torch.allclose(got, want, rtol=tol, atol=tol)
+    assert (got[~((~live).cumsum(-1) == 0)] == 0).all()  # after a dead slot nothing is accepted
+    (gw,) = torch.autograd.grad((want * up).sum(), ce)
+    (gg,) = torch.autograd.grad((got * up).sum(), ce)
+    assert torch.allclose(gg, gw, rtol=tol, atol=tol)
+    assert "CumprodBackward0" not in _graph_nodes(got)
+    # the step's per-chunk objective and the whole-batch loss use it
+    w = torch.where(live, torch.rand(6, 31, generator=g, dtype=dtype), 0.0)
+    fn = L.dflash_loss_fn(w, cap_lambda=0.1)
+    assert "CumprodBackward0" not in _graph_nodes(fn(ce, None, slice(None)))
+
+
+def test_the_run_products_switch_restores_cumprod(monkeypatch):
+    from trainer import loss as L
+
+    ce = torch.rand(2, 7, requires_grad=True)
+    monkeypatch.setattr(L, "RUN_CUMSUM", False)
+    assert "CumprodBackward0" in _graph_nodes(L.run_products(ce, torch.ones(2, 7, dtype=torch.bool)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="a CUDA device: the sync is a GPU one")
+def test_the_cap_terms_backward_never_synchronises_on_cuda():
+    from trainer import loss as L
+
+    ce = (torch.rand(64, 31, device="cuda") * 3).requires_grad_()
+    w = torch.where(torch.rand(64, 31, device="cuda") > 0.1, 1.0, 0.0)
+    loss = L.dflash_loss_fn(w, cap_lambda=0.1, denom=w.sum(), n_valid_blocks=torch.tensor(64.0, device="cuda"))(
+        ce, None, slice(None))
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss.backward()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(ce.grad).all()

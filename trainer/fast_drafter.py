@@ -48,7 +48,7 @@ from trainer import chunked_head
 from trainer.chunked_head import chunk_spans, chunked_head_loss, head_ce, span_plan
 from trainer.flex_mask import dense_dflash_mask, dflash_mask_mod, direct_block_mask, flex_attention_fn
 from trainer.kernel_profile import REGION_HEAD, REGION_SELECTOR, region
-from trainer.loss import decay_weights, dflash_loss_fn, dpace_weights, selector_terms
+from trainer.loss import decay_weights, dflash_loss_fn, dpace_weights, run_products, selector_terms
 from trainer.model import StepGemmWeights
 
 _MASKS: dict = {}
@@ -321,7 +321,7 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
         ce_sum = ce_sum + (w * ce).sum()
         if kl is not None:
             kl_sum = kl_sum + (w * kl).sum()
-        accepted = torch.cumprod(torch.exp(-ce) * v, dim=-1).sum(-1)
+        accepted = run_products(ce, v).sum(-1)
         cap_sum = cap_sum + ((1 - accepted / (B - 1)) * kp).sum()
         n_correct = n_correct + (correct & v).sum(0)
     del gemm  # its gradients are in the parameters; the context path's backward has its own casts

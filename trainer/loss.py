@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -38,6 +39,10 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+# CAP's run products by a cumulative sum (:func:`run_products`); DFLASH_RUN_CUMSUM=0: torch's
+# cumprod as before (bench/gpu/roofline.py ``--before cumprod`` times both).
+RUN_CUMSUM = os.environ.get("DFLASH_RUN_CUMSUM", "1") == "1"
 
 
 def key(*parts) -> int:
@@ -93,6 +98,20 @@ def decay_weights(valid: torch.Tensor, gamma: float) -> torch.Tensor:
     K = valid.shape[-1]
     w = torch.exp(-torch.arange(K, device=valid.device, dtype=valid.dtype) / gamma)  # k-1 = 0..K-1
     return w * valid
+
+
+def run_products(ce: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """CAP's C_j = Π_{k≤j} p_k over the last dim, p_k = exp(−ce_k) where ``live`` and 0
+    elsewhere (a dead slot ends the run), written as alive_j · exp(−Σ_{k≤j} ce_k) with alive_j =
+    no dead slot at or before j. The same value and gradient as ``cumprod(exp(−ce) · live)`` to
+    float rounding, but torch's cumprod backward asks the host whether its input holds a zero
+    (a ``.item()``: one GPU synchronisation per call, i.e. per anchor chunk of the step, after
+    which the host launches every kernel late; bench/gpu/idle_sources.py found it), and a
+    cumulative sum's backward is another cumulative sum, asked nothing."""
+    if not RUN_CUMSUM:
+        return torch.cumprod(torch.exp(-ce) * live, dim=-1)
+    alive = (live == 0).cumsum(-1) == 0
+    return torch.where(alive, torch.exp(-torch.where(alive, ce, 0.0).cumsum(-1)), 0.0)
 
 
 def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -237,7 +256,7 @@ def dflash_loss(c: LossConfig, block_out, lm_head, input_ids, loss_mask, lengths
     loss = (1 - c.kl_weight) * ce_loss + c.kl_weight * kl_loss if c.use_soft_labels else ce_loss
 
     # CAP: expected accepted length from the drafter's probability of the true tokens.
-    C = torch.cumprod(torch.exp(-ce) * valid, dim=-1)
+    C = run_products(ce, valid)
     kept = keep.to(ce.dtype)
     cap = ((1 - C.sum(-1) / (B - 1)) * kept).sum() / kept.sum().clamp(min=1)
     if c.cap_lambda > 0:
@@ -287,9 +306,7 @@ def dflash_loss_fn(weights: torch.Tensor, *, kl_weight: float = 0.0, temperature
         else:
             loss = ((1.0 - kl_weight) * (w * ce).sum() + kl_weight * T2 * (w * kl).sum()) / denom
         if cap_lambda:
-            p = torch.exp(-ce) * (w > 0)
-            C = torch.cumprod(p, dim=-1)
-            E = C.sum(-1)
+            E = run_products(ce, w > 0).sum(-1)
             K = ce.shape[-1]
             cap = ((1.0 - E / K) * block_valid[sl].float()).sum() / n_valid_blocks
             loss = loss + cap_lambda * cap

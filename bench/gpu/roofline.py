@@ -39,7 +39,8 @@ Phases (one H200; random bf16 weights made on the GPU, random tokens, no downloa
   gradient adds by PyTorch, then by trainer/grad_accumulate.py's kernel; ``--before
   silukernel``: the MLP's SiLU·up compiled, then by trainer/silu_mul_kernel.py's kernels;
   ``--before wgrad``: the weight gradients added into ``.grad`` by a hook, then by the GEMM;
-  ``--before qtile``: the block masks' 128-row query tiles, then ``--q-tile`` rows; ``--runs`` picks
+  ``--before qtile``: the block masks' 128-row query tiles, then ``--q-tile`` rows;
+  ``--before cumprod``: CAP's run products by cumprod, then by a cumulative sum; ``--runs`` picks
   arch:variant runs): the
   first step's wall time and compile seconds, the median of 3 timed steps (CUDA events), one profiled step
   (trainer/kernel_profile.py) as a table of kernel classes with FLOPs/bytes and the share of
@@ -491,8 +492,10 @@ def _set_variant(after: bool, flex_opts: dict) -> None:
     (trainer/master_grad_linear.py). All three are off in the trainer until measured: every
     other choice runs them as shipped. ``--before qtile``: "before" builds the block masks with
     128-row query tiles, "after" with ``--q-tile`` rows (flex_mask.Q_TILE; 640 lets
-    flash-attn-4's Hopper backward take its 80-row tile)."""
-    from trainer import (block_conv, chunked_head, fast_drafter, flex_mask, grad_accumulate, master_grad_linear,
+    flash-attn-4's Hopper backward take its 80-row tile). ``--before cumprod``: "before" takes
+    CAP's run products by torch's cumprod (its backward synchronises once per anchor chunk),
+    "after" by a cumulative sum (loss.run_products)."""
+    from trainer import (block_conv, chunked_head, fast_drafter, flex_mask, grad_accumulate, loss, master_grad_linear,
                          selector_fused, silu_mul_kernel)
 
     choice = BEFORE["choice"]
@@ -504,6 +507,7 @@ def _set_variant(after: bool, flex_opts: dict) -> None:
     fast_drafter.DIRECT_MASKS = not old
     chunked_head.TRITON = after or choice in ("s1", "s3", "selector", "castonce", "addkernel", "wgrad", "silukernel")
     fast_drafter.CAST_ONCE = after or choice != "castonce"
+    loss.RUN_CUMSUM = after or choice != "cumprod"
     # the trainer's own settings, before any run changed them: the runs a --before leaves alone
     SHIPPED.setdefault("add", grad_accumulate.KERNEL)
     SHIPPED.setdefault("silu", silu_mul_kernel.KERNEL)
@@ -713,7 +717,7 @@ def main() -> int:
     r.add_argument("--flex-variants", default=None, help="comma-separated FLEX_VARIANTS names (default: all)")
     r.add_argument("--smoke", action="store_true")
     r.add_argument("--before", default="main", choices=["main", "s1", "s3", "selector", "teacher", "castonce", "addkernel",
-                                                      "silukernel", "wgrad", "qtile"],
+                                                      "silukernel", "wgrad", "qtile", "cumprod"],
                    help="what the step's 'before' turns off")
     r.add_argument("--q-tile", type=int, default=640,
                    help="with --before qtile: the block masks' query tile rows 'after' uses (a multiple of 64)")
