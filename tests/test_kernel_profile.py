@@ -331,6 +331,17 @@ def test_roofline_before_turns_off_only_its_own_change_and_runs_the_candidates_a
                   640 if choice == "qtile" else 128, True)
     assert seen[True] == want_after
     assert seen[False] == (False, False, False, choice != "castonce", 128, choice != "cumprod")
+    # and nothing else differs between its "before" and "after" (qtile's first device call ran
+    # its "before" without the head's Triton passes and credited their gain to the tile)
+    own = {"addkernel": (grad_accumulate, "KERNEL"), "silukernel": (silu_mul_kernel, "KERNEL"),
+           "wgrad": (master_grad_linear, "ENABLED"), "castonce": (fast_drafter, "CAST_ONCE"),
+           "qtile": (flex_mask, "Q_TILE"), "cumprod": (loss, "RUN_CUMSUM")}[choice]
+    states = {}
+    for after in (False, True):
+        rl._set_variant(after, {})
+        states[after] = {(mod.__name__, name): getattr(mod, name) for mod, names in touched.items()
+                         for name in names if (mod, name) != own}
+    assert states[False] == states[True]
 
 
 def test_idle_sources_charges_each_gpu_gap_to_a_late_launch_a_sync_or_the_queue():

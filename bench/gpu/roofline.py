@@ -505,7 +505,9 @@ def _set_variant(after: bool, flex_opts: dict) -> None:
     chunked_head.BALANCED = not old
     block_conv.COMPILE = not old
     fast_drafter.DIRECT_MASKS = not old
-    chunked_head.TRITON = after or choice in ("s1", "s3", "selector", "castonce", "addkernel", "wgrad", "silukernel")
+    # the head's Triton passes: only ``main`` (and session 4's ``teacher``, measured before they
+    # shipped) runs "before" without them; every later choice keeps them on both sides
+    chunked_head.TRITON = after or choice not in ("main", "teacher")
     fast_drafter.CAST_ONCE = after or choice != "castonce"
     loss.RUN_CUMSUM = after or choice != "cumprod"
     # the trainer's own settings, before any run changed them: the runs a --before leaves alone
