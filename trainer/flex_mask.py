@@ -49,23 +49,14 @@ import torch
 DIRECT_MASKS = os.environ.get("DFLASH_DIRECT_MASKS", "1") == "1"
 
 
-def _q_tile(raw: str) -> int:
-    try:
-        tile = int(raw)
-    except ValueError:
-        tile = 0
-    if tile <= 0 or tile % 64:
-        raise SystemExit(f"DFLASH_FLEX_Q_TILE={raw!r}: expected a positive multiple of 64 (rows of a query tile), "
-                         "e.g. 128 (the default) or 640")
-    return tile
-
-
-# Rows of the block masks' query tile (the sparse tile's KV side stays 128). flash-attn-4's
-# Hopper backward uses its wider non-causal 80-row tile only when this is a multiple of 80
-# (flash_attn/cute/interface.py, _tile_size_bwd_sm90), its forward the 128-row tile when a
-# multiple of 128: 640 allows both, at the price of coarser tiles (bench/gpu/roofline.py
-# ``--before qtile`` measures it). DFLASH_FLEX_Q_TILE sets it; fast_drafter reads it per mask.
-Q_TILE = _q_tile(os.environ.get("DFLASH_FLEX_Q_TILE", "128"))
+# Rows of the block masks' query tile (the KV side stays 128). flash-attn-4's Hopper backward
+# uses its wider non-causal 80-row tile only when this is a multiple of 80
+# (flash_attn/cute/interface.py, _tile_size_bwd_sm90): 640 allows it, but on an H100 the
+# attention backward took 715 ms against 625 (the coarser tiles cover 16 % more of Q × KV,
+# mostly as partial tiles) and DFlash2's step failed with an out-of-bounds index
+# (docs/benchmarks.md, session 2026-12-05e). A benchmark's knob (bench/gpu/roofline.py
+# ``--before qtile``), not a setting: fast_drafter reads it per mask.
+Q_TILE = 128
 
 __all__ = [
     "dflash_mask_mod",
