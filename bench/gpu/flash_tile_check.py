@@ -2,8 +2,9 @@
 640-row query tiles (flex_mask.Q_TILE) as with 128-row ones (issue 29)?
 
 640 lets flash-attn-4's Hopper backward take its 80-row tile (a sparse Q block of 640 is
-8 of them, 5 of the forward's 128-row tiles); the drafter step measured 1.15× faster on an
-H100 with it, but DFlash2's step then failed with an out-of-bounds index. This compares, for
+8 of them, 5 of the forward's 128-row tiles). DFlash2's step failed with an out-of-bounds
+index under Triton tiles of 640 rows (session 2026-12-05e, call 3), so before timing the tile
+this asks whether it computes the same thing. It compares, for
 one anchor chunk of the operators' shape (Qwen3-8B heads: 32 query, 8 KV, head dim 128;
 8,192 context tokens; block 32), the attention output and dq, dk, dv of
 
