@@ -52,9 +52,10 @@ DIRECT_MASKS = os.environ.get("DFLASH_DIRECT_MASKS", "1") == "1"
 # Rows of the block masks' query tile (the KV side stays 128). flash-attn-4's Hopper backward
 # uses its wider non-causal 80-row tile only when this is a multiple of 80
 # (flash_attn/cute/interface.py, _tile_size_bwd_sm90), which 640 allows at the price of
-# coarser tiles (16 % more of Q × KV covered, mostly as partial tiles). With the Triton flex
-# kernels 640 made the attention backward slower on an H100 (713 ms against 625) and DFlash2's
-# step failed with an out-of-bounds index (docs/benchmarks.md, session 2026-12-05e). A
+# coarser tiles (16 % more of Q × KV covered, mostly as partial tiles). On an H100 the DFlash
+# step with flash-attn-4 ran 0.942× with 640 (attention backward 420 → 662 ms), the Triton
+# kernels' backward 625 → 713 ms, and DFlash2's step with Triton tiles of 640 failed with an
+# out-of-bounds index (docs/benchmarks.md, session 2026-12-05e). A
 # benchmark's knob (bench/gpu/roofline.py ``--before qtile``), not a setting: fast_drafter
 # reads it per mask.
 Q_TILE = 128
