@@ -204,6 +204,86 @@ def test_the_roofline_table_names_the_three_largest_losses():
     assert "| flex attention forward | 200.0 |" in rl.markdown(t)
 
 
+def _h100_call(tmp_path, with_ceilings: bool):
+    """A results.json as an H100 call of ``--phases step`` wrote it before the fix: its table
+    made against the H200's default ceilings, no ceilings phase of its own."""
+    sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
+    rl = importlib.import_module("roofline")
+    summary = {"span_us": 1_000_000, "classes": {kp.MATMUL_DRAFTER: {"us": 600_000, "n": 10},
+                                                 kp.ELEMENTWISE: {"us": 400_000, "n": 40}}}
+    work = {kp.MATMUL_DRAFTER: {"flop": 390.9e12}, kp.ELEMENTWISE: {"bytes": 0.4725e12}}
+    rec = {"median_s": 1.0, "drafted_pos_s": 1000.0, "mfu": 0.4,
+           "table": rl.table(summary, work, {"matmul_flop_s": 787e12, "copy_bytes_s": 4.24e12})}
+    res = {"gpu": "NVIDIA H100 80GB HBM3", "phases": {"step": {"dflash:after": rec}}}
+    if with_ceilings:
+        res["phases"]["ceilings"] = {"matmul_flop_s": 390.9e12 / 0.6, "copy_bytes_s": 0.4725e12 / 0.2}
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps(res))
+    return rl, path
+
+
+def test_an_h100_calls_table_reads_against_the_h100s_ceilings_not_the_h200s(tmp_path, capsys):
+    """Sessions 2026-12-05c/e ran ``--phases step`` on H100s, whose tables took the H200's
+    4.24 TB/s: the drafter's elementwise class read 145 ms over its floor where the H100's
+    2.95 TB/s makes it 96. ``roofline.py table`` now reads a call without its own ceilings
+    against its GPU's row, and a run of the step measures them in the call."""
+    rl, path = _h100_call(tmp_path, with_ceilings=False)
+    h100 = rl.MEASURED_CEILINGS["NVIDIA H100 80GB HBM3"]
+    assert 2.9e12 < h100["copy_bytes_s"] < 3.0e12 and 7.7e14 < h100["matmul_flop_s"] < 7.9e14
+    t = rl.retable(json.loads(path.read_text())["phases"]["step"]["dflash:after"]["table"], h100)
+    rows = {r["class"]: r for r in t["rows"]}
+    assert rows[kp.ELEMENTWISE]["roofline_share"] == pytest.approx(0.4725e12 / 2.953e12 / 0.4)
+    assert rows[kp.ELEMENTWISE]["lost_ms"] == pytest.approx(400 - 0.4725e12 / 2.953e12 * 1e3)
+    assert t["floor_s"] == pytest.approx(sum(r["ms"] - r["lost_ms"] for r in t["rows"]) / 1e3)
+    sys.argv = ["roofline.py", "table", str(path)]
+    assert rl.main() == 0
+    out = capsys.readouterr().out
+    assert "2.95 TB/s" in out and "issue29_s7_call2" in out
+    row = next(x for x in out.splitlines() if x.startswith(f"| {kp.ELEMENTWISE} | 400.0 |"))
+    assert row.split(" | ")[-2:] == ["40 %", "240.0 |"]  # a 160 ms floor of 400 (the H200's: 111 ms, 28 %)
+
+
+def test_a_calls_own_ceilings_win_and_an_unknown_gpu_is_refused_with_the_fix(tmp_path):
+    rl, path = _h100_call(tmp_path, with_ceilings=True)
+    res = json.loads(path.read_text())
+    assert rl.ceilings_of(res) == res["phases"]["ceilings"]
+    t = rl.retable(res["phases"]["step"]["dflash:after"]["table"], rl.ceilings_of(res))
+    assert [r["roofline_share"] for r in t["rows"]] == [pytest.approx(1.0), pytest.approx(0.5)]
+    with pytest.raises(SystemExit, match="no ceilings on record for 'NVIDIA B200'.*--phases ceilings"):
+        rl.ceilings_of({"gpu": "NVIDIA B200", "phases": {}})
+
+
+def test_what_if_gives_the_step_with_classes_at_other_rates_and_refuses_what_it_cannot_use(tmp_path, capsys):
+    """``roofline.py table --what-if CLASS=RATE``: the step's time had a class run at a rate
+    shown elsewhere (docs/benchmarks.md: what 70 % MFU would take)."""
+    rl, path = _h100_call(tmp_path, with_ceilings=False)
+    t = json.loads(path.read_text())["phases"]["step"]["dflash:after"]["table"]
+    w = rl.what_if(t, {kp.MATMUL_DRAFTER: 390.9e12 / 0.5, kp.ELEMENTWISE: 0.4725e12 / 0.8})
+    assert w["saved_ms"] == pytest.approx(100 + 0) and w["step_s"] == pytest.approx(0.9)  # a slower rate: no change
+    assert rl.what_if(t, {kp.ELEMENTWISE: 0})["step_s"] == pytest.approx(0.6)
+    sys.argv = ["roofline.py", "table", str(path), "--what-if", f"{kp.MATMUL_DRAFTER}=781.8e12"]
+    assert rl.main() == 0
+    assert "What if: 900 ms a step (100 ms less), MFU 44.4 %." in capsys.readouterr().out
+    for bad, msg in [(["flex attention forward=1e12"], "not a class of this table"),
+                     (["idle=x"], "expected CLASS=RATE"), (["=5"], "expected CLASS=RATE"),
+                     ([f"{kp.ELEMENTWISE}=-1"], "expected CLASS=RATE")]:
+        with pytest.raises(SystemExit, match=msg):
+            rl.what_if(t, rl.parse_what_if(bad))
+    t["rows"].append({"class": kp.IDLE, "ms": 10.0, "flop": None, "bytes": None})
+    with pytest.raises(SystemExit, match="no FLOPs or bytes"):
+        rl.what_if(t, {kp.IDLE: 1e12})
+
+
+def test_the_colocated_table_finds_its_gpu_in_the_calls_gpu_csv(tmp_path):
+    sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
+    co = importlib.import_module("colocated")
+    (tmp_path / "colocated").mkdir()
+    with pytest.raises(SystemExit, match="no gpu.csv"):
+        co.gpu_of(str(tmp_path / "colocated"))
+    (tmp_path / "gpu.csv").write_text("index, name, memory.total [MiB]\n0, NVIDIA H100 80GB HBM3, 81559 MiB\n")
+    assert co.gpu_of(str(tmp_path / "colocated")) == "NVIDIA H100 80GB HBM3"
+
+
 def test_the_colocated_step_counts_the_target_forward_beside_the_drafter_step():
     sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
     co = importlib.import_module("colocated")

@@ -223,6 +223,17 @@ def colocated_work_27b(step: dict, drafter_layers: int = 5, B: int = 32, anchors
     return w
 
 
+def gpu_of(d: str) -> str:
+    """The GPU a colocated call ran on: nvidia-smi's name in the call's gpu.csv (bench/gpu/issue29.sh
+    writes it beside the launches' folder)."""
+    for path in (os.path.join(d, "gpu.csv"), os.path.join(os.path.dirname(os.path.abspath(d)), "gpu.csv")):
+        if os.path.exists(path):
+            lines = open(path).read().splitlines()
+            if len(lines) > 1 and "," in lines[1]:
+                return lines[1].split(",")[1].strip()
+    raise SystemExit(f"{d}: no gpu.csv here or beside it to tell which GPU ran the call; give --ceilings RESULTS.json")
+
+
 def cmd_table(a) -> int:
     prof = json.load(open(os.path.join(a.dir, f"kernel_profile_step{PROFILE_STEP}.json")))
     meta = json.load(open(os.path.join(a.dir, "meta.json")))
@@ -231,9 +242,7 @@ def cmd_table(a) -> int:
     step = next(e for e in steps if e["step"] == PROFILE_STEP)
     others = [e for e in steps[1:] if e["step"] != PROFILE_STEP]
     step_s = sorted(e["tokens"] / e["tokens_per_s"] for e in others)[len(others) // 2] if others else None
-    ceilings = {"matmul_flop_s": 787e12, "copy_bytes_s": 4.24e12}
-    if a.ceilings:
-        ceilings = json.load(open(a.ceilings))["phases"]["ceilings"]
+    ceilings = rl.ceilings_of(json.load(open(a.ceilings))) if a.ceilings else rl.ceilings_for(gpu_of(a.dir))
     fn = colocated_work_27b if meta.get("scale") == "gpu27" else colocated_work
     work = fn(step, spans=spans_of(meta))
     t = rl.table(prof, work, ceilings, step_s)

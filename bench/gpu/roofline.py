@@ -10,7 +10,9 @@ the changes that table calls for, each measured before and after in one process.
 Phases (one H200; random bf16 weights made on the GPU, random tokens, no download):
 
 * ``ceilings``: a bf16 8192³ matmul on random data and a 4 GiB device copy (bytes read +
-  written), median of 10 after 3 warm-ups: the roofline's two ceilings.
+  written), median of 10 after 3 warm-ups: the roofline's two ceilings. Runs with ``step``
+  too (the step's table is read against this GPU's ceilings); ``table`` re-reads an old call
+  that measured none against its GPU's row of ``MEASURED_CEILINGS``.
 * ``flex``: flex attention forward and forward + backward at the chunked step's shape (512
   anchors × block 32 = 16,384 queries, 32/8 heads × 128, context 8,192 + the blocks) under the
   DFlash block mask, for several kernel options (block sizes, stages, warps, flags); the best
@@ -412,6 +414,83 @@ def work_of(shape, layers: int, n_blocks: int, B: int, ctx_tokens: int, pairs: i
             "_total_flop": f["total"]}
 
 
+# Each GPU model's ceilings as its calls measured them (``phase_ceilings``). A table of a call
+# that measured none takes its own GPU's row: the H100 calls of sessions 2026-12-05c and e
+# (``--phases step``) were tabled against the H200's copy rate, 4.24 TB/s against the H100's
+# 2.95, which put the memory-bound classes at about two thirds of their real share and
+# overstated their ms over the floor by half.
+MEASURED_CEILINGS = {
+    # the default of every H200 table before; its calls measured 743-792 TFLOP/s, 4.01-4.23 TB/s
+    "NVIDIA H200": {"matmul_flop_s": 787e12, "copy_bytes_s": 4.24e12, "from": "the H200 calls' default"},
+    # issue29_s7_call2_wgrad_split and _s7_call3_wgrad_onegemm, the mean of the two
+    "NVIDIA H100 80GB HBM3": {"matmul_flop_s": 781.8e12, "copy_bytes_s": 2.953e12,
+                              "from": "issue29_s7_call2, issue29_s7_call3"},
+}
+
+
+def ceilings_for(gpu: str) -> dict:
+    """The ceilings on record for ``gpu`` (a device name as torch reports it)."""
+    if gpu not in MEASURED_CEILINGS:
+        raise SystemExit(f"no ceilings on record for {gpu!r} (known: {', '.join(MEASURED_CEILINGS)}); "
+                         f"run the call with --phases ceilings,... or give --ceilings RESULTS.json")
+    return MEASURED_CEILINGS[gpu]
+
+
+def ceilings_of(results: dict) -> dict:
+    """A results.json's own ceilings (its ceilings phase), else those on record for its GPU."""
+    return results.get("phases", {}).get("ceilings") or ceilings_for(str(results.get("gpu")))
+
+
+def retable(t: dict, ceilings: dict) -> dict:
+    """The same table (:func:`table`'s rows: their ms, FLOPs and bytes) against other ceilings."""
+    mm_peak, bw = ceilings["matmul_flop_s"], ceilings["copy_bytes_s"]
+    rows = []
+    for r in t["rows"]:
+        ms = r["ms"]
+        floor_ms = max((r.get("flop") or 0) / mm_peak, (r.get("bytes") or 0) / bw) * 1e3
+        rows.append({**r, "roofline_share": (floor_ms / ms) if ms > 0 else None, "lost_ms": max(0.0, ms - floor_ms)})
+    losses = sorted(rows, key=lambda r: -r["lost_ms"])[:3]
+    return {**t, "rows": rows, "largest_losses": [r["class"] for r in losses],
+            "floor_s": sum(r["ms"] - r["lost_ms"] for r in rows) / 1e3}
+
+
+def what_if(t: dict, rates: dict) -> dict:
+    """The step's time were some classes to run at other rates: ``rates`` maps a class of the
+    table to FLOP/s (a matrix class), bytes/s (a memory-bound class) or 0 (idle: none). Every
+    other class keeps its measured ms. → {"step_s", "saved_ms", "rows": [(class, ms, ms then)]}."""
+    by_class = {r["class"]: r for r in t["rows"]}
+    unknown = sorted(set(rates) - set(by_class))
+    if unknown:
+        raise SystemExit(f"--what-if: {', '.join(map(repr, unknown))} not a class of this table "
+                         f"(its classes: {', '.join(by_class)})")
+    rows, saved = [], 0.0
+    for c, rate in rates.items():
+        r = by_class[c]
+        work = r.get("flop") or r.get("bytes")
+        if rate and not work:
+            raise SystemExit(f"--what-if: {c!r} has no FLOPs or bytes to run at a rate; give it 0")
+        then = work / rate * 1e3 if rate else 0.0
+        then = min(then, r["ms"])  # a rate below the measured one changes nothing
+        rows.append((c, r["ms"], then))
+        saved += r["ms"] - then
+    return {"step_s": t["step_s"] - saved / 1e3, "saved_ms": saved, "rows": rows}
+
+
+def parse_what_if(items: list) -> dict:
+    """``--what-if 'CLASS=RATE'`` items (RATE in FLOP/s or bytes/s, e.g. 561e12; 0 for none)."""
+    out = {}
+    for item in items:
+        cls, sep, val = item.rpartition("=")
+        try:
+            out[cls.strip()] = float(val)
+        except ValueError:
+            sep = ""
+        if not sep or not cls.strip() or out.get(cls.strip(), 0) < 0:
+            raise SystemExit(f"--what-if {item!r}: expected CLASS=RATE, a class of the table and a rate in "
+                             f"FLOP/s or bytes/s, e.g. 'flex attention backward=561e12'")
+    return out
+
+
 def table(summary: dict, work: dict, ceilings: dict, step_s: float | None = None) -> dict:
     """Rows (class, ms, share of the step, FLOPs or bytes, achieved rate, share of its roofline,
     ms lost to it) and the three largest losses."""
@@ -727,16 +806,32 @@ def main() -> int:
                    help="a trainer flag's value over the operators' for every step run, e.g. position_weights=dpace")
     r.add_argument("--runs", default="", help="only these of the step phase, e.g. dflash:after,dflash2:before,"
                    "dflash2:after (a before that equals its after for one architecture need not run)")
-    t = sub.add_parser("table")
+    t = sub.add_parser("table", help="a results.json's step tables, against its own ceilings or those on record "
+                                     "for its GPU (MEASURED_CEILINGS)")
     t.add_argument("results")
+    t.add_argument("--ceilings", default=None, help="another results.json whose ceilings phase to table against")
+    t.add_argument("--what-if", action="append", default=[], metavar="CLASS=RATE",
+                   help="the step's time and MFU were CLASS to run at RATE (FLOP/s or bytes/s; 0: none), "
+                        "e.g. 'flex attention backward=561e12'; repeatable")
     a = p.parse_args()
     if a.cmd == "table":
         res = json.load(open(a.results))
+        ceilings = ceilings_of(json.load(open(a.ceilings)) if a.ceilings else res)
+        print(f"ceilings: {ceilings['matmul_flop_s'] / 1e12:.0f} TFLOP/s, {ceilings['copy_bytes_s'] / 1e12:.2f} TB/s"
+              f" ({ceilings.get('from', a.ceilings or 'measured in this call')})")
         for name, rec in res["phases"].get("step", {}).items():
             if "table" in rec:
                 print(f"\n### {name}: {rec['median_s']:.3f} s, {rec['drafted_pos_s']:.0f} drafted positions/s, "
                       f"MFU {100 * rec['mfu']:.1f} %\n")
-                print(markdown(rec["table"]))
+                print(markdown(retable(rec["table"], ceilings)))
+                if a.what_if:
+                    w = what_if(rec["table"], parse_what_if(a.what_if))
+                    print("\n| class | ms | ms at the rate given |\n| --- | --- | --- |")
+                    for c, ms, then in w["rows"]:
+                        print(f"| {c} | {ms:.1f} | {then:.1f} |")
+                    mfu = rec["mfu"] * rec["table"]["step_s"] / w["step_s"]
+                    print(f"\nWhat if: {w['step_s'] * 1e3:.0f} ms a step ({w['saved_ms']:.0f} ms less), "
+                          f"MFU {100 * mfu:.1f} %.")
         return 0
     import torch
 
@@ -754,8 +849,8 @@ def main() -> int:
     RESULTS.update(gpu=torch.cuda.get_device_name(0) if not a.smoke else "cpu", torch=torch.__version__,
                    date=time.strftime("%F %T %Z"))
     phases = a.phases.split(",")
-    ceilings = {"matmul_flop_s": 787e12, "copy_bytes_s": 4.24e12}
-    if "ceilings" in phases:
+    # the step's table needs this GPU's ceilings: measured in the call (seconds), never another GPU's
+    if "ceilings" in phases or "step" in phases:
         ceilings = RESULTS["phases"]["ceilings"] = phase_ceilings(a.smoke)
         log("ceilings", json.dumps(ceilings))
         save()
