@@ -284,6 +284,19 @@ def test_the_colocated_table_finds_its_gpu_in_the_calls_gpu_csv(tmp_path):
     assert co.gpu_of(str(tmp_path / "colocated")) == "NVIDIA H100 80GB HBM3"
 
 
+def test_the_colocated_table_of_a_recorded_call_answers_what_if(capsys):
+    """``colocated.py table DIR --what-if``, on session 5 call 2's recorded H200 profile: the
+    GPU from its gpu.csv, and the tokens/s of the step without its idle time."""
+    sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
+    co = importlib.import_module("colocated")
+    d = os.path.join(ROOT, "bench", "results", "roofline", "issue29_s5_call2", "colocated")
+    sys.argv = ["colocated.py", "table", d, "--what-if", f"{kp.IDLE}=0"]
+    assert co.main() == 0
+    out = capsys.readouterr().out
+    assert "10,246 tokens/s" in out and f"| {kp.IDLE} | 161.7 | 0.0 |" in out
+    assert "What if: 6235 ms a step (162 ms less), 10,511 tokens/s." in out  # 65,536 / 6.235
+
+
 def test_the_colocated_step_counts_the_target_forward_beside_the_drafter_step():
     sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
     co = importlib.import_module("colocated")

@@ -4,7 +4,7 @@ kernel class (trainer/kernel_profile.py through DFLASH_PROFILE_STEP).
 
     PYTHONUNBUFFERED=1 python3 bench/gpu/colocated.py run --out DIR --work /tmp/w [--deadline-s 300]
     python3 bench/gpu/colocated.py run --out /tmp/o --work /tmp/w --cpu       # the plumbing on CPU
-    python3 bench/gpu/colocated.py table DIR [--ceilings RESULTS.json]        # the profile table, anywhere
+    python3 bench/gpu/colocated.py table DIR [--ceilings RESULTS.json] [--what-if CLASS=RATE]  # the profile table
     PYTHONUNBUFFERED=1 python3 bench/gpu/colocated.py run --scale gpu27 --phases cold --out DIR --work /tmp/w
         # the seed's Qwen3.6-27B shape (hybrid target: flash-linear-attention must be importable)
 
@@ -249,6 +249,9 @@ def cmd_table(a) -> int:
     print(f"colocated step of {step['tokens']:,} tokens: profiled {prof['wall_s']:.2f} s, unprofiled steps "
           f"{step_s or 0:.2f} s, {step['tokens'] / (step_s or prof['wall_s']):,.0f} tokens/s\n")
     print(rl.markdown(t))
+    if a.what_if:
+        w = rl.what_if(t, rl.parse_what_if(a.what_if))
+        print(rl.what_if_markdown(w) + f", {step['tokens'] / w['step_s']:,.0f} tokens/s.")
     return 0
 
 
@@ -269,7 +272,10 @@ def main() -> int:
                    help="an environment variable for one launch only (e.g. cold:DFLASH_HEAD_TRITON=0)")
     t = sub.add_parser("table")
     t.add_argument("dir")
-    t.add_argument("--ceilings")
+    t.add_argument("--ceilings", help="a results.json whose ceilings phase to table against (default: those on "
+                                      "record for the GPU in the call's gpu.csv)")
+    t.add_argument("--what-if", action="append", default=[], metavar="CLASS=RATE",
+                   help="tokens/s were CLASS to run at RATE (FLOP/s or bytes/s; 0: none), repeatable (roofline.py's)")
     a = p.parse_args()
     return cmd_run(a) if a.cmd == "run" else cmd_table(a)
 

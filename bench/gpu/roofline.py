@@ -476,6 +476,13 @@ def what_if(t: dict, rates: dict) -> dict:
     return {"step_s": t["step_s"] - saved / 1e3, "saved_ms": saved, "rows": rows}
 
 
+def what_if_markdown(w: dict) -> str:
+    """:func:`what_if`'s rows as a table and its step time, as an unfinished sentence."""
+    out = ["\n| class | ms | ms at the rate given |", "| --- | --- | --- |"]
+    out += [f"| {c} | {ms:.1f} | {then:.1f} |" for c, ms, then in w["rows"]]
+    return "\n".join(out) + f"\n\nWhat if: {w['step_s'] * 1e3:.0f} ms a step ({w['saved_ms']:.0f} ms less)"
+
+
 def parse_what_if(items: list) -> dict:
     """``--what-if 'CLASS=RATE'`` items (RATE in FLOP/s or bytes/s, e.g. 561e12; 0 for none)."""
     out = {}
@@ -826,12 +833,7 @@ def main() -> int:
                 print(markdown(retable(rec["table"], ceilings)))
                 if a.what_if:
                     w = what_if(rec["table"], parse_what_if(a.what_if))
-                    print("\n| class | ms | ms at the rate given |\n| --- | --- | --- |")
-                    for c, ms, then in w["rows"]:
-                        print(f"| {c} | {ms:.1f} | {then:.1f} |")
-                    mfu = rec["mfu"] * rec["table"]["step_s"] / w["step_s"]
-                    print(f"\nWhat if: {w['step_s'] * 1e3:.0f} ms a step ({w['saved_ms']:.0f} ms less), "
-                          f"MFU {100 * mfu:.1f} %.")
+                    print(what_if_markdown(w) + f", MFU {100 * rec['mfu'] * rec['table']['step_s'] / w['step_s']:.1f} %.")
         return 0
     import torch
 
