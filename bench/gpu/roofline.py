@@ -420,9 +420,10 @@ def work_of(shape, layers: int, n_blocks: int, B: int, ctx_tokens: int, pairs: i
 # 2.95, which put the memory-bound classes at about two thirds of their real share and
 # overstated their ms over the floor by half.
 MEASURED_CEILINGS = {
-    # the default of every H200 table before; its calls measured 743-792 TFLOP/s, 4.01-4.23 TB/s
-    "NVIDIA H200": {"matmul_flop_s": 787e12, "copy_bytes_s": 4.24e12, "from": "the H200 calls' default"},
-    # issue29_s7_call2_wgrad_split and _s7_call3_wgrad_onegemm, the mean of the two
+    # the first H200 call's (docs/gpu-notes.md), every H200 table's default before; the issue 29
+    # calls measured 743-792 TFLOP/s and 4.01-4.23 TB/s
+    "NVIDIA H200": {"matmul_flop_s": 787e12, "copy_bytes_s": 4.24e12, "from": "docs/gpu-notes.md, call 1"},
+    # bench/results/roofline/issue29_s7_call{2,3}_*/results.json, the mean of the two
     "NVIDIA H100 80GB HBM3": {"matmul_flop_s": 781.8e12, "copy_bytes_s": 2.953e12,
                               "from": "issue29_s7_call2, issue29_s7_call3"},
 }
@@ -442,7 +443,9 @@ def ceilings_of(results: dict) -> dict:
 
 
 def retable(t: dict, ceilings: dict) -> dict:
-    """The same table (:func:`table`'s rows: their ms, FLOPs and bytes) against other ceilings."""
+    """A table's rows (their ms, FLOPs and bytes) read against ``ceilings``: each row's share of
+    its roofline and ms over its floor, the three largest losses, the step's floor. :func:`table`
+    ends here; ``table`` re-reads a recorded one with it."""
     mm_peak, bw = ceilings["matmul_flop_s"], ceilings["copy_bytes_s"]
     rows = []
     for r in t["rows"]:
@@ -489,19 +492,19 @@ def parse_what_if(items: list) -> dict:
     for item in items:
         cls, sep, val = item.rpartition("=")
         try:
-            out[cls.strip()] = float(val)
+            rate = float(val)
         except ValueError:
-            sep = ""
-        if not sep or not cls.strip() or out.get(cls.strip(), 0) < 0:
+            rate = -1.0
+        if not sep or not cls.strip() or rate < 0:
             raise SystemExit(f"--what-if {item!r}: expected CLASS=RATE, a class of the table and a rate in "
                              f"FLOP/s or bytes/s, e.g. 'flex attention backward=561e12'")
+        out[cls.strip()] = rate
     return out
 
 
 def table(summary: dict, work: dict, ceilings: dict, step_s: float | None = None) -> dict:
     """Rows (class, ms, share of the step, FLOPs or bytes, achieved rate, share of its roofline,
     ms lost to it) and the three largest losses."""
-    mm_peak, bw = ceilings["matmul_flop_s"], ceilings["copy_bytes_s"]
     span = summary["span_us"] / 1e6
     scale = (step_s / span) if step_s else 1.0  # the profiled step runs slower (profiler): shares stay
     rows = []
@@ -509,17 +512,13 @@ def table(summary: dict, work: dict, ceilings: dict, step_s: float | None = None
         rec = summary["classes"].get(c, {"us": 0.0, "n": 0})
         t = rec["us"] / 1e6 * scale
         w = work.get(c, {})
-        floor = max(w.get("flop", 0) / mm_peak, w.get("bytes", 0) / bw)
-        if t <= 0 and not floor:
+        if t <= 0 and not (w.get("flop") or w.get("bytes")):
             continue
         rate = (f"{w['flop'] / t / 1e12:.0f} TFLOP/s" if "flop" in w and t > 0 else
                 f"{w['bytes'] / t / 1e12:.2f} TB/s" if "bytes" in w and t > 0 else "")
         rows.append({"class": c, "ms": t * 1e3, "share": t / (span * scale) if span else 0, "kernels": rec["n"],
-                     "flop": w.get("flop"), "bytes": w.get("bytes"), "rate": rate,
-                     "roofline_share": (floor / t) if t > 0 else None, "lost_ms": max(0.0, t - floor) * 1e3})
-    losses = sorted(rows, key=lambda r: -r["lost_ms"])[:3]
-    return {"rows": rows, "largest_losses": [r["class"] for r in losses], "step_s": span * scale,
-            "floor_s": sum(r["ms"] - r["lost_ms"] for r in rows) / 1e3}
+                     "flop": w.get("flop"), "bytes": w.get("bytes"), "rate": rate})
+    return retable({"rows": rows, "step_s": span * scale}, ceilings)
 
 
 def markdown(t: dict) -> str:
