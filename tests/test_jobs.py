@@ -45,7 +45,7 @@ def test_prepare_config_is_validated_from_prepares_own_parser(tmp_path):
     assert cfg.argv(values) == ["prepare", "--input", "/w/chat.jsonl", "--out", "/w/data/r1"]
     assert cfg.paths(values) == {"reads": ["/w/chat.jsonl"], "writes": ["/w/data/r1"]}
     # The parser's own options, defaults and help are the table's (one source of truth).
-    from trainer.data import build_parser
+    from trainer.chat.prepare import build_parser
 
     fields = jobconfig.model_for("prepare").model_fields["prepare"].annotation.model_fields
     from controller.jobconfig import option_name, options_of

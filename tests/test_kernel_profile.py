@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from trainer import chunked_head as ch
-from trainer import fast_drafter as fd
-from trainer import kernel_profile as kp
+from trainer.gpu import chunked_head as ch
+from trainer.gpu import fast_drafter as fd
+from trainer.gpu import kernel_profile as kp
 from trainer.loss import dflash_loss_fn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -304,7 +304,7 @@ def test_the_colocated_table_of_a_recorded_call_answers_what_if(capsys):
 def test_the_colocated_step_counts_the_target_forward_beside_the_drafter_step():
     sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
     co = importlib.import_module("colocated")
-    from trainer import flops as fl
+    from trainer.plan import flops as fl
 
     w = co.colocated_work({"tokens": 65536})
     drafter_only = importlib.import_module("roofline").work_of(fl.QWEN3_8B, 5, 8 * 1024, 32, 65536,
@@ -322,7 +322,7 @@ def test_the_direct_block_mask_has_create_block_masks_tiles(S, B, n, drop):
     tile: which tiles are full, which partial (evaluated with the mask_mod), none missing."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from trainer.flex_mask import dflash_mask_mod, direct_block_mask
+    from trainer.layers.flex_mask import dflash_mask_mod, direct_block_mask
 
     g = torch.Generator().manual_seed(S + B + n + drop)
     a = torch.randperm(S - 1, generator=g)[:n].sort().values
@@ -344,12 +344,12 @@ def test_the_direct_block_mask_has_create_block_masks_tiles(S, B, n, drop):
 
 def test_the_27b_colocated_step_counts_the_hybrid_target_and_its_drafter():
     """The Qwen3.6-27B shape's table (bench/gpu/colocated.py --scale gpu27): the target's FLOPs
-    are trainer/fast_hybrid.py's forward count, split into matmuls and attention/recurrence;
+    are trainer/gpu/fast_hybrid.py's forward count, split into matmuls and attention/recurrence;
     the drafter's head runs over the 248,320-token vocabulary."""
     sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
     co = importlib.import_module("colocated")
     from trainer import family
-    from trainer import fast_hybrid as fh
+    from trainer.gpu import fast_hybrid as fh
 
     w = co.colocated_work_27b({"tokens": 40960})
     target = fh.forward_flops(family.QWEN3_6_27B_TEXT, 8192, 5)
@@ -365,7 +365,7 @@ def test_the_colocated_head_counts_the_teacher_rows_the_launch_computed():
     counts every slot either way."""
     sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
     co = importlib.import_module("colocated")
-    from trainer import flops as fl
+    from trainer.plan import flops as fl
 
     step = {"tokens": 2 * 8192}
     per_slot, spans = co.colocated_work(step, spans=False), co.colocated_work(step, spans=True)
@@ -458,7 +458,7 @@ def test_idle_sources_charges_each_gpu_gap_to_a_late_launch_a_sync_or_the_queue(
                 **(host if cat in ("cpu_op", "python_function", "cuda_runtime") else {"pid": 0, "tid": 7})}
 
     trace = {"traceEvents": [
-        x("python_function", "/r/trainer/fast_drafter.py(300): step_backward", 0, 200),
+        x("python_function", "/r/trainer/gpu/fast_drafter.py(300): step_backward", 0, 200),
         x("python_function", "/r/trainer/model.py(280): block_attention", 12, 20),
         x("cpu_op", "aten::cat", 14, 3),
         x("cpu_op", "aten::mul", 24, 3),
@@ -497,7 +497,7 @@ def test_op_sources_ranks_the_operators_between_the_matmuls_by_where_they_were_a
     sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
     os_ = importlib.import_module("op_sources")
     stack = ["/x/trainer/model.py(324): block_forward", "/usr/lib/torch/nn.py(1): f",
-             "/x/trainer/fast_drafter.py(200): chunk_hidden", "/x/trainer/step.py(155): __call__",
+             "/x/trainer/gpu/fast_drafter.py(200): chunk_hidden", "/x/trainer/step.py(155): __call__",
              "/x/trainer/train.py(9): run"]
     assert os_.trainer_frames(stack) == "model.py(324): block_forward < fast_drafter.py(200): chunk_hidden < step.py(155): __call__"
     assert os_.trainer_frames(["/usr/lib/torch/autograd.py(3): backward"]) == "(outside trainer/)"

@@ -1,6 +1,6 @@
-"""The trainer's fast target forward (trainer/fast_target.py inside trainer/target.py), the
+"""The trainer's fast target forward (trainer/gpu/fast_target.py inside trainer/target.py), the
 auto choice of the fast paths, and synthetic random-weight targets of real shapes
-(trainer/synthetic.py) — all on CPU at the "small" shape."""
+(trainer/synth/synthetic.py) — all on CPU at the "small" shape."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import sys
 import pytest
 import torch
 
-from trainer import flags, synthetic
+from trainer import flags
+
+from trainer.synth import synthetic
 from trainer.model import FrozenHead, build_target_layer_ids
 from trainer.target import Target
 

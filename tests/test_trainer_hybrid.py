@@ -20,11 +20,12 @@ import torch
 from _trainer_tiny import make_qwen35_target, make_target, qwen35_args, qwen35_setup, step_events
 from test_trainer_memory import NONE_IMPORTED, WITHOUT_TORCH
 from trainer import checkpoint as ckpt_io
-from trainer import budget as budget_mod
-from trainer import family, flags, memory
+from trainer.plan import budget as budget_mod
+from trainer import family, flags
+from trainer.plan import memory
 from trainer.__main__ import main
-from trainer.flex_mask import dense_dflash_mask, dflash_mask_mod, visible_pairs
-from trainer.flops import ModelShape
+from trainer.layers.flex_mask import dense_dflash_mask, dflash_mask_mod, visible_pairs
+from trainer.plan.flops import ModelShape
 from trainer.model import Drafter, DrafterConfig, FrozenHead
 from trainer.target import Target, read_config
 
@@ -253,7 +254,7 @@ class OracleDrafter:
 
 @pytest.mark.parametrize("kind", ["qwen3", "text", "vl"])
 def test_block_verification_is_lossless_with_the_state_rolled_back(setups, tmp_path, kind):
-    from trainer.evaluate import greedy, speculative
+    from trainer.serve.evaluate import greedy, speculative
 
     target_dir = make_target(str(tmp_path / "q3")) if kind == "qwen3" else setups[kind][0]
     V = read_config(target_dir).get("vocab_size") or family.text_config(read_config(target_dir))["vocab_size"]
@@ -269,7 +270,7 @@ def test_block_verification_is_lossless_with_the_state_rolled_back(setups, tmp_p
 
 
 def test_tree_verification_refuses_a_hybrid_target_with_the_reason(setups):
-    from trainer.ddtree import speculative_tree
+    from trainer.serve.ddtree import speculative_tree
 
     tgt = Target(setups["vl"][0], [1, 3], "cpu", torch.float32)
     cfg = DrafterConfig.from_target(read_config(setups["vl"][0]), 2, 4, attention="4/2/16")
@@ -301,7 +302,7 @@ def test_an_unsupported_target_is_refused_in_one_line(tmp_path, config, field):
 
 
 def _any_data(tmp_path) -> str:
-    from trainer.data import prepare
+    from trainer.chat.prepare import prepare
 
     jsonl = tmp_path / "d.jsonl"
     jsonl.write_text("".join(json.dumps({"input_ids": list(range(40)), "loss_mask": [1] * 40}) + "\n" for _ in range(8)))
@@ -334,7 +335,8 @@ def _plan_without_torch(values: dict, config: dict, free: dict | None) -> dict:
     (the controller's preflight has none)."""
     code = WITHOUT_TORCH + """
 import json
-from trainer import budget, memory
+from trainer.plan import budget
+from trainer.plan import memory
 values, cfg, free = json.loads(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
 plan = budget.plan_run(values, free, cfg)
 preds = budget.predictions(values, cfg, int(plan["token_budget"] or 8192)) if not plan["refusals"] else {}

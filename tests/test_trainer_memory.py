@@ -1,5 +1,5 @@
 """Memory known before launch, wired into the trainer: --token-budget auto, the refusal
-before any step, and the stdlib preflight entry (trainer.probe.plan_run). CPU, small."""
+before any step, and the stdlib preflight entry (trainer.gpu.probe.plan_run). CPU, small."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import sys
 import pytest
 
 from _trainer_tiny import events as read_events
-from trainer import budget as budget_mod
-from trainer import flags, probe
-from trainer import memory as mm
-from trainer.flops import ModelShape
+from trainer.plan import budget as budget_mod
+from trainer import flags
+from trainer.gpu import probe
+from trainer.plan import memory as mm
+from trainer.plan.flops import ModelShape
 
 # Qwen3-8B's config.json numbers: the shapes the memory model was checked against on H200s.
 QWEN3_8B_CONFIG = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -138,7 +139,7 @@ def test_colocated_gpu_is_checked_as_both_roles():
     assert p["gpus"][0]["role"] == "colocated" and p["refusals"][0].startswith("GPU 0 (target+drafter) needs ")
 
 
-# ---------------------------------------------------------------- the model's terms (trainer/memory.py)
+# ---------------------------------------------------------------- the model's terms (trainer/plan/memory.py)
 
 def spec(role="colocated", budget=49152, **kw):
     return mm.RunSpec(mm.QWEN3_8B, role, budget, 8192, soft_labels=True, **kw)
@@ -275,7 +276,8 @@ def test_plan_run_imports_and_runs_without_torch(tmp_path):
     """The controller's preflight has no torch: block it (and numpy) and call plan_run."""
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_8B_CONFIG))
     code = WITHOUT_TORCH + f"""
-from trainer import flags, probe
+from trainer import flags
+from trainer.gpu import probe
 v = flags.defaults(); v.update(target_model={str(tmp_path)!r}, target_gpus=(0,), drafter_gpus=(1,),
                                 drafter_step='chunked', token_budget='auto')
 p = probe.plan_run(v, {{'0': 140000, '1': 60000}})
@@ -446,7 +448,7 @@ def test_the_chunked_step_holds_one_chunks_context_gradients_not_every_chunks():
     leaves' gradient storages at the step's peak must not grow with the micro-batch."""
     import torch
 
-    from trainer import fast_drafter
+    from trainer.gpu import fast_drafter
     from trainer.model import Drafter, DrafterConfig
 
     torch.manual_seed(0)
@@ -540,7 +542,7 @@ def test_a_dflash2_drafters_parameters_and_memory_are_counted_from_what_the_trai
     and the plan holds them (16 B/param more state, a larger chunk)."""
     import torch
 
-    from trainer import ckptsize
+    from trainer.plan import ckptsize
     from trainer.model import Drafter, DrafterConfig
 
     cfg = {**QWEN3_8B_CONFIG, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
