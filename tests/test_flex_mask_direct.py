@@ -1,8 +1,8 @@
 """trainer/flex_mask.direct_block_mask against create_block_mask (eager, CPU): the same
 tiles, tensor for tensor, for full-attention and sliding-window DFlash masks over many
 layouts, and the same attention output; the chunked step builds no mask through
-create_block_mask unless DFLASH_DIRECT_MASKS=0 asks for it (issue 29: its compile was the
-first step's largest)."""
+create_block_mask unless DFLASH_DIRECT_MASKS=0 asks for it (its compile was the largest part
+of the first step's)."""
 
 from __future__ import annotations
 
