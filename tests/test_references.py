@@ -32,10 +32,12 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 SELF = Path(__file__).resolve().relative_to(REPO).as_posix()
 
-# Words that never name an upstream project, so "(see #12)" or "fixed by #12" stay ours.
-_NOT_A_PROJECT = ("a|an|the|and|or|of|in|on|at|by|to|for|from|with|see|as|per|our|this|that|its|"
-                  "fix|fixes|fixed|close|closes|closed|ticket|tickets|tracker|bug|bugs|issue|issues|"
-                  "pr|prs|item|items|finding|findings")
+# A public reference names its project right before the number; these words never name one,
+# so "(see #12)", "fixed by #12" or "also #12" stay ours.
+_NOT_A_PROJECT = ("a|an|the|and|or|of|in|on|at|by|to|for|from|with|into|via|see|cf|also|as|per|"
+                  "our|this|that|its|is|was|were|since|until|after|before|under|fix|fixes|fixed|"
+                  "close|closes|closed|ticket|tickets|tracker|bug|bugs|issue|issues|pr|prs|item|"
+                  "items|finding|findings")
 _PROJECT = rf"(?<![\w./-])(?!(?:{_NOT_A_PROJECT})\b)[A-Za-z][\w.-]*(?:/[\w.-]+)?(?<![.,;:])"
 _KIND = r"(?:\s+(?:issues?|PRs?|pull requests?))?"
 _MORE = r"(?:\s*(?:,|/|\band\b|, and)\s*#\d+)*"
@@ -132,6 +134,8 @@ def test_tracked_files_cite_nothing_a_reader_cannot_look_up():
     ("as agreed (#12)", "docs/x.md", "tracker number"),
     ("def test_the_model_holds_to_issue_19s_h200():", "tests/x.py", "tracker number"),
     ("fixed by #12", "docs/x.md", "tracker number"),
+    ("the same leak, also #12", "docs/x.md", "tracker number"),
+    ("added by PR #3605", "docs/x.md", "tracker number"),
     ('"""Corrupt state files (finding 6)."""', "tests/x.py", "tracker finding"),
     ("measured in session 2026-12-05d", "docs/x.md", "dated occasion"),
     ("the H100 calls of sessions 2026-12-05c and e", "bench/x.py", "dated occasion"),
