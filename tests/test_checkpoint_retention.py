@@ -1,4 +1,4 @@
-"""Disks (issue 20, item 6): a run keeps the newest --keep-checkpoints checkpoints (and every
+"""Disks: a run keeps the newest --keep-checkpoints checkpoints (and every
 --keep-every-th), prunes only after the newer one is complete and never the newest loadable
 one, resumes from the newest after pruning; and the torch-free size prediction
 (trainer/plan/ckptsize.py) matches what the trainer really writes."""

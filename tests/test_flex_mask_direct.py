@@ -1,4 +1,4 @@
-"""trainer/flex_mask.direct_block_mask against create_block_mask (eager, CPU): the same
+"""trainer/layers/flex_mask.direct_block_mask against create_block_mask (eager, CPU): the same
 tiles, tensor for tensor, for full-attention and sliding-window DFlash masks over many
 layouts, and the same attention output; the chunked step builds no mask through
 create_block_mask (its compile was the first step's largest)."""

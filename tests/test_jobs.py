@@ -1,4 +1,4 @@
-"""Jobs of every kind under one agent (issue 25, build item 6; trainer/kinds.py): the run
+"""Jobs of every kind under one agent (trainer/kinds.py): the run
 config of a data kind, validated from the kind's own parser; its start script; a real
 `python -m trainer prepare` started by the launch's commit step under the real agent,
 its progress in status.json and in `ctl status`'s words, stopped mid-run (nothing partial

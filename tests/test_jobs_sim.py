@@ -1,4 +1,4 @@
-"""Jobs of every kind through `ctl` on the simulated node (issue 25, build item 6): a
+"""Jobs of every kind through `ctl` on the simulated node: a
 prepare job and a training run launched, tailed, stopped and resumed in container 200, one
 agent supervising both; a training launch on the prepared data gets the data-drift verdict
 against the known-good run of its config.

@@ -99,7 +99,7 @@ def test_pieces_are_balanced_to_one_shape():
 
 
 def test_the_compiled_selector_gives_the_eager_numbers(monkeypatch):
-    """On CUDA each piece's forward and backward run compiled (issue 29); the same compiled
+    """On CUDA each piece's forward and backward run compiled; the same compiled
     functions, here on CPU, against the eager ones."""
     monkeypatch.setattr(sf, "_COMPILED_ON", {"cuda", "cpu"})
     monkeypatch.setattr(sf, "_COMPILED", {})

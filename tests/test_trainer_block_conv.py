@@ -79,7 +79,7 @@ def test_a_dflash2_layer_keeps_for_backward_what_the_memory_model_adds_for_it():
 
 
 def test_the_compiled_convolution_gives_the_eager_numbers(monkeypatch):
-    """On CUDA the forward formula and the backward arithmetic run compiled (issue 29); the
+    """On CUDA the forward formula and the backward arithmetic run compiled; the
     same compiled functions, here on CPU, against the eager path."""
     monkeypatch.setattr(block_conv, "_COMPILED_ON", {"cuda", "cpu"})
     monkeypatch.setattr(block_conv, "_COMPILED", {})

@@ -146,9 +146,10 @@ def test_synthetic_refuses_bad_input_and_writes_nothing(tmp_path):
 
 
 def test_the_chunked_forward_is_the_unchunked_one_and_writes_every_output(small):
-    """Issue 14: the target forward runs in chunks of whole sequences (bounded memory); any
-    chunking gives the transformers forward's taps and final state, a layer named twice
-    included, and every element of the outputs is written (poisoned buffers first)."""
+    """The target forward runs in chunks of whole sequences (bounded memory: unchunked, 450,560
+    tokens ran an H200 out of memory); any chunking gives the transformers forward's taps and
+    final state, a layer named twice included, and every element of the outputs is written
+    (poisoned buffers first)."""
     tdir = small / "target"
     ids_ = layer_ids(tdir)
     hf = Target(str(tdir), ids_ + ids_[:1], "cpu", torch.float32, forward="hf")

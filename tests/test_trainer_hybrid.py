@@ -1,4 +1,4 @@
-"""Qwen3.5/3.6 targets (issue 19): the hybrid Gated DeltaNet + gated attention family in both
+"""Qwen3.5/3.6 targets: the hybrid Gated DeltaNet + gated attention family in both
 layouts it ships in — text-only (qwen3_5_text) and the released vision-language one
 (Qwen3_5ForConditionalGeneration, the language model under text_config) — on tiny random
 targets on CPU: loading, the fast forward against transformers', training with either drafter
@@ -421,12 +421,12 @@ def test_plan_run_takes_both_qwen36_layouts_and_refuses_only_what_does_not_fit()
     assert wide["gpus"][1]["peak_mib"] > default["gpus"][1]["peak_mib"] and wide["gpus"][0] == default["gpus"][0]
 
 
-# Issue 19's H200 runs (docs/benchmarks.md, "Qwen3.6-27B on one H200"; raw rows in
+# The Qwen3.6-27B runs on an H200 (docs/benchmarks.md, "Qwen3.6-27B on one H200"; raw rows in
 # bench/results/hybrid/hybrid_results.jsonl and hybrid_colocated_*), made with the build of
 # b6e60f8: torch's default allocator (nothing set PYTORCH_CUDA_ALLOC_CONF then: reserved ran
 # 2.6 GiB above allocated, where expandable segments hold 0.3-0.4 GiB), the chunked step's
 # context-gradient leak fixed since (bench/gpu/memory_campaign.leak_bytes_of), and in
-# `python -m trainer` the noisy copy of the taps beside the taps (noise in place since issue 14,
+# `python -m trainer` the noisy copy of the taps beside the taps (noise in place since:
 # memory_campaign.noisy_copy_bytes). The prediction adds what that build held
 # (memory_campaign.as_measured_build).
 MEASURED_H200_HYBRID = [
@@ -444,13 +444,14 @@ MEASURED_H200_HYBRID = [
 
 @pytest.mark.parametrize("what, role, budget, figure, measured, kw", MEASURED_H200_HYBRID,
                          ids=[f"{r[1]}-{r[2]}-{r[3]}" for r in MEASURED_H200_HYBRID])
-def test_the_model_holds_to_issue_19s_h200_measurements_within_5_percent(what, role, budget, figure, measured, kw):
+def test_the_model_holds_to_the_qwen3_6_27b_h200_measurements_within_5_percent(what, role, budget, figure, measured, kw):
     """Rows: the drafter step at the operators' flags (budget 49,152, 1,024 anchors, block 32,
     5 layers of which 4 sliding-window, soft labels, CAP) — its reserved peak (64.68 GiB) and
     allocated peak (62.11 GiB), bench/gpu/hybrid.py's drafter phase; the colocated
     `python -m trainer` on the full 64-layer synthetic Qwen3.6-27B target + drafter at budget
     16,384 — nvidia-smi's largest reading (107,487 MiB) and the allocated peak (104,765 MiB)
-    of its step events, hybrid.py's colocated phase. Same call, 2026-12-01, one H200."""
+    of its step events, hybrid.py's colocated phase. Both in one run of bench/gpu/hybrid.sh,
+    2026-12-01, one H200."""
     sys.path.insert(0, os.path.join(ROOT, "bench", "gpu"))
     import memory_campaign as mc
 

@@ -227,7 +227,7 @@ def _rank_values(args, topo) -> dict:
 
 def memory_check(args, topo, events: Events) -> int | None:
     """CUDA only, before any model is loaded: resolve --token-budget auto and check this
-    rank's predicted reserved peak against its GPU's free memory (trainer/budget.plan_run:
+    rank's predicted reserved peak against its GPU's free memory (trainer/plan/budget.plan_run:
     the memory model of trainer/plan/memory.py for the allocator this process runs with, and a
     2 GiB margin). All ranks agree — the budget is the minimum over ranks, a refusal
     anywhere stops every rank — so nothing trains unless every GPU fits. Returns EXIT_USAGE

@@ -82,7 +82,7 @@ def _backward(x, dynamic, base, grad_out, gs: int, B: int, need_x: bool, need_dy
 
 def grouped_conv(x: torch.Tensor, dynamic: torch.Tensor, base: torch.Tensor, group_size: int,
                  block_size: int) -> torch.Tensor:
-    """trainer/hf_dflash.grouped_conv (x [b, n·B, H], dynamic [b, n·B, taps, H/group], base
+    """trainer/layers/hf_dflash.grouped_conv (x [b, n·B, H], dynamic [b, n·B, taps, H/group], base
     [taps, H]) with a backward that keeps only x, dynamic and base."""
     return _GroupedConv.apply(x, dynamic, base, int(group_size), int(block_size))
 

@@ -50,7 +50,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 DEFAULT_VLLM_PYTHON = os.path.join(REPO, ".venv-vllm", "bin", "python")
 TOLERANCE = 0.02  # relative; the k_norm difference of docs/export.md costs the 2-layer test drafter 0.4 %
-MAX_NEW = 64  # the evaluator's budget at save (trainer/evaluate.EVAL_MAX_NEW)
+MAX_NEW = 64  # the evaluator's budget at save (trainer/serve/evaluate.EVAL_MAX_NEW)
 
 
 class ServedError(Exception):
