@@ -89,7 +89,7 @@ class Watcher:
             try:
                 ct = self._container(t)
                 caller = AgentCaller(ct)
-                names = sorted(t.channels) if self.deliver else []
+                names = sorted(t.channels)  # also without delivering: a run with alerts to deliver is listed
                 reply = caller.call("agent.alertcmd", ["overview", "--workspace", ct.config.workspace],
                                     request={"channels": names, "all": self.all_runs}, what="the runs' overview")
             except Exception as exc:  # noqa: BLE001 - one silent node must not hide the others

@@ -9,11 +9,12 @@ import posixpath
 import subprocess
 import sys
 import time
-import uuid
+
 from pathlib import Path
 
 import pytest
 
+from agent.protocol import new_run_id
 from controller import config as cfg
 from controller.agentcall import AgentCaller
 from controller.container import Container
@@ -64,7 +65,7 @@ def test_an_isolated_containers_alert_is_shown_undelivered_and_ctl_watch_deliver
     monkeypatch.setenv("ALERT_WEBHOOK_URL", receiver.url)
     conf = cfg.load(notify_config)
     name, node = conf.node("sim")
-    run_id = f"alerts-{uuid.uuid4().hex[:8]}"
+    run_id = new_run_id("alerts")  # the grammar ctl checks (agent/protocol.py)
     with SSHRunner.for_node(name, node) as runner:
         ct = Container(runner, name, node, CT)
         caller = AgentCaller(ct)
