@@ -103,3 +103,12 @@ def test_container_notify_over_node_over_file_and_a_channel_switched_off():
     assert sorted(notifyconfig.for_container(node, 201)["channels"]) == ["hook", "mail"]
     with pytest.raises(ValueError, match=r"notify.channels.x.type"):
         cfg.Config(notify={"channels": {"x": {"type": "pager"}}})
+
+
+def test_ctl_tail_prints_an_alert_record():
+    from controller.tail import Printer
+
+    out = []
+    alert = AlertRules("r1").feed(status("completed", step=3))[0]
+    Printer(out.append)({"seq": 9, "ts": 1.0, "kind": "alert", "payload": alert.to_json()})
+    assert out == ["== alert completed: completed at step 3"]
