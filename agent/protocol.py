@@ -186,6 +186,7 @@ class StreamKind(str, enum.Enum):
     EVENT = "event"  # payload: a trainer event (below) or an agent event (failure, stop, restart)
     GPU = "gpu"  # payload: {"gpus": [sample...]} or {"gpus": [], "state": "no GPU", "reason": str}
     STATUS = "status"  # payload: the status.json document at a state change and at the end
+    ALERT = "alert"  # payload: an agent.alerts.Alert (id, kind, run, cause, next, ...), before it is sent
 
 
 # Trainer events (one JSON object per line in events.jsonl). Common keys: ts, rank, role,

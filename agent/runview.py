@@ -111,7 +111,14 @@ def status(workspace: str, run: Optional[str] = None) -> dict:
             "config": config, "start": launch.get("start"), "gpus": launch.get("gpus"),
             "kind": launch.get("kind") or "train",
             "baseline": {"run_id": baseline.get("run_id"), "steady": baseline.get("steady")} if baseline else None,
-            "known_good_run": (known_good.get("env") or {}).get("run_id"), "history": history(rd.path)}
+            "known_good_run": (known_good.get("env") or {}).get("run_id"), "history": history(rd.path),
+            "alerts": _alerts(rd.path)}
+
+
+def _alerts(run_dir: str) -> dict:
+    from agent.alertcmd import summary  # here: only a run's status pays for reading its alerts
+
+    return summary(run_dir)
 
 
 def _defaults() -> dict:

@@ -128,6 +128,21 @@ def render_status(reply: dict, ctid: str, node: str) -> list[str]:
         lines.append(f"ckpt     step {st.checkpoint.step}: {st.checkpoint.path}")
     if st.state != RunState.FAILED and reason and terminal:
         lines.append(f"result   {reason}")
+    lines += alert_lines(reply.get("alerts"), now=time.time())
+    return lines
+
+
+def alert_lines(alerts: Optional[dict], now: float) -> list[str]:
+    """The run's alerts (agent/alertcmd.py summary): the last one, and every one that reached
+    no channel yet, which `ctl watch` delivers from this side."""
+    if not alerts or not alerts.get("count"):
+        return []
+    last = alerts.get("last") or {}
+    ago = fmt_duration(now - last["ts"]) if isinstance(last.get("ts"), (int, float)) else "?"
+    lines = [f"alerts   {alerts['count']} raised; last {last.get('kind')} {ago} ago: {last.get('cause')}"]
+    for u in alerts.get("undelivered") or []:
+        lines.append(f"ALERT    not delivered: {u.get('kind')}: {u.get('cause')} ({u.get('error') or 'pending'}); "
+                     "`ctl watch` delivers it from here")
     return lines
 
 

@@ -213,6 +213,8 @@ class Printer:
             self._event(payload)
         elif kind == "gpu":
             self.gpus = payload.get("gpus") or []
+        elif kind == "alert":  # agent/alerts.py: what the operator was (or is being) told
+            self.write(f"== alert {payload.get('kind')}: {payload.get('cause')}")
         elif kind == "status":
             state = payload.get("state")
             if state != self.state:
