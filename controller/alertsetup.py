@@ -8,7 +8,6 @@ set here is said in a warning line; `ctl watch` (which runs where it is set) del
 from __future__ import annotations
 
 import shlex
-from types import SimpleNamespace
 from typing import Callable, Optional
 
 from controller import notifyconfig
@@ -16,14 +15,13 @@ from controller import notifyconfig
 
 def commands(ct, run_id: str, launch: Optional[dict]) -> dict:
     """The next-command templates ({checkpoint} filled in by the agent)."""
-    from controller.rollback import resume_line
+    from controller.launch import resume_line
 
     where = ["--node", ct.node_name, "--container", str(ct.ctid)] if ct.node_name else ["--container", str(ct.ctid)]
     out = {"status": shlex.join(["ctl", "status", *where, "--run", run_id]),
            "tail": shlex.join(["ctl", "tail", *where, "--run", run_id])}
     if launch is not None:
-        line = resume_line(SimpleNamespace(ctid=str(ct.ctid), node_name=ct.node_name), launch,
-                           {"path": "CHECKPOINT"})
+        line = resume_line(ct.ctid, ct.node_name, launch, {"path": "CHECKPOINT"})
         out["resume"] = line.replace("CHECKPOINT", "{checkpoint}")
         out["export"] = shlex.join(["ctl", "export", *where, "--run", run_id, "--to", f"./{run_id}-drafter"])
     return out

@@ -46,9 +46,7 @@ def restart_message(reply: dict, ctid: str, node: Optional[str]) -> Optional[str
     """"container 200 restarted at …; the run died at step N; resume with `ctl launch …`" when
     the run's container restarted (or its node rebooted) under it (agent.runview's
     ``host_restart``), else None."""
-    from types import SimpleNamespace
-
-    from controller.rollback import resume_line
+    from controller.launch import resume_line
 
     restart = reply.get("host_restart")
     if not isinstance(restart, dict):
@@ -60,7 +58,7 @@ def restart_message(reply: dict, ctid: str, node: Optional[str]) -> Optional[str
     st = RunStatus.from_json(reply.get("status"))
     step = restart.get("step") if restart.get("step") is not None else (st.step or 0)
     ckpt = {"path": st.checkpoint.path} if st.checkpoint else None
-    line = resume_line(SimpleNamespace(ctid=str(ctid), node_name=node), reply.get("resume"), ckpt)
+    line = resume_line(ctid, node, reply.get("resume"), ckpt)
     return f"{what}; the run died at step {step}; resume with `{line}`"
 
 
