@@ -25,8 +25,8 @@ from typing import Optional
 
 from agent import knowngood, procs
 from agent.daemon import revive_if_gone
-from agent.protocol import (DEFAULT_WORKSPACE, ENV_WORKSPACE, EVENTS, SPEC, CorruptFile, RunResult, load_json_object,
-                            read_json_lines, wrap_payload)
+from agent.protocol import (DEFAULT_WORKSPACE, ENV_WORKSPACE, EVENTS, EXIT_USAGE, SPEC, BadRunId, CorruptFile,
+                            RunResult, check_run_arg, load_json_object, read_json_lines, wrap_payload)
 from agent.rundir import RunDir, agent_alive, agent_live_or_none, finished, read_json, read_status
 
 
@@ -151,6 +151,12 @@ def parse_args(argv: Optional[list[str]] = None) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = SimpleNamespace(**parse_args(argv))
+    try:
+        check_run_arg(args.run)
+    except BadRunId as exc:
+        sys.stdout.write(wrap_payload({"ok": False, "error": str(exc)}))
+        print(f"agent.runview {args.verb}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     if args.verb == "status":
         reply = status(args.workspace, args.run)
         sys.stdout.write(wrap_payload(reply))

@@ -39,7 +39,7 @@ def _init_of(unshare_pid: int) -> int:
 def test_a_container_restart_under_a_run_is_named_with_its_last_step_and_the_run_failed(tmp_path):
     from controller.status import render_status
 
-    rd, out = tmp_path / "ws" / "runs" / "r1", tmp_path / "ws" / "out"
+    rd, out = tmp_path / "ws" / "runs" / "r1-20261201-114702-0001", tmp_path / "ws" / "out"
     start = [PY, "-m", "agent", "start", "--run-dir", str(rd), "--revive", "0", "--", PY, FAKE, "--ranks", "0",
              "--step-time", "0.1", "--save-interval", "3", "--output-dir", str(out)]
     first = _in_new_container(f"{shlex.join(start)} >/dev/null && exec sleep 600")
@@ -52,7 +52,7 @@ def test_a_container_restart_under_a_run_is_named_with_its_last_step_and_the_run
         first.kill()
     step = read_json(rd / "status.json")["step"]
     assert step >= st["checkpoint"]["step"]
-    view = ["-m", "agent.runview", "status", "--workspace", str(tmp_path / "ws"), "--run", "r1"]
+    view = ["-m", "agent.runview", "status", "--workspace", str(tmp_path / "ws"), "--run", "r1-20261201-114702-0001"]
     looked = _in_new_container(f"{shlex.join([PY, *view])}; sleep 1")  # `pct start`, then `ctl status`
     reply = extract_payload(looked.communicate(timeout=60)[0])
     # --revive 0: no agent may be started, yet the status never says the run is alive
