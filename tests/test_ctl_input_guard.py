@@ -442,3 +442,14 @@ def test_ctl_stop_with_a_bad_run_id_as_the_operator_types_it(env):
         proc = ctl(env, "stop", "-c", "200", f"--run={bad}")
         assert proc.returncode == CtlExit.USAGE, (bad, proc.stderr)
         assert one_line(proc).startswith(f"ctl: error: --run {bad!r}: ")
+
+
+@pytest.mark.parametrize("to", ["/proc/nope", "/proc/self/nope", "/sys/nope"])
+def test_an_export_destination_nothing_can_be_created_in_is_one_line_before_connecting(env, to):
+    """`ctl export --to /proc/nope` passed the parent checks (a directory, and os.access says
+    writable to root) and failed after the export in the container, with FileNotFoundError's
+    traceback from the temporary directory's mkdir. Now the destination is tried first."""
+    proc = ctl(env, "export", "-c", "200", "--run", "tiny-20261201-114702-3fa9", "--to", to)
+    assert proc.returncode == CtlExit.USAGE, proc.stderr
+    line = one_line(proc)
+    assert line.startswith(f"ctl: error: --to {to}: ") and "writable" in line, line
