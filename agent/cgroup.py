@@ -70,8 +70,7 @@ def memory_events_path(pid: str | int = "self") -> str | None:
     if not dirs:
         return None
     d, version = dirs[0]
-    own_v2, own_v1 = _cgroup_paths(pid)
-    if version == "v1" and not d.endswith(os.path.normpath(own_v1 or "/")):
+    if version == "v1" and d != os.path.normpath("/sys/fs/cgroup/memory" + (_cgroup_paths(pid)[1] or "")):
         return None  # a v1 parent does not count its children's kills
     return os.path.join(d, "memory.events" if version == "v2" else "memory.oom_control")
 
