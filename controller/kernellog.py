@@ -364,3 +364,75 @@ def window(root_cause: dict) -> Optional[tuple[float, float]]:
     last = (root_cause.get("details") or {}).get("last_heartbeat")
     start = min(ts, last) if isinstance(last, (int, float)) else ts
     return start - BEFORE_S, ts + AFTER_S
+
+
+GPU_LOST_LOOKBACK_S = 600.0  # a live run's GPU that stopped answering: the last ten minutes of the log
+
+
+def _memory_limit(ct) -> Optional[str]:
+    """The container's configured memory (and swap) limit, as `pct config` shows it."""
+    try:
+        result = ct.pct("config", ct.ctid)
+    except Exception:  # noqa: BLE001 - the finding stands without it
+        return None
+    keys = dict(line.split(":", 1) for line in result.stdout.splitlines() if ":" in line) if result.ok else {}
+    mem, swap = keys.get("memory", "").strip(), keys.get("swap", "").strip()
+    if not mem.isdigit():
+        return None
+    return f"memory {mem} MiB" + (f" + swap {swap} MiB" if swap.isdigit() else "") + f" (pct config {ct.ctid})"
+
+
+def _with_limit(ct, reading: Reading) -> Reading:
+    """A host OOM kill's finding gains the container's configured limit (`pct config`)."""
+    from dataclasses import replace
+
+    if any(f.kind == "host_oom" for f in reading.findings):
+        limit = _memory_limit(ct)
+        if limit:
+            reading.findings = [replace(f, summary=f"{f.summary}; its limit: {limit}",
+                                        details=dict(f.details, limit=limit)) if f.kind == "host_oom" else f
+                                for f in reading.findings]
+    return reading
+
+
+def for_failure(ct, root_cause: dict, fallback_ts: Optional[float] = None) -> Optional[Reading]:
+    """The node's log around a failure (its root cause's moment; else the alert's time, for a
+    failure recorded without one); None when the failure is not a death the node can explain."""
+    cause = dict(root_cause or {})
+    if not isinstance(cause.get("ts"), (int, float)) and fallback_ts is not None:
+        cause["ts"] = fallback_ts
+    span = window(cause)
+    if span is None:
+        return None
+    return _with_limit(ct, read(ct.runner, ct.node, span[0], span[1], ctid=str(ct.ctid)))
+
+
+def evidence_alert(failure, reading: Reading):
+    """The ``node_evidence`` alert for a failure alert (agent/alerts.py ``Alert``): its cause
+    the failure's, then what the node's kernel log names; its id stable per failure alert."""
+    from agent.alerts import SEVERITY, Alert, AlertKind, alert_id
+
+    kind = AlertKind.NODE_EVIDENCE
+    named = "; ".join(f.summary for f in reading.findings)
+    return Alert(id=alert_id(failure.run, kind.value, failure.id), kind=kind.value, run=failure.run, ts=time.time(),
+                 cause=f"{failure.cause} — the node's kernel log ({reading.source}): {named}", next=failure.next,
+                 container=failure.container, node=failure.node, severity=SEVERITY[kind], step=failure.step,
+                 details={"refers_to": failure.id, "source": reading.source, "since": reading.since,
+                          "until": reading.until, "findings": [f.to_json() for f in reading.findings]})
+
+
+def for_run(ct, reply: dict, now: Optional[float] = None) -> Optional[Reading]:
+    """The node's kernel log around the moment a run's rank died or its GPU stopped
+    answering, read for ``ctl status`` (``reply``: agent.runview's); None when the run had
+    no such moment."""
+    from agent.protocol import RunResult, RunState, RunStatus
+
+    st = RunStatus.from_json(reply.get("status"))
+    res = RunResult.from_json(reply.get("result"))
+    span = window((res.root_cause if res else None) or {}) if st.state == RunState.FAILED else None
+    if span is None and any(isinstance(g, dict) and g.get("state") == "invalid" for g in st.gpus or []):
+        now = now or time.time()
+        span = (now - GPU_LOST_LOOKBACK_S, now)
+    if span is None:
+        return None
+    return _with_limit(ct, read(ct.runner, ct.node, span[0], span[1], ctid=str(ct.ctid)))

@@ -235,6 +235,13 @@ class SimNode:
             fh.flush()
         return start
 
+    def clear_kernel_log(self) -> None:
+        """Empty the node's kernel log, as a fresh boot leaves it (a test's records start clean)."""
+        if self.paths.kernel_log.exists():
+            with open(self.paths.kernel_log, "r+") as fh:
+                fcntl.flock(fh, fcntl.LOCK_EX)
+                fh.truncate(0)
+
     def status(self) -> dict:
         state = self._read_state()
         port = state.get("port")
