@@ -221,6 +221,15 @@ class SimNode:
             gpu.install(self.paths.root, ctid, root, self.paths.bin)
             self._ensure_container(ctid, rootfs.rootfs_path(), record, progress)
 
+    def set_gpu_health(self, ctid: int, index: int, condition: str) -> None:
+        """GPU ``index`` of container ``ctid`` (and of the node) reports ``condition``
+        (sim/gpu.py: HEALTH) from the next nvidia-smi call on; nothing restarts."""
+        if ctid not in self.ctids:
+            raise ValueError(f"container {ctid} is not on sim node {self.name} ({', '.join(map(str, self.ctids))})")
+        with self._lock():
+            gpu.write_health(self.paths.root, ctid, index, condition)
+            gpu.install(self.paths.root, ctid, self.paths.rootfs(ctid, self.storage_of[ctid]), self.paths.bin)
+
     def kernel_log(self, *messages: str, ts: Optional[float] = None, priority: int = 3) -> float:
         """Append ``messages`` to the node's kernel log, as the kernel would have printed them
         at ``ts`` (default now), each a microsecond after the one before; the node's own
