@@ -66,6 +66,13 @@ XID: dict[int, XidCode] = {x.code: x for x in (
 )}
 
 
+def pci_key(text: Optional[str]) -> Optional[tuple[int, int, int]]:
+    """(domain, bus, device) of a PCI address as the driver's Xid line ("0000:3b:00") or NVML
+    ("00000000:3B:00.0") writes it, so the two can be compared."""
+    m = re.fullmatch(r"(?:PCI:)?(?:([0-9A-Fa-f]+):)?([0-9A-Fa-f]+):([0-9A-Fa-f]+)(?:\.[0-7])?", (text or "").strip())
+    return (int(m.group(1) or "0", 16), int(m.group(2), 16), int(m.group(3), 16)) if m else None
+
+
 def xid_meaning(code: int) -> str:
     x = XID.get(code)
     return x.meaning if x else "not in dflash-ctl's table: see NVIDIA's Xid catalog (docs.nvidia.com/deploy/xid-errors)"
@@ -308,18 +315,20 @@ class Reading:
 _NOT_SHOWN = "not seeing messages from other users and the system"
 
 
-def commands(node, since: float, until: Optional[float] = None) -> list[tuple[str, list[str]]]:
-    """(source, argv) to try in order. ``@<epoch>`` is systemd.time's own syntax for an
+def commands(node, since: Optional[float], until: Optional[float] = None) -> list[tuple[str, list[str]]]:
+    """(source, argv) to try in order; ``since`` None: the whole of this boot (``-k`` implies
+    ``-b``; dmesg's buffer is this boot's). ``@<epoch>`` is systemd.time's own syntax for an
     absolute time, so no clock format or time zone of the node is involved."""
     prefix = list(SUDO) if node.sudo else []
-    window = ["--since", f"@{int(since)}"] + (["--until", f"@{int(until) + 1}"] if until is not None else [])
+    window = (["--since", f"@{int(since)}"] if since is not None else []) + \
+        (["--until", f"@{int(until) + 1}"] if until is not None else [])
     return [("journalctl -k", prefix + [node.journalctl, "-k", *window, "-o", "json", "--no-pager"]),
             ("dmesg", prefix + [node.dmesg, "--time-format", "iso"])]
 
 
-def read(runner, node, since: float, until: Optional[float] = None, ctid: Optional[str] = None) -> Reading:
-    """The node's kernel log from ``since`` to ``until`` (epoch seconds), read through
-    ``runner`` (the node's), and what it says about container ``ctid``."""
+def read(runner, node, since: Optional[float], until: Optional[float] = None, ctid: Optional[str] = None) -> Reading:
+    """The node's kernel log from ``since`` (None: this boot's start) to ``until`` (epoch
+    seconds), read through ``runner`` (the node's), and what it says about container ``ctid``."""
     end = until if until is not None else time.time()
     errors = []
     for source, argv in commands(node, since, until):
@@ -338,9 +347,9 @@ def read(runner, node, since: float, until: Optional[float] = None, ctid: Option
                           f"sudoers rule for {node.journalctl}) or add the user to group adm or systemd-journal")
             continue
         records = parse_journal_json(result.stdout) if source.startswith("journalctl") else parse_text(result.stdout)
-        records = [r for r in records if since <= r.ts <= end + 1]
-        return Reading(since, end, source, findings(records, ctid))
-    return Reading(since, end, None, [], "; ".join(errors))
+        records = [r for r in records if (since is None or since <= r.ts) and r.ts <= end + 1]
+        return Reading(since or 0.0, end, source, findings(records, ctid))
+    return Reading(since or 0.0, end, None, [], "; ".join(errors))
 
 
 # How much of the log is "around that moment": the kernel logs an OOM kill or an Xid before

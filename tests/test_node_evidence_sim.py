@@ -183,3 +183,20 @@ def test_a_sudo_operator_behind_a_bastion_reads_the_kernel_log_through_sudo_and_
         refused = kernellog.read(runner, plain, at - 5, at + 5)
     assert refused.findings == [] and "shows this user no kernel messages: set sudo = true" in refused.error
     assert "dmesg: exit 1: dmesg: read kernel buffer failed: Operation not permitted" in refused.error
+
+
+def test_a_launch_warns_of_an_xid_since_boot_on_a_gpu_it_names_and_not_of_one_on_another_gpu(sim_node, config):
+    from controller.gpucheck import kernel_log_lines
+
+    sim_node.kernel_log("NVRM: Xid (PCI:0000:28:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.",
+                        "NVRM: Xid (PCI:0000:38:00): 13, pid=77, name=python3, Graphics SM Warp Exception")
+    # the preflight's facts: GPU 1 of the run is the sim's second H200, bus 0x28 (sim/gpu.py)
+    pf = {"device": "cuda", "roles": {"target": [0], "drafter": [1]},
+          "gpu_health": {"gpus": [{"index": 0, "pci_bus_id": "00000000:18:00.0"},
+                                  {"index": 1, "pci_bus_id": "00000000:28:00.0"}]}}
+    name, node = cfg.load(config).node("sim")
+    with SSHRunner.for_node(name, node) as runner:
+        lines = kernel_log_lines(Container(runner, name, node, CT), pf)
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("warning: GPU 1 since node sim booted: Xid 79 on GPU PCI:0000:28:00")
+    assert lines[0].endswith("shows it: `journalctl -k -b | grep -i -e xid -e 'fallen off'` on node sim")
