@@ -151,7 +151,9 @@ class Watcher:
                 out.errors.append(f"{t.node_name}:{t.ctid}: node evidence not recorded: {str(exc).splitlines()[0][:160]}")
                 continue
             if alert and added.get("added"):
-                alerts.append((alert, d["run_dir"], sorted(t.channels)))
+                from agent.alertwatch import _takes
+
+                alerts.append((alert, d["run_dir"], sorted(n for n, ch in t.channels.items() if _takes(ch, alert))))
         return alerts
 
 
