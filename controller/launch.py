@@ -244,6 +244,9 @@ class Launcher:
 
             refusals.append(shortfall_line(self.ct, pf["gpu_shortfall"]))
         else:
+            from controller.gpucheck import kernel_log_lines
+
+            lines += kernel_log_lines(self.ct, pf)
             mem_lines, mem_refusals, self.auto_budget = memory_report(self.values, pf)
             lines += mem_lines
             refusals += mem_refusals
