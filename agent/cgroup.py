@@ -1,8 +1,9 @@
 """Host OOM evidence from the cgroup the agent (and its job) runs in.
 
 cgroup v2 ``memory.events`` counts ``oom_kill`` for the subtree; it works inside an LXC
-container without dmesg (research §6). cgroup v1 exposes the same counter in
-``memory.oom_control``. Sample while the job runs: the cgroup may vanish afterwards.
+container without dmesg (docs/research/proxmox-and-supervision.md §6). cgroup v1 exposes
+the same counter in ``memory.oom_control``. Sample while the job runs: the cgroup may
+vanish afterwards.
 """
 
 from __future__ import annotations
