@@ -364,16 +364,21 @@ def launch_lock(workspace: str) -> Iterator[None]:
 
 def commit(req: dict) -> dict:
     """The launch's last step under the container's launch lock: the rank-slot claim (no live
-    run holds any of ``req["claim"]["ids"]``, unless it says ``share``) and the run's
-    creation (:func:`create_run`), so two launches at once can never both pass the check."""
+    run holds any of ``req["claim"]["ids"]``, unless it says ``share``), the path claim (no
+    live run writes what ``req["paths"]`` reads or writes, or reads what it writes) and the
+    run's creation (:func:`create_run`), so two launches at once can never both pass either
+    check. The preflight made both checks already, before the lock: they only inform there."""
     claim = req.get("claim") or {}
+    workspace = req.get("workspace") or "/workspace"
     try:
-        with launch_lock(req.get("workspace") or "/workspace"):
+        with launch_lock(workspace):
             if claim and not claim.get("share"):
-                held = busy(req.get("workspace") or "/workspace", list(claim.get("ids") or []),
-                            bool(claim.get("cuda")))
+                held = busy(workspace, list(claim.get("ids") or []), bool(claim.get("cuda")))
                 if held:
                     return {"ok": False, "run_id": req["run_id"], "busy": held, "error": "; ".join(held)}
+            conflicts = path_conflicts(workspace, req.get("paths") or {})
+            if conflicts:
+                return {"ok": False, "run_id": req["run_id"], "conflicts": conflicts, "error": "; ".join(conflicts)}
             return create_run(req)
     except RuntimeError as exc:
         return {"ok": False, "run_id": req["run_id"], "error": str(exc)}

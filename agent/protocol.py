@@ -124,6 +124,24 @@ def run_id_problem(run_id: Any) -> str | None:
             "(`ctl runs` lists them)")
 
 
+class BadRunId(ValueError):
+    """A `--run` given to an agent verb that is not a run id: run_id_problem's line."""
+
+
+def check_run_arg(run: Any) -> None:
+    """An agent verb's `--run`: None (the verb's default run) or a run id; BadRunId for anything
+    else, so no empty id, path or option-like value is ever joined into a path in the container."""
+    problem = None if run is None else run_id_problem(run)
+    if problem:
+        raise BadRunId(problem)
+
+
+def run_path(workspace: str, run: str) -> str:
+    """<workspace>/runs/<run> for a run id of the grammar (BadRunId otherwise)."""
+    check_run_arg(run)
+    return os.path.join(workspace, "runs", run)
+
+
 # `agent follow --run ID --from SEQ` prints the records with seq > SEQ: seq starts at 1, so
 # `--from 0` is the whole stream and a client reconnects with the last seq it saw. The last
 # record of a finished run is a "status" record whose payload state is terminal.

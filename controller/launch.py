@@ -212,10 +212,13 @@ class Launcher:
                    # the GPUs (or CPU rank slots) this run claims, checked again under the container's
                    # launch lock as the run is created (agent/preflight.py: commit)
                    "claim": {"ids": sorted(set(self.values["target_gpus"]) | set(self.values["drafter_gpus"])),
-                             "cuda": pf.get("device") == "cuda", "share": self.share_gpus}}
+                             "cuda": pf.get("device") == "cuda", "share": self.share_gpus},
+                   # and the paths it reads and writes, checked there too against every live run
+                   "paths": self.paths()}
         reply = self._call(["agent.preflight", "commit"], request, "starting the run", commit=True)
-        if reply.get("busy"):
-            raise LaunchRefused(f"refused in {self.ct} as the run was being created:\n  " + "\n  ".join(reply["busy"]))
+        if reply.get("busy") or reply.get("conflicts"):
+            raise LaunchRefused(f"refused in {self.ct} as the run was being created:\n  "
+                                + "\n  ".join(reply.get("busy") or reply["conflicts"]))
         if not reply.get("ok"):
             raise LaunchRefused(f"the run did not start in {self.ct}: {reply.get('error')}; nothing was left behind")
         return reply

@@ -146,7 +146,7 @@ def test_status_finds_a_run_nobody_supervises_and_starts_an_agent_for_it(run_dir
     os.kill(agent_pid(run_dir), signal.SIGKILL)
     wait_for(lambda: not _alive(monitor), 10, what="the monitor to go")
     ws = os.path.dirname(os.path.dirname(run_dir))
-    reply = json.loads(subprocess.run([PY, "-m", "agent.runview", "status", "--workspace", ws, "--run", "r1"],
+    reply = json.loads(subprocess.run([PY, "-m", "agent.runview", "status", "--workspace", ws, "--run", "r1-20261201-114702-0001"],
                                       capture_output=True, text=True, env=env(), cwd=REPO).stdout.splitlines()[1])
     assert reply["revived"]["ok"] and reply["revived"]["reattached"] is True
     res = wait_terminal(run_dir, 60)  # the job's monitor is gone, so its exit status is lost: failed

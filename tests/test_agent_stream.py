@@ -21,7 +21,7 @@ from tests._agent_util import (PRINTER, PY, REPO, FAKE, agent_pid, env, kill_all
 
 @pytest.fixture
 def run_dir(tmp_path):
-    d = tmp_path / "ws" / "runs" / "r1"
+    d = tmp_path / "ws" / "runs" / "r1-20261201-114702-0001"
     yield str(d)
     kill_all(str(d))
 
@@ -164,7 +164,7 @@ def test_follow_of_a_finished_run_prints_everything_then_exits_0(run_dir):
     start(run_dir, [PY, PRINTER, "50", "1000"])
     wait_terminal(run_dir, 30)
     assert no_run_pids(run_dir)
-    proc = subprocess.run([PY, "-m", "agent", "follow", "--run", "r1", "--workspace",
+    proc = subprocess.run([PY, "-m", "agent", "follow", "--run", "r1-20261201-114702-0001", "--workspace",
                            os.path.dirname(os.path.dirname(run_dir)), "--from", "10"],
                           capture_output=True, env=env(), cwd=REPO, timeout=30)
     assert proc.returncode == 0
@@ -204,7 +204,7 @@ def test_stream_once_exits_6_for_a_failed_run_even_from_past_its_last_record(tmp
     """`agent.runview stream --from N` (what `ctl tail --since N` runs): the exit code says the
     run failed even when its final status record lies at or before N and nothing is printed."""
     ws = tmp_path / "ws"
-    rd = str(ws / "runs" / "r1")
+    rd = str(ws / "runs" / "r1-20261201-114702-0001")
     try:
         start(rd, [PY, "-c", f"import sys; print('hello'); sys.exit({code})"], *NO_REVIVAL)
         res = wait_terminal(rd, 30)
@@ -218,7 +218,7 @@ def test_stream_once_exits_6_for_a_failed_run_even_from_past_its_last_record(tmp
         last = len(records(rd))
         assert last == n + 1
         for after in (0, last):
-            proc = subprocess.run([PY, "-m", "agent.runview", "stream", "--workspace", str(ws), "--run", "r1",
+            proc = subprocess.run([PY, "-m", "agent.runview", "stream", "--workspace", str(ws), "--run", "r1-20261201-114702-0001",
                                    "--from", str(after)], capture_output=True, env=env(), cwd=REPO, timeout=30)
             assert proc.returncode == expect, (after, proc.stderr)
             assert len(proc.stdout.splitlines()) == last - after

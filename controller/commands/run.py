@@ -140,7 +140,7 @@ def _stamp(run_id: str) -> str:
 
 def stop_command(
     container: Optional[int] = ContainerOpt,
-    run: str = typer.Option(..., "--run", "-r", help="the run to stop (`ctl runs` lists them)"),
+    run: str = run_option("the run to stop (`ctl runs` lists them)", default=...),
     grace: float = typer.Option(30.0, "--grace", callback=seconds_checked,
                                 help="seconds between SIGTERM and SIGKILL"),
     node: Optional[str] = NodeOpt,
