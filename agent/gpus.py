@@ -6,14 +6,15 @@ Like gpustat's ``safenvml``, every NVML call is wrapped on its own, catching NVM
 errors only: an unsupported field becomes None and its error is kept in the record's
 ``errors`` (field → "NVMLError_NotSupported: …"), a lost GPU becomes an ``{"index": i,
 "state": "invalid", "error": …}`` record. Any other exception is a bug of ours and is raised
-(research §5; review: a misspelt attribute must not pass for "unsupported"). Without a GPU
-the answer is ``{"gpus": [], "state": "no GPU", "reason": …}``.
+(docs/research/proxmox-and-supervision.md §5): a misspelt attribute must not pass for
+"unsupported". Without a GPU the answer is ``{"gpus": [], "state": "no GPU", "reason": …}``.
 
 A record: index, state, uuid, name, utilization_gpu_pct, utilization_memory_pct,
 memory_used_mib, memory_total_mib, memory_free_mib, temperature_gpu_c, power_draw_w,
 power_limit_w, processes [{pid, used_memory_mib}] (units in the names, nvidia-smi's query
-names). PIDs that NVML reports are host PIDs inside an LXC container (research §1.3,
-canonical/lxd#9755); they are reported as NVML gives them.
+names). PIDs that NVML reports are host PIDs inside an LXC container
+(docs/research/proxmox-and-supervision.md §1.3, canonical/lxd#9755); they are reported as
+NVML gives them.
 """
 
 from __future__ import annotations

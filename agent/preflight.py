@@ -412,7 +412,7 @@ def create_run(req: dict) -> dict:
         created_dir = True
         atomic_write(os.path.join(run_dir, "start.sh"), req["script"], 0o644)
         fp = (req.get("record") or {}).get("fingerprint")
-        if fp:  # the run's environment, as the preflight saw it (DESIGN.md: run directory)
+        if fp:  # the run's environment, as the preflight saw it (docs/design.md: run directory)
             atomic_write_json(os.path.join(run_dir, FINGERPRINT), fp)
         if req.get("secret"):
             os.makedirs(os.path.dirname(secrets_file), mode=0o700, exist_ok=True)

@@ -3,7 +3,7 @@
 From the container's own facts (agent/gpuview.py: device nodes, whether one opens, the
 user-space library versions) and the node's (its driver version and device nodes, read on
 the node over the same connection, only when something is missing). The fixes are the lines
-a Proxmox operator puts in /etc/pve/lxc/<ctid>.conf (research/proxmox-and-supervision.md
+a Proxmox operator puts in /etc/pve/lxc/<ctid>.conf (docs/research/proxmox-and-supervision.md
 §1.3), then `pct reboot <ctid>`.
 """
 

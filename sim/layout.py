@@ -41,7 +41,7 @@ DIR_STORAGE = "local"
 
 
 def cache_root() -> Path:
-    # resolve(): LXC refuses a rootfs path with a symlink in it (research/sim-node.md).
+    # resolve(): LXC refuses a rootfs path with a symlink in it (docs/research/sim-node.md).
     return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).resolve()
 
 
