@@ -87,12 +87,13 @@ def cmd_run(a) -> int:
             if left < 60:
                 mc.log(f"{name}: not started, {left:.0f} s left")
                 break
-            os.environ["DFLASH_PROFILE_STEP"] = str(PROFILE_STEP) if name == profiled else ""
+            os.environ["DFLASH_PROFILE_STEP"] = str(PROFILE_STEP) if name == profiled and not a.no_profile else ""
             os.environ["DFLASH_PROFILE_DIR"] = out
             os.environ["DFLASH_COMPILE_REPORT"] = "1"
             if name == "shipped":
                 mc.log(ship_cache(os.environ["DFLASH_COMPILE_CACHE"], work))
-            mc.launch(name, [*flags_, "--token-budget", a.budget], steps, left - 20, work, out)
+            budget = "512" if a.cpu and a.budget == "auto" else a.budget  # auto sizes to a GPU's memory
+            mc.launch(name, [*flags_, "--token-budget", budget], steps, left - 20, work, out)
             mc.pack(out, final)
     finally:
         if smi is not None:
@@ -267,6 +268,8 @@ def main() -> int:
     r.add_argument("--samples", type=int, default=128)
     r.add_argument("--deadline-s", type=float, default=300)
     r.add_argument("--cpu", action="store_true")
+    r.add_argument("--no-profile", action="store_true",
+                   help="profile no step (a comparison's tokens/s: every step as a launch runs it)")
     r.add_argument("--scale", default="gpu", choices=["gpu", "gpu27"], help="the target: Qwen3-8B or Qwen3.6-27B")
     r.add_argument("--phases", default="cold,warm", help="launches, of: cold,warm,shipped (the last one's step 3 profiled; shipped: "
                         "a fresh machine given the cold launch's cache)")

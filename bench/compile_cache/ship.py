@@ -1,5 +1,5 @@
 """What shipping a compile cache costs (`ctl env cache export` on one node, `import` on another),
-against the first-step compile it spares (34-89 s on an H200: docs/benchmarks.md, issue 29).
+against the first-step compile it spares (34-89 s on an H200: docs/benchmarks.md).
 
     python3 bench/compile_cache/ship.py --mib 256 --runs 3              # pack and unpack here
     python3 bench/compile_cache/ship.py --mib 256 --runs 3 --sim 200    # and through ctl over the sim node

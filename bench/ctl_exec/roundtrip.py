@@ -2,8 +2,8 @@
 against a fresh raw `ssh … pct exec 200 -- true`.
 
 All are measured in the same run, as whole commands an operator would type (process start
-included), median of N after one warm-up each, interleaved, as the operator lives them
-(issue 28): the first `ctl exec` of a session (no shared connection yet: `ctl disconnect`
+included), median of N after one warm-up each, interleaved, as the operator lives them:
+the first `ctl exec` of a session (no shared connection yet: `ctl disconnect`
 before each) and every later command within the keep time (riding the master the first one
 left); plus the SSH connections each opened (from $DFLASH_CTL_STATS) and, to show where the
 time goes: raw ssh sending
@@ -18,7 +18,7 @@ docs/benchmarks.md under "ctl exec round trip".
 
     .venv/bin/python bench/ctl_exec/roundtrip.py [--config PATH] [--node sim] [--container 200] [-n 20]
 
-Run it under the sim lock (flock /tmp/dflash-sim.lock …) and with PYTHONPATH at the checkout
+Run it with the simulated node to itself (no sim tests beside it) and with PYTHONPATH at the checkout
 to measure: `ctl` is the venv's entry point, which imports whatever is first on sys.path.
 
 The checkout's modules are byte-compiled first (compileall into their __pycache__, which git

@@ -1,4 +1,4 @@
-"""Issue 29: flex attention's FlashAttention-4 backend (``kernel_options={"BACKEND": "FLASH"}``,
+"""Flex attention's FlashAttention-4 backend (``kernel_options={"BACKEND": "FLASH"}``,
 CuTe DSL kernels from the ``flash-attn-4`` package) against its Triton kernels, on one chunk of
 the DFlash mask at the operators' shape (Qwen3-8B widths: 32 query / 8 KV heads of 128; 512
 anchors × block 32 over 8,192 context positions; the block mask built from the anchors as the
@@ -10,7 +10,7 @@ fp32 copies of the inputs (‖x − ref‖ / ‖ref‖); then forward and forwar
     python3 bench/drafter_step/flex_flash.py --smoke      # the harness on CPU: Triton's eager path only
 
 The FLASH backend needs ``flash-attn-4`` and ``nvidia-cutlass-dsl`` importable (carried as
-wheels to the device machine: bench/gpu/issue29.sh's ``.whl/``); a failure to build or run is
+wheels: bench/gpu_setup/README.md); a failure to build or run is
 recorded as that backend's error, not raised.
 """
 

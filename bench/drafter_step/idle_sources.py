@@ -1,4 +1,4 @@
-"""Where a drafter step's GPU sits idle, and what the host was doing meanwhile (issue 29).
+"""Where a drafter step's GPU sits idle, and what the host was doing meanwhile.
 
 kernel_profile.py counts a step's idle time (its span on the GPU clock minus the union of its
 kernels) as one class, "idle / host gaps": 100-130 ms of a 3.6 s DFlash step on an H100, the

@@ -1,4 +1,4 @@
-"""Which lines of the trainer launch a drafter step's small kernels (issue 29).
+"""Which lines of the trainer launch a drafter step's small kernels?
 
 kernel_profile.py classes a step's kernels (matmuls, attention, elementwise, copies); this says
 where the non-matmul ones come from: one step of the operators' shape (roofline.py's, the
@@ -61,7 +61,7 @@ def rank(rows: list[dict], top: int) -> list[dict]:
 
 
 def profiled_step(arch: str, flex_options: str | None, smoke: bool):
-    """One optimizer step of the operators' shape (roofline.py's, the shipped code; tiny widths
+    """One optimizer step of the operators' shape (roofline.py's, this tree's code; tiny widths
     on CPU with ``smoke``) under torch.profiler with Python stacks, after two unprofiled steps
     (compiled, autotuned, optimizer state held): the profiler object."""
     import torch
@@ -75,7 +75,8 @@ def profiled_step(arch: str, flex_options: str | None, smoke: bool):
     cuda = not smoke
     shape, config, dev = (rl.SMOKE_SHAPE, ds.SMOKE, torch.device("cpu")) if smoke else \
         (fl.QWEN3_8B, ds.OPERATORS, torch.device("cuda"))
-    rl._set_variant(True, json.loads(flex_options) if flex_options else {})
+    if flex_options:  # the trainer's own knob, as an operator would set it
+        os.environ["DFLASH_FLEX_OPTIONS"] = flex_options
     values, args, dcfg, drafter, head, dtype = ds.drafter_and_head(arch, shape, config, dev)
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4, weight_decay=0.01, fused=cuda or None)
     step = make_step(args, drafter, head, dcfg)

@@ -70,7 +70,7 @@ FLEX_VARIANTS = {
                         "bwd_num_stages": 3, "bwd_num_warps": 4},
     "bwd_32_128_s3_w4": {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 32,
                          "bwd_num_stages": 3, "bwd_num_warps": 4},
-    # session 3: TMA for the forward alone (it helped the forward, hurt the backward), Hopper
+    # TMA for the forward alone (it helped the forward, hurt the backward), Hopper
     # warp specialisation of the forward, and the backward's remaining stage/warp choices
     "fwd_tma": {"fwd_USE_TMA": True},
     "fwd_ws2": {"fwd_num_consumer_groups": 2, "fwd_num_buffers_warp_spec": 3},

@@ -56,4 +56,7 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) < 6 or sys.argv[1].startswith("-"):
+        print(__doc__.split("\n\n")[1])  # the usage line
+        sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
     sys.exit(main(sys.argv[1:]))

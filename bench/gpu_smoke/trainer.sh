@@ -2,9 +2,9 @@
 # GPU smoke of the trainer on the tiny target: colocated (1 GPU), split 1 target + 1 drafter
 # (NCCL point-to-point), a memory probe, and SIGTERM → exit 75. Logs under ${OUT:-/tmp/smoke}.
 set -u
-OUT=${OUT:-/tmp/smoke}
-mkdir -p "$OUT"
 W=$(mktemp -d)
+OUT=${OUT:-$W/out}
+mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 python3 -c 'import torch, transformers; print(torch.__version__, transformers.__version__, torch.cuda.device_count())' 2>&1 | tee "$OUT/env.log"
 python3 -m trainer tiny --out "$W/tiny" > "$OUT/tiny.log" 2>&1 || { tail -20 "$OUT/tiny.log"; exit 1; }

@@ -26,7 +26,7 @@ print(f"[{name}] root cause {json.dumps(res.get('root_cause'))[:600]}")
 print(f"[{name}] ranks {json.dumps(st.get('ranks'))}")
 for g in st.get("gpus") or []:
     print(f"[{name}] gpu {json.dumps(g)[:400]}")
-with open(os.path.join(os.environ.get("OUT", "/tmp/out"), "events.jsonl"), "a") as out:
+with open(os.path.join(os.environ["OUT"], "events.jsonl"), "a") as out:
     for line in open(os.path.join(d, "events.jsonl")):
         ev = json.loads(line); ev.pop("traceback", None); ev["run"] = name
         out.write(json.dumps(ev) + "\n")

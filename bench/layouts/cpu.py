@@ -1,5 +1,5 @@
 """The operators' 8-rank layout (5 target + 3 drafter ranks) on CPU with gloo, under the
-agent — what issue 8 can run without an 8-GPU machine.
+agent: what can be run of the operators' layout without an 8-GPU machine.
 
 The target is the tiny random Qwen3 (`python -m trainer tiny`); the objective flags are the
 operators' (TRAINER_SPEC.md: gamma 10, soft labels with kl-weight 0.15 at T=2, CAP 0.1,
@@ -19,6 +19,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -67,7 +68,7 @@ def run_layout(name: str, tiny: Path, out: Path, steps: int) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--out", default="/tmp/layout-cpu")
+    ap.add_argument("--out", default=os.path.join(tempfile.gettempdir(), "layout-cpu"))
     ap.add_argument("--layouts", default="5+3,1+1,colocated")
     ap.add_argument("--repeat", type=int, default=1, help="runs per layout; the row is the run with the median tok/s")
     args = ap.parse_args()

@@ -1,22 +1,21 @@
 #!/usr/bin/env bash
-# The operators' layouts 3 + 1 and 2 + 2 (nvidia-h200-x4; first run as device call 5, raw
-# results in bench/results/operators_layouts/), issue 8 with the GPUs lent: the operators' exact flag set
+# The operators' layouts 3 + 1 and 2 + 2 on four GPUs of one host: the operators' exact flag set
 # (TRAINER_SPEC.md, without the wandb flags: no wandb on that image) on a synthetic
 # Qwen3-27B-shaped target (random weights made on the GPUs), under the agent, in the two
-# layouts four GPUs allow: 3 target + 1 drafter and 2 + 2. Then, for issue 7: the 1 + 1
+# layouts four GPUs allow: 3 target + 1 drafter and 2 + 2. Then the 1 + 1
 # Qwen3-8B split again with the target's next-step prefetch (train.py), and a config whose
 # predicted need (margin left out) exceeds the free memory by ~200 MB, refused before training.
 # Everything but log.txt comes back in results.tgz (the tool returns at most 8 files).
 set -u
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-FINAL_OUT=${OUT:-/tmp/out}; W=/tmp/ws; rm -rf $W; mkdir -p $W/out "$FINAL_OUT"
+W=$(mktemp -d); FINAL_OUT=${OUT:-$W/final}; mkdir -p $W/out "$FINAL_OUT"
 export OUT=$W/out
 exec > >(tee "$FINAL_OUT/log.txt") 2>&1
 T0=$(date +%s)
 el() { echo "[t+$(( $(date +%s) - T0 ))s] $*"; }
 source bench/layouts/agent_run.sh
-# packed after every phase: a call cut by its time limit never runs an EXIT trap (call 5 lost
-# its archive that way)
+# packed after every phase: a call cut by its time limit never runs an EXIT trap (an archive
+# written at exit was lost that way)
 pack() { tar czf "$FINAL_OUT/results.tgz.part" -C $W out && mv "$FINAL_OUT/results.tgz.part" "$FINAL_OUT/results.tgz"; }
 nvidia-smi --query-gpu=index,name,memory.total,power.limit,driver_version --format=csv > $OUT/gpus.csv
 OPS=(--epochs 6 --lr 6e-4 --warmup-ratio 0.04 --weight-decay 0.01 --grad-accum 4 --grad-clip 1.0
@@ -39,7 +38,7 @@ run_agent l2p2 70 python3 -m trainer "${T27[@]}" "${OPS[@]}" --target-gpus 0,1 -
   --max-steps 3 --log-interval 1 --output-dir $W/l2p2/output
 
 pack
-el "issue 7: split 1+1 with prefetch; ~200 MB over, refused"
+el "split 1+1 with prefetch; ~200 MB over, refused"
 run_agent split8b 45 python3 -m trainer "${T8[@]}" "${OPS[@]}" --target-gpus 1 --drafter-gpus 2 --from-scratch \
   --max-steps 4 --log-interval 1 --output-dir $W/split8b/output &
 P=$!

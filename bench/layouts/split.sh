@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# Target and drafter split over two GPUs (nvidia-h200-x2; first run as device call 3,
-# raw results in bench/results/split_topology_oom/): split topology under the agent (8B and 27B-like), a real
+# Target and drafter split over two GPUs of one host: split topology under the agent (8B and 27B-like), a real
 # CUDA OOM during training reported by the agent, the memory probe (2 steps) and auto budget.
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; W=/tmp/ws; rm -rf $W; mkdir -p $W
+W=$(mktemp -d); export OUT=${OUT:-$W/out}; mkdir -p "$OUT"
 exec > >(tee "$OUT/log.txt") 2>&1
 nvidia-smi topo -m; nvidia-smi --query-gpu=index,name,memory.total,power.limit --format=csv
 source bench/layouts/agent_run.sh

@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 
@@ -104,7 +105,7 @@ def run_rank(rank, a, world):
     gpu = (a.target_gpu if rank == 0 else a.drafter_gpu) if split else a.target_gpu
     dev = torch.device("cuda", gpu)
     torch.cuda.set_device(dev)
-    run_dir = a.run_dir or os.environ.get("DFLASH_RUN_DIR") or "/tmp/dflash-run"
+    run_dir = a.run_dir or os.environ.get("DFLASH_RUN_DIR") or tempfile.mkdtemp(prefix="dflash-run-")
     ev, hb = telemetry(run_dir, rank, role, gpu)
     hb.beat(0, "loading")
     ballast = None

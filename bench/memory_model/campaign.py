@@ -1,4 +1,4 @@
-"""Issue 14's device campaign in one call: what the caching allocator holds against what
+"""One GPU call: what the caching allocator holds against what
 trainer/plan/memory.py predicts, --token-budget auto against the operators' 49,152, and the
 compile cache across a relaunch.
 
@@ -40,6 +40,7 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -61,7 +62,7 @@ SCALES = {
                         ("probe", "auto", 0, 120)],
                 sweep=[("drafter", 49152, 2), ("drafter", 131072, 1), ("target", 49152, 2), ("target", 131072, 2),
                        ("colocated", 196608, 2)]),
-    # issue 29: the seed's Qwen3.6-27B shape colocated (bench/colocated/run.py --scale gpu27; needs
+    # the seed's Qwen3.6-27B shape colocated (bench/colocated/run.py --scale gpu27; needs
     # flash-linear-attention on the device, carried as wheels)
     "gpu27": dict(shape="qwen3.6-27b", samples=128, L=8192, block=32, anchors=1024, layers=5, device="cuda",
                   phases=[], sweep=[]),
@@ -381,7 +382,7 @@ def leak_bytes_of(spec) -> int:
 
 
 def noisy_copy_bytes(spec) -> int:
-    """What ``python -m trainer`` of the builds before issue 14 also held during the drafter
+    """What ``python -m trainer`` of the builds before the memory fixes also held during the drafter
     step: the noisy copy of the micro-batch's taps beside the taps (the noise is added in
     place since)."""
     return 0 if spec.role == "target" else spec.tokens * spec.taps_count * spec.target.hidden * 2
@@ -492,7 +493,7 @@ def main(argv=None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("--out", required=True)
-    r.add_argument("--work", default="/tmp/issue14")
+    r.add_argument("--work", default=os.path.join(tempfile.gettempdir(), "memory-campaign"))
     r.add_argument("--cpu", action="store_true", help="the plumbing at a tiny shape on CPU")
     r.add_argument("--deadline-s", type=float, default=540)
     r.add_argument("--phases", help="comma list of the scale's launches to run (default: all), e.g. cold49k,auto")

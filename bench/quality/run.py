@@ -75,8 +75,8 @@ SCALES = {
                     "max_batch_size": 64, "block_size": 16, "max_anchors": 48, "layers": 3},
         "eval": {"prompts": 12, "max_new": 128, "curve_prompts": 6, "curve_max_new": 64, "tree_budgets": [16, 32, 64],
                  "served": True, "served_vllm": False,
-                 # 6 of the 12: all three budgets for all six variants fit the call (on 12, call 4
-                 # reached budget 16 for three variants only)
+                 # 6 of the 12: all three budgets for all six variants fit one 10-minute GPU call
+                 # (on 12, only budget 16 of three variants did)
                  "tree_prompts": 6},
     },
 }

@@ -1,4 +1,4 @@
-"""Issue 19 on one H200: the Qwen3.6-27B (hybrid) target and its drafter.
+"""The Qwen3.6-27B (hybrid) target and its drafter on one GPU: how fast is each, and how much memory?
 
     python bench/target_forward/hybrid.py forward   OUT   # fast hybrid forward vs transformers', real widths
     python bench/target_forward/hybrid.py drafter   OUT   # the drafter step at the operators' flags
@@ -6,8 +6,8 @@
     python bench/target_forward/hybrid.py model     OUT   # the memory model's predictions (no GPU)
 
 Each phase appends one JSON object to OUT/results.jsonl (and writes its logs beside it), so a
-phase that dies or times out still leaves the others' figures. bench/gpu/hybrid.sh runs all
-four in one device call and packs OUT into one archive.
+phase that dies or times out still leaves the others' figures. bench/target_forward/README.md has
+the command that runs all four.
 
 Method. forward: Qwen3.6-27B's language model at its real widths, 8 layers in its 3:1 Gated
 DeltaNet / gated attention pattern (2 full-attention layers), random bf16 weights, one
@@ -367,6 +367,9 @@ def phase_model(out: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) != 3 or sys.argv[1].startswith("-"):
+        print(__doc__.split("\n\n")[1])  # the usage lines
+        sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
     phase, out = sys.argv[1], sys.argv[2]
     os.makedirs(out, exist_ok=True)
     t = time.time()
