@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU smoke of the trainer on the tiny target: colocated (1 GPU), split 1 target + 1 drafter
-# (NCCL point-to-point), a memory probe, and SIGTERM → exit 75. Logs under ${OUT:-/tmp/smoke}.
+# (NCCL point-to-point), a memory probe, and SIGTERM → exit 75. Logs under $OUT (a temporary folder if unset).
 set -u
 W=$(mktemp -d)
 OUT=${OUT:-$W/out}
