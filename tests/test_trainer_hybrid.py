@@ -419,13 +419,12 @@ def test_plan_run_takes_both_qwen36_layouts_and_refuses_only_what_does_not_fit()
     assert wide["gpus"][1]["peak_mib"] > default["gpus"][1]["peak_mib"] and wide["gpus"][0] == default["gpus"][0]
 
 
-# Issue 19's H200 runs (docs/benchmarks.md, "Qwen3.6-27B on one H200"; raw rows in
-# bench/results/hybrid/hybrid_results.jsonl and hybrid_colocated_*), made with the build of
-# b6e60f8: torch's default allocator (nothing set PYTORCH_CUDA_ALLOC_CONF then: reserved ran
+# The Qwen3.6-27B shape's H200 runs (bench/target_forward/hybrid.py's drafter and colocated
+# phases, 2026-12-01; docs/benchmarks.md), made with the build of b6e60f8: torch's default allocator (nothing set PYTORCH_CUDA_ALLOC_CONF then: reserved ran
 # 2.6 GiB above allocated, where expandable segments hold 0.3-0.4 GiB), the chunked step's
 # context-gradient leak fixed since (bench/memory_model/campaign.leak_bytes_of), and in
-# `python -m trainer` the noisy copy of the taps beside the taps (noise in place since issue 14,
-# memory_campaign.noisy_copy_bytes). The prediction adds what that build held
+# `python -m trainer` the noisy copy of the taps beside the taps (noise in place since,
+# bench/memory_model/campaign.noisy_copy_bytes). The prediction adds what that build held
 # (memory_campaign.as_measured_build).
 MEASURED_H200_HYBRID = [
     # (what, role, budget, figure, MiB measured, kwargs)

@@ -212,8 +212,8 @@ def test_a_target_family_without_terms_is_named_not_guessed():
     assert ModelShape.from_hf_config({**QWEN3_8B_CONFIG, "model_type": "qwen3"}).family == "qwen3"
 
 
-# Issue 14's H200 measurements (bench/memory_model/campaign.py, 2026-12-01, one H200, torch
-# 2.11, expandable segments; raw files in bench/results/memory/issue14_*): torch's
+# The H200 measurements of bench/memory_model/campaign.py (2026-12-01, one H200, torch
+# 2.11, expandable segments; docs/benchmarks.md, "Memory known before launch"): torch's
 # max_memory_allocated / max_memory_reserved in MiB, after two or more optimizer steps. Call 1
 # measured a build that held one more thing than this one: the chunked step's leak fixed since
 # (test_the_chunked_step_holds_one_chunks_context_gradients_not_every_chunks), whose bytes
