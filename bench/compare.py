@@ -90,7 +90,7 @@ def machine() -> str:
     """The GPU(s) by name, else the CPU: what the figures were measured on."""
     try:
         names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                               text=True, timeout=20).stdout.split("\n")
+                               text=True, timeout=20, check=False).stdout.split("\n")
         names = [n.strip() for n in names if n.strip()]
         if names:
             return f"{len(names)} × {names[0]}"
@@ -118,7 +118,7 @@ def run_one(side: str, i: int, tree: str, command: list[str], out: str) -> dict:
                PYTHONPATH=os.pathsep.join([tree, *filter(None, [os.environ.get("PYTHONPATH")])]))
     t0 = time.time()
     with open(os.path.join(run_dir, "log.txt"), "w") as log:
-        rc = subprocess.run(argv, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+        rc = subprocess.run(argv, cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT, check=False).returncode
     rec = {"side": side, "run": i, "rc": rc, "wall_s": round(time.time() - t0, 1)}
     try:
         with open(os.path.join(run_dir, "metrics.json")) as fh:
@@ -149,15 +149,23 @@ def summarise(records: list[dict]) -> dict:
     return out
 
 
+def fmt(v: float) -> str:
+    return f"{v:.6g}"
+
+
 def markdown(summary: dict, meta: dict) -> str:
-    lines = [f"Base {meta['base']} against the working tree {meta['head'] or '(no git)'}; {meta['machine']}; "
-             f"{meta['date']}; {meta['runs']} run(s) each, alternating; median of the runs.", "",
+    head = (f"Base {meta['base']} against the working tree {meta['head'] or '(no git)'}; {meta['machine']}; "
+            f"{meta['date']}; {meta['runs']} run(s) each, alternating; median of the runs.")
+    lines = [head, "",
              "| figure | base | working tree | ratio (> 1: the working tree better) | runs: base / working tree |",
              "| --- | --- | --- | --- | --- |"]
     for name, r in summary.items():
-        fmt = lambda v: f"{v:.6g}"  # noqa: E731
-        ratio = (f"{r['ratio']:.3f}×" if "ratio" in r else
-                 ("equal" if r.get("equal") else "**differ**") if "equal" in r else "—")
+        if "ratio" in r:
+            ratio = f"{r['ratio']:.3f}×"
+        elif "equal" in r:
+            ratio = "equal" if r["equal"] else "**differ**"
+        else:
+            ratio = "—"
         lines.append(f"| {name} | {fmt(r['base_median']) if 'base_median' in r else '—'} | "
                      f"{fmt(r['head_median']) if 'head_median' in r else '—'} | {ratio} | "
                      f"{', '.join(map(fmt, r['base']))} / {', '.join(map(fmt, r['head']))} |")
