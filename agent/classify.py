@@ -111,7 +111,7 @@ class Failure:
 
 # A rank that lost its connection to a peer (or heard nothing from it) reports the peer's
 # failure, not its own: seen in one container, the peer's own failure is the root cause
-# (issue 18: kill -9 of drafter rank 6 was reported as rank 5's lost connection, noticed first).
+# (a kill -9 of one drafter rank was reported as its neighbour's lost connection, noticed first).
 _CONSEQUENCES = (FailureKind.PEER_FAILURE, FailureKind.NETWORK_FAILURE)
 
 
@@ -282,7 +282,7 @@ def exit_failure(rank: int | None, pid: int | None, gpu: int | None, status: dic
     OOM only with evidence: the cgroup's oom_kill counter rose (the kernel's OOM event for
     this cgroup; CUDA OOM text is classified from the lines, not here). A SIGKILL without
     that is not an OOM: an operator's or another tool's ``kill -9`` reads exactly the same
-    (issue 26: an external kill -9 was reported as "host_oom (suspected)"), so it is named
+    (an external kill -9 was once reported as "host_oom (suspected)"), so it is named
     "killed by signal 9 (not by us)" — the agent never signals a rank before it has
     classified the failure. ``slot``: what ``gpu`` names ("GPU", or "rank slot" on CPU);
     None names no device at all.

@@ -88,7 +88,7 @@ def status(workspace: str, run: Optional[str] = None) -> dict:
     # Read before anything is started: a container restart or node reboot under an
     # unfinished run is said even where no agent may be started (--revive 0).
     restart = None if finished(rd) else procs.restart_since((read_json(rd.job_pid) or {}).get("boot"))
-    # Nobody supervises a run whose agent died: the one who looks brings one back (issue 18).
+    # Nobody supervises a run whose agent died: the one who looks brings one back.
     # Never one that has ended (result.json is there) or whose status cannot be read.
     revived = None if corrupt else revive_if_gone(rd, "ctl status")
     if revived:

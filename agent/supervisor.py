@@ -134,7 +134,7 @@ class Supervisor:
     def died_with_host(self, restart: dict) -> None:
         """The container restarted (or the node rebooted) under the run: every process of it
         is gone, nothing is to be stopped or restarted here; the run ends FAILED saying so, at
-        its last completed step (issue 26: the first status after a restart said healthy)."""
+        its last completed step (without this, the first status after a restart said healthy)."""
         import datetime
 
         step = self.status.step
@@ -233,7 +233,7 @@ class Supervisor:
             self.finish(RunState.STOPPED)
             return
         # One record per death: when a rank's death (or another failure) already explains
-        # the job's exit, the exit is its consequence, not a second failure (issue 26: a
+        # the job's exit, the exit is its consequence, not a second failure (without this, a
         # one-rank run's kill -9 gave "rank slot 0" and "GPU 0" records for one death).
         self.on_failure(outcome.failures or [self.obs.job_exit_failure(ex)])
 
@@ -251,7 +251,7 @@ class Supervisor:
         # Fail fast: one failed or stalled rank stops every rank. With a rank dead, the rest
         # cannot agree on a stop and checkpoint (the trainer's stop is a collective), so the
         # grace for that is cut short: seen with 5+3 ranks, survivors blocked in sends to the
-        # dead rank held the stop for the whole --kill-grace (issue 18: stop within 10 s).
+        # dead rank held the stop for the whole --kill-grace; a failed run must stop within 10 s.
         dead = bool(self.obs.seen.dead_ranks) or any(
             f.kind in (FailureKind.RANK_EXIT, FailureKind.HOST_OOM) for f in failures)
         grace = min(self.opts.kill_grace, DEAD_RANK_GRACE) if dead else self.opts.kill_grace

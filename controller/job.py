@@ -187,6 +187,20 @@ def rendezvous_endpoint(ct: Container, say: Callable[[str], None]) -> str:
     return f"{addrs[0]}:{reply['free_port']}"
 
 
+def pin_auto_budget(launchers: list, say: Callable[[str], None]) -> None:
+    """``--token-budget auto`` decided once, here: every rank of the run trains with the
+    smallest of the containers' answers (each from its GPUs' free memory), written into each
+    start script as a number so no rank decides again."""
+    answers = [ln.auto_budget for ln in launchers if ln.auto_budget is not None]
+    if not answers:
+        return
+    budget = min(answers)
+    for ln in launchers:
+        ln.values["token_budget"] = budget
+    if len(launchers) > 1:
+        say(f"memory   --token-budget auto → {budget} for every rank (the smallest of the containers' answers)")
+
+
 def launch(cts: list[Container], members: list[Member], run_config, start: dict, *, say: Callable[[str], None] = print,
            accept_drift: bool = False, wandb_key: Optional[str] = None, dist_timeout: Optional[int] = None,
            endpoint: Optional[str] = None, agent_options: Optional[dict] = None,
@@ -236,6 +250,7 @@ def launch(cts: list[Container], members: list[Member], run_config, start: dict,
                              [f"{m.label}: {r}" for m, v in zip(members, verdicts) for r in v.refusals],
                              [f for v in verdicts for f in v.blocking])
         refused.raise_if_refused(f"job {run_id}")
+    pin_auto_budget(launchers, say if not single else launchers[0].say)
     result = JobResult(run_id, endpoint, members)
     started: list[tuple[Container, Member]] = []
     # From here a Ctrl-C waits until the command has printed the run id (controller/interrupts.py).

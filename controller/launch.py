@@ -96,6 +96,7 @@ class Launcher:
         self.bundle_path = self.caller.bundle_path
         self.agent_options = {**config.supervision.agent_options(), **(agent_options or {})}
         self.share_gpus = share_gpus  # start although a live run in the container holds these GPUs
+        self.auto_budget: Optional[int] = None  # --token-budget auto as the memory model decided it here
 
     def _call(self, module_argv: list[str], request: dict, what: str, commit: bool = False) -> dict:
         try:
@@ -239,7 +240,7 @@ class Launcher:
 
             refusals.append(shortfall_line(self.ct, pf["gpu_shortfall"]))
         else:
-            mem_lines, mem_refusals = memory_report(self.values, pf)
+            mem_lines, mem_refusals, self.auto_budget = memory_report(self.values, pf)
             lines += mem_lines
             refusals += mem_refusals
         self.drifted = bool(drift.blocking(findings, False))
@@ -299,22 +300,27 @@ def target_report(values: dict, pf: dict) -> tuple[list[str], list[str]]:
             family.kernel_notes(target_cfg, kernels_present="flash-linear-attention" in packages)], []
 
 
-def memory_report(values: dict, pf: dict) -> tuple[list[str], list[str]]:
+def memory_report(values: dict, pf: dict) -> tuple[list[str], list[str], Optional[int]]:
     """The memory model's verdict per GPU before anything starts (the story: a ~200 MB
     shortfall surfaced as an OOM on GPU 6 during ramp-up, not at launch).
 
     Uses the container's free memory per GPU from the preflight and the target's config.json
-    figures; stdlib only (trainer.probe), so the controller still needs no torch. Nothing to
-    say on CPU. The trainer repeats the check on each rank before it loads anything."""
+    figures; stdlib only (trainer.plan.budget), so the controller still needs no torch. Nothing to
+    say on CPU. The trainer repeats the fit check on each rank before it loads anything.
+
+    The third value: ``--token-budget auto`` decided (None when the run names its budget, or
+    nothing fits). The launch carries that number into the start script, so the budget shown
+    here is the one every rank trains with; the trainer decides ``auto`` itself only when run
+    by hand."""
     if pf.get("device") != "cuda":
-        return [], []
-    from trainer.probe import plan_run
+        return [], [], None
+    from trainer.plan.budget import plan_run
 
     free = {g["index"]: g["memory_free_mib"] for g in (pf.get("gpu") or {}).get("gpus") or []
             if g.get("memory_free_mib") is not None}
     model_cfg = (pf.get("model") or {}).get("config")
     if not free or not model_cfg:
-        return ["memory   not checked here: no free-memory figure or no target config.json from the preflight"], []
+        return ["memory   not checked here: no free-memory figure or no target config.json from the preflight"], [], None
     # --target-forward auto follows the kernels the container has, not this machine's
     packages = {n.lower().replace("_", "-") for n in ((pf.get("fingerprint") or {}).get("packages") or {})}
     values = {**values, "target_forward": flags.target_forward_for(
@@ -328,9 +334,11 @@ def memory_report(values: dict, pf: dict) -> tuple[list[str], list[str]]:
                      f"(predicted peak {row['peak_mib'] / 1024:.1f} + margin), free "
                      f"{(row.get('free_mib') or 0) / 1024:.1f} GiB: {verdict}")
     lines += [f"memory   note: {n}" for n in plan["notes"]]
-    if plan.get("auto"):
-        lines.append(f"memory   --token-budget auto → {plan['token_budget']}")
-    return lines, list(plan["refusals"])
+    budget = None
+    if plan.get("auto") and not plan["refusals"]:
+        budget = int(plan["token_budget"])
+        lines.append(f"memory   --token-budget auto → {budget} ({plan['auto_reason']}): the run trains with it")
+    return lines, list(plan["refusals"]), budget
 
 
 def start_argv(ct: Container, run_dir: str, run_id: str, options: dict) -> list[str]:

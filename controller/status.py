@@ -135,7 +135,7 @@ EVIDENCE_LINES = 5  # of the root cause's evidence (its rank's last output lines
 
 
 def _supervision(st: RunStatus, revived: Optional[dict], now: float) -> list[str]:
-    """When and why an agent took over this run after its agent was gone (issue 18)."""
+    """When and why an agent took over this run after its agent was gone."""
     lines = []
     if revived and revived.get("ok"):
         lines.append(f"agent    none was supervising this run: ctl status started one (pid {revived.get('agent_pid')})")
