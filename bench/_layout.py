@@ -36,7 +36,7 @@ OLD_NAMES = {
     "trainer.plan.ckptsize": "trainer.ckptsize",
     "trainer.chat.rows": "trainer.chatrows",
     "trainer.chat.template": "trainer.chat_template",
-    "trainer.chat.tokenize": "trainer.chat_prepare",
+    "trainer.chat.encode": "trainer.chat_prepare",
     "trainer.chat.progress": "trainer.progress",
     "trainer.chat.prepare": "trainer.data",
     "trainer.regen.job": "trainer.regenerate",
@@ -49,6 +49,7 @@ OLD_NAMES = {
     "trainer.serve.vllm_serve": "trainer.vllm_serve",
     "trainer.serve.evaluate": "trainer.evaluate",
     "trainer.serve.ddtree": "trainer.ddtree",
+    "trainer.serve.vllm_dflash2_check": "trainer.vllm_dflash2_check",
     "trainer.synth.tiny": "trainer.tiny",
     "trainer.synth.synthetic": "trainer.synthetic",
 }

@@ -428,25 +428,25 @@ def test_idle_sources_charges_each_gpu_gap_to_a_late_launch_a_sync_or_the_queue(
     ]}
     r = isrc.analyze(trace, min_gap_us=5)
     assert r["gaps"] == 4 and r["gap_us"] == 82 and r["span_us"] == 116
-    assert rows_of(r)[("late launch", "aten::mm in MmBackward0 @ fast_drafter.py(300): step_backward")]["us"] == 10
+    assert rows_of(r)[("late launch", "aten::mm in MmBackward0 @ gpu/fast_drafter.py(300): step_backward")]["us"] == 10
     rows = rows_of(r)
-    late = rows[("late launch", "aten::mul @ model.py(280): block_attention < fast_drafter.py(300): step_backward")]
+    late = rows[("late launch", "aten::mul @ model.py(280): block_attention < gpu/fast_drafter.py(300): step_backward")]
     assert late["us"] == 20 and late["gaps"] == 1 and late["host"] == ["aten::cat", "aten::mul"]
-    assert rows[("sync", "aten::item @ fast_drafter.py(300): step_backward")]["us"] == 42
+    assert rows[("sync", "aten::item @ gpu/fast_drafter.py(300): step_backward")]["us"] == 42
     assert rows[("queued", "k4")]["us"] == 10
     assert [g["kind"] for g in r["rows"]] == ["sync", "late launch", "queued", "late launch"]
-    assert "| sync | aten::item @ fast_drafter.py(300): step_backward | 0.04 | 1 |" in isrc.table(r, 10)
+    assert "| sync | aten::item @ gpu/fast_drafter.py(300): step_backward | 0.04 | 1 |" in isrc.table(r, 10)
 
 
 def test_op_sources_ranks_the_operators_between_the_matmuls_by_where_they_were_asked_for():
     """bench/drafter_step/op_sources.py's table: rows of one operator at one place merged, matmuls and
-    attention left to the roofline table, the innermost trainer/ frames named innermost first."""
+    attention left to the roofline table, the innermost trainer/ frames named innermost first, by their path under trainer/."""
     sys.path.insert(0, ROOT)
     os_ = importlib.import_module("bench.drafter_step.op_sources")
     stack = ["/x/trainer/model.py(324): block_forward", "/usr/lib/torch/nn.py(1): f",
              "/x/trainer/gpu/fast_drafter.py(200): chunk_hidden", "/x/trainer/step.py(155): __call__",
              "/x/trainer/train.py(9): run"]
-    assert os_.trainer_frames(stack) == "model.py(324): block_forward < fast_drafter.py(200): chunk_hidden < step.py(155): __call__"
+    assert os_.trainer_frames(stack) == "model.py(324): block_forward < gpu/fast_drafter.py(200): chunk_hidden < step.py(155): __call__"
     assert os_.trainer_frames(["/usr/lib/torch/autograd.py(3): backward"]) == "(outside trainer/)"
     rows = [{"name": "aten::copy_", "device_us": 10.0, "count": 1, "where": "ToCopyBackward0 in a"},
             {"name": "aten::copy_", "device_us": 15.0, "count": 1, "where": "ToCopyBackward0 in a"},

@@ -18,7 +18,7 @@ profiled step as op_sources.py) written as a Chrome trace, every gap between one
 Gaps are grouped by (kind, where) and ranked by their total. What it prints is a map for the
 next change, not a figure to report.
 
-    PYTHONUNBUFFERED=1 python3 bench/drafter_step/idle_sources.py --out DIR [--arch dflash] [--flex-options JSON]
+    PYTHONUNBUFFERED=1 python3 bench/drafter_step/idle_sources.py --out DIR [--arch dflash] [--attention-kernel flash]
     python3 bench/drafter_step/idle_sources.py --smoke --out /tmp/is     # the same on CPU: no GPU, no gaps
 
 Writes DIR/idle_sources.txt (the table), DIR/idle_sources.json and DIR/trace.json.gz.

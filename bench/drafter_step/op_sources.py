@@ -6,7 +6,7 @@ shipped code, Qwen3-8B widths) under torch.profiler with Python stacks, its oper
 by the innermost frames in trainer/, ranked by the GPU time they launched. What it prints is a
 map for the next change, not a figure to report.
 
-    PYTHONUNBUFFERED=1 python3 bench/drafter_step/op_sources.py --out DIR [--arch dflash] [--flex-options JSON]
+    PYTHONUNBUFFERED=1 python3 bench/drafter_step/op_sources.py --out DIR [--arch dflash] [--attention-kernel flash]
     python3 bench/drafter_step/op_sources.py --smoke --out /tmp/os      # the same on CPU, tiny widths
 
 Writes DIR/op_sources.txt (the table) and DIR/op_sources.json.
@@ -41,7 +41,8 @@ SKIP = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", 
 
 def trainer_frames(stack: list[str], depth: int = 3) -> str:
     """The innermost ``depth`` Python frames (the profiler's "file.py(line): function", innermost
-    first) that lie in trainer/: where an operator was asked for."""
+    first) that lie in trainer/, named by their path under trainer/ (two wings may hold files of
+    one name): where an operator was asked for."""
     mine = [f for f in stack if "trainer/" in f or "trainer\\" in f]
     return " < ".join(f.split("trainer/")[-1] for f in mine[:depth]) or "(outside trainer/)"
 
@@ -60,7 +61,7 @@ def rank(rows: list[dict], top: int) -> list[dict]:
     return sorted(merged.values(), key=lambda m: -m["device_us"])[:top]
 
 
-def profiled_step(arch: str, flex_options: str | None, smoke: bool):
+def profiled_step(arch: str, attention_kernel: str, smoke: bool):
     """One optimizer step of the operators' shape (roofline.py's, this tree's code; tiny widths
     on CPU with ``smoke``) under torch.profiler with Python stacks, after two unprofiled steps
     (compiled, autotuned, optimizer state held): the profiler object."""
@@ -75,8 +76,7 @@ def profiled_step(arch: str, flex_options: str | None, smoke: bool):
     cuda = not smoke
     shape, config, dev = (rl.SMOKE_SHAPE, ds.SMOKE, torch.device("cpu")) if smoke else \
         (fl.QWEN3_8B, ds.OPERATORS, torch.device("cuda"))
-    if flex_options:  # the trainer's own knob, as an operator would set it
-        os.environ["DFLASH_FLEX_OPTIONS"] = flex_options
+    config = {**config, "attention_kernel": attention_kernel}
     values, args, dcfg, drafter, head, dtype = ds.drafter_and_head(arch, shape, config, dev)
     opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4, weight_decay=0.01, fused=cuda or None)
     step = make_step(args, drafter, head, dcfg)
@@ -106,7 +106,8 @@ def step_parser(doc: str, top: int) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--arch", default="dflash", choices=["dflash", "dflash2"])
-    p.add_argument("--flex-options", default=None, help='JSON, e.g. {"BACKEND": "FLASH"}')
+    p.add_argument("--attention-kernel", default="triton", choices=["triton", "flash"],
+                   help="the trainer's --attention-kernel (flash needs flash-attn-4)")
     p.add_argument("--top", type=int, default=top)
     p.add_argument("--smoke", action="store_true")
     return p
@@ -118,7 +119,7 @@ def profile_for(p: argparse.ArgumentParser, a: argparse.Namespace):
         import torch
         if not torch.cuda.is_available():
             p.error("needs a CUDA device (or --smoke)")
-    return profiled_step(a.arch, a.flex_options, a.smoke)
+    return profiled_step(a.arch, a.attention_kernel, a.smoke)
 
 
 def main() -> int:
@@ -154,11 +155,11 @@ def main() -> int:
 
 
 def write_outputs(a: argparse.Namespace, name: str, result: dict, text: str) -> None:
-    """DIR/NAME.json (``result`` with the run's arch, flex options and smoke flag) and
+    """DIR/NAME.json (``result`` with the run's arch, attention kernel and smoke flag) and
     DIR/NAME.txt (``text``, also printed)."""
     os.makedirs(a.out, exist_ok=True)
     with open(os.path.join(a.out, name + ".json"), "w") as fh:
-        json.dump({"arch": a.arch, "flex_options": a.flex_options, "smoke": a.smoke, **result}, fh, indent=1)
+        json.dump({"arch": a.arch, "attention_kernel": a.attention_kernel, "smoke": a.smoke, **result}, fh, indent=1)
     with open(os.path.join(a.out, name + ".txt"), "w") as fh:
         fh.write(text + "\n")
     print(text, flush=True)

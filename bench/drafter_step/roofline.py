@@ -14,9 +14,8 @@ Phases (one GPU; random bf16 weights made on the GPU, random tokens, no download
 * ``flex``: flex attention forward and forward + backward at the chunked step's shape (512
   anchors × block 32 = 16,384 queries, 32/8 heads × 128, context 8,192 + the blocks) under the
   DFlash block mask, for several kernel options (block sizes, stages, warps, flags); the best
-  forward, backward and flag choices are combined and timed again. ``--flex-options JSON``
-  runs the step with chosen options instead (through ``DFLASH_FLEX_OPTIONS``, the trainer's
-  own knob).
+  forward, backward and flag choices are combined and timed again (a measurement at one chunk:
+  the trainer runs torch's defaults, or flash-attn-4 with ``--set attention_kernel=flash``).
 * ``flexwindow``: the same under a sliding-window layer's mask (``--flex-window``, 2,048: the
   Qwen3.6-27B drafter's sliding layers), the tiles from the materialised mask.
 * ``head``: the head chunk's two elementwise passes, compiled against trainer/gpu/head_kernels.py's
@@ -572,13 +571,12 @@ def main() -> int:
     r.add_argument("--phases", default="ceilings,flex,step")
     r.add_argument("--archs", default="dflash,dflash2")
     r.add_argument("--iters", type=int, default=3)
-    r.add_argument("--flex-options", default=None,
-                   help="JSON: the step's flex kernel options (DFLASH_FLEX_OPTIONS), instead of the flex phase's choice")
     r.add_argument("--flex-window", type=int, default=2048, help="the flexwindow phase's sliding window")
     r.add_argument("--flex-variants", default=None, help="comma-separated FLEX_VARIANTS names (default: all)")
     r.add_argument("--smoke", action="store_true")
     r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="a trainer flag's value over the operators' for every step run, e.g. position_weights=dpace")
+                   help="a trainer flag's value over the operators' for every step run, e.g. position_weights=dpace "
+                        "or attention_kernel=flash")
     t = sub.add_parser("table", help="a results.json's step tables, against its own ceilings or those on record "
                                      "for its GPU (MEASURED_CEILINGS)")
     t.add_argument("results")
@@ -625,11 +623,9 @@ def main() -> int:
         RESULTS["phases"]["headgemm"] = phase_headgemm(a.smoke)
         log("headgemm speedup of one GEMM for both logits", RESULTS["phases"]["headgemm"]["one_gemm_speedup"])
         save()
-    flex_opts = json.loads(a.flex_options) if a.flex_options else {}
-    if "flex" in phases and a.flex_options is None:
+    if "flex" in phases:
         RESULTS["phases"]["flex"] = phase_flex(a.smoke, a.flex_variants.split(",") if a.flex_variants else None)
-        flex_opts = RESULTS["phases"]["flex"]["chosen"]
-        log("flex chosen", json.dumps(flex_opts))
+        log("flex chosen", json.dumps(RESULTS["phases"]["flex"]["chosen"]))
         save()
     if "flexwindow" in phases:  # the same sweep under a sliding-window layer's mask (the 27B drafter's)
         RESULTS["phases"]["flexwindow"] = phase_flex(a.smoke, a.flex_variants.split(",") if a.flex_variants else None,
@@ -637,9 +633,6 @@ def main() -> int:
         log("flex (window) chosen", json.dumps(RESULTS["phases"]["flexwindow"]["chosen"]))
         save()
     if "step" in phases:
-        if flex_opts:  # the trainer's own knob: what an operator would set
-            os.environ["DFLASH_FLEX_OPTIONS"] = json.dumps(flex_opts)
-        RESULTS["flex_options"] = flex_opts
         phase_step(a.smoke, a.iters, a.archs.split(","), ceilings)
     steps = RESULTS["phases"].get("step", {})
     d, d2 = steps.get("dflash", {}), steps.get("dflash2", {})

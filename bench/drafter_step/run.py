@@ -52,8 +52,8 @@ OPERATORS = dict(block_size=32, max_anchors=1024, token_budget=49152, max_seq_le
                  num_draft_layers=5, gamma=10.0, position_weights="decay", use_soft_labels=True, kl_weight=0.15,
                  kl_temperature=2.0, cap_lambda=0.1, grad_accum=1, drafter_step="chunked",
                  target_gpus=(0,), drafter_gpus=(0,),
-                 # not auto: flash-attn-4 installed on the machine would switch both halves of a
-                 # before/after; the FLASH kernels are measured through --flex-options instead
+                 # named, not auto: what is measured must not depend on what the machine has
+                 # installed (--attention-kernel flash for flash-attn-4)
                  attention_kernel="triton")
 # --smoke: the same code on CPU at tiny widths (the step is then the chunked step's CPU path)
 SMOKE_SHAPE = fl.ModelShape(6, 64, 4, 2, 16, 128, 512, "tiny")
@@ -201,12 +201,15 @@ def main() -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--archs", default="dflash,dflash2")
+    p.add_argument("--attention-kernel", default="triton", choices=["triton", "flash"],
+                   help="the trainer's --attention-kernel (flash needs flash-attn-4 importable)")
     p.add_argument("--smoke", action="store_true", help="tiny widths on CPU: the script's own check, no figures")
     a = p.parse_args()
     if not a.smoke and not torch.cuda.is_available():
         p.error("needs a CUDA device (or --smoke)")
     os.makedirs(a.out, exist_ok=True)
     shape, config, device = (SMOKE_SHAPE, SMOKE, "cpu") if a.smoke else (fl.QWEN3_8B, OPERATORS, "cuda")
+    config = {**config, "attention_kernel": a.attention_kernel}
     results = {"gpu": torch.cuda.get_device_name(0) if device == "cuda" else "cpu", "torch": torch.__version__,
                "date": time.strftime("%F %T %Z"), "config": config, "shape": shape.name, "runs": []}
     for arch in a.archs.split(","):

@@ -129,7 +129,7 @@ def cpu_seconds() -> float:
 
 
 def ours(data_path: str, target: str) -> dict:
-    from trainer.chat.tokenize import ChatOptions
+    from trainer.chat.encode import ChatOptions
     from trainer.chat.template import load_tokenizer
     from trainer.chat.prepare import prepare
 
