@@ -1,8 +1,8 @@
 """Benchmark: padding efficiency and batching time of trainer.data.make_batches.
 
 Lengths are lognormal, clipped to [16, 8192], with mu solved so the clipped mean is the
-target mean: 2,068 over 902K samples and 2,826 over 1.1M samples, the two data sets of the
-DESIGN.md story. Token budget 49,152, max_seq_len 8,192, max batch 64 (the flag defaults).
+target mean: 2,068 over 902K samples and 2,826 over 1.1M samples, the seed's two data sets
+(the story the product exists for). Token budget 49,152, max_seq_len 8,192, max batch 64 (the flag defaults).
 Each configuration runs over several seeds; the naive baseline (random order, greedy fill
 to the same budget: trainer.data.random_batches) is measured in the same run on the same
 lengths. Figures go to docs/benchmarks.md under "Batcher padding efficiency".

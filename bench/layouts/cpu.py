@@ -2,7 +2,7 @@
 agent: what can be run of the operators' layout without an 8-GPU machine.
 
 The target is the tiny random Qwen3 (`python -m trainer tiny`); the objective flags are the
-operators' (TRAINER_SPEC.md: gamma 10, soft labels with kl-weight 0.15 at T=2, CAP 0.1,
+operators' (their launch command: gamma 10, soft labels with kl-weight 0.15 at T=2, CAP 0.1,
 uniform noise 0.05→0.01, grad-accum 4, warmup 0.04, lr 6e-4); sizes are scaled to the tiny
 model (block 8, 16 anchors, token budget 1,024, max length 256). Reports tokens/s, the
 drafter ranks' wait for the target, and compares with 1 + 1 and colocated runs of the same

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The operators' layouts 3 + 1 and 2 + 2 on four GPUs of one host: the operators' exact flag set
-# (TRAINER_SPEC.md, without the wandb flags: no wandb on that image) on a synthetic
+# (their launch command without the wandb flags: no wandb on that image) on a synthetic
 # Qwen3-27B-shaped target (random weights made on the GPUs), under the agent, in the two
 # layouts four GPUs allow: 3 target + 1 drafter and 2 + 2. Then the 1 + 1
 # Qwen3-8B split again with the target's next-step prefetch (train.py), and a config whose
