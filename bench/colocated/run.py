@@ -33,6 +33,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -57,7 +58,8 @@ def cmd_run(a) -> int:
     phases = [p for p in PHASES if p[0] in a.phases.split(",")]
     profiled = "warm" if any(p[0] == "warm" for p in phases) else phases[0][0]
     t0 = time.time()
-    final, work = os.path.abspath(a.out), os.path.abspath(a.work)
+    final = os.path.abspath(a.out)
+    work = os.path.abspath(a.work) if a.work else tempfile.mkdtemp(prefix="colocated-")
     out = os.path.join(work, "out")
     os.makedirs(out, exist_ok=True)
     os.makedirs(final, exist_ok=True)
@@ -104,6 +106,10 @@ def cmd_run(a) -> int:
             json.dump(metrics(out, [p[0] for p in phases]), fh, indent=1)
         mc.pack(out, final)
     print(open(os.path.join(out, "summary.txt")).read(), flush=True)
+    if not a.work:  # a scratch folder of its own: what is kept is packed into --out already
+        import shutil
+
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
@@ -263,7 +269,8 @@ def main() -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     r = sub.add_parser("run")
     r.add_argument("--out", required=True)
-    r.add_argument("--work", required=True)
+    r.add_argument("--work", default=None,
+                   help="scratch: synthetic target and data, compile cache, launches (default: a new temporary folder)")
     r.add_argument("--budget", default="auto")
     r.add_argument("--samples", type=int, default=128)
     r.add_argument("--deadline-s", type=float, default=300)
