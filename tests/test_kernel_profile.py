@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from trainer.gpu import chunked_head as ch
-from trainer.gpu import fast_drafter as fd
 from trainer.gpu import kernel_profile as kp
 from trainer.loss import dflash_loss_fn
 
@@ -87,7 +86,7 @@ def test_the_trainer_hook_profiles_only_the_step_it_is_asked_for(monkeypatch):
     assert type(kp.maybe_profile(3)).__name__ != "nullcontext"
 
 
-def test_balanced_head_chunks_have_one_size_and_change_no_number(monkeypatch):
+def test_balanced_head_chunks_have_one_size_and_give_the_unchunked_numbers():
     assert ch.balanced_chunk_blocks(512, 4096, 31) == 128  # 4 × 128, not 3 × 132 + 116
     assert ch.balanced_chunk_blocks(1024, 4096, 15) == 256
     assert ch.balanced_chunk_blocks(3, 4096, 31) == 3
@@ -100,17 +99,13 @@ def test_balanced_head_chunks_have_one_size_and_change_no_number(monkeypatch):
     fn = dflash_loss_fn(torch.rand(nb, K, dtype=torch.float64, generator=g), kl_weight=0.15, temperature=2.0,
                         cap_lambda=0.1, block_valid=torch.ones(nb, dtype=torch.bool), denom=torch.tensor(30.0),
                         n_valid_blocks=torch.tensor(nb))
-    outs = {}
-    for balanced, size in ((False, 5), (True, 4)):
-        monkeypatch.setattr(ch, "BALANCED", balanced)
-        assert ch.balanced_chunk_blocks(nb, 35, K) == size
-        loss, ce, kl, _ = ch.chunked_head_loss(h, W, t, fn, teacher=teacher, temperature=2.0, chunk_rows=35)
-        (grad,) = torch.autograd.grad(loss, h)
-        outs[balanced] = (loss.detach(), ce, kl, grad)
-    for a, b in zip(outs[False], outs[True]):
-        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+    assert ch.balanced_chunk_blocks(nb, 35, K) == 4  # 4 + 4 + 4, not 5 + 5 + 2
+    loss, ce, kl, _ = ch.chunked_head_loss(h, W, t, fn, teacher=teacher, temperature=2.0, chunk_rows=35)
+    (grad,) = torch.autograd.grad(loss, h)
     ref = ch.naive_head_loss(h, W, t, fn, teacher=teacher, temperature=2.0)
-    assert torch.allclose(outs[True][0], ref, rtol=1e-10)
+    (ref_grad,) = torch.autograd.grad(ref, h)
+    assert torch.allclose(loss, ref, rtol=1e-10)
+    assert torch.allclose(grad, ref_grad, rtol=1e-10, atol=1e-12)
 
 
 def _overlapping_blocks(g, nb: int, K: int, S: int, spacing: int):
@@ -173,16 +168,6 @@ def test_teacher_spans_are_the_least_and_one_past_the_largest_valid_row():
         ch.chunked_head_loss(torch.zeros(3, 2, 4), torch.zeros(5, 4), torch.zeros(3, 2, dtype=torch.long),
                              lambda ce, kl, sl: ce.sum(), teacher=torch.zeros(9, 4), teacher_rows=rows[0],
                              teacher_spans=[None], chunk_rows=4)
-
-
-def test_flex_options_come_from_the_module_or_the_environment(monkeypatch):
-    monkeypatch.delenv("DFLASH_FLEX_OPTIONS", raising=False)
-    monkeypatch.setattr(fd, "FLEX_OPTIONS", {"fwd_BLOCK_N": 128})
-    assert fd.flex_options() == {"fwd_BLOCK_N": 128}
-    monkeypatch.setenv("DFLASH_FLEX_OPTIONS", "{}")
-    assert fd.flex_options() is None  # torch's own defaults
-    monkeypatch.setenv("DFLASH_FLEX_OPTIONS", json.dumps({"USE_TMA": True}))
-    assert fd.flex_options() == {"USE_TMA": True}
 
 
 def test_the_roofline_table_names_the_three_largest_losses():
