@@ -6,7 +6,7 @@ Location: ``--config PATH`` > ``$DFLASH_CTL_CONFIG`` > ``~/.config/dflash-ctl/co
 
 Why plain dataclasses and not pydantic (which the run config, controller/runconfig.py, does
 use): every `ctl` command reads this file first, and importing pydantic and building its
-models was about half of what `ctl exec` spent before it connected (bench/exec_roundtrip.py).
+models was about half of what `ctl exec` spent before it connected (bench/ctl_exec/roundtrip.py).
 Ten fields with simple rules do not need it; the messages keep its shape
 (``nodes.sim.port: … (got …)``).
 """

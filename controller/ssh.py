@@ -38,7 +38,7 @@ def _import_paramiko():
 
     paramiko.config imports invoke at import time, only to run ``Match exec`` lines of an
     ssh_config; that is a third to a half of paramiko's import time, paid by every `ctl`
-    command (bench/exec_roundtrip.py). A stand-in module imports the real invoke the first
+    command (bench/ctl_exec/roundtrip.py). A stand-in module imports the real invoke the first
     time paramiko touches it, so ``Match exec`` still works.
     """
     if "paramiko" in sys.modules or "invoke" in sys.modules or importlib.util.find_spec("invoke") is None:
@@ -309,7 +309,7 @@ class SSHRunner(Runner):
                 if not first.retryable or self.attempts <= 1:
                     raise
                 # Only a failed first attempt pays for importing the retry policy (~90 ms of
-                # every command's start-up otherwise: bench/exec_roundtrip.py).
+                # every command's start-up otherwise: bench/ctl_exec/roundtrip.py).
                 import tenacity
 
                 for attempt in tenacity.Retrying(

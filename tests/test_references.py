@@ -266,3 +266,24 @@ def test_the_rules_refuse_private_references_and_pass_public_ones(line, path, ru
     found += [name for name, _ in dangling_documents_in_line(line, path, frozenset(_tracked()),
                                                              frozenset({"table.md"}))]
     assert (rule in found) if rule else not found, found
+
+
+def test_every_cited_bench_script_exists():
+    """A comment or doc that names a benchmark by its path names one the repository holds:
+    bench/ moved by question, and a stale path sends a reader nowhere."""
+    cited = re.compile(r"(?<![\w/.])bench/[A-Za-z0-9_./-]+\.(?:py|sh|json)\b")
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    held = set(tracked)
+    dangling = []
+    for f in tracked:
+        if f == "tests/test_references.py":
+            continue  # its examples
+        try:
+            text = (REPO / f).read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError, IsADirectoryError):
+            continue
+        for n, line in enumerate(text.splitlines(), 1):
+            for path in cited.findall(line):
+                if path not in held and not os.path.isdir(os.path.join(REPO, path)):
+                    dangling.append(f"{f}:{n}: {path}")
+    assert not dangling, "\n".join(dangling)

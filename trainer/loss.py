@@ -99,7 +99,7 @@ def run_products(ce: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
     no dead slot at or before j. The same value and gradient as ``cumprod(exp(−ce) · live)`` to
     float rounding, but torch's cumprod backward asks the host whether its input holds a zero
     (a ``.item()``: one GPU synchronisation per call, i.e. per anchor chunk of the step, after
-    which the host launches every kernel late; bench/gpu/idle_sources.py found it), and a
+    which the host launches every kernel late; bench/drafter_step/idle_sources.py found it), and a
     cumulative sum's backward is another cumulative sum, asked nothing."""
     alive = (live == 0).cumsum(-1) == 0
     return torch.where(alive, torch.exp(-torch.where(alive, ce, 0.0).cumsum(-1)), 0.0)

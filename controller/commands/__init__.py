@@ -1,6 +1,6 @@
 """Command groups of `ctl`. Each module exposes ``register(app)``; COMMANDS says which module
 holds each top-level command, so `ctl exec` imports the exec module and not the launch
-machinery (start-up time is most of a short command: bench/exec_roundtrip.py)."""
+machinery (start-up time is most of a short command: bench/ctl_exec/roundtrip.py)."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from controller.exitcodes import CtlExit
 from controller.session import open_runner
 from controller.transport import CommandError, TransportError
 
-# When set, `ctl` writes {"ssh_connections": N} here on exit (bench/exec_roundtrip.py, tests).
+# When set, `ctl` writes {"ssh_connections": N} here on exit (bench/ctl_exec/roundtrip.py, tests).
 ENV_STATS = "DFLASH_CTL_STATS"
 
 # Exit codes of ctl itself (a remote command's own code passes through unchanged); their

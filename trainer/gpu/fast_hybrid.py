@@ -4,7 +4,7 @@ soft labels, the final normed hidden state. trainer/gpu/fast_target.py does the 
 Qwen3 targets; this is its hybrid counterpart, over the transformers model's own weights.
 
 Per layer, against transformers' Qwen3_5DecoderLayer (the same math, tested on CPU in
-tests/test_trainer_hybrid.py and on an H200 by bench/gpu/hybrid.py):
+tests/test_trainer_hybrid.py and on an H200 by bench/target_forward/hybrid.py):
 
 * one GEMM per projection group: Gated DeltaNet in_proj_qkv | in_proj_z | in_proj_b |
   in_proj_a; full attention q_proj (query and output gate interleaved per head) | k_proj |

@@ -367,7 +367,7 @@ def drafter_peak_bytes(shape: ModelShape, *, n_layers: int, block_size: int, max
                        max_batch_size: int = 64, chunk_positions: int = 16384,
                        head_chunk_rows: int = HEAD_CHUNK_ROWS, soft_labels: bool = False,
                        double_buffer: bool = True, **_ignored) -> dict:
-    """A drafter rank alone (bench/gpu/run_all.py, ``python -m trainer.gpu.probe``): allocated
+    """A drafter rank alone (``python -m trainer.gpu.probe``): allocated
     peak and its terms. ``double_buffer``: two micro-batches' buffers resident."""
     s = RunSpec(shape, "drafter", token_budget, max_seq_len, max_batch_size, n_layers, n_tapped, block_size,
                 max_anchors, soft_labels, chunk_anchors=max(1, chunk_positions // block_size),
