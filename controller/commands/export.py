@@ -237,8 +237,10 @@ def export_command(
     from controller.commands import job as job_cmd
     from controller.commands.watch import resolve_run, container_or_last_launch
 
-    if dtype not in ("bf16", "fp32"):
-        raise fail(f"--dtype {dtype}: expected bf16 or fp32", EXIT_CONFIG)
+    from trainer.drafter_dir import dtype_problem
+
+    if dtype_problem(dtype):  # a quantized export is refused with its reason, before any connection
+        raise fail(dtype_problem(dtype), EXIT_CONFIG)
     if not to.strip():  # an unset $DEST: Path("") would be the current directory
         raise fail(f"--to {to!r}: the destination is empty; name a new or empty directory", EXIT_CONFIG)
     dest = Path(to).expanduser().absolute()

@@ -35,7 +35,7 @@ import sys
 from agent.protocol import read_json_lines, wrap_payload
 from trainer import flags
 
-from trainer.drafter_dir import DTYPES, ExportError, read_evals, target_facts, write_drafter_dir
+from trainer.drafter_dir import DTYPES, ExportError, dtype_problem, read_evals, target_facts, write_drafter_dir
 
 PROG = "python -m trainer export"
 
@@ -89,6 +89,8 @@ def export(checkpoint: str, out: str, dtype: str = "bf16", step: int | None = No
     """Export the checkpoint ``checkpoint`` names to ``out``; returns the manifest plus step."""
     from trainer import checkpoint as ckpt_io
 
+    if dtype_problem(dtype):  # before anything is read
+        raise ExportError(dtype_problem(dtype))
     d = resolve(checkpoint, step)
     out = os.path.abspath(out)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
@@ -113,8 +115,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step", type=int, default=None, metavar="N",
                    help="with an output or run directory: that step instead of the newest")
     p.add_argument("--out", required=True, metavar="DIR", help="the export directory; must be absent or empty")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
-                   help="weight dtype of model.safetensors (default bf16, what the serving stacks run)")
+    p.add_argument("--dtype", default="bf16", metavar="|".join(DTYPES),
+                   help="weight dtype of model.safetensors (default bf16, what the serving stacks run); a "
+                        "quantized format is refused with the reason (vllm-project/vllm#51581)")
     p.add_argument("--json", action="store_true", help="print the manifest (files, sizes, sha256) as JSON between "
                                                        "the agent protocol's sentinel lines")
     args = p.parse_args(argv)
