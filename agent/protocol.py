@@ -214,7 +214,8 @@ class StreamKind(str, enum.Enum):
 #   step        step, total_steps, epoch, loss, ce, kl, cap, lr, grad_norm, tokens,
 #               tokens_per_s, drafted_per_s, acc (per-slot accuracy list), mem_peak_mib, wait_s
 #   checkpoint  step, path
-#   eval        step, tau
+#   eval        step, tau, by_category ({source: tau}), best_step, best_tau (the checkpoint
+#               retention keeps and `ctl export --best` exports)
 #   error       error (cuda_oom|exception|nccl_timeout; serve: regenerate's --serve server did not come up), message, traceback
 #   probe       peak_mib per role/gpu, fits, budget
 #   launch      (the launching parent, rank null) rdzv_endpoint, nproc, ranks [{rank, role, gpu}]: the

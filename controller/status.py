@@ -98,6 +98,13 @@ def render_status(reply: dict, ctid: str, node: str) -> list[str]:
     if st.loss is not None:
         lines.append(f"loss     {st.loss:.4f}" + (f"  (lr {st.lr:.2e})" if isinstance(st.lr, (int, float)) else "")
                      + _chart(hist.get("loss")))
+    taus = [t for t in (hist.get("tau") or []) if isinstance(t, (int, float))]
+    if taus:  # τ at each save (--eval-prompts): what serving buys, and the checkpoint that serves best
+        best = hist.get("best") or {}
+        at = (hist.get("eval_step") or [None])[-1]
+        lines.append(f"tau      {taus[-1]:.3f}" + (f" at step {at}" if at is not None else "")
+                     + (f"  (best {best['tau']:.3f} at step {best['step']}: `ctl export --best`)"
+                        if isinstance(best.get("tau"), (int, float)) else "") + _chart(taus))
     rate = st.steady_tokens_per_s or st.tokens_per_s
     if rate is not None:
         baseline = reply.get("baseline") or {}

@@ -179,10 +179,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--noise-end", "float", 0.0, "noise amplitude at the last step (linear anneal)", "loss"),
     # -- outputs
     Flag("--save-interval", "int", 2000, "optimizer steps between checkpoints (a final one is always written)", "output"),
-    Flag("--keep-checkpoints", "int", 3, "keep the newest N checkpoints in --output-dir: an older one is removed only after a newer save completed, never the newest loadable one (0 keeps all); the launch preflight refuses a run whose retained checkpoints cannot fit the output disk", "output", metavar="N"),
+    Flag("--keep-checkpoints", "int", 3, "keep the newest N checkpoints in --output-dir: an older one is removed only after a newer save completed, never the newest loadable one, never the best by τ at save (0 keeps all); the launch preflight refuses a run whose retained checkpoints cannot fit the output disk", "output", metavar="N"),
     Flag("--keep-every", "int", 0, "also keep every checkpoint whose step is a multiple of K, beyond --keep-checkpoints (0: none)", "output", metavar="K"),
     Flag("--log-interval", "int", 1, "optimizer steps between step events", "output"),
-    Flag("--eval-prompts", "int", 0, "held-out prompts for acceptance-length evaluation at each save (0: off)", "output"),
+    Flag("--eval-prompts", "int", 0, "held-out prompts for acceptance-length evaluation at each save (0: off); the τ measured selects the best checkpoint (OUTPUT/best.json), which retention keeps", "output"),
     Flag("--probe-memory", "bool", False, "run this run's worst case (full-length sequences at the resolved --token-budget, --max-anchors each, the selected --drafter-step) for two optimizer steps on each role's GPU, report the measured allocated and reserved peaks beside the memory model's prediction, and exit: 0 when every GPU holds the measured reserved peak plus a 2 GiB margin, 2 (one line per short GPU: role, need, shortfall) when not", "output"),
     Flag("--probe-first", "bool", False, "before training, run --probe-memory's worst case in a separate process and train only if it fits (costs one more start-up and two steps; the compile cache it fills is reused)", "output"),
     Flag("--probe-capacity-mib", "float", None, "the memory --probe-memory checks the measured need against, instead of the GPU's free memory: plan for a smaller GPU (on CPU the check runs only with it)", "output", metavar="MIB"),

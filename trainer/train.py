@@ -29,7 +29,6 @@ from trainer.gpu import kernel_profile
 from trainer import runtime_env
 from trainer import topology as topo_mod
 from trainer.data import PreparedData, make_batches
-from trainer.serve.evaluate import acceptance_length
 from trainer.flags import EXIT_OK, EXIT_STOPPED
 from trainer.loss import key, sample_anchors
 from trainer.model import Drafter, DrafterConfig, FrozenHead
@@ -364,6 +363,30 @@ def save_checkpoint(args, events, step: int, position: int, stream, drafter, opt
     return path
 
 
+def evaluate_at_save(args, events, wandb, step: int, path: str, target, drafter, head, data, dev) -> dict:
+    """τ of the checkpoint just saved on the held-out prompts (per category where the data
+    knows each sample's source): into its eval.json (the model card) and its meta.json, the
+    ``best`` checkpoint moved when it beats it (retention keeps that one), an eval event and a
+    wandb row. τ, not the loss, is what selects: it is what serving buys."""
+    from trainer.drafter_dir import record_eval
+    from trainer.serve.evaluate import EVAL_MAX_NEW, evaluate
+
+    got = evaluate(target, drafter, head, data, args.eval_prompts, dev)
+    rec = {"tau": got["tau"], "prompts": args.eval_prompts, "max_new_tokens": EVAL_MAX_NEW, "device": dev.type,
+           "dtype": str(next(drafter.parameters()).dtype).replace("torch.", ""),
+           "by": "trainer/serve/evaluate.py at save", **({"by_category": got["by_category"]} if got["by_category"] else {})}
+    step_path = os.path.dirname(path)
+    record_eval(step_path, block=rec)  # the export's model card shows it
+    best = ckpt_io.record_tau(step_path, rec)
+    events.emit("eval", step=step, tau=got["tau"], by_category=got["by_category"], best_step=best["step"],
+                best_tau=best["tau"])
+    wandb.log({"eval/tau": got["tau"], "eval/best_tau": best["tau"], "eval/best_step": best["step"],
+               **{f"eval/tau_{k}": v for k, v in got["by_category"].items()}}, step=step)
+    cats = "".join(f", {k} {v:.3f}" for k, v in got["by_category"].items())
+    print(f"eval step {step}: tau {got['tau']:.3f}{cats} (best: step {best['step']}, tau {best['tau']:.3f})", flush=True)
+    return rec
+
+
 def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
     dev, log = topo.device, topo.is_log_rank
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # target + shipped states; drafter weights fp32
@@ -450,17 +473,8 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
                 path = save_checkpoint(args, events, step, start.position + (step - start.step) * per_step, stream,
                                        drafter, opt, meta)
                 if args.eval_prompts > 0 and target is not None:
-                    from trainer.serve.evaluate import EVAL_MAX_NEW, acceptance_length
-                    from trainer.drafter_dir import record_eval
-
                     events.emit("phase", phase="evaluating")
-                    tau = acceptance_length(target, drafter, head, data, args.eval_prompts, dev)
-                    record_eval(os.path.dirname(path), block={  # the export's model card shows it
-                        "tau": tau, "prompts": args.eval_prompts, "max_new_tokens": EVAL_MAX_NEW, "device": dev.type,
-                        "dtype": str(next(drafter.parameters()).dtype).replace("torch.", ""),
-                        "by": "trainer/serve/evaluate.py at save"})
-                    events.emit("eval", step=step, tau=tau)
-                    print(f"eval step {step}: tau {tau:.3f}", flush=True)
+                    evaluate_at_save(args, events, wandb, step, path, target, drafter, head, data, dev)
                 events.emit("phase", phase="training")
             topo_mod.barrier(topo)
         if stopped:
