@@ -389,7 +389,7 @@ def as_measured_build(p, *, noisy_copy: bool = False):
     phases (the anchor chunks and the context backward, during which both were alive) hold
     the leak, and with ``noisy_copy`` the copy, besides; reserved follows from the allocator
     as for any prediction."""
-    from trainer import memory as mm
+    from trainer.plan import memory as mm
 
     extra = leak_bytes_of(p.spec) + (noisy_copy_bytes(p.spec) if noisy_copy else 0)
     phases = {k: v + (extra if k in ("chunk", "ctx_bwd") else 0) for k, v in p.phases.items()}
@@ -397,7 +397,7 @@ def as_measured_build(p, *, noisy_copy: bool = False):
 
 
 def _pred(sc: dict, budget: int, role: str) -> dict:
-    from trainer import budget as B
+    from trainer.plan import budget as B
     from trainer.synthetic import HYBRID_SHAPES, SHAPES, hf_config
 
     cfg = hf_config({**SHAPES, **HYBRID_SHAPES}[sc["shape"]])
