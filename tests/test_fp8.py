@@ -327,3 +327,21 @@ def test_the_memory_model_counts_an_fp8_targets_bytes_exactly(dense):
     shape = ModelShape.from_hf_config(json.loads(open(os.path.join(dense, "config.json")).read()))
     cfg = json.loads(open(os.path.join(dense, "config.json")).read())
     assert total == mm.family_of(shape).weight_bytes(shape, shape.n_layers, bool(cfg.get("tie_word_embeddings")), "fp8")
+
+
+def test_the_fp8_bench_runs_every_section_on_cpu_and_writes_its_summary(tmp_path):
+    """bench/fp8/run.py --smoke: the harness the GPU run uses, on tiny shapes."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fp8_bench", os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), "bench", "fp8", "run.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--out", str(tmp_path), "--smoke", "--reps", "1"]) == 0
+    s = json.loads((tmp_path / "summary.json").read_text())
+    assert set(s["sections"]["gemms"]) >= {"qkv", "o", "gate_up", "down", "head"}
+    g = s["sections"]["gemms"]["gate_up"]
+    assert g["ms"]["bf16"] > 0 and g["ms"]["fp8"] > 0 and 0 < g["rel_err"]["fp8"] < 0.05
+    f = s["sections"]["forward"]
+    assert f["bf16"]["ms"] > 0 and f["fp8"]["ms"] > 0 and len(f["taps_error"]) == 5
+    assert all(0 < t["rel_l2"] < 0.3 and t["max_abs"] > 0 for t in f["taps_error"])
