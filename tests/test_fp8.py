@@ -345,3 +345,33 @@ def test_the_fp8_bench_runs_every_section_on_cpu_and_writes_its_summary(tmp_path
     f = s["sections"]["forward"]
     assert f["bf16"]["ms"] > 0 and f["fp8"]["ms"] > 0 and len(f["taps_error"]) == 5
     assert all(0 < t["rel_l2"] < 0.3 and t["max_abs"] > 0 for t in f["taps_error"])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the device machine)")
+def test_on_the_gpu_the_scaled_matmul_and_the_compiled_producers_match_the_emulation():
+    dev = torch.device("cuda")
+    why = fp8.runs_here(dev)
+    if why:
+        pytest.skip(why)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 512, 1024, generator=gen)
+    x[..., :4] *= 40
+    w = torch.randn(768, 1024, generator=gen) * 0.02
+    xb, wb = x.to(dev, torch.bfloat16), w.to(dev, torch.bfloat16)
+    ln = torch.ones(1024, device=dev, dtype=torch.bfloat16)
+    W = fp8.Fp8Weight.of(wb)
+    # the producer compiled with its quantization against the eager quantization of the bf16 op
+    x8, sx = fp8.FP8.norm(xb, ln)
+    e8, es = fp8.quantize_rows(fo._rms(xb, ln, fo.EPS))
+    torch.testing.assert_close(sx, es, rtol=1e-2, atol=0)
+    same = (x8.view(torch.uint8) == e8.view(torch.uint8)).float().mean().item()
+    assert same > 0.99, same  # a code off by one where the compiled norm rounds otherwise
+    # torch._scaled_mm against the emulation on the same operands
+    y = fp8.mm((x8, sx), W)
+    ref = fp8.scaled_mm(x8.reshape(-1, 1024).cpu(), sx.reshape(-1, 1).cpu(), W.w8.cpu(), W.scale.cpu(), torch.float64)
+    assert y.dtype == torch.bfloat16
+    assert rel_err(y.reshape(-1, 768).cpu(), ref) < 2 ** -7
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()

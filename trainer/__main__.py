@@ -50,7 +50,9 @@ def validate(args) -> list[str]:
     if args.target_precision in ("fp8", "auto"):
         capability = paths.gpu_capability() if cuda else None
         missing = flags.fp8_missing(cuda, capability)
-        if args.target_precision == "fp8" and cuda and missing:
+        # an unknown capability (no NVML here) is left to the GPU itself: the memory check tries
+        # the scaled matmul there (train.memory_check) and refuses it with the reason if it fails
+        if args.target_precision == "fp8" and cuda and missing and not isinstance(capability, str):
             problems.append(f"--target-precision fp8: {missing}; use --target-precision bf16 (or auto: fp8 only "
                             "where it runs)")
         args.target_precision = flags.target_precision_for(vars(args), cuda, capability, _hidden(target_cfg))[0]
