@@ -71,7 +71,7 @@ def oom_reason(info: dict, gpu: int | None = None) -> str:
     return f"CUDA OOM on {where_s}"
 
 
-# --- NCCL / collective timeouts (research §4.10) ----------------------------------------------
+# --- NCCL / collective timeouts (docs/research/proxmox-and-supervision.md §4.10) ------------
 _NCCL = re.compile(
     r"Watchdog caught collective operation timeout"
     r"|ran for \d+ milliseconds before timing out"
@@ -274,18 +274,40 @@ def classify_event(event: dict, ts: float | None = None) -> Failure | None:
                    event.get("pid"), ts, evidence)
 
 
+def _bytes_mib(n: int | None) -> str:
+    return f"{n / 2**20:,.0f} MiB" if n is not None else "?"
+
+
+def _oom_reason(who_full: str, oom: dict) -> str:
+    """The OOM kill said with exactly the evidence agent/cgroup.py oom_evidence found."""
+    limit, peak = oom.get("limit_bytes"), oom.get("peak_bytes")
+    if oom.get("cgroup_oom_kills"):
+        said = f"host OOM kill: {who_full} killed (cgroup oom_kill counter +{oom['cgroup_oom_kills']})"
+        if oom.get("limit_reached"):
+            return f"{said}; its memory cgroup's limit ({_bytes_mib(limit)}) was reached (peak {_bytes_mib(peak)})"
+        if oom.get("limit_reached") is False:
+            return (f"{said}; its memory cgroup's limit ({_bytes_mib(limit)}) was not reached (peak {_bytes_mib(peak)}): "
+                    "the host ran out of memory")
+        return said
+    return (f"{who_full} killed by signal 9: possibly the host's OOM killer (the kernel's oom_kill counter rose "
+            f"by {oom['host_oom_kills']} while it ran; no memory cgroup counter is visible in this container, "
+            "so the victim is not certain: the node's kernel log says)")
+
+
 def exit_failure(rank: int | None, pid: int | None, gpu: int | None, status: dict | None,
-                 had_traceback: bool, evidence: list[str], oom_kills: int = 0,
+                 had_traceback: bool, evidence: list[str], oom: dict | None = None,
                  what: str | None = None, slot: str = "GPU") -> Failure:
     """A process (a rank, or the whole job) that ended badly, said as what is known.
 
-    OOM only with evidence: the cgroup's oom_kill counter rose (the kernel's OOM event for
-    this cgroup; CUDA OOM text is classified from the lines, not here). A SIGKILL without
-    that is not an OOM: an operator's or another tool's ``kill -9`` reads exactly the same
-    (an external kill -9 was once reported as "host_oom (suspected)"), so it is named
-    "killed by signal 9 (not by us)" — the agent never signals a rank before it has
-    classified the failure. ``slot``: what ``gpu`` names ("GPU", or "rank slot" on CPU);
-    None names no device at all.
+    OOM only with evidence (``oom``: agent/cgroup.py oom_evidence over the attempt): the
+    cgroup's oom_kill counter rose (the kernel's OOM kill of a process in this cgroup,
+    whichever limit ran out; CUDA OOM text is classified from the lines, not here), or — for
+    a SIGKILL where no cgroup counter is visible — the kernel's own counter rose, said as
+    "possibly the host's OOM killer". A SIGKILL without either is not an OOM: an operator's
+    or another tool's ``kill -9`` reads exactly the same (an external kill -9 was once
+    reported as "host_oom (suspected)"), so it is named "killed by signal 9 (not by us)" —
+    the agent never signals a rank before it has classified the failure. ``slot``: what
+    ``gpu`` names ("GPU", or "rank slot" on CPU); None names no device at all.
     """
     who = what or (f"rank {rank}" if rank is not None else "the job")
     device = f"{slot} {gpu}" if gpu is not None and slot else ""
@@ -293,10 +315,9 @@ def exit_failure(rank: int | None, pid: int | None, gpu: int | None, status: dic
     who_full = f"{who} ({where})" if where else who
     status = status or {}
     sig = status.get("signal")
-    if oom_kills > 0:
-        reason = f"host OOM kill: {who_full} killed (cgroup oom_kill counter +{oom_kills})"
-        return Failure(FailureKind.HOST_OOM, reason, rank, gpu, pid, evidence=evidence,
-                       details=dict(status, oom_kills=oom_kills))
+    if oom and (oom.get("cgroup_oom_kills") or (sig == 9 and oom.get("host_oom_kills"))):
+        return Failure(FailureKind.HOST_OOM, _oom_reason(who_full, oom), rank, gpu, pid, evidence=evidence,
+                       details=dict(status, **oom, suspected=not oom.get("cgroup_oom_kills")))
     details = dict(status)
     if sig:
         reason = f"{who_full} killed by signal {sig} (not by us)"
@@ -313,8 +334,9 @@ def exit_failure(rank: int | None, pid: int | None, gpu: int | None, status: dic
 # --- heartbeats: stalls -------------------------------------------------------------------------
 class StallMonitor:
     """A rank whose heartbeat (step, ts) has not changed for ``timeout`` s while another rank's
-    has is stalled (a silent hang otherwise lasts until the NCCL timeout: research §4.10, §4.11).
-    All ranks silent for ``timeout`` s during training is a hang of the whole job."""
+    has is stalled (a silent hang otherwise lasts until the NCCL timeout:
+    docs/research/proxmox-and-supervision.md §4.10, §4.11). All ranks silent for ``timeout`` s
+    during training is a hang of the whole job."""
 
     def __init__(self, timeout: float):
         self.timeout = timeout
@@ -350,7 +372,7 @@ class StallMonitor:
 class ThroughputMonitor:
     """Steady-state tokens/s (median of the last ``window`` step events per rank, after
     ``warmup`` events) summed over ranks, against a baseline (the story: 20 → 5.4 Ktok/s
-    with nobody told why, DESIGN.md)."""
+    with nobody told why, docs/design.md)."""
 
     def __init__(self, baseline: float | None, fraction: float, warmup: int = 3, window: int = 5):
         self.baseline, self.fraction, self.warmup, self.window = baseline, fraction, warmup, window

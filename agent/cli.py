@@ -85,7 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     head, tail = _split_argv(argv)
     args = build_parser().parse_args(head)
     try:
+        protocol.check_run_arg(getattr(args, "run", None))
         return VERBS[args.verb](args, tail) or 0
+    except protocol.BadRunId as exc:
+        return _fail(str(exc))
     except protocol.CorruptFile as exc:  # a state file that is not its record: one line, no traceback
         return _fail(str(exc), protocol.EXIT_FAILURE, corrupt=exc.path)
 

@@ -2,8 +2,9 @@
 that started it, so `agent start` double-forks, the middle process calls setsid(), and the
 grandchild execs a fresh interpreter as the daemon (`python3 -m agent _daemon`) with stdin
 on /dev/null and stdout/stderr on agent.log: nothing of the caller's channel stays open,
-so the caller's `pct exec` returns at once (research §1.1: no signal forwarding, daemonize
-long jobs). The daemon reports "started" (or the error) back through a pipe.
+so the caller's `pct exec` returns at once (docs/research/proxmox-and-supervision.md §1.1:
+no signal forwarding, daemonize long jobs). The daemon reports "started" (or the error)
+back through a pipe.
 """
 
 from __future__ import annotations
@@ -171,4 +172,16 @@ def main(run_dir: str, ready_fd: int | None, reattach: bool, by: str | None = No
         if ready_fd is not None:
             ready({"ok": False, "error": f"the agent failed while starting; see {rd.agent_log}"})
         lock.release()
+        _finish_alerts(sup)
     return 0
+
+
+def _finish_alerts(sup) -> None:
+    """After the run ended (and the stream is let go), keep delivering what is still pending
+    for a while (a receiver that is down now may be back); what is left then is `ctl watch`'s.
+    Killed by a signal (a stop of the agent itself), it leaves at once: its successor delivers."""
+    from agent.alertwatch import LINGER_S
+
+    if sup.alerts is None:
+        return
+    sup.alerts.close(linger_s=LINGER_S if sup.store.terminal else 0.0)

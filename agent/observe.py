@@ -36,7 +36,7 @@ class Observation:
     classifier: LineClassifier
     stall: StallMonitor
     tput: ThroughputMonitor
-    oom_base: int = 0  # the cgroup's oom_kill counter when the attempt began
+    memory_base: cgroup.MemorySample | None = None  # the OOM counters when the attempt began
     failures: list[Failure] = field(default_factory=list)
     first_failure_at: float | None = None  # time.monotonic() of the first failure
     heartbeats: dict[int, dict] = field(default_factory=dict)
@@ -86,7 +86,7 @@ class Observer:
         """A fresh Observation for a job (attempt) spawned at ``started`` (time.time())."""
         self.seen = Observation(LineClassifier(), StallMonitor(self.opts.stall_timeout),
                                 ThroughputMonitor(self.opts.baseline_tokens_per_s, self.opts.regression_fraction),
-                                oom_base=cgroup.oom_kills(self.oom_path) or 0,
+                                memory_base=cgroup.sample(self.oom_path),
                                 started=time.time() if started is None else started)
         return self.seen
 
@@ -274,9 +274,10 @@ class Observer:
                                           "rdzv_endpoint": endpoint, "startup_timeout_s": limit,
                                           "heartbeats": sorted(seen.heartbeats)}))
 
-    def oom_delta(self) -> int:
-        now = cgroup.oom_kills(self.oom_path)
-        return max(0, (now or 0) - self.seen.oom_base) if now is not None else 0
+    def oom_delta(self) -> dict | None:
+        """The OOM kills the container could see since the attempt began (cgroup.oom_evidence)."""
+        base = self.seen.memory_base
+        return cgroup.oom_evidence(base, cgroup.sample(self.oom_path)) if base else None
 
     def rank_exit_failures(self, reaped: dict[int, dict], job_exit: dict | None = None) -> list[Failure]:
         """The ranks that died without a failure of their own already named: a rank whose

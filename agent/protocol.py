@@ -18,7 +18,7 @@ PROTOCOL_VERSION = 1
 
 # Machine-readable replies are printed between these lines, so that login banners, a
 # noisy .bashrc or a locale warning on the same stdout cannot corrupt them.
-# (SkyPilot does the same with <sky-payload>; research/proxmox-and-supervision.md §1.1.)
+# (SkyPilot does the same with <sky-payload>; docs/research/proxmox-and-supervision.md §1.1.)
 BEGIN = "<<<DFLASH-CTL-PAYLOAD>>>"
 END = "<<<END-DFLASH-CTL-PAYLOAD>>>"
 
@@ -50,7 +50,7 @@ def extract_payload(text: str) -> dict:
     return obj
 
 
-# --- run directory layout (DESIGN.md: contracts) -----------------------------------------
+# --- run directory layout (docs/design.md: contracts) -----------------------------------------
 SPEC = "spec.json"
 START_SCRIPT = "start.sh"
 FINGERPRINT = "fingerprint.json"
@@ -64,7 +64,7 @@ ENV_RUN_DIR = "DFLASH_RUN_DIR"  # the agent passes the run directory to the job 
 
 # The job's stdout/stderr go to these files, never to a pipe owned by the agent, so the job
 # outlives an agent that dies and a re-attached agent reads on from its recorded offsets
-# (research §4.8: silent log loss).
+# (docs/research/proxmox-and-supervision.md §4.8: silent log loss).
 JOB_STDOUT = "job.stdout"
 JOB_STDERR = "job.stderr"
 JOB_PID = "job.pid"  # {"pid","starttime","boot_id","marker"}: the job monitor (PID-reuse guard)
@@ -124,6 +124,24 @@ def run_id_problem(run_id: Any) -> str | None:
             "(`ctl runs` lists them)")
 
 
+class BadRunId(ValueError):
+    """A `--run` given to an agent verb that is not a run id: run_id_problem's line."""
+
+
+def check_run_arg(run: Any) -> None:
+    """An agent verb's `--run`: None (the verb's default run) or a run id; BadRunId for anything
+    else, so no empty id, path or option-like value is ever joined into a path in the container."""
+    problem = None if run is None else run_id_problem(run)
+    if problem:
+        raise BadRunId(problem)
+
+
+def run_path(workspace: str, run: str) -> str:
+    """<workspace>/runs/<run> for a run id of the grammar (BadRunId otherwise)."""
+    check_run_arg(run)
+    return os.path.join(workspace, "runs", run)
+
+
 # `agent follow --run ID --from SEQ` prints the records with seq > SEQ: seq starts at 1, so
 # `--from 0` is the whole stream and a client reconnects with the last seq it saw. The last
 # record of a finished run is a "status" record whose payload state is terminal.
@@ -136,7 +154,7 @@ EXIT_USAGE = 2  # bad input, nothing written (trainer, agent verbs)
 EXIT_STOPPED = 75  # the trainer stopped on request after a checkpoint (EX_TEMPFAIL: resumable)
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, the shell's convention): stopped, nothing written
 # `agent follow`: the agent is gone and the run has not finished, so the stream would never
-# end (research §4.8, ray#57002): re-attach, then follow again.
+# end (docs/research/proxmox-and-supervision.md §4.8, ray#57002): re-attach, then follow again.
 EXIT_AGENT_GONE = 3
 # `ctl tail --follow` (and `ctl launch --follow`): the run died because its container restarted
 # or its node rebooted (every process of it is gone; resume from its last checkpoint).
@@ -186,6 +204,7 @@ class StreamKind(str, enum.Enum):
     EVENT = "event"  # payload: a trainer event (below) or an agent event (failure, stop, restart)
     GPU = "gpu"  # payload: {"gpus": [sample...]} or {"gpus": [], "state": "no GPU", "reason": str}
     STATUS = "status"  # payload: the status.json document at a state change and at the end
+    ALERT = "alert"  # payload: an agent.alerts.Alert (id, kind, run, cause, next, ...), before it is sent
 
 
 # Trainer events (one JSON object per line in events.jsonl). Common keys: ts, rank, role,

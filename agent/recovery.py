@@ -275,6 +275,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     s.add_argument("--run")
     s.add_argument("--limit", type=int, default=0)
     args = p.parse_args(argv)
+    try:
+        protocol.check_run_arg(getattr(args, "run", None))
+    except protocol.BadRunId as exc:
+        sys.stdout.write(wrap_payload({"ok": False, "error": str(exc)}))
+        print(f"agent.recovery {args.verb}: {exc}", file=sys.stderr)
+        return protocol.EXIT_USAGE
     if args.verb == "survivors":
         body = {"run": args.run, "survivors": survivors(args.workspace, args.run)}
     elif args.verb == "run-info":

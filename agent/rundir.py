@@ -1,4 +1,4 @@
-"""Paths and small file helpers of one run directory (DESIGN.md: run directory)."""
+"""Paths and small file helpers of one run directory (docs/design.md: run directory)."""
 
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def resolve(run: str | None = None, workspace: str | None = None, run_dir: str |
     if not run:
         raise ValueError("name the run: --run ID (with --workspace W) or --run-dir DIR")
     ws = workspace or os.environ.get(protocol.ENV_WORKSPACE) or protocol.DEFAULT_WORKSPACE
-    return RunDir(os.path.join(ws, "runs", run))
+    return RunDir(protocol.run_path(ws, run))
 
 
 def last_stream_status(rd: RunDir, window: int = 4 << 20) -> dict | None:

@@ -25,9 +25,9 @@ from typing import Optional
 
 from agent import knowngood, procs
 from agent.daemon import revive_if_gone
-from agent.protocol import (DEFAULT_WORKSPACE, ENV_WORKSPACE, EVENTS, SPEC, CorruptFile, RunResult, load_json_object,
-                            read_json_lines, wrap_payload)
-from agent.rundir import RunDir, agent_alive, agent_live_or_none, finished, read_json, read_status
+from agent.protocol import (DEFAULT_WORKSPACE, ENV_WORKSPACE, EVENTS, EXIT_USAGE, SPEC, BadRunId, CorruptFile,
+                            FailureKind, RunResult, RunStatus, check_run_arg, load_json_object, read_json_lines, wrap_payload)
+from agent.rundir import RunDir, agent_alive, agent_live_or_none, read_json, read_status
 
 
 def runs(workspace: str) -> list[dict]:
@@ -68,6 +68,29 @@ def history(run_dir: str) -> dict:
     return {"step": [r[0] for r in rows], "loss": [r[1] for r in rows], "tokens_per_s": [r[2] for r in rows]}
 
 
+_DIED_WITH_HOST = (FailureKind.CONTAINER_RESTART.value, FailureKind.NODE_REBOOT.value)
+
+
+def host_restart_of(restart: Optional[dict], st: RunStatus, result: Optional[RunResult]) -> Optional[dict]:
+    """The restart (or reboot) the run died with, {"kind", "at", "step"}, or None.
+
+    ``restart`` (the marks' verdict) was taken before ``result``, and ``result`` was read
+    before ``st``. The agent that ends such a run writes result.json, then status.json with
+    ``host_restart``; every pair of those a reader can see names the restart: status.json
+    already says it, or result.json's root cause is it, or neither file has ended the run yet
+    and the marks say it. A run that ended on its own before the restart is not named."""
+    if st.host_restart:
+        return st.host_restart
+    cause = (result.root_cause or {}) if result else {}
+    if cause.get("kind") in _DIED_WITH_HOST:
+        details = cause.get("details") or {}
+        return {"kind": details.get("kind") or ("container" if cause["kind"] == _DIED_WITH_HOST[0] else "node"),
+                "at": details.get("at"), "step": details.get("step", st.step)}
+    if restart and result is None and not st.terminal:
+        return dict(restart, step=st.step)
+    return None
+
+
 def status(workspace: str, run: Optional[str] = None) -> dict:
     all_runs = runs(workspace)
     if run is None:
@@ -78,6 +101,12 @@ def status(workspace: str, run: Optional[str] = None) -> dict:
     if not os.path.exists(rd.spec):
         known = ", ".join(r["run_id"] for r in all_runs[-5:]) or "none"
         return {"ok": False, "error": f"no run {run!r} in {workspace}/runs (latest: {known}); `ctl runs` lists them"}
+    # Read before anything is started: a container restart or node reboot under an
+    # unfinished run is said even where no agent may be started (--revive 0). Taken first,
+    # from the job's marks alone (job.pid is written at spawn, never after), and never skipped
+    # for a run that looks finished: an agent re-attached by someone else (a follower) may be
+    # ending the run right now, and the files it writes are read after this (host_restart_of).
+    restart = procs.restart_since((read_json(rd.job_pid) or {}).get("boot"))
     try:
         spec = load_json_object(rd.spec) or {}
         result = RunResult.load(rd.result)
@@ -85,9 +114,6 @@ def status(workspace: str, run: Optional[str] = None) -> dict:
         return {"ok": False, "corrupt": exc.path, "run_id": run,
                 "error": f"run {run}: {exc}; nothing was started or changed"}
     st, corrupt = read_status(rd)
-    # Read before anything is started: a container restart or node reboot under an
-    # unfinished run is said even where no agent may be started (--revive 0).
-    restart = None if finished(rd) else procs.restart_since((read_json(rd.job_pid) or {}).get("boot"))
     # Nobody supervises a run whose agent died: the one who looks brings one back.
     # Never one that has ended (result.json is there) or whose status cannot be read.
     revived = None if corrupt else revive_if_gone(rd, "ctl status")
@@ -105,13 +131,20 @@ def status(workspace: str, run: Optional[str] = None) -> dict:
             "spec": {k: spec.get(k) for k in ("run_id", "created", "argv", "cwd", "options")},
             "status": st.to_json(), "result": result.to_json() if result else None,
             "warnings": [corrupt] if corrupt else [],
-            "host_restart": st.host_restart or (dict(restart, step=st.step) if restart else None),
+            "host_restart": host_restart_of(restart, st, result),
             "resume": {k: launch.get(k) for k in ("config", "config_file", "sets")},
             "agent_alive": agent_alive(rd), "job_alive": agent_live_or_none(rd.job_pid), "revived": revived,
             "config": config, "start": launch.get("start"), "gpus": launch.get("gpus"),
             "kind": launch.get("kind") or "train",
             "baseline": {"run_id": baseline.get("run_id"), "steady": baseline.get("steady")} if baseline else None,
-            "known_good_run": (known_good.get("env") or {}).get("run_id"), "history": history(rd.path)}
+            "known_good_run": (known_good.get("env") or {}).get("run_id"), "history": history(rd.path),
+            "alerts": _alerts(rd.path)}
+
+
+def _alerts(run_dir: str) -> dict:
+    from agent.alertcmd import summary  # here: only a run's status pays for reading its alerts
+
+    return summary(run_dir)
 
 
 def _defaults() -> dict:
@@ -151,6 +184,12 @@ def parse_args(argv: Optional[list[str]] = None) -> dict:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = SimpleNamespace(**parse_args(argv))
+    try:
+        check_run_arg(args.run)
+    except BadRunId as exc:
+        sys.stdout.write(wrap_payload({"ok": False, "error": str(exc)}))
+        print(f"agent.runview {args.verb}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
     if args.verb == "status":
         reply = status(args.workspace, args.run)
         sys.stdout.write(wrap_payload(reply))

@@ -1,11 +1,12 @@
 """The supervisor: the decisions of a run — start it, watch it, and on each outcome finish,
 restart or stop it.
 
-Shape borrowed from torch.distributed.elastic's agent (STYLE.md): a state enum with a store
-that refuses to leave a terminal state, and a loop that is monitor → restart while budget
-remains → stop, with shutdown in ``finally``. The job's processes are agent/job.py's; what
-is known about them is agent/observe.py's; status.json and result.json are the typed
-records of agent/protocol.py.
+Shape borrowed from torch.distributed.elastic's agent, a small state machine that has proven
+itself (torch/distributed/elastic/agent/server/api.py; docs/research/proxmox-and-supervision.md
+§2): a state enum with a store that refuses to leave a terminal state, and a loop that is
+monitor → restart while budget remains → stop, with shutdown in ``finally``. The job's
+processes are agent/job.py's; what is known about them is agent/observe.py's; status.json
+and result.json are the typed records of agent/protocol.py.
 """
 
 from __future__ import annotations
@@ -73,6 +74,27 @@ class Supervisor:
         self.stop_report: dict | None = None
         self.final_failure: Failure | None = None
         self._last_status_write = 0.0
+        self.alerts = self._alert_watch()
+
+    def _alert_watch(self):
+        """The run's alerts (agent/alertwatch.py); None when they cannot be set up — a fault
+        there is said in agent.log and never stops the supervision of the run."""
+        from agent.alertwatch import AlertWatch
+
+        try:
+            return AlertWatch(self.rd.path, self.run_id, self.stream.append, lambda: self.stream.sync(force=True))
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            return None
+
+    def poll_alerts(self) -> None:
+        watch = getattr(self, "alerts", None)  # a state change may come before it is set up
+        if watch is None:
+            return
+        try:
+            watch.poll()
+        except Exception:  # noqa: BLE001 - see _alert_watch
+            traceback.print_exc()
 
     def _accepting_failures(self) -> bool:
         return self.store.state != RunState.STOPPING and not self.store.terminal
@@ -85,6 +107,7 @@ class Supervisor:
         self.write_status(force=True)
         self.stream.append([(StreamKind.STATUS.value, self.status.to_json(), None)])
         self.stream.sync(force=True)
+        self.poll_alerts()  # a run that ended is told at once, not at the next slow round
 
     def write_status(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -207,6 +230,7 @@ class Supervisor:
                 self.obs.check_ranks(self.job.reaped)
                 self.obs.check_stalls(now)
                 self.obs.check_startup(time.time())
+                self.poll_alerts()
                 ex = self.job.exit_status()
                 if ex is not None:
                     self.obs.drain()

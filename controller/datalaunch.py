@@ -121,8 +121,12 @@ class DataLauncher:
                   "argv": self.argv, "fingerprint": pf.get("fingerprint"), "gpus": {}}
         request = {"workspace": self.workspace, "run_id": self.run_id, "record": record, "run_dir": self.run_dir,
                    "script": script, "secrets_file": secrets_file, "secret": self.secret,
+                   # checked again against every live run under the container's launch lock
+                   "paths": record["paths"],
                    "start_argv": start_argv(self.ct, self.run_dir, self.run_id, self.agent_options)}
         reply = self._call("agent.preflight", "commit", request, "starting the job")
+        if reply.get("conflicts"):
+            raise LaunchRefused(f"refused in {self.ct} as the job was being created:\n  " + "\n  ".join(reply["conflicts"]))
         if not reply.get("ok"):
             raise LaunchRefused(f"the job did not start in {self.ct}: {reply.get('error')}; nothing was left behind")
         return reply

@@ -1,4 +1,4 @@
-"""One training job across several containers, on one node or several (DESIGN.md: "Scale
+"""One training job across several containers, on one node or several (docs/design.md: "Scale
 beyond one node").
 
     ctl launch --config run.toml --from-scratch \\
@@ -201,6 +201,22 @@ def pin_auto_budget(launchers: list, say: Callable[[str], None]) -> None:
         say(f"memory   --token-budget auto → {budget} for every rank (the smallest of the containers' answers)")
 
 
+def setup_alerts(launcher, single: bool) -> None:
+    """The run's alert settings into its container (controller/alertsetup.py); a failure there
+    is a warning line — the run has started, and `ctl watch` delivers its alerts anyway."""
+    from controller.alertsetup import configure_run
+
+    cfg = launcher.config
+    launch = {"config_file": cfg._source_file, "config": cfg.name, "sets": list(cfg._command_line_sets),
+              "kind": "train"} if single else None
+    try:
+        configure_run(launcher.caller, launcher.ct, launcher.run_id, launcher.run_dir, getattr(cfg, "notify", None),
+                      launch, launcher.say)
+    except Exception as exc:  # noqa: BLE001 - said; never a failed launch for it
+        launcher.say(f"alerts   warning: could not set up this run's alerts ({str(exc).splitlines()[0][:200]}); "
+                     "`ctl watch` delivers them")
+
+
 def launch(cts: list[Container], members: list[Member], run_config, start: dict, *, say: Callable[[str], None] = print,
            accept_drift: bool = False, wandb_key: Optional[str] = None, dist_timeout: Optional[int] = None,
            endpoint: Optional[str] = None, agent_options: Optional[dict] = None,
@@ -285,6 +301,8 @@ def launch(cts: list[Container], members: list[Member], run_config, start: dict,
                                f"({str(exc).splitlines()[0][:200]}); it may have started, so the job was stopped "
                                f"wherever it ran{left}; check with `ctl status --run {run_id}`") from exc
         raise
+    for launcher in launchers:
+        setup_alerts(launcher, single)
     result.round_trips = sum(l.round_trips for l in launchers)
     result.timings = {"total_s": time.monotonic() - t0}
     return result

@@ -15,6 +15,7 @@ directory and no process.
 from __future__ import annotations
 
 import posixpath
+import shlex
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -211,10 +212,13 @@ class Launcher:
                    # the GPUs (or CPU rank slots) this run claims, checked again under the container's
                    # launch lock as the run is created (agent/preflight.py: commit)
                    "claim": {"ids": sorted(set(self.values["target_gpus"]) | set(self.values["drafter_gpus"])),
-                             "cuda": pf.get("device") == "cuda", "share": self.share_gpus}}
+                             "cuda": pf.get("device") == "cuda", "share": self.share_gpus},
+                   # and the paths it reads and writes, checked there too against every live run
+                   "paths": self.paths()}
         reply = self._call(["agent.preflight", "commit"], request, "starting the run", commit=True)
-        if reply.get("busy"):
-            raise LaunchRefused(f"refused in {self.ct} as the run was being created:\n  " + "\n  ".join(reply["busy"]))
+        if reply.get("busy") or reply.get("conflicts"):
+            raise LaunchRefused(f"refused in {self.ct} as the run was being created:\n  "
+                                + "\n  ".join(reply.get("busy") or reply["conflicts"]))
         if not reply.get("ok"):
             raise LaunchRefused(f"the run did not start in {self.ct}: {reply.get('error')}; nothing was left behind")
         return reply
@@ -240,6 +244,9 @@ class Launcher:
 
             refusals.append(shortfall_line(self.ct, pf["gpu_shortfall"]))
         else:
+            from controller.gpucheck import kernel_log_lines
+
+            lines += kernel_log_lines(self.ct, pf)
             mem_lines, mem_refusals, self.auto_budget = memory_report(self.values, pf)
             lines += mem_lines
             refusals += mem_refusals
@@ -341,9 +348,28 @@ def memory_report(values: dict, pf: dict) -> tuple[list[str], list[str], Optiona
     return lines, list(plan["refusals"]), budget
 
 
+def resume_line(ctid, node_name: Optional[str], launch: Optional[dict], checkpoint: Optional[dict]) -> str:
+    """The exact `ctl launch` that continues a run: its config file and `--set`s as it was
+    launched, from its checkpoint (a training run) or again (a data job resumes by itself)."""
+    launch = launch or {}
+    config = launch.get("config_file") or (f"{launch['config']}.toml" if launch.get("config") else "RUN_CONFIG.toml")
+    argv = ["ctl", "launch", "--container", str(ctid), "--config", config]
+    if node_name:
+        argv[2:2] = ["--node", node_name]
+    if (launch.get("kind") or "train") != "train":
+        pass  # a data job resumes by launching its config again (trainer/kinds.py)
+    elif checkpoint and checkpoint.get("exists", True):
+        argv += ["--resume-from", checkpoint["path"]]
+    else:
+        argv += ["--from-scratch"]
+    for item in launch.get("sets") or []:  # what its launch changed over the file, so it runs on alike
+        argv += ["--set", item]
+    return shlex.join(argv)
+
+
 def start_argv(ct: Container, run_dir: str, run_id: str, options: dict) -> list[str]:
     """The agent's start command, run by the commit step inside the container. The job is
-    ``bash start.sh`` in the run directory (DESIGN.md: run directory), written there by the
+    ``bash start.sh`` in the run directory (docs/design.md: run directory), written there by the
     commit step just before."""
     from agent.options import Options
 

@@ -158,6 +158,6 @@ def no_run_pids(run_dir, timeout: float = 10.0) -> bool:
 @pytest.fixture
 def run_dir(tmp_path):
     """A run directory under a workspace; nothing of its run outlives the test."""
-    d = tmp_path / "ws" / "runs" / "r1"
+    d = tmp_path / "ws" / "runs" / "r1-20261201-114702-0001"  # a run id of the grammar
     yield str(d)
     kill_all(str(d))

@@ -42,13 +42,13 @@ def test_agent_process_never_imports_torch(tmp_path):
 
 def test_list_and_status_report_runs_and_states(tmp_path):
     ws = tmp_path / "ws"
-    run_dir = str(ws / "runs" / "r7")
+    run_dir = str(ws / "runs" / "r7-20261201-114702-0007")
     try:
-        start(run_dir, [PY, PRINTER, "10", "1000"], "--run-id", "r7")
+        start(run_dir, [PY, PRINTER, "10", "1000"], "--run-id", "r7-20261201-114702-0007")
         wait_terminal(run_dir, 30)
         runs = payload("list", "--workspace", str(ws))["runs"]
-        assert [(r["run_id"], r["state"]) for r in runs] == [("r7", "completed")]
-        st = payload("status", "--run", "r7", "--workspace", str(ws))
+        assert [(r["run_id"], r["state"]) for r in runs] == [("r7-20261201-114702-0007", "completed")]
+        st = payload("status", "--run", "r7-20261201-114702-0007", "--workspace", str(ws))
         assert st["status"]["state"] == "completed" and st["result"]["reason"] == "completed"
     finally:
         kill_all(run_dir)

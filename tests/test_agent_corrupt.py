@@ -14,12 +14,14 @@ import pytest
 from agent.protocol import extract_payload
 from tests._agent_util import FAKE, PY, REPO, env, kill_all, records, start, wait_terminal
 
+DONE, FAILED = "done-20261201-114702-0001", "failed-20261201-114702-0002"  # run ids of the grammar
+
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
     """A completed and a failed run in one workspace, made once (each test copies them)."""
     ws = tmp_path_factory.mktemp("corrupt") / "ws"
-    done, failed = str(ws / "runs" / "done"), str(ws / "runs" / "failed")
+    done, failed = str(ws / "runs" / DONE), str(ws / "runs" / FAILED)
     start(done, [PY, FAKE, "--ranks", "0", "--steps", "4", "--step-time", "0.05", "--save-interval", "2",
                  "--output-dir", str(ws / "out-done")])
     start(failed, [PY, "-c", "import sys; print('boom'); sys.exit(3)"])
@@ -59,22 +61,22 @@ def _view(ws, run: str) -> tuple[int, dict, str]:
     ("", "empty file"),
 ])
 def test_a_corrupt_result_json_is_one_line_naming_the_file(ws, body, why):
-    path = ws / "runs" / "done" / "result.json"
+    path = ws / "runs" / DONE / "result.json"
     path.write_text(body)
-    rc, reply, _ = _view(ws, "done")
+    rc, reply, _ = _view(ws, DONE)
     assert rc == 1 and not reply["ok"]
-    assert reply["error"] == f"run done: {path} is corrupt: {why}" + reply["error"].split(why, 1)[1]
+    assert reply["error"] == f"run {DONE}: {path} is corrupt: {why}" + reply["error"].split(why, 1)[1]
     assert str(path) in reply["error"] and "\n" not in reply["error"]
     listing = extract_payload(_run("agent", "list", "--workspace", str(ws)).stdout)
-    row = {r["run_id"]: r for r in listing["runs"]}["done"]
+    row = {r["run_id"]: r for r in listing["runs"]}[DONE]
     assert row["corrupt"].startswith(f"{path} is corrupt")
 
 
 def test_an_emptied_status_json_of_a_completed_run_never_starts_an_agent_and_keeps_its_step(ws):
-    run = ws / "runs" / "done"
+    run = ws / "runs" / DONE
     before = (run / "stream.jsonl").read_bytes()
     (run / "status.json").write_text("")
-    rc, reply, _ = _view(ws, "done")
+    rc, reply, _ = _view(ws, DONE)
     assert rc == 0 and reply["revived"] is None
     assert reply["status"]["state"] == "completed" and reply["status"]["step"] == 4
     assert reply["status"]["checkpoint"]["step"] == 4
@@ -83,7 +85,7 @@ def test_an_emptied_status_json_of_a_completed_run_never_starts_an_agent_and_kee
     start_again = _run("agent", "start", "--run-dir", str(run), "--reattach")
     assert start_again.returncode == 2 and "already ended" in start_again.stderr
     listing = extract_payload(_run("agent", "list", "--workspace", str(ws)).stdout)
-    row = {r["run_id"]: r for r in listing["runs"]}["done"]
+    row = {r["run_id"]: r for r in listing["runs"]}[DONE]
     assert row["state"] == "completed" and row["step"] == 4
     assert (run / "stream.jsonl").read_bytes() == before  # nothing appended after "run completed"
     assert (run / "status.json").read_text() == ""  # and the record itself is not rewritten
@@ -92,13 +94,13 @@ def test_an_emptied_status_json_of_a_completed_run_never_starts_an_agent_and_kee
 @pytest.mark.parametrize("name, body", [("status.json", '{"state": "running", "step": "ninety"}'),
                                         ("status.json", '{"state": "zombie"}'), ("spec.json", "")])
 def test_a_corrupt_status_or_spec_of_an_unfinished_looking_run_is_named_and_nothing_starts(ws, name, body):
-    run = ws / "runs" / "failed"
+    run = ws / "runs" / FAILED
     (run / "result.json").unlink()  # as if it had not ended: the one case a status call may revive
     (run / "stream.jsonl").write_text("")
     (run / name).write_text(body)
-    rc, reply, _ = _view(ws, "failed")
+    rc, reply, _ = _view(ws, FAILED)
     if name == "spec.json":
-        assert rc == 1 and reply["error"].startswith(f"run failed: {run}/spec.json is corrupt: empty file")
+        assert rc == 1 and reply["error"].startswith(f"run {FAILED}: {run}/spec.json is corrupt: empty file")
     else:
         assert rc == 0 and reply["revived"] is None and reply["warnings"][0].startswith(f"{run}/status.json is corrupt")
     assert not (run / "agent.lock").exists() or reply.get("agent_alive") is not True
@@ -109,7 +111,7 @@ def test_a_follower_of_a_failed_run_with_corrupt_status_and_spec_ends_with_the_s
     from controller.jobview import CorruptRun
     from controller.tail import tail
 
-    run = ws / "runs" / "failed"
+    run = ws / "runs" / FAILED
     (run / "status.json").write_text("[1,2,3]")
     (run / "spec.json").write_text("")
 
@@ -127,20 +129,20 @@ def test_a_follower_of_a_failed_run_with_corrupt_status_and_spec_ends_with_the_s
             return reply["status"]
 
     out: dict = {}
-    t = threading.Thread(target=lambda: out.update(r=tail(Local(), "failed", lambda rec: None, sleep=lambda s: None)),
+    t = threading.Thread(target=lambda: out.update(r=tail(Local(), FAILED, lambda rec: None, sleep=lambda s: None)),
                          daemon=True)
     t.start()
     t.join(60)
     assert not t.is_alive(), "the follower hung"
     assert out["r"].state == "failed"
-    rc, reply, _ = _view(ws, "failed")
+    rc, reply, _ = _view(ws, FAILED)
     assert rc == 1 and f"{run}/spec.json is corrupt: empty file" in reply["error"]
 
 
 def test_history_with_bad_lines_names_each_line_and_keeps_the_good_records(ws):
     path = ws / ".dflash-ctl" / "history.jsonl"
     path.parent.mkdir(exist_ok=True)
-    good = {"event": "kill", "run": "done", "ts": 1.5, "how": "stopped"}
+    good = {"event": "kill", "run": DONE, "ts": 1.5, "how": "stopped"}
     path.write_text("\n".join([json.dumps(good), "[]", json.dumps({"event": "kill", "ts": "yesterday"}), "{torn",
                                json.dumps({"ts": 2, "event": 7})]) + "\n")
     p = _run("agent.recovery", "--workspace", str(ws), "history")

@@ -39,7 +39,7 @@ def _init_of(unshare_pid: int) -> int:
 def test_a_container_restart_under_a_run_is_named_with_its_last_step_and_the_run_failed(tmp_path):
     from controller.status import render_status
 
-    rd, out = tmp_path / "ws" / "runs" / "r1", tmp_path / "ws" / "out"
+    rd, out = tmp_path / "ws" / "runs" / "r1-20261201-114702-0001", tmp_path / "ws" / "out"
     start = [PY, "-m", "agent", "start", "--run-dir", str(rd), "--revive", "0", "--", PY, FAKE, "--ranks", "0",
              "--step-time", "0.1", "--save-interval", "3", "--output-dir", str(out)]
     first = _in_new_container(f"{shlex.join(start)} >/dev/null && exec sleep 600")
@@ -52,7 +52,7 @@ def test_a_container_restart_under_a_run_is_named_with_its_last_step_and_the_run
         first.kill()
     step = read_json(rd / "status.json")["step"]
     assert step >= st["checkpoint"]["step"]
-    view = ["-m", "agent.runview", "status", "--workspace", str(tmp_path / "ws"), "--run", "r1"]
+    view = ["-m", "agent.runview", "status", "--workspace", str(tmp_path / "ws"), "--run", "r1-20261201-114702-0001"]
     looked = _in_new_container(f"{shlex.join([PY, *view])}; sleep 1")  # `pct start`, then `ctl status`
     reply = extract_payload(looked.communicate(timeout=60)[0])
     # --revive 0: no agent may be started, yet the status never says the run is alive
@@ -84,3 +84,60 @@ def test_a_node_reboot_is_told_apart_from_a_container_restart():
     assert procs.restart_since(dict(now, boot_id="another-boot"))["kind"] == "container"
     moved = procs.restart_since(dict(now, init_start=now["init_start"] - 100))
     assert moved["kind"] == "container" and moved["at"] is not None
+
+
+RESTARTED_RUN = "r2-20261201-114702-0002"
+
+
+def _run_restarted_under(ws, result_written: bool, status_terminal: bool):
+    """The files of a run whose container restarted since its job started (its job.pid's marks
+    are those of an earlier container: another init start time), at one moment of the agent
+    that re-attaches and ends it: it writes result.json, then the terminal status.json."""
+    from agent.protocol import RunResult, RunState, RunStatus, atomic_write_json
+
+    rd = ws / "runs" / RESTARTED_RUN
+    rd.mkdir(parents=True)
+    now = procs.boot_marks()
+    atomic_write_json(str(rd / "spec.json"), {"run_id": RESTARTED_RUN, "argv": ["true"], "options": {"revive": 0}})
+    atomic_write_json(str(rd / "job.pid"), {"pid": 2, "starttime": 1, "boot_id": "", "marker": RESTARTED_RUN,
+                                            "boot": dict(now, init_start=now["init_start"] - 100)})
+    restart = {"kind": "container", "at": time.time() - 5, "step": 26}
+    st = RunStatus(run_id=RESTARTED_RUN, state=RunState.RUNNING, step=26, phase="training", updated=time.time())
+    if status_terminal:
+        st.state, st.host_restart = RunState.FAILED, restart
+    st.save(str(rd / "status.json"))
+    if result_written:
+        RunResult(run_id=RESTARTED_RUN, state=RunState.FAILED, ended=time.time(), reason="the container restarted",
+                  root_cause={"kind": "container_restart", "reason": "the container restarted", "details": restart}
+                  ).save(str(rd / "result.json"))
+
+
+@pytest.mark.parametrize("result_written,status_terminal", [(False, False), (True, False), (True, True), (False, True)])
+def test_a_restart_is_named_at_every_moment_of_the_agent_that_ends_the_run(tmp_path, result_written, status_terminal):
+    """The first `ctl status` after `pct stop; pct start` said "running — AGENT NOT RUNNING"
+    with a healthy rank when a follower's revived agent was ending the run at the same moment:
+    the view read status.json (still running), then saw result.json (just written) and so took
+    the run for finished and skipped the restart check. Each state the writer passes through —
+    and the one a reader of result.json before status.json can combine — must name the restart
+    (a run that ended before a restart is the next test)."""
+    from agent.runview import status
+    from controller.status import render_status
+
+    _run_restarted_under(tmp_path, result_written, status_terminal)
+    reply = status(str(tmp_path), RESTARTED_RUN)
+    assert reply["host_restart"] and reply["host_restart"]["kind"] == "container", reply
+    lines = render_status(reply, "200", "sim")
+    assert lines[1].startswith("FAILED   container 200 restarted at "), lines
+    assert not any("alive" in line or "AGENT NOT RUNNING" in line for line in lines), lines
+
+
+def test_a_run_that_ended_before_its_container_restarted_is_not_said_to_have_died_with_it(tmp_path):
+    from agent.protocol import RunResult, RunState, RunStatus
+    from agent.runview import status
+
+    _run_restarted_under(tmp_path, False, False)
+    rd = tmp_path / "runs" / RESTARTED_RUN
+    RunResult(run_id=RESTARTED_RUN, state=RunState.COMPLETED, ended=time.time(), reason="completed").save(
+        str(rd / "result.json"))
+    RunStatus(run_id=RESTARTED_RUN, state=RunState.COMPLETED, step=26).save(str(rd / "status.json"))
+    assert status(str(tmp_path), RESTARTED_RUN)["host_restart"] is None

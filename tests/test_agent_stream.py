@@ -21,7 +21,7 @@ from tests._agent_util import (PRINTER, PY, REPO, FAKE, agent_pid, env, kill_all
 
 @pytest.fixture
 def run_dir(tmp_path):
-    d = tmp_path / "ws" / "runs" / "r1"
+    d = tmp_path / "ws" / "runs" / "r1-20261201-114702-0001"
     yield str(d)
     kill_all(str(d))
 
@@ -63,7 +63,9 @@ def test_follower_killed_at_20_random_points_reassembles_the_exact_stream(run_di
         last = rec["seq"]
     truth = [_contract(r) for r in records(run_dir)]
     assert got == truth
-    assert got[-1]["kind"] == "status" and got[-1]["payload"]["state"] == "completed"
+    end = max(i for i, r in enumerate(got) if r["kind"] == "status")
+    assert got[end]["payload"]["state"] == "completed"
+    assert {r["kind"] for r in got[end + 1:]} <= {"alert"}  # only the run's completion alert may follow
     lines = [r["payload"]["line"] for r in got if r["kind"] == "log"]
     assert lines == [f"line {i}" for i in range(12000)]
 
@@ -164,7 +166,7 @@ def test_follow_of_a_finished_run_prints_everything_then_exits_0(run_dir):
     start(run_dir, [PY, PRINTER, "50", "1000"])
     wait_terminal(run_dir, 30)
     assert no_run_pids(run_dir)
-    proc = subprocess.run([PY, "-m", "agent", "follow", "--run", "r1", "--workspace",
+    proc = subprocess.run([PY, "-m", "agent", "follow", "--run", "r1-20261201-114702-0001", "--workspace",
                            os.path.dirname(os.path.dirname(run_dir)), "--from", "10"],
                           capture_output=True, env=env(), cwd=REPO, timeout=30)
     assert proc.returncode == 0
@@ -204,7 +206,7 @@ def test_stream_once_exits_6_for_a_failed_run_even_from_past_its_last_record(tmp
     """`agent.runview stream --from N` (what `ctl tail --since N` runs): the exit code says the
     run failed even when its final status record lies at or before N and nothing is printed."""
     ws = tmp_path / "ws"
-    rd = str(ws / "runs" / "r1")
+    rd = str(ws / "runs" / "r1-20261201-114702-0001")
     try:
         start(rd, [PY, "-c", f"import sys; print('hello'); sys.exit({code})"], *NO_REVIVAL)
         res = wait_terminal(rd, 30)
@@ -218,7 +220,7 @@ def test_stream_once_exits_6_for_a_failed_run_even_from_past_its_last_record(tmp
         last = len(records(rd))
         assert last == n + 1
         for after in (0, last):
-            proc = subprocess.run([PY, "-m", "agent.runview", "stream", "--workspace", str(ws), "--run", "r1",
+            proc = subprocess.run([PY, "-m", "agent.runview", "stream", "--workspace", str(ws), "--run", "r1-20261201-114702-0001",
                                    "--from", str(after)], capture_output=True, env=env(), cwd=REPO, timeout=30)
             assert proc.returncode == expect, (after, proc.stderr)
             assert len(proc.stdout.splitlines()) == last - after

@@ -61,8 +61,13 @@ def test_sigkill_is_host_oom_only_with_the_cgroups_evidence():
     f = exit_failure(1, 10, 1, {"signal": 9, "signal_name": "SIGKILL"}, False, [])
     assert f.kind == "rank_exit" and f.reason == "rank 1 (pid 10, GPU 1) killed by signal 9 (not by us)"
     assert exit_failure(1, 10, 1, {"signal": 9, "signal_name": "SIGKILL"}, True, []).kind == "rank_exit"
-    f = exit_failure(1, 10, 1, {"exit_code": 1}, True, [], oom_kills=1)
+    f = exit_failure(1, 10, 1, {"exit_code": 1}, True, [], oom={"cgroup_oom_kills": 1, "host_oom_kills": 1})
     assert f.kind == "host_oom" and "oom_kill counter +1" in f.reason
+    # the kernel's counter alone (no cgroup visible): only a SIGKILL, and only "possibly"
+    host = {"cgroup_oom_kills": None, "host_oom_kills": 1}
+    assert exit_failure(1, 10, 1, {"exit_code": 1}, True, [], oom=host).kind == "rank_exit"
+    f = exit_failure(1, 10, 1, {"signal": 9}, False, [], oom=host)
+    assert f.kind == "host_oom" and "possibly the host's OOM killer" in f.reason and f.details["suspected"]
 
 
 def test_root_cause_is_the_earliest_and_collateral_deaths_count_later():

@@ -396,3 +396,60 @@ def test_the_command_modules_use_the_one_home():
     assert (remote.EXIT_CONFIG, remote.EXIT_FAILED, remote.EXIT_REFUSED, remote.EXIT_NOT_DONE,
             remote.EXIT_TRANSPORT) == (CtlExit.USAGE, CtlExit.FAILED, CtlExit.REFUSED, CtlExit.NOT_DONE,
                                        CtlExit.TRANSPORT)
+
+
+def _run_taking_commands() -> dict[str, object]:
+    """Every ctl command (subcommands of groups included) with a `--run` option, read from the
+    click command typer builds, so a command added later is in the test without anyone listing it."""
+    import click
+    import typer
+
+    def walk(command, path):
+        if isinstance(command, click.Group):
+            for name, sub in command.commands.items():
+                yield from walk(sub, path + [name])
+        else:
+            yield path, command
+
+    return {" ".join(path): command for path, command in walk(typer.main.get_command(_app()), [])
+            if any("--run" in getattr(p, "opts", ()) for p in command.params)}
+
+
+def test_every_command_that_takes_run_refuses_each_bad_id_before_connecting(env, tmp_path, monkeypatch):
+    """`ctl stop` had its own `--run` without the check: `--run=` reached the agent (its
+    traceback), `../../etc` was resolved in the container and `../runs/<id>` taken for that run.
+    The commands come from the app itself; each gets `--run BAD` first (its check runs before any
+    other option's) and must say one line naming the id, exit 2, and connect to nothing."""
+    from typer.testing import CliRunner
+
+    monkeypatch.setenv("DFLASH_CTL_CONFIG", env["DFLASH_CTL_CONFIG"])
+    commands = _run_taking_commands()
+    assert "stop" in commands and len(commands) >= 6, sorted(commands)
+    app, runner = _app(), CliRunner()
+    for name in commands:
+        for bad in ("", "../../etc", "../runs/tiny-20261201-114702-3fa9"):
+            for form in (["--run", bad], [f"--run={bad}"], ["-r", bad]):
+                args = name.split() + form + ["-c", "200"] + (["--to", str(tmp_path / "out")] if name == "export" else [])
+                result = runner.invoke(app, args)
+                assert result.exit_code == CtlExit.USAGE, (name, form, result.exit_code, result.output)
+                lines = [line for line in result.stderr.splitlines() if line.strip()]
+                assert len(lines) == 1 and lines[0].startswith(f"ctl: error: --run {bad!r}: "), (name, result.stderr)
+    assert not (tmp_path / "out").exists()
+
+
+def test_ctl_stop_with_a_bad_run_id_as_the_operator_types_it(env):
+    for bad in ("", "../../etc", "../runs/tiny-20261201-114702-3fa9"):
+        proc = ctl(env, "stop", "-c", "200", f"--run={bad}")
+        assert proc.returncode == CtlExit.USAGE, (bad, proc.stderr)
+        assert one_line(proc).startswith(f"ctl: error: --run {bad!r}: ")
+
+
+@pytest.mark.parametrize("to", ["/proc/nope", "/proc/self/nope", "/sys/nope"])
+def test_an_export_destination_nothing_can_be_created_in_is_one_line_before_connecting(env, to):
+    """`ctl export --to /proc/nope` passed the parent checks (a directory, and os.access says
+    writable to root) and failed after the export in the container, with FileNotFoundError's
+    traceback from the temporary directory's mkdir. Now the destination is tried first."""
+    proc = ctl(env, "export", "-c", "200", "--run", "tiny-20261201-114702-3fa9", "--to", to)
+    assert proc.returncode == CtlExit.USAGE, proc.stderr
+    line = one_line(proc)
+    assert line.startswith(f"ctl: error: --to {to}: ") and "writable" in line, line

@@ -131,8 +131,8 @@ def test_prepare_job_under_the_agent_stopped_mid_run_then_relaunched(tmp_path):
     os.mkfifo(fifo)
     paths = {"reads": [fifo], "writes": [out]}
     argv = ["prepare", "--input", fifo, "--out", out]
-    _launch(workspace, "prep-1", argv, {"kind": "prepare", "config": "chat", "paths": paths, "gpus": {}})
-    run_dir = os.path.join(workspace, "runs", "prep-1")
+    _launch(workspace, "prep-20261201-114702-0001", argv, {"kind": "prepare", "config": "chat", "paths": paths, "gpus": {}})
+    run_dir = os.path.join(workspace, "runs", "prep-20261201-114702-0001")
 
     # The input arrives slowly (a FIFO held open): the job is mid-run, its progress known.
     writer_ready = threading.Event()
@@ -151,13 +151,13 @@ def test_prepare_job_under_the_agent_stopped_mid_run_then_relaunched(tmp_path):
     assert st["samples"] == 0 and st["tokens"] == 0  # the job's first progress, at its start
 
     # Another job writing the same output, or training on it, is refused while this one lives.
-    clash = preflight.check_data_job({"workspace": workspace, "run_id": "prep-2", "kind": "prepare",
+    clash = preflight.check_data_job({"workspace": workspace, "run_id": "prep-20261201-114702-0002", "kind": "prepare",
                                       "paths": {"reads": [], "writes": [out]}})
-    assert not clash["ok"] and "run prep-1 (prepare, running) writes " + out in clash["errors"][0]
+    assert not clash["ok"] and "run prep-20261201-114702-0001 (prepare, running) writes " + out in clash["errors"][0]
     assert preflight.path_conflicts(workspace, {"reads": [out + "/"], "writes": [str(tmp_path / "o")]})
     assert not preflight.path_conflicts(workspace, {"reads": ["/elsewhere"], "writes": [str(tmp_path / "o")]})
 
-    stopped = payload("stop", "--workspace", workspace, "--run", "prep-1", "--grace", "20")
+    stopped = payload("stop", "--workspace", workspace, "--run", "prep-20261201-114702-0001", "--grace", "20")
     assert stopped.get("ok"), stopped
     final = wait_terminal(run_dir)
     assert final["state"] == "stopped"
@@ -170,12 +170,12 @@ def test_prepare_job_under_the_agent_stopped_mid_run_then_relaunched(tmp_path):
     rows = tmp_path / "rows.jsonl"
     rows.write_text(_samples(300))
     argv2 = ["prepare", "--input", str(rows), "--out", out]
-    _launch(workspace, "prep-2", argv2, {"kind": "prepare", "config": "chat", "paths": paths, "gpus": {}})
-    run_dir2 = os.path.join(workspace, "runs", "prep-2")
+    _launch(workspace, "prep-20261201-114702-0002", argv2, {"kind": "prepare", "config": "chat", "paths": paths, "gpus": {}})
+    run_dir2 = os.path.join(workspace, "runs", "prep-20261201-114702-0002")
     assert wait_terminal(run_dir2)["state"] == "completed"
     meta = json.load(open(os.path.join(out, "meta.json")))
     assert meta["samples"] == 300 and meta["tokens"] == 300 * 12
-    reply = extract_payload(agent_module("agent.runview", "status", "--workspace", workspace, "--run", "prep-2").stdout)
+    reply = extract_payload(agent_module("agent.runview", "status", "--workspace", workspace, "--run", "prep-20261201-114702-0002").stdout)
     assert reply["kind"] == "prepare"
     lines = render_status(reply, "200", "sim")
     progress = next(l for l in lines if l.startswith("progress"))
@@ -253,9 +253,9 @@ def test_regenerate_job_under_the_agent_stopped_mid_run_then_relaunched_every_id
                                                           "paths": cfg.paths(values), "gpus": {}})
             return run_dir
 
-        first = launch("regen-1")
+        first = launch("regen-20261201-114702-0001")
         assert proxy.held.acquire(timeout=120) and proxy.held.acquire(timeout=60)  # mid-run, both workers held
-        stopped = payload("stop", "--workspace", workspace, "--run", "regen-1", "--grace", "10")
+        stopped = payload("stop", "--workspace", workspace, "--run", "regen-20261201-114702-0001", "--grace", "10")
         assert stopped.get("ok") and wait_terminal(first)["state"] == "stopped"
         before = output_rows(out)
         assert 0 < len(before) < 16
@@ -287,15 +287,15 @@ def test_regenerate_job_sends_the_api_key_named_by_api_key_env_and_writes_it_now
                                            "is unset or empty on this machine")
         secret = job_secret(cfg, {"REGEN_TEST_KEY": key + "\n"})
         assert secret == (f"REGEN_TEST_KEY={key}\n", ("REGEN_TEST_KEY",))
-        run_dir = os.path.join(workspace, "runs", "regen-1")
-        values = cfg.resolve(run_id="regen-1", run_dir=run_dir, workspace=workspace)
+        run_dir = os.path.join(workspace, "runs", "regen-20261201-114702-0001")
+        values = cfg.resolve(run_id="regen-20261201-114702-0001", run_dir=run_dir, workspace=workspace)
         assert "REGEN_TEST_KEY" in cfg.argv(values) and key not in " ".join(cfg.argv(values))
-        _launch(workspace, "regen-1", cfg.argv(values), {"kind": "regenerate", "config": "regen",
+        _launch(workspace, "regen-20261201-114702-0001", cfg.argv(values), {"kind": "regenerate", "config": "regen",
                                                          "paths": cfg.paths(values), "gpus": {}}, secret)
         assert wait_terminal(run_dir, timeout=180)["state"] == "completed"
         assert len(output_rows(out)) == 4
         files = [str(tmp_path / "regen.toml")] + [os.path.join(d, f) for d, _, fs in os.walk(workspace) for f in fs]
         holders = [os.path.relpath(p, workspace) for p in files if key.encode() in open(p, "rb").read()]
         # the 0600 secret file only: not the run config, start.sh, the record, events or logs
-        assert holders == [os.path.join("secrets", "regen-1.env")]
-        assert os.stat(os.path.join(workspace, "secrets", "regen-1.env")).st_mode & 0o077 == 0
+        assert holders == [os.path.join("secrets", "regen-20261201-114702-0001.env")]
+        assert os.stat(os.path.join(workspace, "secrets", "regen-20261201-114702-0001.env")).st_mode & 0o077 == 0

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from trainer import family  # standard library only, like this module
 
-# Exit codes are part of the trainer → agent contract (DESIGN.md); their home is
+# Exit codes are part of the trainer → agent contract (docs/design.md); their home is
 # agent/protocol.py, which the agent reads without importing the trainer.
 from agent.protocol import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED, EXIT_USAGE  # noqa: F401 (re-exported)
 

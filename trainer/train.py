@@ -38,7 +38,7 @@ from trainer.target import Target, read_config, target_identity
 from trainer.telemetry import Events, Heartbeat, make_logger
 from trainer.topology import MicroBatch, assemble, recv_microbatch, send_microbatch
 
-FINAL_LR_RATIO = 0.1  # cosine decays to 10 % of peak (TRAINER_SPEC.md)
+FINAL_LR_RATIO = 0.1  # cosine decays to 10 % of peak (docs/trainer-spec.md)
 # Set by --probe-first for its probe process (the run goes on after it): the file where the
 # probe leaves the token budget it measured, which the training run then takes as given.
 ENV_PROBE_FIRST = "DFLASH_PROBE_FIRST"

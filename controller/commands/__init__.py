@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # not imported at run time: controller/front.py's commands ne
 COMMANDS: dict[str, str] = {
     "exec": "remote",
     "env": "envs",
-    "launch": "launch", "tail": "run", "status": "run", "runs": "run", "stop": "run",
+    "launch": "launch", "tail": "run", "status": "run", "runs": "run", "stop": "run", "watch": "run",
     "kill-and-rollback": "rollback", "history": "rollback",
     "sim": "sim",
     "export": "export",

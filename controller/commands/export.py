@@ -24,6 +24,7 @@ import posixpath
 import secrets
 import shutil
 import tarfile
+import tempfile
 import threading
 from pathlib import Path
 from typing import Callable, Optional
@@ -58,6 +59,14 @@ def check_destination(dest: Path) -> bool:
         raise ExportFailed(f"--to {dest}: its parent {parent} does not exist; create it first", EXIT_CONFIG)
     if not os.access(parent, os.W_OK):
         raise ExportFailed(f"--to {dest}: {parent} is not writable", EXIT_CONFIG)
+    # os.access answers yes to root for /proc, /sys or a read-only mount: the export's
+    # temporary directory beside DEST is made and removed here, before anything runs in the
+    # container, so such a --to is refused in one line rather than after the export.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=f".{dest.name}.ctl-probe-", dir=parent))
+    except OSError as exc:
+        raise ExportFailed(f"--to {dest}: cannot create anything in {parent} ({exc.strerror or exc}); "
+                           "name a directory on a writable filesystem", EXIT_CONFIG) from None
     return False
 
 
@@ -180,7 +189,11 @@ def fetch(ct, caller, run_dir: str, step: Optional[int], dtype: str, dest: Path,
                                    f"{manifest.get('step')}, {dtype}); name a new or empty directory", EXIT_CONFIG)
             return dict(manifest, already=True)
         interrupts.pause_point("export.transfer")
-        local.mkdir(mode=0o755)
+        try:
+            local.mkdir(mode=0o755)
+        except OSError as exc:  # the destination's filesystem changed since it was checked
+            raise ExportFailed(f"--to {dest}: cannot create {local} ({exc.strerror or exc}); nothing was kept",
+                               EXIT_CONFIG) from None
         with progress_factory(manifest["bytes"]) as advance:
             receiver = TarReceiver(local, {f["path"]: f for f in manifest["files"]}, advance)
             try:

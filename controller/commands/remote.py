@@ -46,9 +46,10 @@ def check_run_option(value: Optional[str]) -> Optional[str]:
     return run_id_checked(value)
 
 
-def run_option(help: str) -> typer.models.OptionInfo:  # noqa: A002 - typer's own word
-    """A `--run`/`-r` option with the run-id check."""
-    return typer.Option(None, "--run", "-r", help=help, callback=check_run_option)
+def run_option(help: str, default=None) -> typer.models.OptionInfo:  # noqa: A002 - typer's own word
+    """A `--run`/`-r` option with the run-id check: every command's `--run` is made here
+    (tests/test_ctl_input_guard.py finds them all in the app and feeds each bad ids)."""
+    return typer.Option(default, "--run", "-r", help=help, callback=check_run_option)
 
 
 def exec_command(

@@ -1,4 +1,4 @@
-"""Acceptance length τ by greedy speculative decoding (TRAINER_SPEC.md, "Evaluation").
+"""Acceptance length τ by greedy speculative decoding (docs/trainer-spec.md, "Evaluation").
 
 Each round: the drafter drafts a block from the committed prefix's tapped target states
 (the block is [bonus, MASK × (B-1)] at the next position; each slot's argmax, or for a
