@@ -209,7 +209,9 @@ class StreamKind(str, enum.Enum):
 
 # Trainer events (one JSON object per line in events.jsonl). Common keys: ts, rank, role,
 # gpu, kind. Kinds and their extra keys:
-#   phase       phase: loading|probing|training|saving|evaluating|done|stopping (train);
+#   phase       phase: loading|probing|training|saving|evaluating|done|stopping (train; "training"
+#               carries paths: each kernel and precision the run takes, its reason, and "missing",
+#               the faster paths not taken with their install commands: trainer/paths.py);
 #               serving|regenerating|done|stopping (regenerate: role "regenerate", rank null)
 #   step        step, total_steps, epoch, loss, ce, kl, cap, lr, grad_norm, tokens,
 #               tokens_per_s, drafted_per_s, acc (per-slot accuracy list), mem_peak_mib, wait_s

@@ -231,7 +231,8 @@ def memory_check(args, topo, events: Events) -> int | None:
     2 GiB margin). All ranks agree — the budget is the minimum over ranks, a refusal
     anywhere stops every rank — so nothing trains unless every GPU fits. Returns EXIT_USAGE
     when refused (one line naming GPU, role and shortfall, an error event
-    "memory_refused"), else None."""
+    "memory_refused"; an FP8 target whose scaled matmul does not run on this GPU: "fp8_refused"),
+    else None."""
     if topo.device.type != "cuda":
         return None
     from trainer.plan.budget import plan_run
@@ -252,6 +253,14 @@ def memory_check(args, topo, events: Events) -> int | None:
             p = plan_run({**values, "token_budget": budget}, {topo.gpu: free}, cfg, **kw)
             p["auto"], p["auto_reason"] = True, reason
     row = p["gpus"].get(topo.gpu, {})
+    if topo.is_target and args.target_precision == "fp8":
+        from trainer.gpu import fp8
+
+        # the capability allowed it (validate); whether this torch build has the kernel is
+        # known only by trying it on the GPU
+        why = fp8.runs_here(topo.device)
+        if why:
+            p["refusals"].append(f"--target-precision fp8 on GPU {topo.gpu}: {why}; use --target-precision bf16")
     refused = topo_mod.all_reduce_max(topo, 1.0 if p["refusals"] else 0.0) > 0
     if p["auto"] and not refused:
         events.emit("probe", phase="plan", budget=args.token_budget, auto=True, reason=p["auto_reason"],
@@ -274,9 +283,38 @@ def memory_check(args, topo, events: Events) -> int | None:
         return None
     for line in p["refusals"]:
         print(f"python -m trainer: error: {line}", file=sys.stderr, flush=True)
-        events.emit("error", error="memory_refused", message=line, gpu_free_mib=round(free, 1),
+        events.emit("error", error="fp8_refused" if line.startswith("--target-precision") else "memory_refused", message=line, gpu_free_mib=round(free, 1),
                     need_mib=row.get("need_mib"), short_mib=row.get("short_mib"), budget=p["token_budget"])
     return EXIT_USAGE
+
+
+def load_target(args, dcfg, topo, dtype):
+    """The frozen target on a target rank (None elsewhere), in ``--target-precision``
+    (resolved; memory_check refused an FP8 target whose scaled matmul does not run here)."""
+    if not topo.is_target:
+        return None
+    precision = getattr(args, "target_precision", "bf16") or "bf16"
+    return Target(args.target_model, dcfg.target_layer_ids, topo.device, dtype, args.target_forward, precision=precision)
+
+
+def run_paths(args, dev):
+    """The run's kernels and precisions with their reasons (trainer/paths.py), from this
+    process's facts: the GPU's capability, whether flash-attn-4 runs, torch's CUDA build."""
+    from trainer import family, paths
+
+    cuda = dev.type == "cuda"
+    facts = paths.Facts(cuda=cuda)
+    hidden = int(family.text_config(read_config(args.target_model))["hidden_size"])
+    if cuda:
+        from trainer.layers.flex_mask import flash_missing
+
+        cap = torch.cuda.get_device_capability(dev)
+        major = int(str(torch.version.cuda).split(".")[0]) if torch.version.cuda else None
+        facts = paths.Facts(cuda=True, capability=(int(cap[0]), int(cap[1])), flash_missing=flash_missing(),
+                            cuda_major=major, hidden=hidden)
+    else:
+        facts = paths.Facts(cuda=False, hidden=hidden)
+    return paths.decide(vars(args), facts)
 
 
 @dataclass
@@ -399,7 +437,7 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
     start = start_point(args, len(stream), per_step)
 
     # -- models: the frozen target on target ranks; the drafter, its step and AdamW on drafter ranks
-    target = Target(args.target_model, dcfg.target_layer_ids, dev, dtype, args.target_forward) if topo.is_target else None
+    target = load_target(args, dcfg, topo, dtype)
     drafter = head = opt = drafter_step = None
     if topo.is_drafter:
         drafter, head, opt = build_drafter(args, dcfg, target, dev, dtype)
@@ -411,7 +449,10 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
             "data_fingerprint": data.fingerprint, "schedule": start.schedule,
             "world": {"drafter_ranks": topo.n_drafter, "grad_accum": args.grad_accum}}
     if log:
-        events.emit("phase", phase="training")
+        chosen = run_paths(args, dev)
+        for line in chosen.lines():
+            print(f"python -m trainer: {line}", flush=True)
+        events.emit("phase", phase="training", paths=chosen.event())
         print(f"training: {topo.world} rank(s) ({topo.role}), steps {start.step}→{start.last_step} of "
               f"{start.total_steps}, {per_step} micro-batches/step, schedule {start.schedule['total_steps']} steps",
               flush=True)
@@ -529,7 +570,7 @@ def probe(args, topo, events: Events, hb: Heartbeat) -> int:
     keep = torch.ones(b, n, dtype=torch.bool, device=dev)
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
-    target = Target(args.target_model, dcfg.target_layer_ids, dev, dtype, args.target_forward) if topo.is_target else None
+    target = load_target(args, dcfg, topo, dtype)
     drafter = head = opt = drafter_step = None
     if topo.is_drafter:
         drafter, head, opt = build_drafter(args, dcfg, target, dev, dtype)
