@@ -364,8 +364,15 @@ def test_on_the_gpu_the_scaled_matmul_and_the_compiled_producers_match_the_emula
     x8, sx = fp8.FP8.norm(xb, ln)
     e8, es = fp8.quantize_rows(fo._rms(xb, ln, fo.EPS))
     torch.testing.assert_close(sx, es, rtol=1e-2, atol=0)
+    # The compiled producer quantizes the norm's fp32 result; the eager reference rounds it to
+    # bf16 first, so where that rounding crosses an e4m3 boundary the codes are one step apart
+    # (measured on an H200: 97.8 % of codes equal). Never more than one step.
     same = (x8.view(torch.uint8) == e8.view(torch.uint8)).float().mean().item()
-    assert same > 0.99, same  # a code off by one where the compiled norm rounds otherwise
+    assert same > 0.95, same
+    v = torch.maximum(x8.float().abs(), e8.float().abs()).clamp_min(2.0 ** -6)  # in e4m3 units
+    step = torch.exp2(torch.floor(torch.log2(v)) - 3)  # one e4m3 step at that magnitude
+    apart = (x8.float() * sx - e8.float() * es).abs()
+    assert (apart <= step * sx + v * (sx - es).abs() + 1e-6).all()
     # torch._scaled_mm against the emulation on the same operands
     y = fp8.mm((x8, sx), W)
     ref = fp8.scaled_mm(x8.reshape(-1, 1024).cpu(), sx.reshape(-1, 1).cpu(), W.w8.cpu(), W.scale.cpu(), torch.float64)
