@@ -111,7 +111,7 @@ class Failure:
 
 # A rank that lost its connection to a peer (or heard nothing from it) reports the peer's
 # failure, not its own: seen in one container, the peer's own failure is the root cause
-# (issue 18: kill -9 of drafter rank 6 was reported as rank 5's lost connection, noticed first).
+# (a kill -9 of one drafter rank was reported as its neighbour's lost connection, noticed first).
 _CONSEQUENCES = (FailureKind.PEER_FAILURE, FailureKind.NETWORK_FAILURE)
 
 
@@ -304,7 +304,7 @@ def exit_failure(rank: int | None, pid: int | None, gpu: int | None, status: dic
     whichever limit ran out; CUDA OOM text is classified from the lines, not here), or — for
     a SIGKILL where no cgroup counter is visible — the kernel's own counter rose, said as
     "possibly the host's OOM killer". A SIGKILL without either is not an OOM: an operator's
-    or another tool's ``kill -9`` reads exactly the same (issue 26: an external kill -9 was
+    or another tool's ``kill -9`` reads exactly the same (an external kill -9 was once
     reported as "host_oom (suspected)"), so it is named "killed by signal 9 (not by us)" —
     the agent never signals a rank before it has classified the failure. ``slot``: what
     ``gpu`` names ("GPU", or "rank slot" on CPU); None names no device at all.

@@ -2,7 +2,7 @@
 
 A run's first step compiles: Inductor's graphs, Triton's kernels and, with
 ``--attention-kernel flash``, flash-attn-4's CuTe kernels — 34-89 s of a fresh H200's first
-step (docs/benchmarks.md, issue 29), against 2-4 s on a relaunch that finds them on disk. The
+step (docs/benchmarks.md), against 2-4 s on a relaunch that finds them on disk. The
 trainer keeps them in one directory per env generation (trainer/runtime_env.py)::
 
     <workspace>/.dflash-ctl/compile-cache/gen-<id>/{inductor,triton,flash-attn-cute}/

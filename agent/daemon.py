@@ -171,4 +171,16 @@ def main(run_dir: str, ready_fd: int | None, reattach: bool, by: str | None = No
         if ready_fd is not None:
             ready({"ok": False, "error": f"the agent failed while starting; see {rd.agent_log}"})
         lock.release()
+        _finish_alerts(sup)
     return 0
+
+
+def _finish_alerts(sup) -> None:
+    """After the run ended (and the stream is let go), keep delivering what is still pending
+    for a while (a receiver that is down now may be back); what is left then is `ctl watch`'s.
+    Killed by a signal (a stop of the agent itself), it leaves at once: its successor delivers."""
+    from agent.alertwatch import LINGER_S
+
+    if sup.alerts is None:
+        return
+    sup.alerts.close(linger_s=LINGER_S if sup.store.terminal else 0.0)

@@ -97,8 +97,9 @@ def update(workspace: str, now: Optional[float] = None) -> dict:
     events whose throughput settled (``steady_state``) — and did not fail. A run still going
     when it reaches steady state is known good provisionally ("pending"): if it then ends
     FAILED it is taken back and the baseline before it returns; a run that ended in a
-    failure never becomes known good (issue 26). A launch that accepted drift becomes the
-    baseline only once its run completed. Runs still going are looked at again next time.
+    failure never becomes known good, so a rollback never restores what failed. A launch that
+    accepted drift becomes the baseline only once its run completed. Runs still going are
+    looked at again next time.
     """
     doc = load(workspace)
     directory = os.path.join(state_dir(workspace), LAUNCHES)

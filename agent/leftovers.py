@@ -3,9 +3,10 @@
 A checkpoint save writes ``step_N/.checkpoint-<tag>-….tmp`` and a drafter export
 ``.drafter.tmp-<tag>-…/`` beside its destination, then renames them into place; a writer
 killed mid-save (kill -9, a full disk, a container restart) leaves them — full-size — and the
-resume writes a new run directory, so nobody would ever remove them (issue 26). The tag names
-the writing process (pid, start time, boot id), so a sweep removes only the temp files of
-writers that are gone, never those of a save in progress in another run sharing the root.
+resume writes a new run directory, so nobody would ever remove them and they fill the disk.
+The tag names the writing process (pid, start time, boot id), so a sweep removes only the temp
+files of writers that are gone, never those of a save in progress in another run sharing the
+root.
 
 Swept at the start of every trainer (its output root) and by `ctl runs --prune` (every run
 directory of the workspace and every run's output root). Standard library only.

@@ -8,10 +8,10 @@ orphaned worker is re-parented here, inside the run's tree, rather than to init.
 
 It also brings the agent back (``--revive`` seconds after the agent's death, 0: never): a
 run must never go on unsupervised, with no heartbeat checks, no failure classification and
-no stream (issue 18). The agent's death is seen by its lock (agent.lock is free: the kernel
-drops an flock when its holder dies, even by SIGKILL); the new agent re-attaches as `agent
-start --reattach` would and records who brought it back and why. If the job ends while no
-agent runs, one is started too, so the run is finalized.
+no stream: a dead rank would go unnoticed. The agent's death is seen by its lock (agent.lock
+is free: the kernel drops an flock when its holder dies, even by SIGKILL); the new agent
+re-attaches as `agent start --reattach` would and records who brought it back and why. If the
+job ends while no agent runs, one is started too, so the run is finalized.
 
 It ignores SIGTERM/SIGINT/SIGHUP (handlers, not SIG_IGN, so the job does not inherit the
 ignore across exec): `agent stop` signals the whole process group, the job saves and exits,

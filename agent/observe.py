@@ -242,7 +242,7 @@ class Observer:
     def check_startup(self, now: float) -> None:
         """Past --startup-timeout, every rank must have sent a heartbeat: the ones that did not
         are named with the rendezvous they were to meet at and the last lines they printed
-        (a hung start is otherwise invisible: issue 18)."""
+        (a hung start, such as a rendezvous nobody joins, is otherwise invisible)."""
         seen, limit = self.seen, self.opts.startup_timeout
         if limit <= 0 or seen.startup_checked or now - seen.started < limit:
             return

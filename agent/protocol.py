@@ -62,9 +62,9 @@ EVENTS = "events.jsonl"  # written by the trainer
 HEARTBEAT_DIR = "heartbeat"  # heartbeat/rank-N, written by the trainer
 ENV_RUN_DIR = "DFLASH_RUN_DIR"  # the agent passes the run directory to the job in this variable
 
-# Added for the agent (issue 3). The job's stdout/stderr go to these files, never to a pipe
-# owned by the agent, so the job outlives an agent that dies and a re-attached agent reads on
-# from its recorded offsets (research §4.8: silent log loss).
+# The job's stdout/stderr go to these files, never to a pipe owned by the agent, so the job
+# outlives an agent that dies and a re-attached agent reads on from its recorded offsets
+# (research §4.8: silent log loss).
 JOB_STDOUT = "job.stdout"
 JOB_STDERR = "job.stderr"
 JOB_PID = "job.pid"  # {"pid","starttime","boot_id","marker"}: the job monitor (PID-reuse guard)
@@ -204,6 +204,7 @@ class StreamKind(str, enum.Enum):
     EVENT = "event"  # payload: a trainer event (below) or an agent event (failure, stop, restart)
     GPU = "gpu"  # payload: {"gpus": [sample...]} or {"gpus": [], "state": "no GPU", "reason": str}
     STATUS = "status"  # payload: the status.json document at a state change and at the end
+    ALERT = "alert"  # payload: an agent.alerts.Alert (id, kind, run, cause, next, ...), before it is sent
 
 
 # Trainer events (one JSON object per line in events.jsonl). Common keys: ts, rank, role,

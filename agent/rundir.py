@@ -78,8 +78,8 @@ def read_status(rd: RunDir) -> tuple[protocol.RunStatus, str | None]:
     """The run's status and, when status.json is corrupt, one line saying so. A corrupt
     status.json is never taken for "no status": the stream's last status record (the same
     document, written at every state change) stands in, so a finished run stays finished
-    with its step and checkpoint (issue 26: an emptied status.json of a completed run was
-    re-attached and lost both)."""
+    with its step and checkpoint (an emptied status.json of a completed run was once re-attached
+    and lost both)."""
     try:
         return protocol.RunStatus.load(rd.status), None
     except protocol.CorruptFile as exc:

@@ -114,7 +114,7 @@ def status(workspace: str, run: Optional[str] = None) -> dict:
         return {"ok": False, "corrupt": exc.path, "run_id": run,
                 "error": f"run {run}: {exc}; nothing was started or changed"}
     st, corrupt = read_status(rd)
-    # Nobody supervises a run whose agent died: the one who looks brings one back (issue 18).
+    # Nobody supervises a run whose agent died: the one who looks brings one back.
     # Never one that has ended (result.json is there) or whose status cannot be read.
     revived = None if corrupt else revive_if_gone(rd, "ctl status")
     if revived:
@@ -137,7 +137,14 @@ def status(workspace: str, run: Optional[str] = None) -> dict:
             "config": config, "start": launch.get("start"), "gpus": launch.get("gpus"),
             "kind": launch.get("kind") or "train",
             "baseline": {"run_id": baseline.get("run_id"), "steady": baseline.get("steady")} if baseline else None,
-            "known_good_run": (known_good.get("env") or {}).get("run_id"), "history": history(rd.path)}
+            "known_good_run": (known_good.get("env") or {}).get("run_id"), "history": history(rd.path),
+            "alerts": _alerts(rd.path)}
+
+
+def _alerts(run_dir: str) -> dict:
+    from agent.alertcmd import summary  # here: only a run's status pays for reading its alerts
+
+    return summary(run_dir)
 
 
 def _defaults() -> dict:

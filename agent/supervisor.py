@@ -73,6 +73,27 @@ class Supervisor:
         self.stop_report: dict | None = None
         self.final_failure: Failure | None = None
         self._last_status_write = 0.0
+        self.alerts = self._alert_watch()
+
+    def _alert_watch(self):
+        """The run's alerts (agent/alertwatch.py); None when they cannot be set up — a fault
+        there is said in agent.log and never stops the supervision of the run."""
+        from agent.alertwatch import AlertWatch
+
+        try:
+            return AlertWatch(self.rd.path, self.run_id, self.stream.append, lambda: self.stream.sync(force=True))
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            return None
+
+    def poll_alerts(self) -> None:
+        watch = getattr(self, "alerts", None)  # a state change may come before it is set up
+        if watch is None:
+            return
+        try:
+            watch.poll()
+        except Exception:  # noqa: BLE001 - see _alert_watch
+            traceback.print_exc()
 
     def _accepting_failures(self) -> bool:
         return self.store.state != RunState.STOPPING and not self.store.terminal
@@ -85,6 +106,7 @@ class Supervisor:
         self.write_status(force=True)
         self.stream.append([(StreamKind.STATUS.value, self.status.to_json(), None)])
         self.stream.sync(force=True)
+        self.poll_alerts()  # a run that ended is told at once, not at the next slow round
 
     def write_status(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -134,7 +156,7 @@ class Supervisor:
     def died_with_host(self, restart: dict) -> None:
         """The container restarted (or the node rebooted) under the run: every process of it
         is gone, nothing is to be stopped or restarted here; the run ends FAILED saying so, at
-        its last completed step (issue 26: the first status after a restart said healthy)."""
+        its last completed step (without this, the first status after a restart said healthy)."""
         import datetime
 
         step = self.status.step
@@ -207,6 +229,7 @@ class Supervisor:
                 self.obs.check_ranks(self.job.reaped)
                 self.obs.check_stalls(now)
                 self.obs.check_startup(time.time())
+                self.poll_alerts()
                 ex = self.job.exit_status()
                 if ex is not None:
                     self.obs.drain()
@@ -233,7 +256,7 @@ class Supervisor:
             self.finish(RunState.STOPPED)
             return
         # One record per death: when a rank's death (or another failure) already explains
-        # the job's exit, the exit is its consequence, not a second failure (issue 26: a
+        # the job's exit, the exit is its consequence, not a second failure (without this, a
         # one-rank run's kill -9 gave "rank slot 0" and "GPU 0" records for one death).
         self.on_failure(outcome.failures or [self.obs.job_exit_failure(ex)])
 
@@ -251,7 +274,7 @@ class Supervisor:
         # Fail fast: one failed or stalled rank stops every rank. With a rank dead, the rest
         # cannot agree on a stop and checkpoint (the trainer's stop is a collective), so the
         # grace for that is cut short: seen with 5+3 ranks, survivors blocked in sends to the
-        # dead rank held the stop for the whole --kill-grace (issue 18: stop within 10 s).
+        # dead rank held the stop for the whole --kill-grace; a failed run must stop within 10 s.
         dead = bool(self.obs.seen.dead_ranks) or any(
             f.kind in (FailureKind.RANK_EXIT, FailureKind.HOST_OOM) for f in failures)
         grace = min(self.opts.kill_grace, DEAD_RANK_GRACE) if dead else self.opts.kill_grace

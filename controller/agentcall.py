@@ -29,7 +29,7 @@ SYSTEM_PYTHON = "/usr/bin/python3"
 # followed stream) run the agent's own standard-library code and import nothing from
 # site-packages, so their interpreter starts without site (-S): no site-packages scan and no
 # .pth files (the venv's distutils-precedence.pth) — the part of the call that is python's
-# start-up, not the answer (docs/benchmarks.md, issue 28). Not -I or -E: the bundle reaches
+# start-up, not the answer (docs/benchmarks.md). Not -I or -E: the bundle reaches
 # python through PYTHONPATH. Processes these calls start (an agent re-attached by
 # `runview status`) are exec'd fresh from sys.executable and get site as usual. Every other
 # call keeps site: the trainer and GPU sampling (nvidia-ml-py) import from the venv.

@@ -73,10 +73,12 @@ class ContainerConfig:
     venv: str = "/root/venv"
     workspace: str = "/workspace"
     home: str = "/root"
+    notify: Optional[dict] = None  # this container's [notify] over its node's (controller/notifyconfig.py)
 
     def __post_init__(self) -> None:
         for name in ("venv", "workspace", "home"):
             object.__setattr__(self, name, _absolute(name, getattr(self, name)))
+        _check_notify(self.notify)
 
     @property
     def python(self) -> str:
@@ -110,6 +112,7 @@ class NodeConfig:
     proxy_jump: Optional[str] = None
     control_persist: Optional[int] = None
     containers: dict[str, ContainerConfig] = field(default_factory=dict)
+    notify: Optional[dict] = None  # this node's [notify] over the file's (controller/notifyconfig.py)
 
     def __post_init__(self) -> None:
         _check("host", self.host, str)
@@ -148,15 +151,32 @@ class NodeConfig:
         return self.containers.get(str(ctid)) or ContainerConfig()
 
 
+def _check_notify(table: Any) -> None:
+    if table is None:
+        return
+    from controller.notifyconfig import check_table  # only a config with a [notify] table pays for it
+
+    try:
+        check_table(table)
+    except ValueError as exc:
+        where, _, what = str(exc).partition(": ")
+        raise _Invalid(where, what) from None
+
+
 @dataclass
 class Config:
     default_node: Optional[str] = None
     nodes: dict[str, NodeConfig] = field(default_factory=dict)
+    notify: Optional[dict] = None  # [notify]: alert channels and thresholds (docs/alerts.md)
 
     def __post_init__(self) -> None:
         _check("default_node", self.default_node, str, optional=True)
+        _check_notify(self.notify)
         self.nodes = {name: _build(NodeConfig, n, f"nodes.{name}") if isinstance(n, dict) else n
                       for name, n in (self.nodes or {}).items()}
+        for node in self.nodes.values():
+            # every node carries the file's [notify] (not a field: never written back per node)
+            object.__setattr__(node, "notify_base", self.notify)
 
     def node(self, name: Optional[str] = None) -> tuple[str, NodeConfig]:
         name = name or self.default_node or (next(iter(self.nodes)) if len(self.nodes) == 1 else None)
@@ -209,10 +229,10 @@ def load(explicit: Optional[str | Path] = None) -> Config:
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read it ({exc.strerror})") from None
     try:
-        unknown = sorted(set(data) - {"default_node", "nodes"})
+        unknown = sorted(set(data) - {"default_node", "nodes", "notify"})
         if unknown:
-            raise _Invalid(unknown[0], "unknown key (known: default_node, nodes)")
-        return Config(default_node=data.get("default_node"), nodes=data.get("nodes") or {})
+            raise _Invalid(unknown[0], "unknown key (known: default_node, nodes, notify)")
+        return Config(default_node=data.get("default_node"), nodes=data.get("nodes") or {}, notify=data.get("notify"))
     except _Invalid as exc:
         raise ConfigError(f"{path}: {exc}") from None
 

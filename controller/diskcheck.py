@@ -4,7 +4,7 @@ The story: a 27B-width drafter's checkpoint (fp32 masters + AdamW state + the bf
 is ~36 GB, and six epochs at --save-interval 2000 used to keep every one of them until the
 disk filled, hours in. The container reports free space where --output-dir will be
 (agent/preflight.py, a fact); the size of one checkpoint comes from the drafter's shape
-(trainer/ckptsize.py, stdlib) and the number kept at once from --keep-checkpoints and
+(trainer/plan/ckptsize.py, stdlib) and the number kept at once from --keep-checkpoints and
 --keep-every (the newest N, plus the one being written before the oldest is pruned).
 """
 
@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
-from trainer import ckptsize, multinode
+from trainer import multinode
+
+from trainer.plan import ckptsize
 
 
 def _size(n: float) -> str:

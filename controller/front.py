@@ -63,7 +63,8 @@ EXEC = Spec((Opt(("--container", "-c"), "container", int, required=True), NODE, 
 CONTAINER = Opt(("--container", "-c"), "container", int)
 RUN = Opt(("--run", "-r"), "run", str)
 CTL_CONFIG = Opt(("--ctl-config",), "ctl_config", str)
-STATUS = Spec((CONTAINER, RUN, Opt(("--json",), "json_out", None), NODE, CTL_CONFIG, TRUST))
+STATUS = Spec((CONTAINER, RUN, Opt(("--json",), "json_out", None), Opt(("--all",), "all_runs", None), NODE, CTL_CONFIG,
+               TRUST))
 TAIL = Spec((CONTAINER, RUN, Opt(("--follow", "-f"), "follow", None), Opt(("--since",), "since", _count, default=0),
              Opt(("--json",), "raw", None), Opt(("--wait-stopped",), "stopped_wait", _seconds, default=300.0), NODE,
              CTL_CONFIG, TRUST))
@@ -127,7 +128,7 @@ def _status(params: dict) -> int:
 
     container_checked(params["container"])
     run_id_checked(params["run"])  # typer's --run callback
-    return status_in(**params)
+    return status_in(**{k: v for k, v in params.items() if k != "all_runs"})
 
 
 def _tail(params: dict) -> int:
@@ -143,7 +144,7 @@ def _tail(params: dict) -> int:
 # command lines it takes (`ctl tail --follow` is a long session: typer's import is nothing there)
 COMMANDS: dict[str, tuple[Spec, Callable[[dict], int], Callable[[dict], bool]]] = {
     "exec": (EXEC, _exec, lambda params: True),
-    "status": (STATUS, _status, lambda params: True),
+    "status": (STATUS, _status, lambda params: not params["all_runs"]),  # --all: every node (typer's)
     "tail": (TAIL, _tail, lambda params: not params["follow"]),
 }
 

@@ -187,6 +187,36 @@ def rendezvous_endpoint(ct: Container, say: Callable[[str], None]) -> str:
     return f"{addrs[0]}:{reply['free_port']}"
 
 
+def pin_auto_budget(launchers: list, say: Callable[[str], None]) -> None:
+    """``--token-budget auto`` decided once, here: every rank of the run trains with the
+    smallest of the containers' answers (each from its GPUs' free memory), written into each
+    start script as a number so no rank decides again."""
+    answers = [ln.auto_budget for ln in launchers if ln.auto_budget is not None]
+    if not answers:
+        return
+    budget = min(answers)
+    for ln in launchers:
+        ln.values["token_budget"] = budget
+    if len(launchers) > 1:
+        say(f"memory   --token-budget auto → {budget} for every rank (the smallest of the containers' answers)")
+
+
+def setup_alerts(launcher, single: bool) -> None:
+    """The run's alert settings into its container (controller/alertsetup.py); a failure there
+    is a warning line — the run has started, and `ctl watch` delivers its alerts anyway."""
+    from controller.alertsetup import configure_run
+
+    cfg = launcher.config
+    launch = {"config_file": cfg._source_file, "config": cfg.name, "sets": list(cfg._command_line_sets),
+              "kind": "train"} if single else None
+    try:
+        configure_run(launcher.caller, launcher.ct, launcher.run_id, launcher.run_dir, getattr(cfg, "notify", None),
+                      launch, launcher.say)
+    except Exception as exc:  # noqa: BLE001 - said; never a failed launch for it
+        launcher.say(f"alerts   warning: could not set up this run's alerts ({str(exc).splitlines()[0][:200]}); "
+                     "`ctl watch` delivers them")
+
+
 def launch(cts: list[Container], members: list[Member], run_config, start: dict, *, say: Callable[[str], None] = print,
            accept_drift: bool = False, wandb_key: Optional[str] = None, dist_timeout: Optional[int] = None,
            endpoint: Optional[str] = None, agent_options: Optional[dict] = None,
@@ -236,6 +266,7 @@ def launch(cts: list[Container], members: list[Member], run_config, start: dict,
                              [f"{m.label}: {r}" for m, v in zip(members, verdicts) for r in v.refusals],
                              [f for v in verdicts for f in v.blocking])
         refused.raise_if_refused(f"job {run_id}")
+    pin_auto_budget(launchers, say if not single else launchers[0].say)
     result = JobResult(run_id, endpoint, members)
     started: list[tuple[Container, Member]] = []
     # From here a Ctrl-C waits until the command has printed the run id (controller/interrupts.py).
@@ -270,6 +301,8 @@ def launch(cts: list[Container], members: list[Member], run_config, start: dict,
                                f"({str(exc).splitlines()[0][:200]}); it may have started, so the job was stopped "
                                f"wherever it ran{left}; check with `ctl status --run {run_id}`") from exc
         raise
+    for launcher in launchers:
+        setup_alerts(launcher, single)
     result.round_trips = sum(l.round_trips for l in launchers)
     result.timings = {"total_s": time.monotonic() - t0}
     return result

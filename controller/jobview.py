@@ -117,7 +117,7 @@ class ContainerStream:
             raise
         if not reply.get("ok"):
             # A run that cannot be read (a corrupt state file, gone) ends the follow with its
-            # one line: asking again would never get a better answer (issue 26: it hung).
+            # one line: asking again would never get a better answer (it used to hang).
             raise CorruptRun(f"container {self.ct.ctid}: {reply.get('error')}")
         return dict(reply.get("status") or {}, _reply=reply)
 

@@ -15,6 +15,7 @@ directory and no process.
 from __future__ import annotations
 
 import posixpath
+import shlex
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -96,6 +97,7 @@ class Launcher:
         self.bundle_path = self.caller.bundle_path
         self.agent_options = {**config.supervision.agent_options(), **(agent_options or {})}
         self.share_gpus = share_gpus  # start although a live run in the container holds these GPUs
+        self.auto_budget: Optional[int] = None  # --token-budget auto as the memory model decided it here
 
     def _call(self, module_argv: list[str], request: dict, what: str, commit: bool = False) -> dict:
         try:
@@ -242,7 +244,7 @@ class Launcher:
 
             refusals.append(shortfall_line(self.ct, pf["gpu_shortfall"]))
         else:
-            mem_lines, mem_refusals = memory_report(self.values, pf)
+            mem_lines, mem_refusals, self.auto_budget = memory_report(self.values, pf)
             lines += mem_lines
             refusals += mem_refusals
         self.drifted = bool(drift.blocking(findings, False))
@@ -302,22 +304,27 @@ def target_report(values: dict, pf: dict) -> tuple[list[str], list[str]]:
             family.kernel_notes(target_cfg, kernels_present="flash-linear-attention" in packages)], []
 
 
-def memory_report(values: dict, pf: dict) -> tuple[list[str], list[str]]:
+def memory_report(values: dict, pf: dict) -> tuple[list[str], list[str], Optional[int]]:
     """The memory model's verdict per GPU before anything starts (the story: a ~200 MB
     shortfall surfaced as an OOM on GPU 6 during ramp-up, not at launch).
 
     Uses the container's free memory per GPU from the preflight and the target's config.json
-    figures; stdlib only (trainer.probe), so the controller still needs no torch. Nothing to
-    say on CPU. The trainer repeats the check on each rank before it loads anything."""
+    figures; stdlib only (trainer.plan.budget), so the controller still needs no torch. Nothing to
+    say on CPU. The trainer repeats the fit check on each rank before it loads anything.
+
+    The third value: ``--token-budget auto`` decided (None when the run names its budget, or
+    nothing fits). The launch carries that number into the start script, so the budget shown
+    here is the one every rank trains with; the trainer decides ``auto`` itself only when run
+    by hand."""
     if pf.get("device") != "cuda":
-        return [], []
-    from trainer.probe import plan_run
+        return [], [], None
+    from trainer.plan.budget import plan_run
 
     free = {g["index"]: g["memory_free_mib"] for g in (pf.get("gpu") or {}).get("gpus") or []
             if g.get("memory_free_mib") is not None}
     model_cfg = (pf.get("model") or {}).get("config")
     if not free or not model_cfg:
-        return ["memory   not checked here: no free-memory figure or no target config.json from the preflight"], []
+        return ["memory   not checked here: no free-memory figure or no target config.json from the preflight"], [], None
     # --target-forward auto follows the kernels the container has, not this machine's
     packages = {n.lower().replace("_", "-") for n in ((pf.get("fingerprint") or {}).get("packages") or {})}
     values = {**values, "target_forward": flags.target_forward_for(
@@ -331,9 +338,30 @@ def memory_report(values: dict, pf: dict) -> tuple[list[str], list[str]]:
                      f"(predicted peak {row['peak_mib'] / 1024:.1f} + margin), free "
                      f"{(row.get('free_mib') or 0) / 1024:.1f} GiB: {verdict}")
     lines += [f"memory   note: {n}" for n in plan["notes"]]
-    if plan.get("auto"):
-        lines.append(f"memory   --token-budget auto → {plan['token_budget']}")
-    return lines, list(plan["refusals"])
+    budget = None
+    if plan.get("auto") and not plan["refusals"]:
+        budget = int(plan["token_budget"])
+        lines.append(f"memory   --token-budget auto → {budget} ({plan['auto_reason']}): the run trains with it")
+    return lines, list(plan["refusals"]), budget
+
+
+def resume_line(ctid, node_name: Optional[str], launch: Optional[dict], checkpoint: Optional[dict]) -> str:
+    """The exact `ctl launch` that continues a run: its config file and `--set`s as it was
+    launched, from its checkpoint (a training run) or again (a data job resumes by itself)."""
+    launch = launch or {}
+    config = launch.get("config_file") or (f"{launch['config']}.toml" if launch.get("config") else "RUN_CONFIG.toml")
+    argv = ["ctl", "launch", "--container", str(ctid), "--config", config]
+    if node_name:
+        argv[2:2] = ["--node", node_name]
+    if (launch.get("kind") or "train") != "train":
+        pass  # a data job resumes by launching its config again (trainer/kinds.py)
+    elif checkpoint and checkpoint.get("exists", True):
+        argv += ["--resume-from", checkpoint["path"]]
+    else:
+        argv += ["--from-scratch"]
+    for item in launch.get("sets") or []:  # what its launch changed over the file, so it runs on alike
+        argv += ["--set", item]
+    return shlex.join(argv)
 
 
 def start_argv(ct: Container, run_dir: str, run_id: str, options: dict) -> list[str]:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-import shlex
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
@@ -36,6 +35,7 @@ from controller import envgen_client as eg
 from controller.agentcall import AgentCaller
 from controller import snapshots as snaps
 from controller.container import Container, ContainerError
+from controller.launch import resume_line
 
 # Extra seconds, after the agent's stop returned, for SIGKILLed processes to be reaped.
 SURVIVOR_WAIT_S = 10.0
@@ -334,23 +334,6 @@ def pick_checkpoint(info: dict, plan: Plan) -> Optional[dict]:
     return None
 
 
-def resume_line(ct: Container, launch: Optional[dict], checkpoint: Optional[dict]) -> str:
-    launch = launch or {}
-    config = launch.get("config_file") or (f"{launch['config']}.toml" if launch.get("config") else "RUN_CONFIG.toml")
-    argv = ["ctl", "launch", "--container", ct.ctid, "--config", config]
-    if ct.node_name:
-        argv[2:2] = ["--node", ct.node_name]
-    if (launch.get("kind") or "train") != "train":
-        pass  # a data job resumes by launching its config again (trainer/kinds.py)
-    elif checkpoint and checkpoint.get("exists", True):
-        argv += ["--resume-from", checkpoint["path"]]
-    else:
-        argv += ["--from-scratch"]
-    for item in launch.get("sets") or []:  # what its launch changed over the file, so it runs on alike
-        argv += ["--set", item]
-    return shlex.join(argv)
-
-
 def stop_run(ct: Container, plan: Plan, say: Callable[[str], None]) -> dict:
     """Graceful stop through the agent, then an independent check that nothing is left."""
     out: dict[str, Any] = {"how": "had already ended"}
@@ -438,7 +421,7 @@ def execute(ct: Container, plan: Plan, say: Callable[[str], None] = print) -> Re
     report.verified = report.after.get("id") == t.expected_id if t.expected_id else True
     info = eg.recovery(ct, "run-info", "--run", plan.run) if plan.run else {}
     report.checkpoint = pick_checkpoint(info, plan) if plan.run else None
-    report.resume_line = resume_line(ct, info.get("launch") or plan.launch, report.checkpoint)
+    report.resume_line = resume_line(ct.ctid, ct.node_name, info.get("launch") or plan.launch, report.checkpoint)
     history.append({"event": "rollback", "container": ct.ctid, "run": plan.run, "to": t.label, "why": t.why,
                     "from_env": plan.before.get("id"), "to_env": report.after.get("id"),
                     "verified": report.verified, "diff": report.diff,

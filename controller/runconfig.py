@@ -316,6 +316,17 @@ class RunConfig(BaseModel):
     baseline: BaselineSection = Field(default_factory=BaselineSection)
     supervision: SupervisionSection = Field(default_factory=SupervisionSection)  # type: ignore[valid-type]
     job: Optional[JobSection] = None
+    # this run's own [notify], over the controller config's (controller/notifyconfig.py)
+    notify: Optional[dict] = None
+
+    @field_validator("notify")
+    @classmethod
+    def _notify(cls, value: Any) -> Any:
+        if value is not None:
+            from controller.notifyconfig import check_table
+
+            check_table(value)
+        return value
 
     @field_validator("trainer", mode="before")
     @classmethod

@@ -46,9 +46,7 @@ def restart_message(reply: dict, ctid: str, node: Optional[str]) -> Optional[str
     """"container 200 restarted at …; the run died at step N; resume with `ctl launch …`" when
     the run's container restarted (or its node rebooted) under it (agent.runview's
     ``host_restart``), else None."""
-    from types import SimpleNamespace
-
-    from controller.rollback import resume_line
+    from controller.launch import resume_line
 
     restart = reply.get("host_restart")
     if not isinstance(restart, dict):
@@ -60,7 +58,7 @@ def restart_message(reply: dict, ctid: str, node: Optional[str]) -> Optional[str
     st = RunStatus.from_json(reply.get("status"))
     step = restart.get("step") if restart.get("step") is not None else (st.step or 0)
     ckpt = {"path": st.checkpoint.path} if st.checkpoint else None
-    line = resume_line(SimpleNamespace(ctid=str(ctid), node_name=node), reply.get("resume"), ckpt)
+    line = resume_line(ctid, node, reply.get("resume"), ckpt)
     return f"{what}; the run died at step {step}; resume with `{line}`"
 
 
@@ -128,6 +126,21 @@ def render_status(reply: dict, ctid: str, node: str) -> list[str]:
         lines.append(f"ckpt     step {st.checkpoint.step}: {st.checkpoint.path}")
     if st.state != RunState.FAILED and reason and terminal:
         lines.append(f"result   {reason}")
+    lines += alert_lines(reply.get("alerts"), now=time.time())
+    return lines
+
+
+def alert_lines(alerts: Optional[dict], now: float) -> list[str]:
+    """The run's alerts (agent/alertcmd.py summary): the last one, and every one that reached
+    no channel yet, which `ctl watch` delivers from this side."""
+    if not alerts or not alerts.get("count"):
+        return []
+    last = alerts.get("last") or {}
+    ago = fmt_duration(now - last["ts"]) if isinstance(last.get("ts"), (int, float)) else "?"
+    lines = [f"alerts   {alerts['count']} raised; last {last.get('kind')} {ago} ago: {last.get('cause')}"]
+    for u in alerts.get("undelivered") or []:
+        lines.append(f"ALERT    not delivered: {u.get('kind')}: {u.get('cause')} ({u.get('error') or 'pending'}); "
+                     "`ctl watch` delivers it from here")
     return lines
 
 
@@ -135,7 +148,7 @@ EVIDENCE_LINES = 5  # of the root cause's evidence (its rank's last output lines
 
 
 def _supervision(st: RunStatus, revived: Optional[dict], now: float) -> list[str]:
-    """When and why an agent took over this run after its agent was gone (issue 18)."""
+    """When and why an agent took over this run after its agent was gone."""
     lines = []
     if revived and revived.get("ok"):
         lines.append(f"agent    none was supervising this run: ctl status started one (pid {revived.get('agent_pid')})")

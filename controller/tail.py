@@ -26,7 +26,7 @@ FOLLOW_AGENT_GONE = EXIT_AGENT_GONE
 MAX_REVIVALS = 5  # agents one tail starts before it gives up on a run whose agents keep dying
 # How long a follower waits for a stopped container to run again before it says the run died
 # with it: a container's restart or a node's reboot comes back well within it; a `pct stop`
-# by hand never does, and reconnecting to it for ever (issue 26) helps nobody.
+# by hand never does, and reconnecting to it for ever helps nobody.
 STOPPED_WAIT_S = 300.0
 
 
@@ -213,6 +213,8 @@ class Printer:
             self._event(payload)
         elif kind == "gpu":
             self.gpus = payload.get("gpus") or []
+        elif kind == "alert":  # agent/alerts.py: what the operator was (or is being) told
+            self.write(f"== alert {payload.get('kind')}: {payload.get('cause')}")
         elif kind == "status":
             state = payload.get("state")
             if state != self.state:

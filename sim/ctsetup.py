@@ -18,7 +18,7 @@ eth0 (sim/net.py), so theirs is ``10.77.0.<n> <node>-ct<id>``; the search domain
 takes from the node's resolv.conf are left out (the sim node has no DNS).
 
 Without this, a container had no /etc/hosts: neither ``localhost`` nor its own name resolved
-(torchrun's ``--standalone`` rendezvous hung on both; issue 18).
+(torchrun's ``--standalone`` rendezvous hung on both).
 
 **Init.** A Debian minbase rootfs has no init system, and the sim used ``sleep infinity`` as
 PID 1, which never calls wait(): every killed process's orphans stayed zombies under PID 1.

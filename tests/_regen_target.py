@@ -1,4 +1,4 @@
-"""A tiny chat target for the regenerate tests: trainer.tiny's random Qwen3 (vocab 512)
+"""A tiny chat target for the regenerate tests: trainer.synth.tiny's random Qwen3 (vocab 512)
 with a real byte-level BPE tokenizer trained here (tokenizers' own trainer) and a ChatML
 chat template, so `transformers serve` answers /v1/chat/completions for it. Seconds, CPU."""
 
@@ -33,7 +33,7 @@ def make_chat_target(directory: str, seed: int = 0) -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from trainer.tiny import VOCAB, build_target
+    from trainer.synth.tiny import VOCAB, build_target
 
     os.makedirs(directory, exist_ok=True)
     model = build_target(seed)

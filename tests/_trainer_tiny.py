@@ -32,7 +32,7 @@ def make_data(target_dir: str, out_dir: str, samples: int = 48, prompt_len: int 
     """Random prompts + the target's greedy continuations; loss on the continuation."""
     from transformers import AutoModelForCausalLM
 
-    from trainer.data import prepare
+    from trainer.chat.prepare import prepare
 
     model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     g = torch.Generator().manual_seed(seed)

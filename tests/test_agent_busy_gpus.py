@@ -1,6 +1,6 @@
 """A launch onto GPUs (or CPU rank slots) that a live run in the container holds is refused by
-the preflight, one line naming the run and what it holds, unless --share-gpus (issue 18: two
-launches on one GPU each planned for the whole memory — the story's shortfall, on purpose)."""
+the preflight, one line naming the run and what it holds, unless --share-gpus (two launches on
+one GPU each planned for the whole memory — the story's shortfall, on purpose)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Corrupt state files (issue 26, finding 6), with real agent processes on this machine: every
+"""Corrupt state files, with real agent processes on this machine: every
 state file is read through its type, and a corrupt one is one line naming the file — never a
 traceback, never a hang, never a finished run re-attached or rewritten."""
 

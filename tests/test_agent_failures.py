@@ -78,7 +78,7 @@ def test_rank_without_heartbeat_progress_while_others_progress_is_a_stall(run_di
 
 def test_an_external_kill9_is_killed_by_signal_9_not_by_us_in_one_record_naming_no_gpu(run_dir):
     # --ranks 0: the job's top process is the only rank (no launcher to report anything).
-    # Issue 26: this was "host_oom (suspected)", in two records ("rank slot 0" and "GPU 0").
+    # This once read "host_oom (suspected)", in two records ("rank slot 0" and "GPU 0").
     start(run_dir, [PY, FAKE, "--ranks", "0", "--step-time", "0.1"])
     hb = wait_for(lambda: heartbeats(run_dir).get(0), 30, what="rank 0")
     os.kill(hb["pid"], signal.SIGKILL)

@@ -1,4 +1,4 @@
-"""Known good (issue 26, finding 8): only a run that reached steady state and did not fail
+"""Known good: only a run that reached steady state and did not fail
 becomes the container's baseline; one that ended in a failure never does, and a provisional
 baseline whose run fails later is taken back (the previous one returns)."""
 

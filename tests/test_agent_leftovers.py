@@ -1,4 +1,4 @@
-"""Leaks and modes (issue 26, finding 8, the agent and trainer side): the temp files of an
+"""Leaks and modes (the agent and trainer side): the temp files of an
 interrupted checkpoint save and temp drafter directories are removed at the next start of a
 run in that output root and by `agent list --prune` (`ctl runs --prune`) — only those of
 writers that are gone, never a save in progress —, and the output directories are

@@ -1,4 +1,4 @@
-"""A container restart under a run (issue 26, finding 4), on this machine: the "container" is a
+"""A container restart under a run, on this machine: the "container" is a
 pid namespace (`unshare --pid --fork --mount-proc`) whose init is killed with everything in
 it, as `pct stop` does; the next look is from a new namespace, as after `pct start`. The run
 is said to have died with its container at its last step, never healthy. (Through ctl on the

@@ -1,4 +1,4 @@
-"""Supervision that never leaves a run alone (issue 18), with real processes on this machine:
+"""Supervision that never leaves a run alone, with real processes on this machine:
 the job's monitor brings a killed agent back and the stream loses and repeats nothing; a rank
 failure after that is still classified; a follower goes on through it; a job that ends while
 no agent runs is still finalized; ranks that never start fail the run at the start-up

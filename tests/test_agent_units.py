@@ -228,7 +228,7 @@ def test_agent_start_flags_come_from_the_options_table():
 
 
 def test_follow_waits_for_the_records_an_agent_appends_after_the_final_status(tmp_path):
-    """CI (stop 35): the agent's shutdown stops a run's leftover processes after the final
+    """Seen in CI: the agent's shutdown stops a run's leftover processes after the final
     status and appends that report and the status again; a follower that ended at the first
     terminal status lost those two records (the tail had 737 of 739)."""
     import io

@@ -1,4 +1,4 @@
-"""The read-only agent calls start the container's python without site (issue 28).
+"""The read-only agent calls start the container's python without site.
 
 `ctl status` and `ctl tail` run `agent.runview` from the bundle, standard library only, so
 their interpreter starts with -S (controller/agentcall.py NO_SITE_CALLS): no site-packages

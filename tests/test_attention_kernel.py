@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from trainer import fast_drafter as fd
-from trainer import flags, flex_mask
+from trainer.gpu import fast_drafter as fd
+from trainer import flags
+from trainer.layers import flex_mask
 
 QWEN3_TINY = {"model_type": "qwen3", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
               "head_dim": 16, "intermediate_size": 128, "num_hidden_layers": 6, "vocab_size": 512,
@@ -26,15 +27,11 @@ def test_auto_resolves_to_flash_only_where_it_can_run(choice, cuda, missing, wan
     assert flags.attention_kernel_for({"attention_kernel": choice}, cuda, missing) == want
 
 
-def test_the_flash_kernel_is_flex_attentions_flash_backend_and_the_environment_still_wins(monkeypatch):
-    monkeypatch.delenv("DFLASH_FLEX_OPTIONS", raising=False)
-    monkeypatch.setattr(fd, "FLEX_OPTIONS", {"fwd_USE_TMA": True})
-    assert fd.flex_options("flash") == {"BACKEND": "FLASH"}  # the Triton knobs are not passed to CuTe
-    assert fd.flex_options("triton") == {"fwd_USE_TMA": True}
-    monkeypatch.setattr(fd, "FLEX_OPTIONS", {})
-    assert fd.flex_options("triton") is None
-    monkeypatch.setenv("DFLASH_FLEX_OPTIONS", json.dumps({"BACKEND": "TRITON"}))
-    assert fd.flex_options("flash") == {"BACKEND": "TRITON"}
+def test_the_flash_kernel_is_flex_attentions_flash_backend(monkeypatch):
+    assert fd.flex_options("flash") == {"BACKEND": "FLASH"}
+    assert fd.flex_options("triton") is None  # torch's own Triton defaults
+    monkeypatch.setenv("DFLASH_FLEX_OPTIONS", json.dumps({"BACKEND": "TRITON"}))  # no longer read
+    assert fd.flex_options("flash") == {"BACKEND": "FLASH"}
 
 
 class _FakeNvml:

@@ -17,7 +17,8 @@ import pytest
 
 from _qwen_target import converted_tokenizer_json, tiktoken_encoding, write_tokenizer
 from trainer import data
-from trainer.chat_template import Renderer
+from trainer.chat import prepare as prepare_job
+from trainer.chat.template import Renderer
 from trainer.data import PreparedData
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -168,7 +169,7 @@ def prep(tmp_path, inputs, target, *flags, name="out"):
     out, err = io.StringIO(), io.StringIO()
     d = str(tmp_path / name)
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = data.main(["--input", *inputs, "--out", d, "--target", target, "--workers", "2", *flags])
+        rc = prepare_job.main(["--input", *inputs, "--out", d, "--target", target, "--workers", "2", *flags])
     return rc, out.getvalue(), err.getvalue(), d
 
 
@@ -285,7 +286,7 @@ def test_a_template_with_enable_thinking_needs_thinking_on_or_off(tmp_path, targ
 
 def test_conversations_without_a_target_are_one_clear_line(tmp_path, capsys):
     src = write_jsonl(tmp_path / "c.jsonl", OPENAI_ROWS)
-    assert data.main(["--input", src, "--out", str(tmp_path / "out")]) == 2
+    assert prepare_job.main(["--input", src, "--out", str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err.splitlines() == [
         f"prepare: error: {src}: holds conversations (openai rows); give --target DIR, the target model's "
         "directory, for its tokenizer and chat template"]
@@ -411,8 +412,8 @@ def test_a_worker_killed_mid_result_then_a_stop_ends_the_run(tmp_path, targets, 
 # chat pool itself): the test decides when the workers are idle by what it writes.
 _FIFO_DRIVER = """
 import sys
-from trainer import chat_prepare as cp
-from trainer.chat_template import Renderer
+from trainer.chat import encode as cp
+from trainer.chat.template import Renderer
 fifo, target = sys.argv[1:3]
 opts = cp.ChatOptions(target=target, thinking=False, workers=2)
 n = 0
@@ -435,7 +436,7 @@ def test_a_worker_killed_while_idle_inside_the_queue_lock_ends_the_pool_not_hang
     read(2) is killed, then the FIFO's end (a last short batch)."""
     import threading
 
-    from trainer.chat_prepare import BATCH_ROWS
+    from trainer.chat.encode import BATCH_ROWS
 
     fifo = str(tmp_path / "slow.jsonl")
     os.mkfifo(fifo)
@@ -472,7 +473,7 @@ def test_a_worker_killed_while_idle_inside_the_queue_lock_ends_the_pool_not_hang
 def test_on_a_terminal_progress_is_one_redrawn_bar_with_rates_and_eta():
     import io
 
-    from trainer.chat_prepare import Progress
+    from trainer.chat.encode import Progress
 
     class Terminal(io.StringIO):
         def isatty(self):
@@ -493,7 +494,7 @@ def test_on_a_terminal_progress_is_one_redrawn_bar_with_rates_and_eta():
 
 def test_batches_keep_every_row_in_order_and_shrink_at_the_end_of_the_file():
     """The last batches of a file of known size are smaller, so no worker encodes a full one alone at the end."""
-    from trainer.chat_prepare import TAIL_BYTES, _batches
+    from trainer.chat.encode import TAIL_BYTES, _batches
 
     items = [(b"x" * 999 + b"\n", f"f:{i}", None) for i in range(10_000)]  # 10 MB of rows
     size = 1 << 20

@@ -1,4 +1,4 @@
-"""trainer.chatrows: every input format and row form to the same OpenAI-form rows; bad rows named, not fatal."""
+"""trainer.chat.rows: every input format and row form to the same OpenAI-form rows; bad rows named, not fatal."""
 
 import json
 import subprocess
@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from trainer import chatrows
-from trainer.chatrows import ChatRow, ChatRowsError, iter_rows
+from trainer.chat import rows as chatrows
+from trainer.chat.rows import ChatRow, ChatRowsError, iter_rows
 
 OPENAI = [
     {"id": "a1", "messages": [{"role": "system", "content": "Be brief."},
@@ -183,7 +183,7 @@ def test_saved_hf_dataset_directories_read_without_importing_datasets(tmp_path):
     assert _good(iter_rows(str(one))) == want
     assert _good(iter_rows(str(dd))) == want + want[:1]
     # the regenerate job imports chatrows in containers: nothing beyond the standard library
-    code = ("import sys, trainer.chatrows; bad = {m for m in ('pyarrow', 'datasets', 'numpy', 'torch') "
+    code = ("import sys, trainer.chat.rows; bad = {m for m in ('pyarrow', 'datasets', 'numpy', 'torch') "
             "if m in sys.modules}; print(sorted(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -1,7 +1,7 @@
-"""Disks (issue 20, item 6): a run keeps the newest --keep-checkpoints checkpoints (and every
+"""Disks: a run keeps the newest --keep-checkpoints checkpoints (and every
 --keep-every-th), prunes only after the newer one is complete and never the newest loadable
 one, resumes from the newest after pruning; and the torch-free size prediction
-(trainer/ckptsize.py) matches what the trainer really writes."""
+(trainer/plan/ckptsize.py) matches what the trainer really writes."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import pytest
 
 from _trainer_tiny import base_args, events, tiny_setup
 from trainer import checkpoint as ckpt_io
-from trainer import ckptsize, flags
+from trainer import flags
+from trainer.plan import ckptsize
 from trainer.__main__ import main
 
 

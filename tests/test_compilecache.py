@@ -1,5 +1,5 @@
 """agent/compilecache.py: a venv generation's compile cache packed on one machine and unpacked
-on another loads there instead of compiling (issue 29: a fresh machine's first step), and an
+on another loads there instead of compiling (a fresh machine's first step), and an
 archive that could not help or could harm is refused with nothing changed.
 
 The round trip is real: torch.compile on CPU (tests/_inductor_cache.py) fills the cache in one workspace, the agent

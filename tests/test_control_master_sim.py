@@ -1,4 +1,4 @@
-"""The one-shot commands' shared SSH connection (controller/sshmux.py, issue 28), as an
+"""The one-shot commands' shared SSH connection (controller/sshmux.py), as an
 operator lives it: `ctl` processes one after the other against the simulated node.
 
 A new SSH connection is counted where the node sees it: its sshd logs one "Accepted

@@ -1,6 +1,6 @@
-"""What an operator types is checked before anything is sent to a node (issue 26, findings 3
-and 5): one run-id grammar for every `--run`, exact types and finite numbers in run
-configs, UTF-8 files, and ctl's exit codes in one home that docs/launch.md follows.
+"""What an operator types is checked before anything is sent to a node: one run-id grammar for
+every `--run`, exact types and finite numbers in run configs, UTF-8 files, and ctl's exit codes
+in one home that docs/launch.md follows.
 
 No node is needed: the controller config names a node nobody listens on (port 1), so a
 command that got as far as connecting would exit 255, not 2."""

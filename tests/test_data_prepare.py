@@ -1,4 +1,4 @@
-"""`python -m trainer prepare`: round trip, statistics, atomicity, bad input (trainer/data.py)."""
+"""`python -m trainer prepare`: round trip, statistics, atomicity, bad input (trainer/chat/prepare.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from trainer import data
-from trainer.data import DataError, PreparedData, prepare
+from trainer.chat import prepare as prepare_job
+from trainer.chat.prepare import prepare
+from trainer.data import DataError, PreparedData
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -119,7 +121,7 @@ def test_fingerprint_depends_on_content_not_layout(tmp_path):
 
 def test_progress_lines_on_stderr(tmp_path, capsys):
     src = write_jsonl(tmp_path / "a.jsonl", random_samples(25))
-    assert data.main(["--input", src, "--out", str(tmp_path / "out"), "--progress-every", "10"]) == 0
+    assert prepare_job.main(["--input", src, "--out", str(tmp_path / "out"), "--progress-every", "10"]) == 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 2 and err[0].startswith("prepare: 10 samples") and err[1].startswith("prepare: 20 samples")
 
@@ -164,7 +166,7 @@ def test_bad_line_names_file_and_line_exits_2_writes_nothing(tmp_path, capsys, c
     src.write_text(GOOD + "\n" + GOOD + "\n" + line + "\n" + GOOD + "\n")
     out = tmp_path / "new" / "out"  # a missing parent is created, then removed again on failure
     before = sorted(os.listdir(tmp_path))
-    assert data.main(["--input", str(src), "--out", str(out)]) == 2
+    assert prepare_job.main(["--input", str(src), "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert f"{src}:3:" in err and words in err
@@ -174,7 +176,7 @@ def test_bad_line_names_file_and_line_exits_2_writes_nothing(tmp_path, capsys, c
 def test_missing_input_file(tmp_path, capsys):
     good = write_jsonl(tmp_path / "a.jsonl", random_samples(2))
     missing = str(tmp_path / "nope.jsonl")
-    assert data.main(["--input", good, missing, "--out", str(tmp_path / "out")]) == 2
+    assert prepare_job.main(["--input", good, missing, "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and missing in err and "not found" in err
     assert sorted(os.listdir(tmp_path)) == ["a.jsonl"]
@@ -184,7 +186,7 @@ def test_missing_input_file(tmp_path, capsys):
 def test_empty_dataset(tmp_path, capsys, content):
     src = tmp_path / "empty.jsonl"
     src.write_text(content)
-    assert data.main(["--input", str(src), "--out", str(tmp_path / "out")]) == 2
+    assert prepare_job.main(["--input", str(src), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(src) in err and "no samples" in err
     assert sorted(os.listdir(tmp_path)) == ["empty.jsonl"]
@@ -195,14 +197,14 @@ def test_existing_dataset_is_not_overwritten(tmp_path, capsys):
     prepare([src], str(tmp_path / "out"), log=quiet)
     before = PreparedData(str(tmp_path / "out")).fingerprint
     other = write_jsonl(tmp_path / "b.jsonl", random_samples(4, seed=9))
-    assert data.main(["--input", other, "--out", str(tmp_path / "out")]) == 2
+    assert prepare_job.main(["--input", other, "--out", str(tmp_path / "out")]) == 2
     assert "already exists" in capsys.readouterr().err
     assert PreparedData(str(tmp_path / "out")).fingerprint == before
 
 
 def test_usage_errors_exit_2(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
-        data.main(["--out", str(tmp_path / "out")])
+        prepare_job.main(["--out", str(tmp_path / "out")])
     assert exc.value.code == 2
     assert capsys.readouterr().err.count("\n") == 1
 
@@ -227,7 +229,7 @@ def test_kill_during_prepare_leaves_no_dataset(tmp_path):
     os.mkfifo(fifo)
     out = tmp_path / "data"
     proc = subprocess.Popen(
-        [sys.executable, "-c", "import sys; from trainer.data import main; sys.exit(main(sys.argv[1:]))",
+        [sys.executable, "-c", "import sys; from trainer.chat.prepare import main; sys.exit(main(sys.argv[1:]))",
          "--input", str(fifo), "--out", str(out), "--progress-every", "50", "--shard-tokens", "1000"],
         cwd=REPO, stderr=subprocess.PIPE, text=True)
     try:
@@ -260,7 +262,7 @@ def test_kill_during_prepare_leaves_no_dataset(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["a.jsonl", "data", "in.jsonl"]
 
 
-@pytest.mark.parametrize("stop", [KeyboardInterrupt, data._Stopped])
+@pytest.mark.parametrize("stop", [KeyboardInterrupt, prepare_job._Stopped])
 def test_a_stop_after_the_data_is_in_place_says_it_is_complete(tmp_path, monkeypatch, capsys, stop):
     """A Ctrl-C or SIGTERM that lands after the rename (here: in the parent's fsync) used to be
     reported as "nothing written" with exit 130/75 while the data stood complete in --out."""
@@ -270,8 +272,8 @@ def test_a_stop_after_the_data_is_in_place_says_it_is_complete(tmp_path, monkeyp
     def fsync_dir(path):
         raise stop()  # where the signal's handler would raise it
 
-    monkeypatch.setattr(data, "_fsync_dir", fsync_dir)
-    assert data.main(["--input", src, "--out", out]) == 0
+    monkeypatch.setattr(prepare_job, "_fsync_dir", fsync_dir)
+    assert prepare_job.main(["--input", src, "--out", out]) == 0
     said = capsys.readouterr()
     assert said.err.splitlines()[-1] == "prepare: the stop came after the data was in place; it is complete"
     assert said.out.startswith(f"prepare: wrote {out}: 30 samples")
@@ -301,7 +303,7 @@ def test_interrupt_cleans_up(tmp_path, monkeypatch):
     """KeyboardInterrupt (or any exception) mid-stream removes the temp directory."""
     src = write_jsonl(tmp_path / "a.jsonl", random_samples(30))
     calls = {"n": 0}
-    real_add = data._ShardWriter.add
+    real_add = data.ShardWriter.add
 
     def add(self, ids, mask):
         calls["n"] += 1
@@ -309,7 +311,7 @@ def test_interrupt_cleans_up(tmp_path, monkeypatch):
             raise KeyboardInterrupt
         real_add(self, ids, mask)
 
-    monkeypatch.setattr(data._ShardWriter, "add", add)
+    monkeypatch.setattr(data.ShardWriter, "add", add)
     with pytest.raises(KeyboardInterrupt):
         prepare([src], str(tmp_path / "out"), log=quiet)
     assert sorted(os.listdir(tmp_path)) == ["a.jsonl"]

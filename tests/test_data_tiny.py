@@ -1,4 +1,4 @@
-"""`python -m trainer tiny`: a loadable tiny Qwen3 target + its own greedy data (trainer/tiny.py)."""
+"""`python -m trainer tiny`: a loadable tiny Qwen3 target + its own greedy data (trainer/synth/tiny.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from trainer import tiny  # noqa: E402
+from trainer.synth import tiny  # noqa: E402
 from trainer.data import PreparedData  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -18,7 +18,7 @@ import torch
 from _trainer_tiny import base_args, tiny_setup
 from trainer import checkpoint as ckpt_io
 from trainer import drafter_dir
-from trainer import export as X
+from trainer.serve import export as X
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -187,7 +187,7 @@ def test_help_exits_0_without_a_traceback(argv):
 def test_sliding_layers_are_written_generically_and_masked_as_documented():
     """A drafter config with sliding layers (the hybrid trainer's, once merged) is exported as
     it says; the modeling file windows the context and makes the block causal there."""
-    from trainer.hf_dflash import block_mask
+    from trainer.layers.hf_dflash import block_mask
 
     base = {"num_hidden_layers": 2, "dflash_config": {"mask_token_id": 5, "target_layer_ids": [1]}, "block_size": 4,
             "rope_theta": 1e4}
@@ -261,7 +261,7 @@ def _tensor_names(step_dir: Path) -> list[str]:
 
 def test_a_dflash2_export_reloads_in_our_loader_with_the_masters_and_their_drafts(run2, tmp_path):
     from trainer.data import PreparedData
-    from trainer.evaluate import prompts_from, speculative
+    from trainer.serve.evaluate import prompts_from, speculative
     from trainer.model import Drafter, FrozenHead
     from trainer.target import Target
 

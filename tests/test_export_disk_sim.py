@@ -6,7 +6,7 @@ back over SSH; the directory on this side equals the container's (sha256 of ever
 against the checkpoint's own step_N/drafter/), and every refusal leaves nothing behind, here
 or in the container.
 
-Disks (issue 20, item 6): the container gets a 2 GiB tmpfs as its output disk for the test
+Disks: the container gets a 2 GiB tmpfs as its output disk for the test
 (mounted inside the container, removed after; tmpfs holds only what is written), and a run
 that keeps all of 3,000 checkpoints of ~0.8 MiB is launched on it. Before, 2 GiB free drew
 only a warning ("--output-dir: 2.0 GiB free on …") and the run started; now `ctl launch`

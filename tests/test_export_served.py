@@ -3,7 +3,7 @@ loaded in a venv that holds only torch, transformers and safetensors (tests/_cle
 proven to hold nothing of this project) with ``AutoModel.from_pretrained(DIR,
 trust_remote_code=True, dtype="auto")`` beside the target, and decodes held-out prompts
 through the export's own modeling file. Its drafts must be the trainer's evaluator's
-(trainer/evaluate.py) token for token and round for round — so the same τ — and lossless.
+(trainer/serve/evaluate.py) token for token and round for round — so the same τ — and lossless.
 
 Both architectures: a DFlash export loads the export's ``DFlashDraftModel``, a DFlash2 export
 (--drafter-arch dflash2) its ``DFlash2DraftModel`` — convolutions and path selector through
@@ -57,7 +57,7 @@ print(json.dumps({"class": type(draft).__module__ + "." + type(draft).__name__, 
 def served(tmp_path_factory, request):
     from trainer.__main__ import main
     from trainer.data import PreparedData
-    from trainer.evaluate import prompts_from
+    from trainer.serve.evaluate import prompts_from
 
     root = tmp_path_factory.mktemp(f"served-{request.param}")
     target, data = tiny_setup(str(root))
@@ -85,8 +85,8 @@ def served(tmp_path_factory, request):
 
 
 def evaluator(served, dtype):
-    """trainer/evaluate.py on the same prompts, with the export's weights and the target in ``dtype``."""
-    from trainer.evaluate import greedy, speculative
+    """trainer/serve/evaluate.py on the same prompts, with the export's weights and the target in ``dtype``."""
+    from trainer.serve.evaluate import greedy, speculative
     from trainer.model import Drafter, FrozenHead
     from trainer.target import Target
 

@@ -1,8 +1,7 @@
-"""trainer/flex_mask.direct_block_mask against create_block_mask (eager, CPU): the same
+"""trainer/layers/flex_mask.direct_block_mask against create_block_mask (eager, CPU): the same
 tiles, tensor for tensor, for full-attention and sliding-window DFlash masks over many
 layouts, and the same attention output; the chunked step builds no mask through
-create_block_mask unless DFLASH_DIRECT_MASKS=0 asks for it (issue 29: its compile was the
-first step's largest)."""
+create_block_mask (its compile was the first step's largest)."""
 
 from __future__ import annotations
 
@@ -15,8 +14,8 @@ import pytest
 import torch
 from torch.nn.attention import flex_attention as fa
 
-from trainer import fast_drafter as fd
-from trainer import flex_mask as fm
+from trainer.gpu import fast_drafter as fd
+from trainer.layers import flex_mask as fm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
@@ -135,41 +134,27 @@ def _no_create_block_mask(monkeypatch):
 @pytest.mark.parametrize("window", [None, 64])
 def test_the_chunked_steps_masks_never_call_create_block_mask(monkeypatch, window):
     """Full and sliding-window layers alike (the sliding ones fell back to a compiled
-    create_block_mask before); DIRECT_MASKS off restores it for both."""
+    create_block_mask before); the reference builder (direct=False) is the one that does."""
     a, keep = _layout(7, 1, 8, 200, 2)
     _no_create_block_mask(monkeypatch)
-    monkeypatch.setattr(fd, "DIRECT_MASKS", True)
     bm = fd._chunk_block_mask(a[0], keep[0], 200, 24, window)
     assert bm.kv_indices.shape == (1, 1, 2, 4)  # 192 queries, 392 keys in 128-tiles
     bm = fm.make_dflash_block_mask(a, 200, 24, keep, window=window, direct=True)
-    monkeypatch.setattr(fd, "DIRECT_MASKS", False)
-    with pytest.raises(AssertionError, match="direct path"):
-        fd._chunk_block_mask(a[0], keep[0], 200, 24, window)
     with pytest.raises(AssertionError, match="direct path"):
         fm.make_dflash_block_mask(a, 200, 24, keep, window=window, direct=False)
 
 
-@pytest.mark.parametrize("direct", [True, False])
-def test_the_chunked_steps_masks_take_their_query_tile_from_flex_mask(monkeypatch, direct):
-    """flex_mask.Q_TILE (a benchmark's knob) sets the query side of every chunk's mask, on
-    both builders, and the masks stay create_block_mask's at that tile."""
+def test_the_chunked_steps_masks_take_their_query_tile_from_flex_mask(monkeypatch):
+    """flex_mask.Q_TILE sets the query side of every chunk's mask, and the direct masks stay
+    create_block_mask's at that tile."""
     a, keep = _layout(5, 1, 44, 1024, 3)
-    monkeypatch.setattr(fd, "DIRECT_MASKS", direct)
     monkeypatch.setattr(fm, "Q_TILE", 640)
     bm = fd._chunk_block_mask(a[0], keep[0], 1024, 32, None)
     assert bm.BLOCK_SIZE == (640, 128)
     assert bm.kv_indices.shape == (1, 1, 3, 19)  # 1,408 queries in 640-row tiles, 2,432 keys in 128s
-    want = fm.make_dflash_block_mask(a[:1], 1024, 32, keep[:1], direct=not direct)
+    want = fm.make_dflash_block_mask(a[:1], 1024, 32, keep[:1], direct=False)
     for name in FIELDS:
         assert torch.equal(getattr(bm, name), getattr(want, name)), name
-
-
-def test_the_switch_reads_dflash_direct_masks():
-    code = "from trainer import fast_drafter as fd, flex_mask as fm; print(fd.DIRECT_MASKS, fm.DIRECT_MASKS)"
-    for env, want in (("0", "False False"), ("1", "True True")):
-        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True,
-                             env={**os.environ, "DFLASH_DIRECT_MASKS": env})
-        assert out.stdout.split() == want.split()
 
 
 def test_the_mask_compile_bench_runs_on_cpu(tmp_path):

@@ -9,9 +9,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from trainer import chunked_head as chh  # noqa: E402
-from trainer import flex_mask as fm  # noqa: E402
-from trainer import flops, memory  # noqa: E402
+from trainer.gpu import chunked_head as chh  # noqa: E402
+from trainer.layers import flex_mask as fm  # noqa: E402
+from trainer.plan import flops  # noqa: E402
+from trainer.plan import memory
 from trainer.loss import decay_weights, dflash_loss_fn  # noqa: E402
 
 
@@ -145,7 +146,7 @@ def test_flops_linear_counts():
 
 
 def test_memory_model_monotone_and_fits_logic():
-    from trainer import probe
+    from trainer.gpu import probe
 
     base = dict(shape=memory.QWEN3_27B_LIKE, n_layers=5, block_size=32, max_anchors=1024,
                 max_seq_len=8192, token_budget=49152, n_tapped=5)
@@ -174,7 +175,7 @@ def test_fast_drafter_step_matches_dense_reference(attn, soft, cap, weights, win
     """The chunked step against the reference step's math, unchunked, in fp64: trainer/
     model.py's Drafter.forward under the dense mask + trainer/loss.py's dflash_loss (with
     DFlash2's selector term for a DFlash2 drafter)."""
-    from trainer import fast_drafter as fd
+    from trainer.gpu import fast_drafter as fd
     from trainer.loss import LossConfig, dflash_loss
     from trainer.model import Drafter, DrafterConfig
 
@@ -238,7 +239,7 @@ def test_fast_drafter_step_matches_dense_reference(attn, soft, cap, weights, win
 
 def test_fast_target_matches_hf_qwen3():
     transformers = pytest.importorskip("transformers")
-    from trainer.fast_target import FastTarget
+    from trainer.gpu.fast_target import FastTarget
 
     torch.manual_seed(5)
     cfg = transformers.Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=6,
@@ -309,10 +310,15 @@ def test_gemm_weights_cast_once_per_step_give_the_per_chunk_gradients_bit_for_bi
     chunk: the same loss and the same fp32 gradients to the last bit, over two accumulated
     micro-batches (a first .grad and adds), with soft labels, D-PACE's gradient-free pre-pass
     and DFlash2's convolutions and selector."""
-    from trainer import fast_drafter as fd
+    from trainer.gpu import fast_drafter as fd
 
     def run(cast_once):
-        monkeypatch.setattr(fd, "CAST_ONCE", cast_once)
+        with monkeypatch.context() as m:
+            if not cast_once:  # no StepGemmWeights: block_forward casts in every chunk, as before it
+                m.setattr(fd, "StepGemmWeights", lambda *a: None)
+            return _run(cast_once)
+
+    def _run(cast_once):
         d, data, kw = _tiny_chunked_step_inputs(arch, param_dtype, soft, dtype)
         outs = [fd.step_backward(d, data["embed"], data["lm_head"], data["input_ids"], data["taps"],
                                  data["loss_mask"], data["lengths"], data["anchors"], data["keep"], dtype=dtype,
@@ -336,7 +342,7 @@ def test_the_chunked_step_casts_each_gemm_weight_once_not_once_per_chunk(monkeyp
     per chunk, each was cast once per chunk (6 here)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from trainer import fast_drafter as fd
+    from trainer.gpu import fast_drafter as fd
 
     class CastCounter(TorchDispatchMode):
         def __init__(self, ptrs):
@@ -350,7 +356,12 @@ def test_the_chunked_step_casts_each_gemm_weight_once_not_once_per_chunk(monkeyp
             return func(*args, **(kwargs or {}))
 
     def casts(cast_once):
-        monkeypatch.setattr(fd, "CAST_ONCE", cast_once)
+        with monkeypatch.context() as m:
+            if not cast_once:
+                m.setattr(fd, "StepGemmWeights", lambda *a: None)
+            return _casts()
+
+    def _casts():
         d, data, kw = _tiny_chunked_step_inputs("dflash", torch.float32, False, torch.bfloat16)
         gemm = {p.data_ptr(): n for n, p in d.layers.named_parameters() if n.endswith("proj.weight")}
         counter = CastCounter(gemm)

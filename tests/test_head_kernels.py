@@ -1,4 +1,4 @@
-"""trainer/head_kernels.py's Triton passes give chunked_head's reference numbers: the
+"""trainer/gpu/head_kernels.py's Triton passes give chunked_head's reference numbers: the
 statistics (lse, ce, top-1, lse of z/T and of z_t/T, KL) and the gradient of the logits, hard
 and soft, T = 2 (the squared-exponential path) and another T, rows that end in a partial block;
 and the whole chunked head loss through them equals the naive head's loss and gradient.
@@ -15,8 +15,8 @@ import torch
 pytest.importorskip("triton")
 
 from _triton_interp import CUDA, kernel_fixture  # noqa: E402
-from trainer import head_kernels as hk  # noqa: E402
-from trainer import chunked_head as ch  # noqa: E402
+from trainer.gpu import head_kernels as hk  # noqa: E402
+from trainer.gpu import chunked_head as ch  # noqa: E402
 from trainer.loss import dflash_loss_fn  # noqa: E402
 
 DEV = "cuda" if CUDA else "cpu"

@@ -1,4 +1,4 @@
-"""Jobs of every kind under one agent (issue 25, build item 6; trainer/kinds.py): the run
+"""Jobs of every kind under one agent (trainer/kinds.py): the run
 config of a data kind, validated from the kind's own parser; its start script; a real
 `python -m trainer prepare` started by the launch's commit step under the real agent,
 its progress in status.json and in `ctl status`'s words, stopped mid-run (nothing partial
@@ -45,7 +45,7 @@ def test_prepare_config_is_validated_from_prepares_own_parser(tmp_path):
     assert cfg.argv(values) == ["prepare", "--input", "/w/chat.jsonl", "--out", "/w/data/r1"]
     assert cfg.paths(values) == {"reads": ["/w/chat.jsonl"], "writes": ["/w/data/r1"]}
     # The parser's own options, defaults and help are the table's (one source of truth).
-    from trainer.data import build_parser
+    from trainer.chat.prepare import build_parser
 
     fields = jobconfig.model_for("prepare").model_fields["prepare"].annotation.model_fields
     from controller.jobconfig import option_name, options_of

@@ -1,4 +1,4 @@
-"""Jobs of every kind through `ctl` on the simulated node (issue 25, build item 6): a
+"""Jobs of every kind through `ctl` on the simulated node: a
 prepare job and a training run launched, tailed, stopped and resumed in container 200, one
 agent supervising both; a training launch on the prepared data gets the data-drift verdict
 against the known-good run of its config.
@@ -196,7 +196,7 @@ def _put(ct, path: str, text: str) -> None:
 
 @pytest.fixture(scope="module")
 def regen_config(env, ctl_config):
-    """The tiny chat target made inside container 200 by tests/_regen_target.py (its trainer.tiny
+    """The tiny chat target made inside container 200 by tests/_regen_target.py (its trainer.synth.tiny
     from the agent bundle), the gate, the input, and the job's config."""
     from controller import config as cfg
     from controller.agentcall import AgentCaller

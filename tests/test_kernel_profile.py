@@ -1,7 +1,7 @@
-"""Issue 29's profile table and the step changes it called for, on CPU: kernels land in the
-class their name and region say, the table's idle time is the span minus the kernels' union,
-balanced head chunks change no number, and
-the flex options switch reads its environment."""
+"""The step's profile table (trainer/gpu/kernel_profile.py, bench/gpu/roofline.py) and the step
+changes it called for, on CPU: kernels land in the class their name and region say, the
+table's idle time is the span minus the kernels' union, balanced head chunks change no number,
+and the flex options switch reads its environment."""
 
 import importlib
 import json
@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
-from trainer import chunked_head as ch
-from trainer import fast_drafter as fd
-from trainer import kernel_profile as kp
+from trainer.gpu import chunked_head as ch
+from trainer.gpu import fast_drafter as fd
+from trainer.gpu import kernel_profile as kp
 from trainer.loss import dflash_loss_fn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -26,8 +26,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     ("triton_tem_fused_flex_attention_0", None, kp.FLEX_FWD),
     ("triton_tem_fused_flex_attention_backward_1", None, kp.FLEX_BWD),
     ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3", kp.REGION_TARGET, kp.ATTN_TARGET),
-    # --attention-kernel flash: flash-attn-4's CuTe kernels as the H200's trace named them
-    # (session 4); "cutlass" in the name made them drafter matmuls before
+    # --attention-kernel flash: flash-attn-4's CuTe kernels as an H200's trace named them;
+    # "cutlass" in the name made them drafter matmuls before
     ("kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_object_at__tensor0000o4", None,
      kp.FLEX_FWD),
     ("kernel_cutlass_kernel_flash_attncuteflash_bwd_sm90FlashAttentionBackwardSm90_object_at__tensor0000o1", None,
@@ -223,7 +223,7 @@ def _h100_call(tmp_path, with_ceilings: bool):
 
 
 def test_an_h100_calls_table_reads_against_the_h100s_ceilings_not_the_h200s(tmp_path, capsys):
-    """Sessions 2026-12-05c/e ran ``--phases step`` on H100s, whose tables took the H200's
+    """Runs of ``--phases step`` on H100s, recorded without ceilings of their own, took the H200's
     4.24 TB/s: the drafter's elementwise class read 145 ms over its floor where the H100's
     2.95 TB/s makes it 96. ``roofline.py table`` now reads a call without its own ceilings
     against its GPU's row, and a run of the step measures them in the call."""
@@ -242,7 +242,7 @@ def test_an_h100_calls_table_reads_against_the_h100s_ceilings_not_the_h200s(tmp_
     sys.argv = ["roofline.py", "table", str(path)]
     assert rl.main() == 0
     out = capsys.readouterr().out
-    assert "2.95 TB/s" in out and "issue29_s7_call2" in out
+    assert "2.95 TB/s" in out and h100["from"] in out  # the table says where its ceilings come from
     row = next(x for x in out.splitlines() if x.startswith(f"| {kp.ELEMENTWISE} | 400.0 |"))
     assert row.split(" | ")[-2:] == ["40 %", "240.0 |"]  # a 160 ms floor of 400 (the H200's: 111 ms, 28 %)
 
@@ -289,7 +289,7 @@ def test_the_colocated_table_finds_its_gpu_in_the_calls_gpu_csv(tmp_path):
 
 
 def test_the_colocated_table_of_a_recorded_call_answers_what_if(capsys):
-    """``colocated.py table DIR --what-if``, on session 5 call 2's recorded H200 profile: the
+    """``colocated.py table DIR --what-if``, on a recorded H200 profile (colocated Qwen3-8B): the
     GPU from its gpu.csv, and the tokens/s of the step without its idle time."""
     sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
     co = importlib.import_module("colocated")
@@ -304,7 +304,7 @@ def test_the_colocated_table_of_a_recorded_call_answers_what_if(capsys):
 def test_the_colocated_step_counts_the_target_forward_beside_the_drafter_step():
     sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
     co = importlib.import_module("colocated")
-    from trainer import flops as fl
+    from trainer.plan import flops as fl
 
     w = co.colocated_work({"tokens": 65536})
     drafter_only = importlib.import_module("roofline").work_of(fl.QWEN3_8B, 5, 8 * 1024, 32, 65536,
@@ -322,7 +322,7 @@ def test_the_direct_block_mask_has_create_block_masks_tiles(S, B, n, drop):
     tile: which tiles are full, which partial (evaluated with the mask_mod), none missing."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from trainer.flex_mask import dflash_mask_mod, direct_block_mask
+    from trainer.layers.flex_mask import dflash_mask_mod, direct_block_mask
 
     g = torch.Generator().manual_seed(S + B + n + drop)
     a = torch.randperm(S - 1, generator=g)[:n].sort().values
@@ -344,12 +344,12 @@ def test_the_direct_block_mask_has_create_block_masks_tiles(S, B, n, drop):
 
 def test_the_27b_colocated_step_counts_the_hybrid_target_and_its_drafter():
     """The Qwen3.6-27B shape's table (bench/gpu/colocated.py --scale gpu27): the target's FLOPs
-    are trainer/fast_hybrid.py's forward count, split into matmuls and attention/recurrence;
+    are trainer/gpu/fast_hybrid.py's forward count, split into matmuls and attention/recurrence;
     the drafter's head runs over the 248,320-token vocabulary."""
     sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
     co = importlib.import_module("colocated")
     from trainer import family
-    from trainer import fast_hybrid as fh
+    from trainer.gpu import fast_hybrid as fh
 
     w = co.colocated_work_27b({"tokens": 40960})
     target = fh.forward_flops(family.QWEN3_6_27B_TEXT, 8192, 5)
@@ -365,7 +365,7 @@ def test_the_colocated_head_counts_the_teacher_rows_the_launch_computed():
     counts every slot either way."""
     sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
     co = importlib.import_module("colocated")
-    from trainer import flops as fl
+    from trainer.plan import flops as fl
 
     step = {"tokens": 2 * 8192}
     per_slot, spans = co.colocated_work(step, spans=False), co.colocated_work(step, spans=True)
@@ -458,7 +458,7 @@ def test_idle_sources_charges_each_gpu_gap_to_a_late_launch_a_sync_or_the_queue(
                 **(host if cat in ("cpu_op", "python_function", "cuda_runtime") else {"pid": 0, "tid": 7})}
 
     trace = {"traceEvents": [
-        x("python_function", "/r/trainer/fast_drafter.py(300): step_backward", 0, 200),
+        x("python_function", "/r/trainer/gpu/fast_drafter.py(300): step_backward", 0, 200),
         x("python_function", "/r/trainer/model.py(280): block_attention", 12, 20),
         x("cpu_op", "aten::cat", 14, 3),
         x("cpu_op", "aten::mul", 24, 3),
@@ -497,7 +497,7 @@ def test_op_sources_ranks_the_operators_between_the_matmuls_by_where_they_were_a
     sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
     os_ = importlib.import_module("op_sources")
     stack = ["/x/trainer/model.py(324): block_forward", "/usr/lib/torch/nn.py(1): f",
-             "/x/trainer/fast_drafter.py(200): chunk_hidden", "/x/trainer/step.py(155): __call__",
+             "/x/trainer/gpu/fast_drafter.py(200): chunk_hidden", "/x/trainer/step.py(155): __call__",
              "/x/trainer/train.py(9): run"]
     assert os_.trainer_frames(stack) == "model.py(324): block_forward < fast_drafter.py(200): chunk_hidden < step.py(155): __call__"
     assert os_.trainer_frames(["/usr/lib/torch/autograd.py(3): backward"]) == "(outside trainer/)"

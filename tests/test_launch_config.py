@@ -104,14 +104,11 @@ def test_the_shipped_tiny_example_validates():
 def test_the_printed_resume_line_names_the_config_file_the_run_was_launched_with(tmp_path):
     # kill-and-rollback printed `--config tiny.toml` (a guess from the config's name) for a
     # run launched with examples/tiny.toml, so the line failed from any other directory.
-    from controller.rollback import resume_line
-
-    class _Ct:
-        ctid, node_name = "200", "sim"
+    from controller.launch import resume_line
 
     config = configfile.load("examples/tiny.toml")
     assert config._source_file and config._source_file.endswith("/examples/tiny.toml")
-    line = resume_line(_Ct(), {"config": config.name, "config_file": config._source_file},
+    line = resume_line("200", "sim", {"config": config.name, "config_file": config._source_file},
                        {"path": "/workspace/runs/r/output/step_8/checkpoint.pt"})
     assert f"--config {config._source_file}" in line
     assert line.endswith("--resume-from /workspace/runs/r/output/step_8/checkpoint.pt")

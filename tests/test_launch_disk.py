@@ -4,7 +4,8 @@ config, without a node: one line with need, free and the change that makes it fi
 from __future__ import annotations
 
 from controller.diskcheck import disk_refusal, saves_here
-from trainer import ckptsize, flags
+from trainer import flags
+from trainer.plan import ckptsize
 
 GIB = 1 << 30
 QWEN3_32B = dict(hidden_size=5120, intermediate_size=25600, num_attention_heads=64, num_key_value_heads=8,

@@ -1,5 +1,5 @@
 """Launches that collide, Ctrl-C at named moments, and two kill-and-rollbacks at once, on the
-simulated node with `ctl` run as the operator runs it (issue 26, findings 1, 2 and 8).
+simulated node with `ctl` run as the operator runs it.
 
 - Three `ctl launch` of one config at once, ten times: exactly one run each time, the other
   two refused (exit 3) naming it; the slot is free again once that run has ended (the next
@@ -101,7 +101,7 @@ def _launch(env, toml, *extra, **kw) -> subprocess.Popen:
                             text=True, **kw)
 
 
-# --- finding 1: N launches at once → one run -------------------------------------------------
+# --- N launches at once → one run ------------------------------------------------------------
 
 def test_three_launches_at_once_start_exactly_one_run_every_time(env, ct, toml):
     before = _ours(ct)
@@ -122,7 +122,7 @@ def test_three_launches_at_once_start_exactly_one_run_every_time(env, ct, toml):
         before = now
 
 
-# --- finding 2: SIGINT during launch ---------------------------------------------------------
+# --- SIGINT during launch --------------------------------------------------------------------
 
 def _interrupted_at(env, toml, point: str, tmp_path: Path, command=None) -> tuple[int, str, str]:
     pause = tmp_path / point
@@ -197,7 +197,7 @@ def test_a_terminal_ctrl_c_that_also_reaches_ssh_still_names_the_run(env, ct, to
             _stop(ct, run_id)
 
 
-# --- finding 2 and 8: SIGINT during export ----------------------------------------------------
+# --- SIGINT during export --------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def done_run(env, ct, toml) -> str:
@@ -235,7 +235,7 @@ def test_ctrl_c_during_export_keeps_nothing_or_reports_it_complete(env, done_run
     assert (dest / "config.json").read_text() == "{}"
 
 
-# --- finding 8: two kill-and-rollbacks at once -------------------------------------------------
+# --- two kill-and-rollbacks at once -----------------------------------------------------------
 
 def test_a_second_kill_and_rollback_is_refused_while_one_holds_the_container(env, ct, toml, tmp_path):
     launched = _launch(env, toml, "--json")

@@ -1,4 +1,4 @@
-"""Supervision that never leaves a run alone (issue 18), in the simulated node's containers,
+"""Supervision that never leaves a run alone, in the simulated node's containers,
 through `ctl` as the operator runs it:
 
 - the seed's layout, 5 target + 3 drafter ranks on CPU rank slots in one container, through
@@ -149,7 +149,7 @@ def test_the_seeds_layout_5_target_and_3_drafter_ranks_in_one_container_runs_to_
 
 
 def test_a_split_run_starts_in_a_container_where_no_name_resolves(node, env):
-    # Issue 18: a 2-rank run hung at start in a container without /etc/hosts (torchrun's
+    # A 2-rank run once hung at start in a container without /etc/hosts (torchrun's
     # --standalone rendezvous on `localhost`, then on the hostname). The trainer's own
     # rendezvous now uses 127.0.0.1 and a port, and gloo the loopback interface.
     attach(node, CT, "mv", "/etc/hosts", "/etc/hosts.supervise-test")

@@ -328,7 +328,7 @@ def test_a_start_reply_lost_in_the_commit_stops_the_job_and_never_says_nothing_s
     """The link to sim2 dies while 300's start is in flight: 200 has started; ctl's request
     to 300 went into a connection whose node end is frozen, then killed (a network cut), so no
     reply comes. The job is stopped wherever it ran, and the one line says the start may have
-    happened and how to check — never "nothing was started" (issue 26's last finding)."""
+    happened and how to check — never "nothing was started"."""
     import psutil
 
     def runs_in_200() -> set[str]:

@@ -1,4 +1,4 @@
-"""The one-shot commands as an operator runs them (issue 16): `ctl exec`, `ctl env`, and
+"""The one-shot commands as an operator runs them: `ctl exec`, `ctl env`, and
 `ctl status` and `ctl tail` without --follow, each a new process, against the simulated node.
 
 Most of such a command's time is ctl starting up (docs/benchmarks.md, "ctl start-up: where

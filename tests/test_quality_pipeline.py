@@ -1,4 +1,4 @@
-"""Drafter quality pipeline (bench/quality, trainer/ddtree.py): the tree is the best-first
+"""Drafter quality pipeline (bench/quality, trainer/serve/ddtree.py): the tree is the best-first
 top-budget set of prefixes, one tree pass gives every node exactly the target's causal
 logits, and the CPU-scale pipeline — real byte-level target, self-distilled data through
 `python -m trainer prepare`, every drafter variant trained by the trainer — decodes
@@ -14,7 +14,7 @@ import sys
 import pytest
 import torch
 
-from trainer.ddtree import build_tree, target_tree_forward, tree_mask
+from trainer.serve.ddtree import build_tree, target_tree_forward, tree_mask
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUALITY = os.path.join(ROOT, "bench", "quality")

@@ -16,8 +16,8 @@ import urllib.request
 import pytest
 
 from tests._regen_target import Proxy, free_port, make_chat_target, serve_argv, wait_healthy
-from trainer.chatrows import iter_rows
-from trainer.regen_store import FAILURES, MANIFEST, OUTPUT, Store
+from trainer.chat.rows import iter_rows
+from trainer.regen.store import FAILURES, MANIFEST, OUTPUT, Store
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "TRANSFORMERS_VERBOSITY": "error"}
@@ -445,7 +445,7 @@ def test_an_api_key_is_read_from_the_named_variable_and_sent(tmp_path, server):
 
 def test_regenerate_imports_no_torch():
     # the job runs beside a server holding the GPUs: it needs neither torch nor transformers
-    code = ("import sys, trainer.regenerate as r; r.build_parser(); "
+    code = ("import sys, trainer.regen.job as r; r.build_parser(); "
             "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

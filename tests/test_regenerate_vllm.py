@@ -35,7 +35,7 @@ import pytest
 from _regen_target import Proxy, free_port, make_chat_target
 from test_regenerate import (ENV, ROOT, conversations, events, left_behind, output_rows, regen_argv, regenerate,
                              server_pid, sigkill_while_held, sigkill_while_loading, summary_line)
-from trainer.regen_store import FAILURES
+from trainer.regen.store import FAILURES
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

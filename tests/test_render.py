@@ -174,7 +174,7 @@ def test_operators_example_renders_their_exact_flag_set(tmp_path):
 
 
 def test_the_trainer_gets_the_allocator_and_a_compile_cache_of_its_venv_generation(tmp_path):
-    """Issue 14: expandable segments and a compile cache under the workspace, per venv
+    """Expandable segments and a compile cache under the workspace, per venv
     generation — resolved when the script runs, so a rollback (the venv link switched to
     another generation, agent/envgen.py) names the other generation's cache."""
     from trainer import runtime_env

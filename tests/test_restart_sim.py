@@ -1,4 +1,4 @@
-"""A container restart mid-run on the simulated node (issue 26, finding 4), through ctl as the
+"""A container restart mid-run on the simulated node, through ctl as the
 operator runs it: `pct stop 200; pct start 200` on the node while a run trains and a
 `ctl tail --follow` follows it. The first `ctl status` after the restart says the container
 restarted, the step the run died at and the resume line — never "running — agent alive" —

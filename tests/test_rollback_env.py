@@ -229,7 +229,7 @@ def test_kill_of_a_live_run_checkpoints_and_resume_line_names_that_checkpoint(no
 
 
 def test_two_kill_and_rollbacks_at_once_make_one_kill_and_one_rollback(node, rb_config, long_config):
-    """Issue 26: both used to stop the run and both wrote a kill and a rollback record. The
+    """Both used to stop the run and both wrote a kill and a rollback record. The
     container's claim (agent/recovery.py) lets one through and refuses the other (exit 3)."""
     base = env_list(rb_config)["current"]
     run_id = launch_long(rb_config, long_config)

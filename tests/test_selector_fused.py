@@ -1,12 +1,12 @@
-"""DFlash2's selector objective with its backward written out (trainer/selector_fused.py):
+"""DFlash2's selector objective with its backward written out (trainer/gpu/selector_fused.py):
 the numbers and gradients of the checkpointed reference (trainer/loss.py selector_terms with
 the export's selector_scores), eager and compiled, and the chunked step's switch between them."""
 
 import pytest
 import torch
 
-from trainer import selector_fused as sf
-from trainer.hf_dflash import selector_scores
+from trainer.gpu import selector_fused as sf
+from trainer.layers.hf_dflash import selector_scores
 from trainer.loss import selector_terms as reference
 
 
@@ -99,14 +99,14 @@ def test_pieces_are_balanced_to_one_shape():
 
 
 def test_the_compiled_selector_gives_the_eager_numbers(monkeypatch):
-    """On CUDA each piece's forward and backward run compiled (issue 29); the same compiled
+    """On CUDA each piece's forward and backward run compiled; the same compiled
     functions, here on CPU, against the eager ones."""
     monkeypatch.setattr(sf, "_COMPILED_ON", {"cuda", "cpu"})
     monkeypatch.setattr(sf, "_COMPILED", {})
     args = _inputs(torch.float32, P=24, V=40, H=16, r=8, k=4, seed=1)
-    monkeypatch.setattr(sf, "COMPILE", False)
+    monkeypatch.setattr(sf, "EAGER", True)
     eager = _run(True, *args, 12)
-    monkeypatch.setattr(sf, "COMPILE", True)
+    monkeypatch.setattr(sf, "EAGER", False)
     compiled = _run(True, *args, 12)
     assert len(sf._COMPILED) == 2  # the piece's forward and its backward, each compiled once (one shape)
     for name, w, g in zip(NAMES, eager, compiled):
@@ -116,10 +116,11 @@ def test_the_compiled_selector_gives_the_eager_numbers(monkeypatch):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=name)
 
 
-def test_the_chunked_step_uses_the_fused_selector_and_the_switch_gives_the_reference_back(monkeypatch):
-    """trainer/fast_drafter.py's DFlash2 step: the fused selector by default, the checkpointed
-    reference with FUSED off (DFLASH_SELECTOR_FUSED=0), the same loss and gradients."""
-    from trainer import fast_drafter as fd
+def test_the_chunked_step_uses_the_fused_selector_with_the_references_loss_and_gradients(monkeypatch):
+    """trainer/gpu/fast_drafter.py's DFlash2 step calls the fused selector once per anchor chunk;
+    with trainer/loss.py's checkpointed reference in its place the step gives the same loss and
+    gradients."""
+    from trainer.gpu import fast_drafter as fd
     from trainer import loss as loss_mod
     from trainer.model import Drafter, DrafterConfig
 
@@ -145,11 +146,12 @@ def test_the_chunked_step_uses_the_fused_selector_and_the_switch_gives_the_refer
             calls[name] += 1
             return fn(*a, **k)
         return wrapped
-    monkeypatch.setattr(sf, "selector_terms", count("fused", fused_fn))
-    monkeypatch.setattr(fd, "selector_terms", count("reference", ref_fn))
+
+    def reference(h, head_w, cand, labels, preds, _weights, rows):
+        return ref_fn(h, head_w, cand, labels, preds, lambda *a: d.selector_scores(*a, dtype=torch.float64), rows)
 
     def step(fused: bool):
-        monkeypatch.setattr(sf, "FUSED", fused)
+        monkeypatch.setattr(sf, "selector_terms", count("fused", fused_fn) if fused else count("reference", reference))
         d.zero_grad()
         out = fd.step_backward(d, embed, head, ids, taps, torch.ones(b, S, dtype=torch.long), torch.tensor([S, 17]),
                                anchors, keep, block_size=B, mask_token_id=V - 1, chunk_anchors=3, head_chunk_rows=6,

@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from trainer import served
+from trainer.serve import served
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -1,7 +1,7 @@
 """Served τ = trained τ in a real serving engine: vLLM (the CPU build, in .venv-vllm/ made by
 scripts/setup.sh) serves the tiny target of ``python -m trainer tiny`` (head_dim 32: vLLM's CPU
 attention refuses 16) with a drafter trained on CPU and exported, greedily, through
-``python -m trainer served-check`` (trainer/served.py). Its output must be the target's greedy
+``python -m trainer served-check`` (trainer/serve/served.py). Its output must be the target's greedy
 output token for token and τ from vLLM's own counters within the gate's tolerance of our
 evaluator's on the same 10 held-out prompts; an export one of whose layers was zeroed must fail
 the gate against its checkpoint, the cause named.
@@ -31,7 +31,7 @@ MAX_NEW = 32
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
-    from trainer import served
+    from trainer.serve import served
     from trainer.__main__ import main
 
     if not os.access(served.DEFAULT_VLLM_PYTHON, os.X_OK) and not os.environ.get("DFLASH_VLLM_PYTHON"):
@@ -60,7 +60,7 @@ def served_check(pair, export, *extra) -> tuple[int, dict, str]:
 
 
 def test_vllm_serves_the_export_losslessly_with_the_trained_tau(pair):
-    from trainer.served import TOLERANCE
+    from trainer.serve.served import TOLERANCE
 
     rc, r, err = served_check(pair, pair["export"])
     assert rc == 0 and r["ok"] and r["causes"] == [], (r.get("causes"), err[-2000:])

@@ -2,7 +2,7 @@
 its Triton model runner, which the CPU build lacks): a DFlash2 drafter trained on CPU on the
 tiny target of ``python -m trainer tiny`` and exported is built as
 ``qwen3_dflash2.DFlash2Qwen3ForCausalLM`` and loaded by its ``load_weights``
-(trainer/vllm_dflash2_check.py, under .venv-vllm's interpreter). One drafter forward on the
+(trainer/serve/vllm_dflash2_check.py, under .venv-vllm's interpreter). One drafter forward on the
 block after a held-out prompt — vLLM's model forward, its context K/V path, only the
 attention kernel replaced — must give our evaluator's final hidden states, its top-k
 candidates ours, and the walk through its selector's scores our drafted block.
@@ -26,11 +26,11 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def checked(tmp_path_factory):
-    from trainer import served
+    from trainer.serve import served
     from trainer.__main__ import main
     from trainer.data import PreparedData
-    from trainer.evaluate import prompts_from
-    from trainer.hf_dflash import propose
+    from trainer.serve.evaluate import prompts_from
+    from trainer.layers.hf_dflash import propose
     from trainer.model import Drafter, FrozenHead
     from trainer.target import Target
 
@@ -62,7 +62,7 @@ def checked(tmp_path_factory):
         mine = {"hidden": h, "drafts": propose(h[1:], head.lm_head, bonus, drafter.selector),
                 "candidates": torch.nn.functional.linear(h[1:], head.lm_head).topk(drafter.selector.top_k, -1)}
     torch.save({"taps": taps[0], "bonus": bonus, "target": target, "export": export}, root / "in.pt")
-    p = subprocess.run([served.DEFAULT_VLLM_PYTHON, os.path.join(served.REPO, "trainer", "vllm_dflash2_check.py"),
+    p = subprocess.run([served.DEFAULT_VLLM_PYTHON, os.path.join(served.HERE, "vllm_dflash2_check.py"),
                         str(root / "in.pt"), str(root / "out.pt")], capture_output=True, text=True, timeout=600,
                        cwd=root, env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
     assert p.returncode == 0, p.stderr[-3000:]

@@ -2,7 +2,7 @@
 a PVE section of /etc/hosts written at every start, so `localhost` and the container's own
 name resolve; and a PID 1 that reaps orphans.
 
-Issue 18: in a sim container without /etc/hosts, torchrun's --standalone rendezvous hung on
+Without them, in a sim container without /etc/hosts, torchrun's --standalone rendezvous hung on
 `localhost` and then on the hostname, and the zombies of killed processes piled up under
 PID 1 (`sleep infinity`)."""
 

@@ -1,9 +1,9 @@
-"""The drafter step never reads a tensor's value back on the host (issue 29).
+"""The drafter step never reads a tensor's value back on the host.
 
 On a GPU every such read (``.item()``, ``bool(t)``, a data-dependent shape such as
 ``nonzero``) drains the queue, and the host then launches every later kernel late: one in
 CAP's cumprod backward, once per anchor chunk, cost an H100 about 85 ms of idle a DFlash step
-(docs/benchmarks.md, session 2026-12-05e). This runs the chunked step on CPU at a small shape
+(docs/benchmarks.md, 2026-12-05). This runs the chunked step on CPU at a small shape
 (the same code up to the CUDA-only kernels) under a dispatch mode that records every operator
 whose result the host must see, with the trainer/ lines that asked for it.
 """

@@ -1,13 +1,15 @@
-"""DFlash2's within-block convolution in the chunked step (trainer/block_conv.py): the same
-numbers as the export's formula (trainer/hf_dflash.py), and only what the memory model
+"""DFlash2's within-block convolution in the chunked step (trainer/layers/block_conv.py): the same
+numbers as the export's formula (trainer/layers/hf_dflash.py), and only what the memory model
 counts kept for backward."""
 
 import pytest
 import torch
 
-from trainer import block_conv, memory
-from trainer.flops import ModelShape
-from trainer.hf_dflash import grouped_conv as formula
+from trainer.layers import block_conv
+
+from trainer.plan import memory
+from trainer.plan.flops import ModelShape
+from trainer.layers.hf_dflash import grouped_conv as formula
 from trainer.model import DrafterConfig, Layer
 
 
@@ -66,7 +68,7 @@ def _saved_bytes_per_position(arch: str, blocks: int) -> int:
 
 def test_a_dflash2_layer_keeps_for_backward_what_the_memory_model_adds_for_it():
     """Per block position, what a DFlash2 layer of the chunked step keeps beyond a DFlash
-    layer is trainer/memory.py's convolution term (the convolved input and the pre-conv output
+    layer is trainer/plan/memory.py's convolution term (the convolved input and the pre-conv output
     of each sublayer, both sides' dynamic taps), not the plain-autograd formula's broadcast
     kernels and shifted copies (5.0 GiB more at the operators' config on an H200)."""
     slope = {a: (_saved_bytes_per_position(a, 12) - _saved_bytes_per_position(a, 4)) / 64 for a in ("dflash", "dflash2")}
@@ -77,7 +79,7 @@ def test_a_dflash2_layer_keeps_for_backward_what_the_memory_model_adds_for_it():
 
 
 def test_the_compiled_convolution_gives_the_eager_numbers(monkeypatch):
-    """On CUDA the forward formula and the backward arithmetic run compiled (issue 29); the
+    """On CUDA the forward formula and the backward arithmetic run compiled; the
     same compiled functions, here on CPU, against the eager path."""
     monkeypatch.setattr(block_conv, "_COMPILED_ON", {"cuda", "cpu"})
     monkeypatch.setattr(block_conv, "_COMPILED", {})
@@ -89,7 +91,7 @@ def test_the_compiled_convolution_gives_the_eager_numbers(monkeypatch):
     grad = torch.randn(b, nb * block, H, generator=g)
 
     def run(compiled: bool):
-        monkeypatch.setattr(block_conv, "COMPILE", compiled)
+        monkeypatch.setattr(block_conv, "EAGER", not compiled)
         xs, ds, bs = (t.clone().requires_grad_(True) for t in (x, dyn, base))
         out = block_conv.grouped_conv(xs, ds, bs, gs, block)
         out.backward(grad)

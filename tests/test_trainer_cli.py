@@ -160,7 +160,7 @@ def test_init_from_an_exported_drafter_equals_init_from_its_checkpoint(env, tmp_
     import json
 
     from trainer import checkpoint as ckpt_io
-    from trainer.export import export
+    from trainer.serve.export import export
 
     fp32 = str(tmp_path / "fp32-export")
     export(env["ckpt"], fp32, dtype="fp32")

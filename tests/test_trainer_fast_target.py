@@ -1,6 +1,6 @@
-"""The trainer's fast target forward (trainer/fast_target.py inside trainer/target.py), the
+"""The trainer's fast target forward (trainer/gpu/fast_target.py inside trainer/target.py), the
 auto choice of the fast paths, and synthetic random-weight targets of real shapes
-(trainer/synthetic.py) — all on CPU at the "small" shape."""
+(trainer/synth/synthetic.py) — all on CPU at the "small" shape."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ import sys
 import pytest
 import torch
 
-from trainer import flags, synthetic
+from trainer import flags
+
+from trainer.synth import synthetic
 from trainer.model import FrozenHead, build_target_layer_ids
 from trainer.target import Target
 
@@ -144,9 +146,10 @@ def test_synthetic_refuses_bad_input_and_writes_nothing(tmp_path):
 
 
 def test_the_chunked_forward_is_the_unchunked_one_and_writes_every_output(small):
-    """Issue 14: the target forward runs in chunks of whole sequences (bounded memory); any
-    chunking gives the transformers forward's taps and final state, a layer named twice
-    included, and every element of the outputs is written (poisoned buffers first)."""
+    """The target forward runs in chunks of whole sequences (bounded memory: unchunked, 450,560
+    tokens ran an H200 out of memory); any chunking gives the transformers forward's taps and
+    final state, a layer named twice included, and every element of the outputs is written
+    (poisoned buffers first)."""
     tdir = small / "target"
     ids_ = layer_ids(tdir)
     hf = Target(str(tdir), ids_ + ids_[:1], "cpu", torch.float32, forward="hf")

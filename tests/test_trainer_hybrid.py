@@ -1,4 +1,4 @@
-"""Qwen3.5/3.6 targets (issue 19): the hybrid Gated DeltaNet + gated attention family in both
+"""Qwen3.5/3.6 targets: the hybrid Gated DeltaNet + gated attention family in both
 layouts it ships in — text-only (qwen3_5_text) and the released vision-language one
 (Qwen3_5ForConditionalGeneration, the language model under text_config) — on tiny random
 targets on CPU: loading, the fast forward against transformers', training with either drafter
@@ -20,11 +20,12 @@ import torch
 from _trainer_tiny import make_qwen35_target, make_target, qwen35_args, qwen35_setup, step_events
 from test_trainer_memory import NONE_IMPORTED, WITHOUT_TORCH
 from trainer import checkpoint as ckpt_io
-from trainer import budget as budget_mod
-from trainer import family, flags, memory
+from trainer.plan import budget as budget_mod
+from trainer import family, flags
+from trainer.plan import memory
 from trainer.__main__ import main
-from trainer.flex_mask import dense_dflash_mask, dflash_mask_mod, visible_pairs
-from trainer.flops import ModelShape
+from trainer.layers.flex_mask import dense_dflash_mask, dflash_mask_mod, visible_pairs
+from trainer.plan.flops import ModelShape
 from trainer.model import Drafter, DrafterConfig, FrozenHead
 from trainer.target import Target, read_config
 
@@ -253,7 +254,7 @@ class OracleDrafter:
 
 @pytest.mark.parametrize("kind", ["qwen3", "text", "vl"])
 def test_block_verification_is_lossless_with_the_state_rolled_back(setups, tmp_path, kind):
-    from trainer.evaluate import greedy, speculative
+    from trainer.serve.evaluate import greedy, speculative
 
     target_dir = make_target(str(tmp_path / "q3")) if kind == "qwen3" else setups[kind][0]
     V = read_config(target_dir).get("vocab_size") or family.text_config(read_config(target_dir))["vocab_size"]
@@ -269,7 +270,7 @@ def test_block_verification_is_lossless_with_the_state_rolled_back(setups, tmp_p
 
 
 def test_tree_verification_refuses_a_hybrid_target_with_the_reason(setups):
-    from trainer.ddtree import speculative_tree
+    from trainer.serve.ddtree import speculative_tree
 
     tgt = Target(setups["vl"][0], [1, 3], "cpu", torch.float32)
     cfg = DrafterConfig.from_target(read_config(setups["vl"][0]), 2, 4, attention="4/2/16")
@@ -301,7 +302,7 @@ def test_an_unsupported_target_is_refused_in_one_line(tmp_path, config, field):
 
 
 def _any_data(tmp_path) -> str:
-    from trainer.data import prepare
+    from trainer.chat.prepare import prepare
 
     jsonl = tmp_path / "d.jsonl"
     jsonl.write_text("".join(json.dumps({"input_ids": list(range(40)), "loss_mask": [1] * 40}) + "\n" for _ in range(8)))
@@ -334,7 +335,8 @@ def _plan_without_torch(values: dict, config: dict, free: dict | None) -> dict:
     (the controller's preflight has none)."""
     code = WITHOUT_TORCH + """
 import json
-from trainer import budget, memory
+from trainer.plan import budget
+from trainer.plan import memory
 values, cfg, free = json.loads(sys.argv[1]), json.loads(sys.argv[2]), json.loads(sys.argv[3])
 plan = budget.plan_run(values, free, cfg)
 preds = budget.predictions(values, cfg, int(plan["token_budget"] or 8192)) if not plan["refusals"] else {}
@@ -419,12 +421,12 @@ def test_plan_run_takes_both_qwen36_layouts_and_refuses_only_what_does_not_fit()
     assert wide["gpus"][1]["peak_mib"] > default["gpus"][1]["peak_mib"] and wide["gpus"][0] == default["gpus"][0]
 
 
-# Issue 19's H200 runs (docs/benchmarks.md, "Qwen3.6-27B on one H200"; raw rows in
+# The Qwen3.6-27B runs on an H200 (docs/benchmarks.md, "Qwen3.6-27B on one H200"; raw rows in
 # bench/results/hybrid/hybrid_results.jsonl and hybrid_colocated_*), made with the build of
 # b6e60f8: torch's default allocator (nothing set PYTORCH_CUDA_ALLOC_CONF then: reserved ran
 # 2.6 GiB above allocated, where expandable segments hold 0.3-0.4 GiB), the chunked step's
 # context-gradient leak fixed since (bench/gpu/memory_campaign.leak_bytes_of), and in
-# `python -m trainer` the noisy copy of the taps beside the taps (noise in place since issue 14,
+# `python -m trainer` the noisy copy of the taps beside the taps (noise in place since:
 # memory_campaign.noisy_copy_bytes). The prediction adds what that build held
 # (memory_campaign.as_measured_build).
 MEASURED_H200_HYBRID = [
@@ -442,13 +444,14 @@ MEASURED_H200_HYBRID = [
 
 @pytest.mark.parametrize("what, role, budget, figure, measured, kw", MEASURED_H200_HYBRID,
                          ids=[f"{r[1]}-{r[2]}-{r[3]}" for r in MEASURED_H200_HYBRID])
-def test_the_model_holds_to_issue_19s_h200_measurements_within_5_percent(what, role, budget, figure, measured, kw):
+def test_the_model_holds_to_the_qwen3_6_27b_h200_measurements_within_5_percent(what, role, budget, figure, measured, kw):
     """Rows: the drafter step at the operators' flags (budget 49,152, 1,024 anchors, block 32,
     5 layers of which 4 sliding-window, soft labels, CAP) — its reserved peak (64.68 GiB) and
     allocated peak (62.11 GiB), bench/gpu/hybrid.py's drafter phase; the colocated
     `python -m trainer` on the full 64-layer synthetic Qwen3.6-27B target + drafter at budget
     16,384 — nvidia-smi's largest reading (107,487 MiB) and the allocated peak (104,765 MiB)
-    of its step events, hybrid.py's colocated phase. Same call, 2026-12-01, one H200."""
+    of its step events, hybrid.py's colocated phase. Both in one run of bench/gpu/hybrid.sh,
+    2026-12-01, one H200."""
     sys.path.insert(0, os.path.join(ROOT, "bench", "gpu"))
     import memory_campaign as mc
 

@@ -12,7 +12,7 @@ from _trainer_tiny import events as run_events
 from trainer import checkpoint as ckpt_io
 from trainer.__main__ import main
 from trainer.data import PreparedData
-from trainer.evaluate import greedy, prompts_from, speculative
+from trainer.serve.evaluate import greedy, prompts_from, speculative
 from trainer.loss import LossConfig, dflash_loss, sample_anchors
 from trainer.model import Drafter, FrozenHead
 from trainer.target import Target

@@ -1,5 +1,5 @@
 """Memory known before launch, wired into the trainer: --token-budget auto, the refusal
-before any step, and the stdlib preflight entry (trainer.probe.plan_run). CPU, small."""
+before any step, and the stdlib preflight entry (trainer.gpu.probe.plan_run). CPU, small."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ import sys
 import pytest
 
 from _trainer_tiny import events as read_events
-from trainer import budget as budget_mod
-from trainer import flags, probe
-from trainer import memory as mm
-from trainer.flops import ModelShape
+from trainer.plan import budget as budget_mod
+from trainer import flags
+from trainer.gpu import probe
+from trainer.plan import memory as mm
+from trainer.plan.flops import ModelShape
 
 # Qwen3-8B's config.json numbers: the shapes the memory model was checked against on H200s.
 QWEN3_8B_CONFIG = {"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -42,8 +43,8 @@ def colocated(**kw):
 
 
 def test_auto_picks_the_knee_of_modelled_throughput_not_the_largest_budget_that_fits():
-    """Issue 14: the largest budget that fit (450,560 on an H200) ran slower than 49,152 and
-    died at step 2. Among the budgets that fit, auto takes the smallest within 0.2 % of the
+    """The largest budget that fit (450,560 on an H200) ran slower than 49,152 and died at
+    step 2. Among the budgets that fit, auto takes the smallest within 0.2 % of the
     best modelled tokens/s, and says why in one line."""
     v = colocated(token_budget="auto", grad_accum=1)
     p = probe.plan_run(v, {0: 142_629}, QWEN3_8B_CONFIG, context_mib=0)
@@ -138,7 +139,7 @@ def test_colocated_gpu_is_checked_as_both_roles():
     assert p["gpus"][0]["role"] == "colocated" and p["refusals"][0].startswith("GPU 0 (target+drafter) needs ")
 
 
-# ---------------------------------------------------------------- the model's terms (trainer/memory.py)
+# ---------------------------------------------------------------- the model's terms (trainer/plan/memory.py)
 
 def spec(role="colocated", budget=49152, **kw):
     return mm.RunSpec(mm.QWEN3_8B, role, budget, 8192, soft_labels=True, **kw)
@@ -171,7 +172,8 @@ def test_the_transformers_forward_grows_where_the_chunked_one_does_not():
     fast = [mm.predict(spec("target", b * 8192)).terms["target_chunk"] for b in (1, 6, 55)]
     hf = [mm.predict(spec("target", b * 8192, target_forward="hf")).terms["target_chunk"] for b in (1, 6, 55)]
     assert fast[0] == fast[1] == fast[2]
-    # 450,560 tokens at once: at least the MLP's gate|up and the 10.3 GiB product of issue 14
+    # 450,560 tokens at once: at least the MLP's gate|up and its 10.3 GiB product, which ran an
+    # H200 out of memory
     assert hf[2] == 55 * hf[0] >= 55 * 8192 * 3 * 12288 * 2 > 40 * fast[2]
 
 
@@ -212,25 +214,25 @@ def test_a_target_family_without_terms_is_named_not_guessed():
     assert ModelShape.from_hf_config({**QWEN3_8B_CONFIG, "model_type": "qwen3"}).family == "qwen3"
 
 
-# Issue 14's H200 measurements (bench/gpu/memory_campaign.py, 2026-12-01, one H200, torch
-# 2.11, expandable segments; raw files in bench/results/memory/issue14_*): torch's
-# max_memory_allocated / max_memory_reserved in MiB, after two or more optimizer steps. Call 1
-# measured a build that held one more thing than this one: the chunked step's leak fixed since
+# H200 measurements (bench/gpu/memory_campaign.py, 2026-12-01, one H200, torch 2.11, expandable
+# segments): torch's max_memory_allocated / max_memory_reserved in MiB, after two or more
+# optimizer steps. The first runs measured a build that held one more thing than this one: the
+# chunked step's leak fixed since
 # (test_the_chunked_step_holds_one_chunks_context_gradients_not_every_chunks), whose bytes
 # memory_campaign.leak_bytes_of counts from the allocator trace; it is added to the prediction
-# of those rows (memory_campaign.as_measured_build). Call 3 measured the fixed build.
+# of those rows (memory_campaign.as_measured_build). The last two rows measured the fixed build.
 MEASURED_H200 = [
     # (role, token budget, allocated, reserved, what, measured on the leaky build)
-    ("colocated", 49152, 56_729, 56_992, "call 1: python -m trainer, the operators' budget", True),
-    ("colocated", 65536, 59_518, 59_794, "call 1: python -m trainer --token-budget auto, 21 steps", True),
-    ("colocated", 65536, 59_518, 59_974, "call 1: python -m trainer --probe-memory --token-budget auto", True),
-    ("colocated", 196608, 81_834, 82_200, "call 1: sweep, the trainer's pieces in one process", True),
-    ("drafter", 49152, 43_472, 43_852, "call 1: sweep, a split drafter rank", True),
-    ("drafter", 131072, 57_419, 57_756, "call 1: sweep, a split drafter rank", True),
-    ("target", 49152, 21_007, 21_402, "call 1: sweep, a split target rank, two micro-batches resident", True),
-    ("target", 131072, 28_688, 29_084, "call 1: sweep, a split target rank, two micro-batches resident", True),
-    ("colocated", 49152, 54_967, 55_330, "call 3 (fixed build): python -m trainer, the operators' budget", False),
-    ("colocated", 65536, 57_116, 57_490, "call 3 (fixed build): python -m trainer --token-budget auto", False),
+    ("colocated", 49152, 56_729, 56_992, "leaky build: python -m trainer, the operators' budget", True),
+    ("colocated", 65536, 59_518, 59_794, "leaky build: python -m trainer --token-budget auto, 21 steps", True),
+    ("colocated", 65536, 59_518, 59_974, "leaky build: python -m trainer --probe-memory --token-budget auto", True),
+    ("colocated", 196608, 81_834, 82_200, "leaky build: sweep, the trainer's pieces in one process", True),
+    ("drafter", 49152, 43_472, 43_852, "leaky build: sweep, a split drafter rank", True),
+    ("drafter", 131072, 57_419, 57_756, "leaky build: sweep, a split drafter rank", True),
+    ("target", 49152, 21_007, 21_402, "leaky build: sweep, a split target rank, two micro-batches resident", True),
+    ("target", 131072, 28_688, 29_084, "leaky build: sweep, a split target rank, two micro-batches resident", True),
+    ("colocated", 49152, 54_967, 55_330, "fixed build: python -m trainer, the operators' budget", False),
+    ("colocated", 65536, 57_116, 57_490, "fixed build: python -m trainer --token-budget auto", False),
 ]
 
 
@@ -275,7 +277,8 @@ def test_plan_run_imports_and_runs_without_torch(tmp_path):
     """The controller's preflight has no torch: block it (and numpy) and call plan_run."""
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_8B_CONFIG))
     code = WITHOUT_TORCH + f"""
-from trainer import flags, probe
+from trainer import flags
+from trainer.gpu import probe
 v = flags.defaults(); v.update(target_model={str(tmp_path)!r}, target_gpus=(0,), drafter_gpus=(1,),
                                 drafter_step='chunked', token_budget='auto')
 p = probe.plan_run(v, {{'0': 140000, '1': 60000}})
@@ -440,13 +443,13 @@ def _live_peak_shapes(fn):
 
 
 def test_the_chunked_step_holds_one_chunks_context_gradients_not_every_chunks():
-    """Issue 14's H200 allocator trace: the step's per-chunk CE/KL metrics stayed linked to
+    """An H200 allocator trace: the step's per-chunk CE/KL metrics stayed linked to
     the head's graph, so every anchor chunk's context k/v leaves and their gradients lived to
     the end of the step — 41 KB per token for Qwen3-8B, 7.5 GiB at 196,608 tokens. The
     leaves' gradient storages at the step's peak must not grow with the micro-batch."""
     import torch
 
-    from trainer import fast_drafter
+    from trainer.gpu import fast_drafter
     from trainer.model import Drafter, DrafterConfig
 
     torch.manual_seed(0)
@@ -540,7 +543,7 @@ def test_a_dflash2_drafters_parameters_and_memory_are_counted_from_what_the_trai
     and the plan holds them (16 B/param more state, a larger chunk)."""
     import torch
 
-    from trainer import ckptsize
+    from trainer.plan import ckptsize
     from trainer.model import Drafter, DrafterConfig
 
     cfg = {**QWEN3_8B_CONFIG, "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,

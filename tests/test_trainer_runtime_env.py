@@ -70,7 +70,7 @@ def _compile_once(tmp_path, generation: str) -> dict:
 
 
 def test_a_relaunch_loads_its_kernels_from_the_cache_and_another_generation_does_not(tmp_path):
-    """Issue 14: every launch recompiled (the cache lived in /tmp). Three processes: the first
+    """Every launch used to recompile (the cache lived in /tmp). Three processes: the first
     compiles into the cache of generation A, the second (a relaunch) finds everything there,
     the third runs as generation B — a rollback to another torch — and compiles its own."""
     cold = _compile_once(tmp_path, "aaaaaaaaaaaa")

@@ -103,7 +103,7 @@ def test_sigterm_to_a_relaunched_run_stops_every_rank_after_a_checkpoint(tmp_pat
 
 
 def test_chunked_drafter_step_matches_the_reference_and_averages_over_ranks(tmp_path):
-    """--drafter-step chunked (trainer/fast_drafter.py) follows the reference step's
+    """--drafter-step chunked (trainer/gpu/fast_drafter.py) follows the reference step's
     trajectory (fp32 on CPU; 1e-4), and split over 2 drafter ranks, where it averages
     gradients itself instead of DDP, follows its colocated run (1e-5)."""
     target, data = tiny_setup(str(tmp_path))

@@ -238,6 +238,22 @@ def test_probe_memory_reports_a_peak_and_trains_nothing(tiny, tmp_path):
     assert not [e for e in events if e["kind"] == "step"] and not glob.glob(os.path.join(out, "step_*"))
 
 
+def test_a_probe_first_probe_leaves_its_budget_for_the_run_to_take(tiny, tmp_path, monkeypatch):
+    """--probe-first's probe process hands the budget it measured to the training run through a
+    file (the run decides nothing again), and the run takes that number as its --token-budget."""
+    from trainer.__main__ import _read_answer, _with_budget
+    from trainer.train import ENV_PROBE_FIRST
+
+    answer = tmp_path / "answer.json"
+    monkeypatch.setenv(ENV_PROBE_FIRST, str(answer))
+    out = str(tmp_path / "out")
+    assert main(base_args(tiny["target"], tiny["data"], out, "--from-scratch", "--probe-memory")) == 0
+    budget = _read_answer(str(answer))
+    assert budget == json.loads(answer.read_text())["token_budget"] and budget > 0
+    assert _with_budget(["--token-budget", "auto", "--seed", "1"], budget) == ["--seed", "1", "--token-budget", str(budget)]
+    assert _read_answer(str(tmp_path / "missing.json")) is None
+
+
 # -- DFlash2 from a DFlash checkpoint, and the refusals across architectures
 
 @pytest.fixture(scope="module")
@@ -250,7 +266,7 @@ def dflash_ckpt(tiny, tmp_path_factory):
 
 def test_init_from_a_dflash_checkpoint_starts_a_dflash2_drafter_that_drafts_what_it_drafted(tiny, dflash_ckpt, tmp_path):
     from trainer.data import PreparedData
-    from trainer.evaluate import prompts_from, speculative
+    from trainer.serve.evaluate import prompts_from, speculative
     from trainer.model import Drafter, DrafterConfig, FrozenHead
     from trainer.target import Target
 
@@ -300,8 +316,8 @@ def test_a_dflash2_checkpoint_cannot_init_a_dflash_drafter_nor_resume_across_arc
 
 def test_dflash2_block_and_tree_decoding_are_lossless_and_the_trees_first_path_is_the_selector_walk(tiny, dflash_ckpt):
     from trainer.data import PreparedData
-    from trainer.ddtree import draft_states, draft_tree, speculative_tree
-    from trainer.evaluate import greedy, prompts_from, speculative
+    from trainer.serve.ddtree import draft_states, draft_tree, speculative_tree
+    from trainer.serve.evaluate import greedy, prompts_from, speculative
     from trainer.model import Drafter, DrafterConfig, FrozenHead
     from trainer.target import Target
 

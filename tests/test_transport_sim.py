@@ -199,7 +199,7 @@ def one_line_error(proc: subprocess.CompletedProcess) -> str:
 
 
 def test_unknown_container_is_named_clearly():
-    # exit 2, bad input (controller/exitcodes.py): 1 would read as "the run failed" (issue 26)
+    # exit 2, bad input (controller/exitcodes.py): 1 would read as "the run failed"
     for args in (("exec", "--container", "999", "--", "true"), ("env", "--container", "999"),
                  ("status", "--container", "999")):
         proc = ctl(*args)

@@ -27,7 +27,7 @@ def _run(*args):
 
 def test_parts_sent_over_two_calls_rebuild_the_wheel_byte_for_byte(tmp_path):
     wheel = _wheel(tmp_path)
-    a, b = str(tmp_path / "call1"), str(tmp_path / "call2")
+    a, b = str(tmp_path / "first"), str(tmp_path / "second")
     r = _run("split", wheel, "--into", a, b, "--part-bytes", "120000")
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(a)) == [NAME + ".part.00", NAME + ".part.02", NAME + ".parts.json"]
@@ -47,7 +47,7 @@ def test_parts_sent_over_two_calls_rebuild_the_wheel_byte_for_byte(tmp_path):
 
 def test_a_part_that_does_not_match_is_refused_and_no_wheel_is_left(tmp_path):
     wheel = _wheel(tmp_path)
-    a = str(tmp_path / "call1")
+    a = str(tmp_path / "parts")
     assert _run("split", wheel, "--into", a, "--part-bytes", "200000").returncode == 0
     with open(os.path.join(a, NAME + ".part.01"), "r+b") as fh:
         fh.write(b"X")

@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import subprocess
+import tempfile
 import sys
 import time
 
@@ -43,7 +44,7 @@ def validate(args) -> list[str]:
             target_cfg = None  # refused below with the reason
     args.target_forward = flags.target_forward_for(vars(args), cuda, target_cfg)
     if args.attention_kernel in ("auto", "flash"):
-        from trainer.flex_mask import flash_missing
+        from trainer.layers.flex_mask import flash_missing
 
         missing = flash_missing() if cuda else "this run is on CPU"
         if args.attention_kernel == "flash" and missing:
@@ -58,7 +59,7 @@ def validate(args) -> list[str]:
             problems.append("--token-budget auto fits the budget to free GPU memory, and this run is on CPU: "
                             f"give a number, e.g. --token-budget {4 * args.max_seq_len}")
         elif args.drafter_step != "chunked":
-            problems.append("--token-budget auto needs --drafter-step chunked: the memory model (trainer/memory.py) "
+            problems.append("--token-budget auto needs --drafter-step chunked: the memory model (trainer/plan/memory.py) "
                             "describes the chunked drafter step only; give a number, e.g. --token-budget 49152")
     if args.target_model and not os.path.isfile(os.path.join(args.target_model, "config.json")):
         problems.append(f"--target-model {args.target_model}: no config.json there; "
@@ -180,12 +181,12 @@ def _subcommand(module: str):
 # ``python -m trainer <name> …``; anything else is a training run. Imported on use, so
 # `python -m trainer --help` pays for none of them.
 SUBCOMMANDS = {
-    "prepare": _subcommand("trainer.data"),
-    "regenerate": _subcommand("trainer.regenerate"),
-    "tiny": _subcommand("trainer.tiny"),
-    "synthetic": _subcommand("trainer.synthetic"),
-    "export": _subcommand("trainer.export"),
-    "served-check": _subcommand("trainer.served"),
+    "prepare": _subcommand("trainer.chat.prepare"),
+    "regenerate": _subcommand("trainer.regen.job"),
+    "tiny": _subcommand("trainer.synth.tiny"),
+    "synthetic": _subcommand("trainer.synth.synthetic"),
+    "export": _subcommand("trainer.serve.export"),
+    "served-check": _subcommand("trainer.serve.served"),
     "flags": _flags_main,
 }
 
@@ -246,26 +247,33 @@ def probe_first(argv: list[str], args) -> tuple[int, list[str]]:
     """--probe-first: run this command's --probe-memory (its own process, so what it held is
     given back before training loads) and, when it fits, return the argv to train with —
     --token-budget auto replaced by the budget the probe measured, so the run trains exactly
-    what was probed. (exit code, argv)."""
-    from trainer.train import ENV_PROBE_FIRST, run_dir_of
-    from agent.protocol import EVENTS
+    what was probed: the probe decides ``auto`` and leaves its answer in a file, the run takes
+    it as given and decides nothing again. (exit code, argv)."""
+    from trainer.train import ENV_PROBE_FIRST
 
     argv = [a for a in argv if a != "--probe-first"]
     print(f"{PROG}: --probe-first: measuring this run's worst case for two optimizer steps before training", flush=True)
-    started = time.time()
-    rc = subprocess.run([sys.executable, "-m", "trainer", *argv, "--probe-memory"],
-                        env={**os.environ, ENV_PROBE_FIRST: "1"}).returncode
+    with tempfile.TemporaryDirectory(prefix="dflash-probe-") as tmp:
+        answer = os.path.join(tmp, "answer.json")
+        rc = subprocess.run([sys.executable, "-m", "trainer", *argv, "--probe-memory"],
+                            env={**os.environ, ENV_PROBE_FIRST: answer}).returncode
+        decided = _read_answer(answer) if rc == flags.EXIT_OK else None
     if rc != flags.EXIT_OK:
         print(f"{PROG}: error: --probe-first: the memory probe exited {rc}"
               + (" (it does not fit: see the line above)" if rc == flags.EXIT_USAGE else "") + "; not training",
               file=sys.stderr, flush=True)
         return rc, argv
-    if args.token_budget == "auto":
-        budgets = [e.get("budget") for e in _events(os.path.join(run_dir_of(args), EVENTS), started)
-                   if e.get("kind") == "probe" and "peak_mib" in e]
-        if budgets and all(b == budgets[0] for b in budgets):
-            argv = _with_budget(argv, int(budgets[0]))
+    if args.token_budget == "auto" and decided is not None:
+        argv = _with_budget(argv, decided)
     return flags.EXIT_OK, argv
+
+
+def _read_answer(path: str) -> int | None:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            return int(json.load(fh)["token_budget"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # a probe on CPU decides nothing: the run keeps its own flags
 
 
 def _with_budget(argv: list[str], budget: int) -> list[str]:
@@ -278,22 +286,6 @@ def _with_budget(argv: list[str], budget: int) -> list[str]:
         elif not a.startswith("--token-budget="):
             out.append(a)
     return out + ["--token-budget", str(budget)]
-
-
-def _events(path: str, since: float) -> list[dict]:
-    out = []
-    try:
-        with open(path, encoding="utf-8") as fh:
-            for line in fh:
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError:
-                    continue
-                if rec.get("ts", 0) >= since:
-                    out.append(rec)
-    except OSError:
-        pass
-    return out
 
 
 def relaunch(argv: list[str], world: int, args, launcher: list[str] | None = None) -> int:
@@ -319,7 +311,7 @@ def relaunch(argv: list[str], world: int, args, launcher: list[str] | None = Non
     run_dir = run_dir_of(args)
     from trainer.drafter_dir import make_public_dir
 
-    make_public_dir(run_dir)  # often the output dir itself: readable by a server's user (issue 26)
+    make_public_dir(run_dir)  # often the output dir itself: readable by a server's user
     events = Events(run_dir, None, "launcher", None)
     events.emit("launch", rdzv_endpoint=launcher[launcher.index("--rdzv-endpoint") + 1], nproc=world,
                 device="cuda" if args.device == "cuda" or (args.device == "auto" and _cuda_available()) else "cpu",

@@ -1,7 +1,7 @@
 """Checkpoints: ``OUTPUT/step_N/`` holds
 
 * ``drafter/``       the inference export, as ``python -m trainer export`` writes it
-                     (trainer/export.py: config.json for the serving stacks, bf16
+                     (trainer/serve/export.py: config.json for the serving stacks, bf16
                      model.safetensors, modeling_dflash.py, README.md; world-readable)
 * ``meta.json``      the checkpoint's self-description (step, config, target identity,
                      data fingerprint, schedule): read by launch validation without

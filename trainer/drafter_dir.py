@@ -1,7 +1,7 @@
 """The drafter directory serving stacks load: config.json with every field they read,
-bf16 (or fp32) safetensors, the standalone modeling file (trainer/hf_dflash.py) and a model
+bf16 (or fp32) safetensors, the standalone modeling file (trainer/layers/hf_dflash.py) and a model
 card. Written the same way for every checkpoint's ``step_N/drafter/`` (trainer/checkpoint.py)
-and for ``python -m trainer export`` (trainer/export.py, which finds the checkpoint); the
+and for ``python -m trainer export`` (trainer/serve/export.py, which finds the checkpoint); the
 fields and their consumers are in docs/export.md.
 """
 
@@ -112,7 +112,7 @@ def _tau_line(rec: dict | None) -> str:
     if not rec or rec.get("tau") is None:
         return "not measured"
     where = ", ".join(f"{k} {rec[k]}" for k in ("prompts", "max_new_tokens", "device", "dtype") if rec.get(k) is not None)
-    return f"{rec['tau']:.3f}" + (f" ({where}; {rec.get('by', 'trainer/evaluate.py')})" if where else "")
+    return f"{rec['tau']:.3f}" + (f" ({where}; {rec.get('by', 'trainer/serve/evaluate.py')})" if where else "")
 
 
 def model_card(meta: dict, cfg: dict, n_params: int, dtype: str, evals: dict) -> str:
@@ -253,7 +253,7 @@ def _write(path: str, text: str) -> None:
 
 
 def _modeling_source() -> str:
-    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_dflash.py"), encoding="utf-8") as fh:
+    with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "layers", "hf_dflash.py"), encoding="utf-8") as fh:
         return fh.read()
 
 
@@ -302,7 +302,7 @@ def _numel(shape) -> int:
 def make_public_dir(path: str, mode: int = 0o755) -> None:
     """``path`` and every parent it creates, ``mode`` whatever the umask: under umask 077 a
     plain makedirs gives 0700 and another user (a serving container) cannot reach the 0644
-    files inside (issue 26). Directories that were already there keep their mode."""
+    files inside. Directories that were already there keep their mode."""
     path = os.path.abspath(path)
     missing = []
     while not os.path.isdir(path):

@@ -201,8 +201,8 @@ def kernel_notes(cfg: dict, kernels_present: bool | None = None) -> list[str]:
 
 # Qwen3.6-27B's language model as its public config.json's text_config gives it (the
 # vision tower beside it is never loaded): 64 layers in the 3:1 Gated DeltaNet / gated full
-# attention pattern. trainer/synthetic.py's ``--shape qwen3.6-27b`` writes it as a
-# text-only target; trainer/memory.py models it.
+# attention pattern. trainer/synth/synthetic.py's ``--shape qwen3.6-27b`` writes it as a
+# text-only target; trainer/plan/memory.py models it.
 QWEN3_6_27B_TEXT = {
     "model_type": "qwen3_5_text", "architectures": ["Qwen3_5ForCausalLM"],
     "num_hidden_layers": 64, "hidden_size": 5120, "intermediate_size": 17408, "vocab_size": 248320,

@@ -46,7 +46,7 @@ def format_gpus(gpus: Iterable[int]) -> str:
 
 
 def parse_token_budget(text: str) -> int | str:
-    """An int, or 'auto' (the budget the memory plan picks on the GPUs: trainer/budget.py)."""
+    """An int, or 'auto' (the budget the memory plan picks on the GPUs: trainer/plan/budget.py)."""
     if isinstance(text, int):
         return text
     if str(text).strip().lower() == "auto":
@@ -149,7 +149,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--grad-clip", "float", 1.0, "global gradient-norm clip (0 disables)", "optim"),
     Flag("--seed", "int", 0, "seed for data order, anchors, noise and init", "optim"),
     # -- batching
-    Flag("--token-budget", "budget", 49152, "tokens per micro-batch, counted as padded length × batch; 'auto' (CUDA, --drafter-step chunked) = among the multiples of --max-seq-len whose predicted reserved peak (trainer/memory.py) plus a 2 GiB margin fits every rank's free GPU memory, the smallest within 0.2 % of the best modelled tokens/s (trainer/budget.py; one line says why), the same for all ranks", "batching", metavar="N|auto"),
+    Flag("--token-budget", "budget", 49152, "tokens per micro-batch, counted as padded length × batch; 'auto' (CUDA, --drafter-step chunked) = among the multiples of --max-seq-len whose predicted reserved peak (trainer/plan/memory.py) plus a 2 GiB margin fits every rank's free GPU memory, the smallest within 0.2 % of the best modelled tokens/s (trainer/plan/budget.py; one line says why), the same for all ranks", "batching", metavar="N|auto"),
     Flag("--max-seq-len", "int", 8192, "sequences are truncated to this length", "batching"),
     Flag("--max-batch-size", "int", 64, "at most this many sequences per micro-batch", "batching"),
     # -- drafter
@@ -158,8 +158,8 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--num-draft-layers", "int", 5, "decoder layers in the drafter", "drafter"),
     Flag("--drafter-arch", "choice", "dflash", "drafter architecture (docs/dflash2.md): dflash, or dflash2 = DFlash plus a two-tap dynamic depthwise convolution around every attention and MLP sublayer and a pairwise path selector over each slot's top-16 candidates (the published shape: 2 taps, groups of 16 channels, rank 256; +~2 % parameters and a [vocab, 256] codebook pair); exported as DFlash2DraftModel. --init-from may start a dflash2 drafter from a dflash checkpoint", "drafter", choices=("dflash", "dflash2")),
     Flag("--target-layer-ids", "layers", None, "tapped target layers (default: evenly spaced, as in the reference drafter)", "drafter", metavar="IDS"),
-    Flag("--drafter-step", "choice", "auto", "drafter forward/backward (trainer/step.py): reference (model.py + loss.py, the whole micro-batch through autograd) or chunked (trainer/fast_drafter.py: anchor chunks, bounded activation memory, ~10× less memory per drafted position; with --position-weights dpace it first runs every chunk forward without gradient for the detached weights: on an H200 the step takes 1.32× as long, same memory); auto = chunked on CUDA, reference on CPU", "drafter", choices=("auto", "reference", "chunked")),
-    Flag("--target-forward", "choice", "auto", "target forward: hf (transformers, hooks on the tapped layers) or fast (over the same weights: fused GEMMs, cuDNN attention, stops after the last tapped layer; trainer/fast_target.py for Qwen3, trainer/fast_hybrid.py for Qwen3.5/3.6 with flash-linear-attention's Gated DeltaNet kernels); auto = fast on CUDA (for Qwen3.5/3.6 only when flash-linear-attention is importable), hf on CPU", "drafter", choices=("auto", "hf", "fast")),
+    Flag("--drafter-step", "choice", "auto", "drafter forward/backward (trainer/step.py): reference (model.py + loss.py, the whole micro-batch through autograd) or chunked (trainer/gpu/fast_drafter.py: anchor chunks, bounded activation memory, ~10× less memory per drafted position; with --position-weights dpace it first runs every chunk forward without gradient for the detached weights: on an H200 the step takes 1.32× as long, same memory); auto = chunked on CUDA, reference on CPU", "drafter", choices=("auto", "reference", "chunked")),
+    Flag("--target-forward", "choice", "auto", "target forward: hf (transformers, hooks on the tapped layers) or fast (over the same weights: fused GEMMs, cuDNN attention, stops after the last tapped layer; trainer/gpu/fast_target.py for Qwen3, trainer/gpu/fast_hybrid.py for Qwen3.5/3.6 with flash-linear-attention's Gated DeltaNet kernels); auto = fast on CUDA (for Qwen3.5/3.6 only when flash-linear-attention is importable), hf on CPU", "drafter", choices=("auto", "hf", "fast")),
     Flag("--mask-token-id", "int", None, "id used for the masked block slots (default: the target config's mask_token_id, else the first id past its tokenizer — 151669 for Qwen3, 248070 for Qwen3.5/3.6 — else the family's default when the vocabulary has it, else the last id); checked against the vocabulary", "drafter"),
     Flag("--drafter-layer-types", "str", "auto", "attention of each drafter layer, comma list of full/sliding (e.g. sliding,sliding,sliding,sliding,full); auto = the public drafters of the target's family: all full for Qwen3, sliding-window with the last layer full for Qwen3.5/3.6 (SpecForge's qwen3.6-27b-dflash.json)", "drafter", metavar="auto|LIST"),
     Flag("--sliding-window", "int", family.SLIDING_WINDOW, "window of the drafter's sliding layers: a block slot at position p sees context from p - window + 1 on and the slots before it in its block (SpecForge's sliding DFlash mask)", "drafter"),
@@ -284,7 +284,7 @@ def drafter_step_for(values: Mapping[str, Any], cuda: bool) -> str:
 
 def attention_kernel_for(values: Mapping[str, Any], cuda: bool, flash_missing: str | None) -> str:
     """--attention-kernel with auto resolved: flash where flash-attn-4's kernels can run
-    (``flash_missing`` None: trainer/flex_mask.py's ``flash_missing`` on this machine), else
+    (``flash_missing`` None: trainer/layers/flex_mask.py's ``flash_missing`` on this machine), else
     triton; CPU runs use no flex kernels and resolve to triton."""
     kernel = values.get("attention_kernel") or "auto"
     if kernel != "auto":
@@ -296,7 +296,7 @@ def target_forward_for(values: Mapping[str, Any], cuda: bool, target_config: Map
                        kernels: bool | None = None) -> str:
     """--target-forward with auto resolved: the fast forward on CUDA, transformers' on CPU.
     For a Qwen3.5/3.6 (hybrid) target the fast forward is proven equal to transformers' with
-    flash-linear-attention's kernels only (trainer/fast_hybrid.py), so auto picks it only when
+    flash-linear-attention's kernels only (trainer/gpu/fast_hybrid.py), so auto picks it only when
     they are importable (``kernels``, default: here)."""
     forward = values.get("target_forward") or "auto"
     if forward != "auto":

@@ -47,9 +47,9 @@ class Kind:
 KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind(TRAIN, "trainer", (), "trainer.flags:build_parser", ("data_dir", "target_model"), ("output_dir",),
          "its checkpoint: `ctl launch … --resume-from CKPT`", True),
-    Kind("prepare", "prepare", ("prepare",), "trainer.data:build_parser", ("input",), ("out",),
+    Kind("prepare", "prepare", ("prepare",), "trainer.chat.prepare:build_parser", ("input",), ("out",),
          "a rerun of the same config: the output directory appears only when complete", False),
-    Kind("regenerate", "regenerate", ("regenerate",), "trainer.regenerate:build_parser", ("input",), ("out",),
+    Kind("regenerate", "regenerate", ("regenerate",), "trainer.regen.job:build_parser", ("input",), ("out",),
          "a rerun of the same config: ids already in the output are skipped (each id exactly once)", False,
          (("run_dir", "the agent gives every job its run directory ($DFLASH_RUN_DIR)"),), ("api_key_env",)),
 )}

@@ -30,8 +30,6 @@ logits, never positions × vocab.
 from __future__ import annotations
 
 import hashlib
-import math
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -39,11 +37,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-
-# CAP's run products by a cumulative sum (:func:`run_products`); DFLASH_RUN_CUMSUM=0: torch's
-# cumprod as before (bench/gpu/roofline.py ``--before cumprod`` times both).
-RUN_CUMSUM = os.environ.get("DFLASH_RUN_CUMSUM", "1") == "1"
-
 
 def key(*parts) -> int:
     """A 63-bit integer from any tuple of ints/strings: the seed of one keyed random draw.
@@ -108,8 +101,6 @@ def run_products(ce: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
     (a ``.item()``: one GPU synchronisation per call, i.e. per anchor chunk of the step, after
     which the host launches every kernel late; bench/gpu/idle_sources.py found it), and a
     cumulative sum's backward is another cumulative sum, asked nothing."""
-    if not RUN_CUMSUM:
-        return torch.cumprod(torch.exp(-ce) * live, dim=-1)
     alive = (live == 0).cumsum(-1) == 0
     return torch.where(alive, torch.exp(-torch.where(alive, ce, 0.0).cumsum(-1)), 0.0)
 
@@ -282,7 +273,7 @@ def dflash_loss_fn(weights: torch.Tensor, *, kl_weight: float = 0.0, temperature
                    denom: Optional[torch.Tensor] = None, n_valid_blocks: Optional[torch.Tensor] = None
                    ):
     """The spec's objective as a per-chunk function ``(ce [n, K], kl [n, K] | None, blocks:
-    slice) -> loss``, the form trainer/chunked_head.py differentiates chunk by chunk
+    slice) -> loss``, the form trainer/gpu/chunked_head.py differentiates chunk by chunk
     (TRAINER_SPEC.md "Objective"; :func:`dflash_loss` is the whole-batch form):
 
     L = (1 − kl_weight)·Σ w·ce / Σ w + kl_weight·Σ w·T²·kl / Σ w

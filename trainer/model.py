@@ -23,7 +23,7 @@ Two forward paths over the same parameters, one per drafter step (trainer/step.p
   tests) or ``"flex"`` with a flex_attention block mask (CUDA; never materialised, fully
   masked tiles skipped);
 * :meth:`Drafter.context_kv` + :meth:`Drafter.block_forward`, the chunked step's pieces
-  (trainer/fast_drafter.py): the context path once, then blocks chunk by chunk through
+  (trainer/gpu/fast_drafter.py): the context path once, then blocks chunk by chunk through
   fused q|k|v and gate|up GEMMs and the fused elementwise ops of fused_ops.py, with the
   weights cast to the compute dtype per call (the fp32 master weights stay the parameters).
 """
@@ -32,9 +32,8 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -42,20 +41,18 @@ import torch.nn.functional as F
 
 from agent import ckptcompat
 from trainer import arch as archs
-from trainer import block_conv
+from trainer.layers import block_conv
 from trainer import family
-from trainer import fused_ops as fo
-from trainer import grad_accumulate
-from trainer import master_grad_linear
-from trainer.flex_mask import dense_dflash_mask, flex_attention_fn, make_dflash_block_mask
-# One implementation of the norm, RoPE and MLP: the export's modeling file (trainer/hf_dflash.py,
+from trainer.layers import fused_ops as fo
+from trainer.layers.flex_mask import dense_dflash_mask, flex_attention_fn, make_dflash_block_mask
+# One implementation of the norm, RoPE and MLP: the export's modeling file (trainer/layers/hf_dflash.py,
 # written into every drafter/ so transformers loads it without this package) must compute
 # exactly what the trainer computes, so the trainer uses its pieces.
-from trainer.hf_dflash import DFlashCandidateSelector as CandidateSelector
-from trainer.hf_dflash import DFlashGroupedConv as GroupedConv
-from trainer.hf_dflash import DFlashMLP as MLP
-from trainer.hf_dflash import DFlashRMSNorm as RMSNorm
-from trainer.hf_dflash import apply_rope, conv_prepare, layer_forward, propose, rope_cos_sin, selector_scores
+from trainer.layers.hf_dflash import DFlashCandidateSelector as CandidateSelector
+from trainer.layers.hf_dflash import DFlashGroupedConv as GroupedConv
+from trainer.layers.hf_dflash import DFlashMLP as MLP
+from trainer.layers.hf_dflash import DFlashRMSNorm as RMSNorm
+from trainer.layers.hf_dflash import apply_rope, conv_prepare, layer_forward, propose, rope_cos_sin, selector_scores
 
 DEFAULT_MASK_TOKEN_ID = family.QWEN3_MASK_TOKEN_ID  # a drafter export that names none (z-lab's Qwen3 ones)
 
@@ -157,7 +154,7 @@ class DrafterConfig:
     @classmethod
     def for_shape(cls, shape, num_draft_layers: int, block_size: int, n_tapped: int | None = None,
                   rope_theta: float = 1e6, drafter_arch: str = archs.DFLASH) -> "DrafterConfig":
-        """A drafter of a benchmark shape (trainer/flops.py ``ModelShape``) without a target
+        """A drafter of a benchmark shape (trainer/plan/flops.py ``ModelShape``) without a target
         directory: the probe's measured run and bench/gpu."""
         n_tapped = num_draft_layers if n_tapped is None else n_tapped
         return cls(hidden_size=shape.hidden, intermediate_size=shape.intermediate, num_attention_heads=shape.n_heads,
@@ -351,54 +348,39 @@ class StepGemmWeights:
 
     Cast per chunk, each weight cost a cast (and, for the fused ones, a concatenation) in
     every chunk's forward and a bf16 → fp32 copy before its gradient was added in every
-    chunk's backward (bench/gpu/op_sources.py found them); once per step the DFlash step at
-    the operators' shape went 3.639 → 3.593 s on an H200 (docs/benchmarks.md, session
-    2026-12-05 call 8). ``self.layers[i][name](x)`` is that GEMM (:class:`StepLinear`).
+    chunk's backward (the step's op profile found them); once per step the DFlash step at
+    the operators' shape went 3.639 → 3.593 s on an H200 (docs/benchmarks.md).
+    ``self.layers[i][name](x)`` is that GEMM (:class:`StepLinear`).
 
-    Its weight gradient reaches the fp32 parameters' ``.grad`` one of two ways. By default each
-    cast is a leaf of its own and a hook adds its gradient into the parameters' ``.grad`` as soon
-    as a chunk's backward has produced it (one mixed-dtype add, the same fp32 sums as the
-    per-chunk casts, bit for bit) and drops it; each leaf is used once per chunk, so its bf16
-    gradient is never a sum. With master_grad_linear.ENABLED (where this PyTorch can run it) the
-    backward's weight GEMM adds into the ``.grad`` itself and no bf16 gradient exists. The
-    memory is the same either way: a chunk's forward kept all these casts for its backward anyway.
+    Each cast is a leaf of its own, and a hook adds its gradient into the parameters' fp32
+    ``.grad`` as soon as a chunk's backward has produced it (one mixed-dtype add, the same fp32
+    sums as per-chunk casts, bit for bit) and drops it; each leaf is used once per chunk, so
+    its bf16 gradient is never a sum. A chunk's forward kept all these casts for its backward
+    anyway, so casting once costs no memory.
     """
 
     def __init__(self, drafter: nn.Module, dtype: torch.dtype):
-        device = next(drafter.parameters()).device
-        into_grad = master_grad_linear.ENABLED and (device.type != "cuda"
-                                                    or master_grad_linear.fused_gemm_supported(device))
         self.layers = []
         for layer in drafter.layers:
             a, m = layer.self_attn, layer.mlp
-            self.layers.append({"qkv": StepLinear((a.q_proj, a.k_proj, a.v_proj), dtype, into_grad),
-                                "o": StepLinear((a.o_proj,), dtype, into_grad),
-                                "gate_up": StepLinear((m.gate_proj, m.up_proj), dtype, into_grad),
-                                "down": StepLinear((m.down_proj,), dtype, into_grad)})
+            self.layers.append({"qkv": StepLinear((a.q_proj, a.k_proj, a.v_proj), dtype),
+                                "o": StepLinear((a.o_proj,), dtype),
+                                "gate_up": StepLinear((m.gate_proj, m.up_proj), dtype),
+                                "down": StepLinear((m.down_proj,), dtype)})
 
 
 class StepLinear:
     """One fused GEMM of StepGemmWeights: ``linears``' weights (and biases) stacked along their
-    outputs, cast to ``dtype`` once; calling it computes ``x @ w.t() (+ bias)``. ``into_grad``:
-    the weight gradient goes into the parameters' ``.grad`` from the backward's GEMM
-    (master_grad_linear), else through a leaf and its hook."""
+    outputs, cast to ``dtype`` once; calling it computes ``x @ w.t() (+ bias)``, its weight
+    gradient reaching the parameters' ``.grad`` through a leaf and its hook."""
 
-    def __init__(self, linears, dtype: torch.dtype, into_grad: bool):
+    def __init__(self, linears, dtype: torch.dtype):
         with torch.no_grad():
             w, b = _fused(linears, dtype)
-        weights = [m.weight for m in linears]
-        biases = None if linears[0].bias is None else [m.bias for m in linears]
-        self.into_grad = into_grad
-        if into_grad:
-            self.weight, self.bias = w.detach(), None if b is None else b.detach()
-            self.rows = (master_grad_linear.rows_of(weights), None if biases is None else master_grad_linear.rows_of(biases))
-        else:
-            self.weight = _grad_leaf(w, weights)
-            self.bias = None if b is None else _grad_leaf(b, biases)
+        self.weight = _grad_leaf(w, [m.weight for m in linears])
+        self.bias = None if b is None else _grad_leaf(b, [m.bias for m in linears])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.into_grad:
-            return master_grad_linear.linear(x, self.weight, self.bias, *self.rows)
         return _mm(x, self.weight, self.bias)
 
 
@@ -427,7 +409,7 @@ def _scatter_grad(leaf: torch.Tensor, bounds) -> None:
             if p.grad is None:
                 p.grad = g[lo:hi].to(p.dtype, copy=True)
             else:
-                grad_accumulate.add_(p.grad, g[lo:hi])
+                p.grad.add_(g[lo:hi])
 
 
 def _fused(linears, dtype):
@@ -506,7 +488,7 @@ class Drafter(nn.Module):
 
     def propose(self, hidden: torch.Tensor, lm_head: torch.Tensor, anchor: int) -> list[int]:
         """The drafts of one block from its drafting slots' final-normed states hidden [B−1, H]
-        (trainer/hf_dflash.py propose: the export's modeling file drafts the same way)."""
+        (trainer/layers/hf_dflash.py propose: the export's modeling file drafts the same way)."""
         return propose(hidden, lm_head, anchor, self.selector)
 
     def selector_scores(self, hidden, unary, candidates, predecessors, dtype=None) -> torch.Tensor:
@@ -519,11 +501,11 @@ class Drafter(nn.Module):
 
     def selector_weights(self) -> list[torch.Tensor]:
         """The selector's parameters in ``selector_scores``' order: predecessor codebook,
-        successor codebook, hidden projection (trainer/selector_fused.py takes them so)."""
+        successor codebook, hidden projection (trainer/gpu/selector_fused.py takes them so)."""
         sel = self.candidate_selector
         return [sel.predecessor_codebook, sel.successor_codebook, sel.hidden_projection.weight]
 
-    # -- the chunked step (trainer/fast_drafter.py): context once, blocks chunk by chunk
+    # -- the chunked step (trainer/gpu/fast_drafter.py): context once, blocks chunk by chunk
     def context_kv(self, taps: torch.Tensor, cos, sin, dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The context path with autograd: ctx = hidden_norm(fc(taps)), then per layer the
         context (k, v) [b, nkv, S, hd] in ``dtype``."""
@@ -587,7 +569,7 @@ class FrozenHead:
         never loads the target's layers."""
         from safetensors import safe_open
 
-        from trainer import synthetic
+        from trainer.synth import synthetic
 
         cfg = family.read_config(target_dir)
         marker = synthetic.random_marker(target_dir)

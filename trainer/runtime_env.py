@@ -7,8 +7,8 @@ Allocator. ``expandable_segments:True``: one mapped address range per stream tha
 pages, so a freed block of any size can be reused by any later request that fits and free
 pages are unmapped again when the GPU runs short. The default allocator keeps one segment
 per large request; at a 450,560-token budget it held 26 GiB reserved but unallocated and
-died at step 2 on an H200, where the same run with expandable segments trained (issue 14).
-trainer/memory.py models both (``ALLOCATORS``).
+died at step 2 on an H200, where the same run with expandable segments trained.
+trainer/plan/memory.py models both (``ALLOCATORS``).
 
 Compile cache. torch.compile's Inductor and Triton caches default to /tmp, which a container
 restart empties: every relaunch then recompiled for 60-120 s. They are kept under
@@ -18,7 +18,7 @@ rollback to another torch never loads kernels built by this one (a generation th
 the same as its parent starts with the parent's entries, and a node can be given another's:
 agent/compilecache.py). flash-attn-4's CuTe kernels
 (``--attention-kernel flash``) keep no disk cache unless asked: each new process compiled them
-again, 17-29 s of a relaunch's first step on an H200 (docs/benchmarks.md, issue 29); their
+again, 17-29 s of a relaunch's first step on an H200 (docs/benchmarks.md); their
 persistent cache is switched on and kept beside Inductor's (measured: a relaunch's first step
 28.6 -> 11.1 s, Qwen3-8B). The generation is
 ``DFLASH_ENV_GENERATION`` when the start script found the venv to be a generation link

@@ -6,9 +6,9 @@ Two implementations of the same objective (TRAINER_SPEC.md "Objective"), picked 
 * :class:`ReferenceStep` — the whole micro-batch through autograd: trainer/model.py's
   ``Drafter.forward`` and trainer/loss.py's ``dflash_loss``. What a reader opens first; the
   default on CPU, where tests compare against it.
-* :class:`ChunkedStep` — trainer/fast_drafter.py: the same drafter's fused pieces, anchor
+* :class:`ChunkedStep` — trainer/gpu/fast_drafter.py: the same drafter's fused pieces, anchor
   chunk by anchor chunk with the backward per chunk, so activation memory is one chunk's
-  whatever the token budget (trainer/memory.py models it). The default on CUDA.
+  whatever the token budget (trainer/plan/memory.py models it). The default on CUDA.
 
 Both accumulate gradients into the drafter's parameters, each micro-batch's loss scaled by
 ``loss_scale`` (1 / --grad-accum: the step's gradient is the mean over its micro-batches);
@@ -139,7 +139,7 @@ class ReferenceStep:
 
 
 class ChunkedStep:
-    """trainer/fast_drafter.py's anchor-chunked forward + backward (bf16 compute and flex
+    """trainer/gpu/fast_drafter.py's anchor-chunked forward + backward (bf16 compute and flex
     attention on CUDA; fp32 and the dense SDPA mask on CPU, where flex has no backward)."""
 
     def __init__(self, args, drafter: Drafter, head: FrozenHead, dcfg: DrafterConfig, loss_scale: float):
@@ -153,7 +153,7 @@ class ChunkedStep:
                        dtype=torch.bfloat16 if cuda else torch.float32, selector_weight=selector_weight(args))
 
     def __call__(self, mb: MicroBatch, taps: torch.Tensor) -> StepStats:
-        from trainer import fast_drafter
+        from trainer.gpu import fast_drafter
 
         r = fast_drafter.step_backward(self.drafter, self.head.embed, self.head.lm_head, mb.input_ids, taps, mb.loss_mask,
                                        mb.lengths, mb.anchors, mb.keep, teacher_final=mb.final,
@@ -166,7 +166,8 @@ class ChunkedStep:
 def attention_kernel(args, cuda: bool) -> str:
     """--attention-kernel, resolved: ``python -m trainer`` resolves auto before the run starts;
     a caller that builds its args otherwise (benchmarks, tests) gets it resolved here."""
-    from trainer import flags, flex_mask
+    from trainer import flags
+    from trainer.layers import flex_mask
 
     choice = getattr(args, "attention_kernel", None) or "auto"
     if choice != "auto":

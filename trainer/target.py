@@ -16,7 +16,7 @@ import torch
 
 from agent import ckptcompat
 from trainer import family
-from trainer.hf_dflash import cache_kwarg
+from trainer.layers.hf_dflash import cache_kwarg
 
 
 read_config = family.read_config
@@ -37,19 +37,19 @@ class Target:
     vision tower), so the vision weights never reach the device.
 
     ``forward="hf"`` runs the transformers model with forward hooks on the tapped layers;
-    ``forward="fast"`` runs trainer/fast_target.py's forward (Qwen3) or
-    trainer/fast_hybrid.py's (Qwen3.5/3.6) over the same weights (fused
+    ``forward="fast"`` runs trainer/gpu/fast_target.py's forward (Qwen3) or
+    trainer/gpu/fast_hybrid.py's (Qwen3.5/3.6) over the same weights (fused
     q|k|v and gate|up GEMMs whose tensors the transformers layers then view, so memory is not
     doubled; stops after the last tapped layer unless the final state is wanted). The
     transformers model stays for ``forward_logits`` (evaluation).
 
-    A synthetic target (trainer/synthetic.py: config.json + random-weights.json) gets its
+    A synthetic target (trainer/synth/synthetic.py: config.json + random-weights.json) gets its
     weights made on the device instead of read from safetensors."""
 
     def __init__(self, target_dir: str, layer_ids: list[int], device, dtype, forward: str = "hf"):
         from transformers import AutoModelForCausalLM
 
-        from trainer import synthetic
+        from trainer.synth import synthetic
 
         kw = {}
         device = torch.device(device)
@@ -69,11 +69,11 @@ class Target:
         self.fast = None
         self.hybrid = family.is_hybrid(read_config(target_dir))
         if forward == "fast" and self.hybrid:
-            from trainer.fast_hybrid import FastHybridTarget
+            from trainer.gpu.fast_hybrid import FastHybridTarget
 
             self.fast = FastHybridTarget.from_hf(self.model.model, self.layer_ids, keep_all_layers=True, share_weights=True)
         elif forward == "fast":
-            from trainer.fast_target import FastTarget
+            from trainer.gpu.fast_target import FastTarget
 
             self.fast = FastTarget.from_hf(self.model.model, self.layer_ids, keep_all_layers=True, share_weights=True,
                                            attn_backend="cudnn" if device.type == "cuda" else "math")
@@ -125,7 +125,7 @@ class Target:
     @torch.no_grad()
     def forward_logits(self, input_ids: torch.Tensor):
         """(taps [b, S, n·H], full logits [b, S, V]) — evaluation on short sequences only.
-        Always the transformers forward: evaluation compares it with trainer/ddtree.py's tree
+        Always the transformers forward: evaluation compares it with trainer/serve/ddtree.py's tree
         verification, which runs that forward too, so both see the same numerics."""
         self._taps.clear()
         logits = self.model(input_ids=input_ids, use_cache=False).logits

@@ -40,7 +40,7 @@ class Heartbeat:
 
     def beat(self, step: int | None = None, state: str = "running") -> None:
         """``step``: the last completed optimizer step; None keeps the last one said (a
-        failure's beat names where the rank was, never a made-up step: issue 26)."""
+        failure's beat names where the rank was, never a made-up step)."""
         if step is not None:
             self.step = step
         atomic_write_json(self.path, {**self.base, "step": self.step, "ts": time.time(), "state": state})

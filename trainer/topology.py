@@ -131,7 +131,7 @@ def rank_plan(target_gpus, drafter_gpus, base: int = 0) -> list[dict]:
 # A single container's ranks meet on the loopback address, never on a name: a container
 # without /etc/hosts resolves neither `localhost` nor its own hostname, and torchrun's
 # --standalone (c10d on localhost, then the hostname for the workers' store) hung there for
-# minutes (issue 18). gloo picks its interface from the hostname too, so it is told `lo`.
+# minutes. gloo picks its interface from the hostname too, so it is told `lo`.
 LOOPBACK = "127.0.0.1"
 LOOPBACK_IFNAME = "lo"
 

@@ -11,6 +11,7 @@ see identical data, anchors and noise.
 from __future__ import annotations
 
 import math
+import json
 import os
 import resource
 import signal
@@ -24,11 +25,11 @@ import torch
 
 from agent.protocol import ENV_RUN_DIR
 from trainer import checkpoint as ckpt_io
-from trainer import kernel_profile
+from trainer.gpu import kernel_profile
 from trainer import runtime_env
 from trainer import topology as topo_mod
 from trainer.data import PreparedData, make_batches
-from trainer.evaluate import acceptance_length
+from trainer.serve.evaluate import acceptance_length
 from trainer.flags import EXIT_OK, EXIT_STOPPED
 from trainer.loss import key, sample_anchors
 from trainer.model import Drafter, DrafterConfig, FrozenHead
@@ -38,7 +39,9 @@ from trainer.telemetry import Events, Heartbeat, make_logger
 from trainer.topology import MicroBatch, assemble, recv_microbatch, send_microbatch
 
 FINAL_LR_RATIO = 0.1  # cosine decays to 10 % of peak (TRAINER_SPEC.md)
-ENV_PROBE_FIRST = "DFLASH_PROBE_FIRST"  # set by --probe-first for its probe process: the run goes on after it
+# Set by --probe-first for its probe process (the run goes on after it): the file where the
+# probe leaves the token budget it measured, which the training run then takes as given.
+ENV_PROBE_FIRST = "DFLASH_PROBE_FIRST"
 
 _STOP = {"requested": False}
 
@@ -224,15 +227,15 @@ def _rank_values(args, topo) -> dict:
 
 def memory_check(args, topo, events: Events) -> int | None:
     """CUDA only, before any model is loaded: resolve --token-budget auto and check this
-    rank's predicted reserved peak against its GPU's free memory (trainer/budget.plan_run:
-    the memory model of trainer/memory.py for the allocator this process runs with, and a
+    rank's predicted reserved peak against its GPU's free memory (trainer/plan/budget.plan_run:
+    the memory model of trainer/plan/memory.py for the allocator this process runs with, and a
     2 GiB margin). All ranks agree — the budget is the minimum over ranks, a refusal
     anywhere stops every rank — so nothing trains unless every GPU fits. Returns EXIT_USAGE
     when refused (one line naming GPU, role and shortfall, an error event
     "memory_refused"), else None."""
     if topo.device.type != "cuda":
         return None
-    from trainer.budget import plan_run
+    from trainer.plan.budget import plan_run
     from trainer.flags import EXIT_USAGE
 
     values = _rank_values(args, topo)
@@ -325,7 +328,7 @@ def ship(target, data, stream, base: int, per_step: int, args, topo, ahead: dict
         if topo.producer(base + j) == topo.rank:
             mb = ahead.pop(base + j, None) or produce(target, data, stream, base + j, args, dev)
             send_microbatch(mb, topo.consumer(j))
-            del mb  # the send keeps its buffers until it completes (trainer/memory.py: two resident)
+            del mb  # the send keeps its buffers until it completes (trainer/plan/memory.py: two resident)
     nxt = [base + per_step + j for j in range(per_step) if topo.producer(base + per_step + j) == topo.rank]
     if more and nxt:
         ahead[nxt[0]] = produce(target, data, stream, nxt[0], args, dev)
@@ -393,7 +396,7 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
     step, stopped, ahead = start.step, False, {}
     while step < start.last_step:
         t0 = time.time()
-        # DFLASH_PROFILE_STEP=N: this step's kernels by class (trainer/kernel_profile.py)
+        # DFLASH_PROFILE_STEP=N: this step's kernels by class (trainer/gpu/kernel_profile.py)
         with kernel_profile.maybe_profile(step + 1) if dev.type == "cuda" else nullcontext():
             base = start.position + (step - start.step) * per_step
             # -- target role (split): make this step's micro-batches and ship them
@@ -409,7 +412,7 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
                     stats.wait_s += time.time() - tw
                     stats += drafter_step(mb, add_noise(mb.taps, amp, args.noise_type, key(args.seed, "noise", mb.index)))
                     # its taps and final state go before the next micro-batch's are made: held
-                    # over, they sat beside the next target forward (trainer/memory.py counts one)
+                    # over, they sat beside the next target forward (trainer/plan/memory.py counts one)
                     del mb
                 topo_mod.average_gradients(topo, drafter)
                 lr, grad_norm = optimizer_step(opt, drafter, step, start.schedule, args.grad_clip)
@@ -447,7 +450,7 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
                 path = save_checkpoint(args, events, step, start.position + (step - start.step) * per_step, stream,
                                        drafter, opt, meta)
                 if args.eval_prompts > 0 and target is not None:
-                    from trainer.evaluate import EVAL_MAX_NEW, acceptance_length
+                    from trainer.serve.evaluate import EVAL_MAX_NEW, acceptance_length
                     from trainer.drafter_dir import record_eval
 
                     events.emit("phase", phase="evaluating")
@@ -455,7 +458,7 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
                     record_eval(os.path.dirname(path), block={  # the export's model card shows it
                         "tau": tau, "prompts": args.eval_prompts, "max_new_tokens": EVAL_MAX_NEW, "device": dev.type,
                         "dtype": str(next(drafter.parameters()).dtype).replace("torch.", ""),
-                        "by": "trainer/evaluate.py at save"})
+                        "by": "trainer/serve/evaluate.py at save"})
                     events.emit("eval", step=step, tau=tau)
                     print(f"eval step {step}: tau {tau:.3f}", flush=True)
                 events.emit("phase", phase="training")
@@ -494,7 +497,7 @@ def probe(args, topo, events: Events, hb: Heartbeat) -> int:
     reserved peaks beside the prediction); exit 2 on every rank when any rank's reserved
     peak + margin exceeds its capacity (budget.probe_refusal), else 0. Nothing is trained
     or saved."""
-    from trainer.budget import MARGIN_MIB, largest_fitting_batch, plan_run, probe_refusal
+    from trainer.plan.budget import MARGIN_MIB, largest_fitting_batch, plan_run, probe_refusal
     from trainer.flags import EXIT_USAGE
 
     dev = topo.device
@@ -574,6 +577,12 @@ def probe(args, topo, events: Events, hb: Heartbeat) -> int:
         print(f"python -m trainer: error: {verdict['line']}", file=sys.stderr, flush=True)
         events.emit("error", error="memory_refused", message=verdict["line"], phase="probe",
                     need_mib=verdict["need_mib"], short_mib=verdict["short_mib"], budget=args.token_budget)
-    hb.beat(0, "failed" if refused else ("loading" if os.environ.get(ENV_PROBE_FIRST) else "done"))
+    answer = os.environ.get(ENV_PROBE_FIRST)
+    if answer and not refused and topo.is_log_rank:
+        tmp = f"{answer}.tmp"
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump({"token_budget": int(args.token_budget)}, fh)
+        os.replace(tmp, answer)
+    hb.beat(0, "failed" if refused else ("loading" if answer else "done"))
     topo_mod.barrier(topo)
     return EXIT_USAGE if refused else EXIT_OK

@@ -2,7 +2,7 @@
 
 A run's first step on a fresh machine compiles for 34-89 s on an H200 (Inductor, Triton and,
 with flash attention, flash-attn-4's kernels); a relaunch that finds them on disk takes 2-4 s
-(docs/benchmarks.md, issue 29). The cache belongs to one venv generation and one GPU
+(docs/benchmarks.md). The cache belongs to one venv generation and one GPU
 architecture (agent/compilecache.py), so a node whose container runs the same generation on
 the same GPUs can start from another's:
 

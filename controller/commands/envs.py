@@ -1,7 +1,7 @@
 """`ctl env`: the environment of a container.
 
 - ``ctl env --container 200`` (no subcommand): the variables a process in the container
-  actually gets (issue 2; controller/commands/remote.py:env_command, unchanged);
+  actually gets, whatever the node's login exports (controller/commands/remote.py:env_command);
 - ``list | show | diff``: the venv's generations (agent/envgen.py), each identified by its
   fingerprint (the exact package set, torch build included);
 - ``install 'pkg==X' [--wheelhouse DIR]``: build a new generation beside the current one

@@ -4,7 +4,7 @@
 
 One SSH connection. DIR is checked here first (absent or empty). In the container,
 ``python -m trainer export --checkpoint RUN_DIR [--step N] --out TMP --json`` runs from this
-version's bundle (trainer/export.py: it finds the run's newest complete checkpoint through
+version's bundle (trainer/serve/export.py: it finds the run's newest complete checkpoint through
 its checkpoint events) and answers a manifest (size and sha256 per file). TMP is streamed
 back as ``tar -cf -`` over the same connection — not ``pct pull``, whose options differ across
 Proxmox versions — into a temp directory beside DIR, every file checked against the
@@ -299,7 +299,7 @@ def export_command(
 
 def served_check_hint(dest: Path) -> str:
     """The served-τ gate, offered after every export (stderr: stdout stays the result)."""
-    from trainer.served import PROG
+    from trainer.serve.served import PROG
 
     return (f"check that it serves with its trained τ: {PROG} {dest} --target TARGET_DIR --data DATA_DIR "
             "(vLLM; docs/export.md)")

@@ -57,13 +57,47 @@ def status_command(
     container: Optional[int] = ContainerOpt,
     run: Optional[str] = RunOpt,
     json_out: bool = typer.Option(False, "--json", help="the full status document as JSON"),
+    all_runs: bool = typer.Option(False, "--all", help="every live run on every configured node and container, "
+                                                       "one line each: rate, step age, health, last alert"),
     node: Optional[str] = NodeOpt,
     ctl_config: Optional[str] = CtlConfigOpt,
     trust_new_host_key: bool = TrustOpt,
 ) -> None:
-    """State, phase, step/total, ETA, loss, tokens/s against the baseline, ranks and GPUs.
+    """State, phase, step/total, ETA, loss, tokens/s against the baseline, ranks and GPUs, alerts.
     For a job: every container's, and the job's root cause (rank, container, reason)."""
+    if all_runs:
+        from controller import config as cfg
+        from controller.watchall import status_all
+
+        try:
+            conf = cfg.load(ctl_config)
+        except cfg.ConfigError as exc:
+            raise fail(str(exc), 2) from None
+        raise typer.Exit(status_all(conf, typer.echo, node=node, json_out=json_out,
+                                    trust_new_host_key=trust_new_host_key))
     raise typer.Exit(watch.status_in(container, run, json_out, node, ctl_config, trust_new_host_key))
+
+
+def watch_command(
+    interval: float = typer.Option(5.0, "--interval", callback=seconds_checked, help="seconds between rounds"),
+    rounds: Optional[int] = typer.Option(None, "--rounds", min=1, help="stop after this many rounds (default: "
+                                                                       "until interrupted)"),
+    node: Optional[str] = typer.Option(None, "--node", "-n", help="only this node (default: every configured node)"),
+    ctl_config: Optional[str] = CtlConfigOpt,
+    trust_new_host_key: bool = TrustOpt,
+) -> None:
+    """Follow every run on every configured node and container: the `ctl status --all` table,
+    refreshed; and deliver, through the notify channels of this machine, every alert a container
+    could not deliver (docs/alerts.md; a systemd user unit for it is there too)."""
+    from controller import config as cfg
+    from controller.watchall import watch as watch_all
+
+    try:
+        conf = cfg.load(ctl_config)
+    except cfg.ConfigError as exc:
+        raise fail(str(exc), 2) from None
+    raise typer.Exit(watch_all(conf, typer.echo, node=node, interval=interval, rounds=rounds,
+                               trust_new_host_key=trust_new_host_key))
 
 
 def runs_command(
@@ -138,4 +172,5 @@ def register(app: typer.Typer) -> None:
     app.command("stop")(stop_command)
     app.command("tail")(tail_command)
     app.command("status")(status_command)
+    app.command("watch")(watch_command)
     app.command("runs")(runs_command)

@@ -83,7 +83,7 @@ def up(
     console.print(f"[green]sim node {name} up[/green] (Proxmox VE {node.pve}) in {info['seconds']} s"
                   f"{' (cold: built the rootfs cache)' if info['cold'] else ''}; "
                   f"containers {', '.join(info['containers'])}; config: {path}")
-    if tiny:  # as a real node already holds its model and data (issue 5: controller/provision.py)
+    if tiny:  # as a real node already holds its model and data (controller/provision.py)
         from controller.container import ContainerError
         from controller.provision import provision_node
         from controller.transport import TransportError

@@ -41,6 +41,9 @@ def parse(argv=None):
     p.add_argument("--tokens-per-s", type=float, default=20000.0)
     p.add_argument("--slow-after", type=int, default=-1)
     p.add_argument("--slow-tokens-per-s", type=float, default=5400.0)
+    p.add_argument("--slow-rank", type=int, default=-1, help="only this rank slows down after --slow-after")
+    p.add_argument("--every-rank-steps", action="store_true", help="every rank sends step events (own tokens/s)")
+    p.add_argument("--nan-at", type=int, default=-1, help="the loss of this step is NaN (rank 0's event)")
     p.add_argument("--save-interval", type=int, default=0)
     p.add_argument("--oom-rank", type=int, default=-1)
     p.add_argument("--oom-at", type=int, default=3)
@@ -147,10 +150,12 @@ def worker(args, rank: int) -> int:
         for i in range(args.lines_per_step):
             print(f"[rank{rank}]: step {step} line {i}", flush=True)
         heartbeat(rank, step)
-        tps = args.slow_tokens_per_s if 0 <= args.slow_after < step else args.tokens_per_s
-        if rank == 0:
+        slowed = 0 <= args.slow_after < step and args.slow_rank in (-1, rank)
+        tps = args.slow_tokens_per_s if slowed else args.tokens_per_s
+        if rank == 0 or args.every_rank_steps:
+            loss = float("nan") if step == args.nan_at else round(5.0 / step, 4)
             emit({"kind": "step", "rank": rank, "gpu": rank, "step": step, "total_steps": args.steps,
-                  "loss": round(5.0 / step, 4), "tokens_per_s": tps})
+                  "loss": loss, "tokens_per_s": tps})
         if args.save_interval and step % args.save_interval == 0:
             save(args, rank, step)
         time.sleep(args.step_time)

@@ -1,0 +1,138 @@
+"""The alert verbs ctl calls in a container (`python3 -m agent.alertcmd VERB`), each one round
+trip, JSON request on stdin, sentinel-wrapped JSON reply:
+
+    configure --run-dir D     {config, secrets}: notify.json and the 0600 secrets file
+    overview --workspace W    {channels: [names], handover_s}: every run's row for `ctl status --all`
+                              / `ctl watch`, and the alerts ctl should deliver itself
+    ack --run-dir D           {acks: [{id, channel, ok, error}]}: deliveries made by ctl watch
+
+Secrets come only on stdin (never argv) and go only into the secrets file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+from agent.alerts import Thresholds
+from agent.alertwatch import HANDOVER_S, Outbox, load_notify, pending, stream_alerts, write_notify
+from agent.protocol import RunStatus, wrap_payload
+from agent.rundir import RunDir, agent_alive
+
+
+def summary(run_dir: str) -> dict:
+    """The alerts of a run for `ctl status`: how many, the last, and those that reached no
+    channel of the container's (a container without a route out, a receiver down)."""
+    alerts = stream_alerts(run_dir)
+    channels = load_notify(run_dir).get("channels") or {}
+    outbox = Outbox(run_dir)
+    undelivered = []
+    for a, left in pending(run_dir, channels, outbox) if channels else [(a, []) for a in alerts]:
+        errors = [outbox.state.get((a.id, n), {}).get("error") for n in left]
+        undelivered.append({"id": a.id, "kind": a.kind, "ts": a.ts, "cause": a.cause, "channels": left,
+                            "error": next((e for e in errors if e), None)
+                            if channels else "no channel is configured in the container"})
+    # an alert delivered by ctl watch on its own channels is delivered, whatever the container's
+    done_by_ctl = {i for (i, _), st in outbox.state.items() if st.get("ok") and st.get("by") == "ctl watch"}
+    undelivered = [u for u in undelivered if u["id"] not in done_by_ctl]
+    return {"count": len(alerts), "last": alerts[-1].to_json() if alerts else None, "undelivered": undelivered,
+            "channels": sorted(channels)}
+
+
+def _row(rd: RunDir) -> dict:
+    st = RunStatus()
+    try:
+        st = RunStatus.load(rd.status)
+    except ValueError:
+        pass
+    now = time.time()
+    ages = [r.heartbeat_age_s for r in st.ranks.values() if r.heartbeat_age_s is not None]
+    health = "ok"
+    if any(r.health == "dead" for r in st.ranks.values()):
+        health = "rank dead"
+    elif st.state and not st.terminal and not agent_alive(rd):
+        health = "no agent"
+    elif st.last_error and not st.terminal:
+        health = "failing"
+    step_age = (now - st.updated + min(ages)) if ages and st.updated else None
+    return {"run_id": rd.run_id, "state": st.state.value if st.state else None, "step": st.step, "total": st.total,
+            "tokens_per_s": st.steady_tokens_per_s or st.tokens_per_s, "step_age_s": step_age, "health": health,
+            "reason": st.reason or st.last_error, "updated": st.updated, "progress": st.progress}
+
+
+def overview(workspace: str, channels: list[str], handover_s: float = HANDOVER_S, all_runs: bool = False) -> dict:
+    """Every live run (and, for delivery, every run with alerts not yet delivered on the
+    operator's channels) of the workspace."""
+    base = os.path.join(workspace, "runs")
+    rows, deliver = [], []
+    now = time.time()
+    for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
+        rd = RunDir(os.path.join(base, name))
+        if not os.path.exists(rd.spec):
+            continue
+        row = _row(rd)
+        live = row["state"] not in ("completed", "failed", "stopped")
+        outbox = Outbox(rd.path)
+        alerts = stream_alerts(rd.path)
+        row["last_alert"] = alerts[-1].to_json() if alerts else None
+        container_channels = set(load_notify(rd.path).get("channels") or {})
+        alive = agent_alive(rd)
+        for a in alerts:
+            left = [c for c in channels if not outbox.delivered(a.id, c)]
+            if not left:
+                continue
+            # The container's own agent goes first; ctl takes over what it could not do:
+            # a channel the container does not have, an agent gone, a failed attempt, or an
+            # alert older than the hand-over time.
+            tried = any(not st["ok"] for (i, _), st in outbox.state.items() if i == a.id)
+            theirs = [c for c in left if c in container_channels]
+            if theirs and alive and not tried and now - a.ts < handover_s:
+                left = [c for c in left if c not in container_channels]
+            if left:
+                deliver.append({"run_dir": rd.path, "alert": a.to_json(), "channels": left})
+        if live or all_runs or any(d["run_dir"] == rd.path for d in deliver):
+            rows.append(row)
+    return {"ok": True, "workspace": workspace, "runs": rows, "deliver": deliver}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python3 -m agent.alertcmd")
+    p.add_argument("verb", choices=("configure", "overview", "ack"))
+    p.add_argument("--run-dir")
+    p.add_argument("--workspace")
+    args = p.parse_args(argv)
+    raw = sys.stdin.read() if not sys.stdin.isatty() else ""
+    try:
+        req = json.loads(raw) if raw.strip() else {}
+    except ValueError as exc:
+        print(wrap_payload({"ok": False, "error": f"the request on stdin is not JSON ({exc})"}))
+        return 2
+    if args.verb == "configure":
+        rd = RunDir(args.run_dir)
+        config = req.get("config") or {}
+        try:
+            Thresholds.from_json(config.get("thresholds"), "notify.thresholds")
+        except ValueError as exc:
+            print(wrap_payload({"ok": False, "error": str(exc)}))
+            return 2
+        write_notify(rd.path, rd.run_id, config, {k: str(v) for k, v in (req.get("secrets") or {}).items()})
+        print(wrap_payload({"ok": True, "run_dir": rd.path}))
+        return 0
+    if args.verb == "overview":
+        print(wrap_payload(overview(args.workspace, list(req.get("channels") or []),
+                                    float(req.get("handover_s") or HANDOVER_S), bool(req.get("all")))))
+        return 0
+    rd = RunDir(args.run_dir)
+    outbox = Outbox(rd.path)
+    for ack in req.get("acks") or []:
+        outbox.record(str(ack["id"]), str(ack["channel"]), bool(ack.get("ok")), "ctl watch", ack.get("error"))
+    print(wrap_payload({"ok": True}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
