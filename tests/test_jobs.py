@@ -65,7 +65,7 @@ def test_prepare_config_is_validated_from_prepares_own_parser(tmp_path):
     regen = 'kind = "regenerate"\n[regenerate]\ninput = "a"\nout = "/o"\nendpoint = "http://127.0.0.1:1"\n'
     cfg = _config(tmp_path, regen + "concurrency = 4\n", "r.toml")
     assert cfg.argv(cfg.resolve(run_id="r", run_dir="/r", workspace="/w"))[:1] == ["regenerate"]
-    assert "[regenerate]: argument --concurrency: invalid positive int value: '0'" in _refused(
+    assert "[regenerate]: argument --concurrency: 0 is out of range: give a whole number from 1 to 4096" in _refused(
         tmp_path, regen + "concurrency = 0\n")
     assert "[regenerate] run-dir: not a run-config setting" in _refused(tmp_path, regen + 'run-dir = "/x"\n')
     assert "[trainer]: a prepare job has no trainer flags" in _refused(

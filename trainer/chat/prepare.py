@@ -31,7 +31,7 @@ import numpy as np
 from trainer.data import (DEFAULT_PROGRESS_EVERY, DEFAULT_SHARD_TOKENS, FORMAT, FORMAT_VERSION, IDS_DTYPE, MASK_DTYPE,
                           MAX_TOKEN_ID, META, OFFSETS_DTYPE, DataError, Fingerprint, PreparedData,
                           ShardWriter)
-from trainer.flags import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED, EXIT_USAGE, UsageParser
+from trainer.flags import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED, EXIT_USAGE, Bounded, UsageParser
 
 
 def _check_sample(obj: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -361,6 +361,11 @@ def _fsync_dir(path: str) -> None:
 # --------------------------------------------------------------------------- CLI
 
 
+# A sane ceiling for --workers whatever the machine (the job also refuses more than the CPUs it
+# may use: main); the run config is checked against it before anything starts.
+MAX_WORKERS = 1024
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = UsageParser(prog="python -m trainer prepare",
                     description="Turn training data into memory-mapped shards + meta.json for the trainer's --data-dir: "
@@ -370,9 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", nargs="+", required=True, metavar="FILE", action="extend",
                    help="input files (or saved datasets directories), read in the order given (repeatable)")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (must not exist, or be empty)")
-    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, metavar="N",
+    p.add_argument("--shard-tokens", type=Bounded("int", 1, 1 << 40), default=DEFAULT_SHARD_TOKENS, metavar="N",
                    help=f"tokens per shard file (default {DEFAULT_SHARD_TOKENS})")
-    p.add_argument("--progress-every", type=int, default=DEFAULT_PROGRESS_EVERY, metavar="N",
+    p.add_argument("--progress-every", type=Bounded("int", 0, 1 << 40), default=DEFAULT_PROGRESS_EVERY, metavar="N",
                    help=f"off a terminal, a progress line on stderr every N samples (default {DEFAULT_PROGRESS_EVERY}; "
                         "0: none); on a terminal a progress bar")
     c = p.add_argument_group("conversations")
@@ -380,14 +385,15 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--thinking", choices=("on", "off"),
                    help="enable_thinking for templates that have it (Qwen3, 3.5, 3.6): as the target is served")
     c.add_argument("--last-turn-only", action="store_true", help="loss on the last assistant turn only")
-    c.add_argument("--max-seq-len", type=int, metavar="N", help="samples longer than N tokens are truncated or dropped")
+    c.add_argument("--max-seq-len", type=Bounded("int", 2, 1 << 20), metavar="N", help="samples longer than N tokens are truncated or dropped")
     c.add_argument("--too-long", choices=("truncate", "drop"), default="truncate",
                    help="what --max-seq-len does to a longer sample (default truncate); counted either way")
     c.add_argument("--form", choices=("openai", "sharegpt"),
                    help="force the row form (default: detected per file from its first conversation row)")
     c.add_argument("--strict", action="store_true",
                    help="any unusable row is an error (exit 2, nothing written) instead of skipped and counted")
-    c.add_argument("--workers", type=int, default=0, metavar="N", help="worker processes (default: every core)")
+    c.add_argument("--workers", type=Bounded("int", 0, MAX_WORKERS), default=0, metavar="N",
+                   help="worker processes (default 0: every core the job may use; never more than those)")
     return p
 
 
@@ -405,16 +411,16 @@ def _on_sigterm(signum, frame):
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(argv) if argv is not None else None)
+    # Checked here, where the job runs (a run config is judged on the operator's machine):
+    # more workers than the CPUs the job may use only adds processes that wait for a core.
+    if args.workers > _cores():
+        print(f"prepare: error: --workers {args.workers}: this machine lets the job use {_cores()} CPU(s); give at "
+              f"most {_cores()}, or 0 for all of them", file=sys.stderr)
+        return EXIT_USAGE
     chat = None
     if args.target is not None:
         from trainer.chat.encode import ChatOptions
 
-        if args.max_seq_len is not None and args.max_seq_len < 1:
-            print(f"prepare: error: --max-seq-len {args.max_seq_len} must be >= 1", file=sys.stderr)
-            return EXIT_USAGE
-        if args.workers < 0:
-            print(f"prepare: error: --workers {args.workers} must be >= 0 (0: every core)", file=sys.stderr)
-            return EXIT_USAGE
         chat = ChatOptions(target=args.target, thinking=None if args.thinking is None else args.thinking == "on",
                            last_turn_only=args.last_turn_only, max_seq_len=args.max_seq_len,
                            too_long=args.too_long, form=args.form, strict=args.strict, workers=args.workers)

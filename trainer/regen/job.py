@@ -27,7 +27,7 @@ import time
 from typing import Iterable, Sequence
 
 from agent.protocol import ENV_RUN_DIR, EXIT_FAILURE, EXIT_OK, EXIT_STOPPED, EXIT_USAGE
-from trainer.flags import UsageParser
+from trainer.flags import Bounded, UsageParser
 from trainer.regen.client import PermanentError
 
 PROG = "python -m trainer regenerate"
@@ -53,17 +53,15 @@ class UsageError(ValueError):
     """Bad input: one line on stderr, exit 2."""
 
 
-def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise ValueError(text) from None
-        if not value > 0:
-            raise ValueError(text)
-        return value
-    parse.__name__ = f"positive {kind.__name__}"
-    return parse
+# The ceiling of --concurrency. The engine keeps one task per conversation in flight and never
+# more (run_rows), so memory follows min(concurrency, rows left), not the setting; but each
+# in-flight conversation also holds a connection and its history, and an SGLang or vLLM server
+# runs a few hundred requests at once (--max-running-requests, --max-num-seqs) and queues the
+# rest. 4096 is well past what any one server uses; 10^9 once took a node down.
+MAX_CONCURRENCY = 4096
+DAY_S = 86400.0
+WEEK_S = 7 * DAY_S
+_SECONDS = dict(low=0.0, low_open=True)
 
 
 def build_parser() -> UsageParser:
@@ -82,40 +80,41 @@ def build_parser() -> UsageParser:
     p.add_argument("--api-key-env", metavar="VAR",
                    help="the environment variable holding the servers' API key (SGLang/vLLM --api-key), sent as "
                         "a bearer token; never the key itself on the command line")
-    p.add_argument("--concurrency", type=_positive(int), default=DEFAULT_CONCURRENCY, metavar="N",
-                   help=f"conversations in flight at once (default {DEFAULT_CONCURRENCY})")
+    p.add_argument("--concurrency", type=Bounded("int", 1, MAX_CONCURRENCY, why="the documented ceiling: docs/regenerate.md"),
+                   default=DEFAULT_CONCURRENCY, metavar="N",
+                   help=f"conversations in flight at once (default {DEFAULT_CONCURRENCY}, at most {MAX_CONCURRENCY})")
     g = p.add_argument_group("sampling (unset: the server's default)")
-    g.add_argument("--temperature", type=float)
-    g.add_argument("--top-p", type=float, dest="top_p")
-    g.add_argument("--max-tokens", type=_positive(int), dest="max_tokens", metavar="N", help="per answer")
-    g.add_argument("--seed", type=int)
+    g.add_argument("--temperature", type=Bounded("float", 0.0, 2.0, why="the OpenAI API's range"))
+    g.add_argument("--top-p", type=Bounded("float", 0.0, 1.0, low_open=True), dest="top_p")
+    g.add_argument("--max-tokens", type=Bounded("int", 1, 1 << 24), dest="max_tokens", metavar="N", help="per answer")
+    g.add_argument("--seed", type=Bounded("int", -(1 << 63), (1 << 63) - 1))
     g.add_argument("--thinking", choices=("on", "off"),
                    help="chat_template_kwargs.enable_thinking, for templates that have it (Qwen3)")
     r = p.add_argument_group("retries and durability")
-    r.add_argument("--max-attempts", type=_positive(int), default=8, metavar="N",
+    r.add_argument("--max-attempts", type=Bounded("int", 1, 1000), default=8, metavar="N",
                    help="attempts per request before a transient error (connection, 408, 429, 5xx) fails the row "
                         "(default 8)")
-    r.add_argument("--retry-initial", type=_positive(float), default=1.0, metavar="S",
+    r.add_argument("--retry-initial", type=Bounded("float", high=DAY_S, **_SECONDS), default=1.0, metavar="S",
                    help="first backoff in seconds, doubling with jitter (default 1)")
-    r.add_argument("--retry-max-wait", type=_positive(float), default=60.0, metavar="S",
+    r.add_argument("--retry-max-wait", type=Bounded("float", high=DAY_S, **_SECONDS), default=60.0, metavar="S",
                    help="longest backoff in seconds (default 60)")
-    r.add_argument("--request-timeout", type=_positive(float), default=DEFAULT_TIMEOUT_S, metavar="S",
+    r.add_argument("--request-timeout", type=Bounded("float", high=WEEK_S, **_SECONDS), default=DEFAULT_TIMEOUT_S, metavar="S",
                    help=f"seconds one answer may take (default {DEFAULT_TIMEOUT_S:g})")
-    r.add_argument("--flush-rows", type=_positive(int), default=DEFAULT_FLUSH_ROWS, metavar="N",
+    r.add_argument("--flush-rows", type=Bounded("int", 1, 1 << 20), default=DEFAULT_FLUSH_ROWS, metavar="N",
                    help=f"fsync the output every N finished rows (default {DEFAULT_FLUSH_ROWS})")
-    r.add_argument("--flush-s", type=_positive(float), default=DEFAULT_FLUSH_S, metavar="S",
+    r.add_argument("--flush-s", type=Bounded("float", high=DAY_S, **_SECONDS), default=DEFAULT_FLUSH_S, metavar="S",
                    help=f"… or every S seconds, whichever comes first (default {DEFAULT_FLUSH_S:g})")
     o = p.add_argument_group("progress and the server")
-    o.add_argument("--progress-s", type=_positive(float), default=DEFAULT_PROGRESS_S, metavar="S",
+    o.add_argument("--progress-s", type=Bounded("float", high=DAY_S, **_SECONDS), default=DEFAULT_PROGRESS_S, metavar="S",
                    help=f"a progress event and line every S seconds (default {DEFAULT_PROGRESS_S:g}; a terminal: 1)")
     o.add_argument("--run-dir", metavar="DIR",
                    help=f"where events.jsonl goes (default ${ENV_RUN_DIR}, else --out)")
     o.add_argument("--serve", metavar="CMD",
                    help="start this server command first (split like a shell would, no shell run), wait until "
                         "every --endpoint is healthy, stop it at the end")
-    o.add_argument("--serve-timeout", type=_positive(float), default=DEFAULT_SERVE_TIMEOUT_S, metavar="S",
+    o.add_argument("--serve-timeout", type=Bounded("float", high=WEEK_S, **_SECONDS), default=DEFAULT_SERVE_TIMEOUT_S, metavar="S",
                    help=f"seconds the server may take to become healthy (default {DEFAULT_SERVE_TIMEOUT_S:g})")
-    o.add_argument("--serve-stop-grace", type=_positive(float), default=DEFAULT_SERVE_STOP_GRACE_S, metavar="S",
+    o.add_argument("--serve-stop-grace", type=Bounded("float", high=DAY_S, **_SECONDS), default=DEFAULT_SERVE_STOP_GRACE_S, metavar="S",
                    help="seconds the server has to exit after SIGTERM before SIGKILL, at the end or when the job dies "
                         f"(default {DEFAULT_SERVE_STOP_GRACE_S:g}; a GPU server may need them to free its memory)")
     return p
@@ -179,45 +178,63 @@ async def answer_conversation(row, client, first_endpoint: int, progress) -> dic
 
 
 async def run_rows(rows: Iterable, store, client, progress, args, stop: asyncio.Event) -> bool:
-    """Send every row not done yet; True when the input was gone through, False when stopped."""
-    queue: asyncio.Queue = asyncio.Queue(maxsize=args.concurrency)
+    """Send every row not done yet; True when the input was gone through, False when stopped.
+
+    One task per conversation in flight, made when a slot frees and gone when it ends: never
+    more than ``args.concurrency`` at once, and never more than the rows still to send, so
+    memory follows the work in flight, not the setting (a pool of N workers made up front
+    held 10^9 idle tasks before the first answer)."""
+    slots = asyncio.Semaphore(args.concurrency)
+    in_flight: set[asyncio.Task] = set()
+    crashed: list[BaseException] = []
 
     def maybe_flush() -> None:
         if store.pending() >= args.flush_rows:
             store.flush()
 
-    async def worker() -> None:
-        while (item := await queue.get()) is not None:
-            row, first = item
-            progress.in_flight += 1
-            try:
-                record = await answer_conversation(row, client, first, progress)
-            except PermanentError as exc:
-                store.add_failed(row.id, row.where, str(exc))
-                progress.failed += 1
-            else:
-                store.add_done(record)
-                progress.done += 1
-            finally:
-                progress.in_flight -= 1
-            maybe_flush()
+    async def one(row, first: int) -> None:
+        progress.in_flight += 1
+        try:
+            record = await answer_conversation(row, client, first, progress)
+        except PermanentError as exc:
+            store.add_failed(row.id, row.where, str(exc))
+            progress.failed += 1
+        else:
+            store.add_done(record)
+            progress.done += 1
+        finally:
+            progress.in_flight -= 1
+            slots.release()
+        maybe_flush()
+
+    def ended(task: asyncio.Task) -> None:
+        in_flight.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            crashed.append(task.exception())
 
     async def produce() -> None:
         seen: set = set()
         n_sent = 0
         for i, row in enumerate(rows):
             if i % 512 == 511:
-                await asyncio.sleep(0)  # a long stretch of done rows must not starve the workers
+                await asyncio.sleep(0)  # a long stretch of done rows must not starve the ones in flight
             cause = skip_cause(row, seen)
             if cause is not None:
                 progress.skip(cause)
             elif row.id in store.done:
                 progress.already_done()
             else:
-                await queue.put((row, n_sent % len(client.endpoints)))
+                await slots.acquire()
+                if crashed:
+                    raise crashed[0]  # a bug in a row's task is raised, not hidden
+                task = asyncio.create_task(one(row, n_sent % len(client.endpoints)))
+                in_flight.add(task)
+                task.add_done_callback(ended)
                 n_sent += 1
-        for _ in range(args.concurrency):
-            await queue.put(None)
+        while in_flight:
+            await asyncio.wait(set(in_flight))
+        if crashed:
+            raise crashed[0]
 
     async def tick() -> None:
         while True:
@@ -227,19 +244,17 @@ async def run_rows(rows: Iterable, store, client, progress, args, stop: asyncio.
             progress.tick()
 
     progress.tick(force=True)  # the total and the line from the start, not after the first interval
-    workers = [asyncio.create_task(worker()) for _ in range(args.concurrency)]
     producer = asyncio.create_task(produce())
     ticker = asyncio.create_task(tick())
     stopper = asyncio.create_task(stop.wait())
-    everything = asyncio.gather(producer, *workers)
-    finished, _ = await asyncio.wait({everything, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    completed = everything in finished
-    for t in (ticker, stopper, producer, *workers):
+    finished, _ = await asyncio.wait({producer, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    completed = producer in finished
+    for t in (ticker, stopper, producer, *in_flight):
         t.cancel()
-    await asyncio.gather(everything, ticker, stopper, return_exceptions=True)
+    await asyncio.gather(producer, ticker, stopper, *in_flight, return_exceptions=True)
     store.flush()  # what was answered is kept, even when a bug below is raised
     if completed:
-        everything.result()  # a bug in a worker is raised, not hidden
+        producer.result()  # a bug in a row's task is raised, not hidden
     return completed
 
 
