@@ -14,7 +14,6 @@ numpy + standard library at import time: the tokenizer is loaded only for conver
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import os
 import re
@@ -166,45 +165,21 @@ def _remove_created(created: list[str]) -> None:
 
 
 def _claim(out: str):
-    """Hold ``.<name>.prepare-lock`` beside ``out`` while a prepare writes it: a POSIX lock,
-    which the kernel drops when its process dies (SIGKILL too) and forked workers do not
-    inherit. A second prepare into the same --out is refused with one line. None where the
-    file system has no locks: then nothing is swept (a live prepare's partial looks the same)."""
-    import fcntl
+    """trainer/outlock.py's lock of ``out``, held while a prepare writes it; its refusal as
+    the prepare's own one-line DataError. None where the file system has no locks: then
+    nothing is swept (a live prepare's partial looks the same)."""
+    from trainer import outlock
 
-    path = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.prepare-lock")
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno not in (errno.EACCES, errno.EAGAIN):  # a file system without locks: no claim, no sweep
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
-                return None
-            raise DataError(f"{out}: another prepare is writing it now (it holds {path}); wait for it to end "
-                            "or choose another --out") from None
-        try:
-            same = os.stat(path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:  # else the holder before us removed the file as we opened it: take the new one
-            return fd, path
-        os.close(fd)
+    try:
+        return outlock.claim(out, "prepare")
+    except outlock.OutBusy as exc:
+        raise DataError(str(exc)) from None
 
 
 def _release(claim) -> None:
-    if claim is None:
-        return
-    fd, path = claim
-    try:
-        os.unlink(path)  # before the close: whoever opens it next gets a new file and checks the inode
-    except FileNotFoundError:
-        pass
-    os.close(fd)
+    from trainer import outlock
+
+    outlock.release(claim)
 
 
 def _missing_ancestors(path: str) -> list[str]:

@@ -290,10 +290,8 @@ class _Telemetry:
 
 
 def _main(args) -> int:
+    from trainer import outlock
     from trainer.chat import rows as chatrows
-    from trainer.regen.client import pick_model
-    from trainer.regen.server import Server, ServeError
-    from trainer.regen.store import Store, StoreError
 
     try:
         fmt = chatrows.detect_format(args.input)
@@ -304,6 +302,26 @@ def _main(args) -> int:
         raise UsageError(f"--serve {args.serve!r}: {exc}") from None
     if serve_argv == []:
         raise UsageError("--serve: give the server's command, e.g. --serve 'python -m sglang.launch_server …'")
+    # One writer per --out for the job's whole life, before a server starts or a row is read
+    # (trainer/outlock.py): a second job, or the same command typed by hand, is refused here.
+    parent = os.path.dirname(os.path.abspath(args.out))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        held = outlock.claim(args.out, "regenerate")
+    except (outlock.OutBusy, OSError) as exc:
+        raise UsageError(f"--out {exc}" if isinstance(exc, outlock.OutBusy) else
+                         f"--out {args.out}: cannot lock it ({exc.strerror or exc})") from None
+    try:
+        return _main_locked(args, fmt, serve_argv)
+    finally:
+        outlock.release(held)
+
+
+def _main_locked(args, fmt: str, serve_argv) -> int:
+    from trainer.regen.client import pick_model
+    from trainer.regen.server import Server, ServeError
+    from trainer.regen.store import Store, StoreError
+
     tel = _Telemetry(args.run_dir or os.environ.get(ENV_RUN_DIR) or args.out)
     stop = {"signal": None}  # a SIGTERM before the engine runs (its loop installs its own handlers)
     for sig in (signal.SIGTERM, signal.SIGINT):
