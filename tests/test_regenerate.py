@@ -527,3 +527,17 @@ def test_three_regenerates_into_one_out_at_once_give_one_writer_and_every_id_onc
             p.kill()
     ids = [r["id"] for r in output_rows(out)]
     assert len(ids) == len(set(ids)) == 12
+
+
+def test_a_jsonl_whose_first_line_is_an_array_has_every_later_row_answered(tmp_path, server):
+    """Read as a JSON-array file, such an input answered 1 of 5 rows and exited 0 with the
+    accounting adding up; line by line, line 1 is one skipped row and the other four are done."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("[1, 2]\n" + "".join(json.dumps(r) + "\n" for r in conversations(4)))
+    p = regenerate(inp, tmp_path / "out", server, check=0)
+    assert "done 4 + failed 0 + skipped 1 (not_an_object 1) = 5 input rows" in summary_line(p), p.stdout
+    trailing = tmp_path / "trailing.json"
+    trailing.write_text(json.dumps(conversations(2), indent=1) + "\n" + json.dumps(conversations(1)[0]) + "\n")
+    p = regenerate(trailing, tmp_path / "out2", server, check=2)
+    assert p.stderr.count("\n") == 1 and f"{trailing}:" in p.stderr and "data after the JSON array" in p.stderr
+    assert not (tmp_path / "out2").exists()

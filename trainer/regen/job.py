@@ -318,6 +318,7 @@ def _main(args) -> int:
 
 
 def _main_locked(args, fmt: str, serve_argv) -> int:
+    from trainer.chat import rows as chatrows
     from trainer.regen.client import pick_model
     from trainer.regen.server import Server, ServeError
     from trainer.regen.store import Store, StoreError
@@ -347,29 +348,36 @@ def _main_locked(args, fmt: str, serve_argv) -> int:
         # Without --serve, nothing is written before this: an endpoint that does not answer,
         # or does not serve the model, or an output directory of other settings is bad input.
         try:
+            total = count_rows(args.input, args.form, fmt)  # a JSON-array file with data after it: refused here
             model = pick_model(args.endpoint, args.model, api_key_of(args))
             store = Store(args.out, settings_of(args, model))
+        except chatrows.ChatRowsError as exc:
+            raise UsageError(f"--input {exc}") from None
         except (ValueError, StoreError) as exc:
             raise UsageError(str(exc)) from None
         tel.open()
-        return _regenerate(args, fmt, model, store, tel, stop)
+        return _regenerate(args, fmt, model, store, tel, stop, total)
     finally:
         if server is not None:
             print(f"regenerate: stopped the server (exit {server.stop()})", flush=True)
         tel.close()
 
 
-def _regenerate(args, fmt: str, model: str, store, tel: _Telemetry, stop: dict) -> int:
-    """The engine over the input, then the summary and the exit code."""
+def count_rows(path: str, form: str | None, fmt: str) -> int:
+    """The input's rows: one per non-blank line in JSONL (no parsing needed to count); other
+    formats are read once more (which also finds a JSON-array file's trailing data)."""
     from trainer.chat import rows as chatrows
+
+    return sum(1 for _ in (chatrows.iter_lines(path) if fmt == "jsonl" else chatrows.iter_rows(path, form, fmt)))
+
+
+def _regenerate(args, fmt: str, model: str, store, tel: _Telemetry, stop: dict, total: int) -> int:
+    """The engine over the input, then the summary and the exit code."""
     from trainer.regen.client import Retry, Sampling
     from trainer.regen.progress import Progress
 
     if store.torn:
         print(f"regenerate: cut a torn last line off {store.output.path} (the row is done again)", flush=True)
-    # one row per non-blank line in JSONL (no parsing needed to count); others are read once more
-    total = sum(1 for _ in (chatrows.iter_lines(args.input) if fmt == "jsonl"
-                            else chatrows.iter_rows(args.input, args.form, fmt)))
     progress = Progress(total, tel.events, sys.stdout, args.progress_s, tel.hb)
     sampling = Sampling(args.temperature, args.top_p, args.max_tokens, args.seed,
                         None if args.thinking is None else args.thinking == "on")
