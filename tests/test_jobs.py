@@ -299,3 +299,24 @@ def test_regenerate_job_sends_the_api_key_named_by_api_key_env_and_writes_it_now
         # the 0600 secret file only: not the run config, start.sh, the record, events or logs
         assert holders == [os.path.join("secrets", "regen-20261201-114702-0001.env")]
         assert os.stat(os.path.join(workspace, "secrets", "regen-20261201-114702-0001.env")).st_mode & 0o077 == 0
+
+
+def test_a_regenerate_job_with_failed_rows_ends_in_its_own_words_not_a_training_ranks(tmp_path):
+    """A regenerate job whose rows failed ended as "rank 0 (pid …) exited with code 1",
+    training's wording. The job now says its failure as an error event (rows failed, of how
+    many, where they are listed, the first error) and the agent names the run's failure with it."""
+    with _served_target(tmp_path, fail=lambda n, body: 400 if "question 1" in json.dumps(body) else None) as proxy:
+        workspace, inp, out, cfg = _regen_job(tmp_path, proxy, 4, "max-attempts = 1\n")
+        run_id = "regen-20261201-114702-0003"
+        run_dir = os.path.join(workspace, "runs", run_id)
+        values = cfg.resolve(run_id=run_id, run_dir=run_dir, workspace=workspace)
+        _launch(workspace, run_id, cfg.argv(values), {"kind": "regenerate", "config": "regen",
+                                                       "paths": cfg.paths(values), "gpus": {}})
+        res = wait_terminal(run_dir, timeout=180)
+    assert res["state"] == "failed" and res["root_cause"]["kind"] == "rows_failed", res
+    assert res["reason"].startswith(f"regenerate: 1 of 4 rows failed (listed in {out}/failures.jsonl; launch the "
+                                    "same config again to retry them); first: "), res["reason"]
+    assert "HTTP 400" in res["reason"] and "rank 0" not in res["reason"], res["reason"]
+    reply = extract_payload(agent_module("agent.runview", "status", "--workspace", workspace, "--run", run_id).stdout)
+    lines = render_status(reply, "200", "sim")
+    assert any(line.startswith("FAILED   rows_failed: regenerate: 1 of 4 rows failed") for line in lines), lines

@@ -403,11 +403,21 @@ def _regenerate(args, fmt: str, model: str, store, tel: _Telemetry, stop: dict, 
               "(run again to retry them); first: " + "; ".join(f"{f['where']}: {f['error']}" for f in first),
               file=sys.stderr, flush=True)
     if not progress.adds_up():
-        print(f"{PROG}: error: the accounting does not add up: done + failed + skipped = {progress.accounted():,} "
-              f"of {total:,} input rows, so a row was lost or counted twice; the output is kept (run again to redo "
-              "what is missing) — please report it with the summary in regenerate.json", file=sys.stderr, flush=True)
+        said = (f"the accounting does not add up: done + failed + skipped = {progress.accounted():,} of {total:,} "
+                "input rows, so a row was lost or counted twice; the output is kept (run again to redo what is "
+                "missing) — please report it with the summary in regenerate.json")
+        print(f"{PROG}: error: {said}", file=sys.stderr, flush=True)
+        # the job's failure in its own words: the agent names the run's failure with it
+        tel.events.emit("error", error="accounting", message=f"regenerate: {said}")
         return EXIT_FAILURE
-    return EXIT_FAILURE if store.failed_now else EXIT_OK
+    if store.failed_now:
+        first = next(iter(store.failed_now.values()))
+        tel.events.emit("error", error="rows_failed", failed=len(store.failed_now), total=total,
+                        message=f"regenerate: {len(store.failed_now):,} of {total:,} rows failed (listed in "
+                                f"{store.failures.path}; launch the same config again to retry them); first: "
+                                f"{first['where']}: {first['error']}")
+        return EXIT_FAILURE
+    return EXIT_OK
 
 
 async def _run(args, fmt, model, sampling, retry, store, progress, stop_flag) -> bool:
