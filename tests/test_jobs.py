@@ -20,6 +20,7 @@ import pytest
 from agent import preflight
 from agent.protocol import extract_payload
 from controller import configfile, jobconfig, runconfig
+from trainer import kinds
 from controller.config import ContainerConfig
 from controller.render import render_job_script
 from controller.status import render_status
@@ -50,7 +51,8 @@ def test_prepare_config_is_validated_from_prepares_own_parser(tmp_path):
     fields = jobconfig.model_for("prepare").model_fields["prepare"].annotation.model_fields
     from controller.jobconfig import option_name, options_of
 
-    assert {f.alias for f in fields.values()} == {option_name(a)[2:] for a in options_of(build_parser())}
+    not_in_config = {d.replace("_", "-") for d, _ in kinds.get("prepare").not_in_config}  # --preflight: the launch's
+    assert {f.alias for f in fields.values()} == {option_name(a)[2:] for a in options_of(build_parser())} - not_in_config
     assert {"input", "out", "target", "thinking", "strict"} <= {f.alias for f in fields.values()}
     assert fields["shard_tokens"].default == build_parser().get_default("shard_tokens")
     assert "[prepare] thinking = 'maybe': Input should be 'on' or 'off'" in _refused(

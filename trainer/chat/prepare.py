@@ -369,7 +369,24 @@ def build_parser() -> argparse.ArgumentParser:
                    help="any unusable row is an error (exit 2, nothing written) instead of skipped and counted")
     c.add_argument("--workers", type=Bounded("int", 0, MAX_WORKERS), default=0, metavar="N",
                    help="worker processes (default 0: every core the job may use; never more than those)")
+    p.add_argument("--preflight", action="store_true",
+                   help="only check what the job would refuse at its start (trainer/chat/preflight.py); write nothing")
     return p
+
+
+def preflight(args) -> int:
+    """The job's start checks, nothing written (trainer/chat/preflight.py)."""
+    from trainer.chat import preflight as pf
+
+    problems, size = pf.inputs_problems(args.input)
+    if args.target is not None:
+        problems += pf.target_problems(args.target, None if args.thinking is None else args.thinking == "on",
+                                       args.last_turn_only)
+    if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
+        problems.append(f"--out {args.out}: already exists and is not empty; remove it or choose another --out")
+    else:
+        problems += pf.out_problems(args.out, int(size * pf.ROOM_FACTOR["prepare"]))
+    return pf.report(problems)
 
 
 class _Stopped(Exception):
@@ -392,6 +409,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"prepare: error: --workers {args.workers}: this machine lets the job use {_cores()} CPU(s); give at "
               f"most {_cores()}, or 0 for all of them", file=sys.stderr)
         return EXIT_USAGE
+    if args.preflight:
+        return preflight(args)
     chat = None
     if args.target is not None:
         from trainer.chat.encode import ChatOptions

@@ -117,7 +117,32 @@ def build_parser() -> UsageParser:
     o.add_argument("--serve-stop-grace", type=Bounded("float", high=DAY_S, **_SECONDS), default=DEFAULT_SERVE_STOP_GRACE_S, metavar="S",
                    help="seconds the server has to exit after SIGTERM before SIGKILL, at the end or when the job dies "
                         f"(default {DEFAULT_SERVE_STOP_GRACE_S:g}; a GPU server may need them to free its memory)")
+    p.add_argument("--preflight", action="store_true",
+                   help="only check what the job would refuse at its start (trainer/chat/preflight.py): the input, "
+                        "the endpoints (without --serve), the out; write nothing")
     return p
+
+
+def preflight(args) -> int:
+    """The job's start checks, nothing written (trainer/chat/preflight.py)."""
+    from trainer.chat import preflight as pf
+    from trainer.chat import rows as chatrows
+    from trainer.regen.client import pick_model
+
+    problems, size = pf.inputs_problems([args.input])
+    if not problems:
+        try:
+            count_rows(args.input, args.form, chatrows.detect_format(args.input))
+        except chatrows.ChatRowsError as exc:
+            problems.append(f"--input {exc}")
+    # A server the job starts itself is checked by the job (--serve-timeout); a key that only
+    # the run's secret file will hold (ctl launch writes it at the commit) is not here yet.
+    if not args.serve and not (args.api_key_env and not os.environ.get(args.api_key_env)):
+        try:
+            pick_model(args.endpoint, args.model, api_key_of(args))
+        except ValueError as exc:
+            problems.append(str(exc))
+    return pf.report(problems + pf.out_problems(args.out, int(size * pf.ROOM_FACTOR["regenerate"])))
 
 
 def api_key_of(args) -> str | None:
@@ -261,7 +286,7 @@ async def run_rows(rows: Iterable, store, client, progress, args, stop: asyncio.
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(argv) if argv is not None else None)
     try:
-        return _main(args)
+        return preflight(args) if args.preflight else _main(args)
     except UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE
