@@ -86,3 +86,16 @@ def test_a_regenerate_preflight_asks_its_endpoints_before_anything_starts(tmp_pa
     reply = _check(ws, ["regenerate", "--input", chat, "--out", out, "--endpoint", dead], "regenerate", [chat], [out])
     assert not reply["ok"] and any(f"--endpoint {dead}: unreachable" in e for e in reply["errors"]), reply
     assert not os.path.exists(out) and not (ws / "runs").exists()
+
+
+def test_a_preflight_never_reads_a_pipe_the_job_will_read(tmp_path):
+    """A FIFO as --input is the job's to read once: the preflight reading it took the job's
+    first rows (the simulated node's prepare job then failed on a half line), or would block
+    with no writer. It checks only that the pipe is readable."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    fifo = str(tmp_path / "rows.fifo")
+    os.mkfifo(fifo)
+    out = str(ws / "data" / "chat")
+    reply = _check(ws, ["prepare", "--input", fifo, "--out", out], "prepare", [fifo], [out])
+    assert reply["ok"], reply["errors"]

@@ -32,6 +32,11 @@ def inputs_problems(paths: list[str], option: str = "--input") -> tuple[list[str
 
     problems, total = [], 0
     for path in paths:
+        if os.path.exists(path) and not (os.path.isfile(path) or os.path.isdir(path)):
+            # a pipe (or a device) is the job's to read: reading it here would take its rows
+            if not os.access(path, os.R_OK):
+                problems.append(f"{option} {path}: not readable by this user")
+            continue
         try:
             fmt = chatrows.detect_format(path)
             if fmt in ("jsonl", "json"):

@@ -318,6 +318,8 @@ def _lines_after_a_whole_first_line(path: str) -> bool:
     """The first non-blank line is a JSON value on its own and more non-blank text follows:
     JSON Lines whose first row happens to be an array (`[1, 2]`), not a JSON-array file (one
     array is the file's whole content, over one line or many)."""
+    if not os.path.isfile(path):
+        return False  # a pipe is read once, by the job: its first character decides
     with open(path, "rb") as fh:
         for raw in fh:
             if raw.strip(b"\xef\xbb\xbf \t\r\n"):
