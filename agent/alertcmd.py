@@ -5,6 +5,8 @@ trip, JSON request on stdin, sentinel-wrapped JSON reply:
     overview --workspace W    {channels: [names], handover_s}: every run's row for `ctl status --all`
                               / `ctl watch`, and the alerts ctl should deliver itself
     ack --run-dir D           {acks: [{id, channel, ok, error}]}: deliveries made by ctl watch
+    evidence --run-dir D      {refers_to, ts, reading, alert}: what ctl watch found in the node's
+                              kernel log about a failure alert (node_evidence.jsonl)
 
 Secrets come only on stdin (never argv) and go only into the secrets file.
 """
@@ -16,8 +18,9 @@ import os
 import sys
 import time
 
-from agent.alerts import Thresholds
-from agent.alertwatch import HANDOVER_S, Outbox, load_notify, pending, stream_alerts, write_notify
+from agent.alerts import AlertKind, Thresholds
+from agent.alertwatch import (HANDOVER_S, Outbox, add_node_evidence, load_notify, node_evidence, pending, run_alerts,
+                              write_notify)
 from agent.protocol import RunStatus, wrap_payload
 from agent.rundir import RunDir, agent_alive
 
@@ -25,7 +28,7 @@ from agent.rundir import RunDir, agent_alive
 def summary(run_dir: str) -> dict:
     """The alerts of a run for `ctl status`: how many, the last, and those that reached no
     channel of the container's (a container without a route out, a receiver down)."""
-    alerts = stream_alerts(run_dir)
+    alerts = run_alerts(run_dir)
     channels = load_notify(run_dir).get("channels") or {}
     outbox = Outbox(run_dir)
     undelivered = []
@@ -66,7 +69,7 @@ def overview(workspace: str, channels: list[str], handover_s: float = HANDOVER_S
     """Every live run (and, for delivery, every run with alerts not yet delivered on the
     operator's channels) of the workspace."""
     base = os.path.join(workspace, "runs")
-    rows, deliver = [], []
+    rows, deliver, evidence_due = [], [], []
     now = time.time()
     for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
         rd = RunDir(os.path.join(base, name))
@@ -75,7 +78,7 @@ def overview(workspace: str, channels: list[str], handover_s: float = HANDOVER_S
         row = _row(rd)
         live = row["state"] not in ("completed", "failed", "stopped")
         outbox = Outbox(rd.path)
-        alerts = stream_alerts(rd.path)
+        alerts = run_alerts(rd.path)
         row["last_alert"] = alerts[-1].to_json() if alerts else None
         container_channels = set(load_notify(rd.path).get("channels") or {})
         alive = agent_alive(rd)
@@ -88,20 +91,43 @@ def overview(workspace: str, channels: list[str], handover_s: float = HANDOVER_S
             # alert older than the hand-over time.
             tried = any(not st["ok"] for (i, _), st in outbox.state.items() if i == a.id)
             theirs = [c for c in left if c in container_channels]
-            if theirs and alive and not tried and now - a.ts < handover_s:
+            # node evidence is the controller's own alert: no agent will send it
+            if theirs and alive and not tried and now - a.ts < handover_s and a.kind != AlertKind.NODE_EVIDENCE.value:
                 left = [c for c in left if c not in container_channels]
             if left:
                 deliver.append({"run_dir": rd.path, "alert": a.to_json(), "channels": left})
         if live or all_runs or any(d["run_dir"] == rd.path for d in deliver):
             rows.append(row)
-    return {"ok": True, "workspace": workspace, "runs": rows, "deliver": deliver}
+        evidence_due += _evidence_due(rd, alerts, now)
+    return {"ok": True, "workspace": workspace, "runs": rows, "deliver": deliver, "evidence_due": evidence_due}
+
+
+EVIDENCE_MAX_AGE_S = 86400.0  # older failures are not looked up again (a watch started days later)
+
+
+def _evidence_due(rd: RunDir, alerts: list, now: float) -> list[dict]:
+    """The run's failed/stalled alerts whose moment nobody has looked up in the node's kernel
+    log yet, with the root cause that says when it was (result.json)."""
+    from agent.protocol import RunResult
+
+    looked = {d["refers_to"] for d in node_evidence(rd.path)}
+    due = [a for a in alerts if a.kind in (AlertKind.FAILED.value, AlertKind.STALLED.value) and a.id not in looked
+           and now - a.ts < EVIDENCE_MAX_AGE_S]
+    if not due:
+        return []
+    try:
+        res = RunResult.load(rd.result)
+    except (OSError, ValueError):
+        res = None
+    cause = (res.root_cause if res else None) or {}
+    return [{"run_dir": rd.path, "run_id": rd.run_id, "alert": a.to_json(), "root_cause": cause} for a in due]
 
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="python3 -m agent.alertcmd")
-    p.add_argument("verb", choices=("configure", "overview", "ack"))
+    p.add_argument("verb", choices=("configure", "overview", "ack", "evidence"))
     p.add_argument("--run-dir")
     p.add_argument("--workspace")
     args = p.parse_args(argv)
@@ -127,6 +153,13 @@ def main(argv: list[str] | None = None) -> int:
                                     float(req.get("handover_s") or HANDOVER_S), bool(req.get("all")))))
         return 0
     rd = RunDir(args.run_dir)
+    if args.verb == "evidence":
+        if not isinstance(req.get("refers_to"), str):
+            print(wrap_payload({"ok": False, "error": "evidence: the request names no refers_to alert id"}))
+            return 2
+        added = add_node_evidence(rd.path, {k: req.get(k) for k in ("refers_to", "ts", "reading", "alert")})
+        print(wrap_payload({"ok": True, "added": added}))
+        return 0
     outbox = Outbox(rd.path)
     for ack in req.get("acks") or []:
         outbox.record(str(ack["id"]), str(ack["channel"]), bool(ack.get("ok")), "ctl watch", ack.get("error"))

@@ -43,12 +43,15 @@ class AlertKind(str, enum.Enum):
     DATA_DONE = "data_done"
     DATA_FAILING = "data_failing"
     TAU_DROP = "tau_drop"
+    # raised by the controller, not the agent: what the node's kernel log says about a
+    # failed/stalled alert's moment (controller/kernellog.py; the container cannot read it)
+    NODE_EVIDENCE = "node_evidence"
 
 
 SEVERITY = {AlertKind.COMPLETED: "info", AlertKind.DATA_DONE: "info", AlertKind.RESTARTED: "warning",
             AlertKind.THROUGHPUT_DROP: "warning", AlertKind.DISK_LOW: "warning", AlertKind.TAU_DROP: "warning",
             AlertKind.DATA_FAILING: "warning", AlertKind.LOSS_NONFINITE: "error", AlertKind.FAILED: "error",
-            AlertKind.STALLED: "error"}
+            AlertKind.STALLED: "error", AlertKind.NODE_EVIDENCE: "error"}
 
 
 @record(frozen=True)

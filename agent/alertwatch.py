@@ -12,6 +12,12 @@ Files, all in the run directory but the secrets:
   once an ``ok`` line says so; until then every reader (a re-attached agent, ``ctl watch``)
   sees it pending. Killed mid-send, an agent has written no ``ok``: its successor sends again
   (at least once), and the receiver drops the repeat by the id in the body.
+- ``node_evidence.jsonl``: what the controller found in the node's own kernel log around a
+  failure (``ctl watch``: controller/kernellog.py), one line per failure alert it looked at
+  ``{refers_to, ts, reading, alert}``, appended with fsync before its ``node_evidence``
+  alert (if any) is sent. The container cannot read its node's log, so these alerts are
+  the operator side's: ``ctl watch`` delivers them, and every reader counts them with the
+  stream's (:func:`run_alerts`).
 - ``<workspace>/.dflash-ctl/secrets/<run>.notify.env`` (0600, outside the run directory):
   the values of those variables, NAME=VALUE lines, written by ``configure`` from its stdin.
 
@@ -33,6 +39,7 @@ from agent.protocol import STREAM, atomic_write
 
 NOTIFY = "notify.json"
 DELIVERIES = "deliveries.jsonl"
+NODE_EVIDENCE = "node_evidence.jsonl"
 SECRETS_DIR = os.path.join(".dflash-ctl", "secrets")
 BACKOFF_FIRST_S = 1.0  # first retry after this; doubles per failed attempt ...
 BACKOFF_MAX_S = 30.0  # ... up to this (a receiver back after a minute gets the alert within 30 s)
@@ -148,12 +155,50 @@ def stream_alerts(run_dir: str) -> list[Alert]:
     return out
 
 
+def node_evidence(run_dir: str) -> list[dict]:
+    """The lines of node_evidence.jsonl (torn or foreign lines skipped)."""
+    out = []
+    try:
+        fh = open(os.path.join(run_dir, NODE_EVIDENCE), "rb")
+    except FileNotFoundError:
+        return out
+    with fh:
+        for raw in fh:
+            try:
+                doc = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(doc, dict) and isinstance(doc.get("refers_to"), str):
+                out.append(doc)
+    return out
+
+
+def add_node_evidence(run_dir: str, doc: dict) -> bool:
+    """Append one look at the node's log (fsynced); False when that failure was looked at
+    already (two watchers, a retried call: one record, one alert id)."""
+    if any(d["refers_to"] == doc["refers_to"] for d in node_evidence(run_dir)):
+        return False
+    fd = os.open(os.path.join(run_dir, NODE_EVIDENCE), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(doc, sort_keys=True) + "\n").encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return True
+
+
+def run_alerts(run_dir: str) -> list[Alert]:
+    """The run's alerts: the stream's, then the controller's node evidence, by time."""
+    extra = [a for a in (Alert.from_json(d.get("alert")) for d in node_evidence(run_dir)) if a is not None]
+    return stream_alerts(run_dir) + sorted(extra, key=lambda a: a.ts)
+
+
 def pending(run_dir: str, channels: dict, outbox: Outbox | None = None) -> list[tuple[Alert, list[str]]]:
     """(alert, channels it has not reached) for every alert of the run not yet delivered on
     every channel that takes its kind."""
     outbox = outbox or Outbox(run_dir)
     out = []
-    for a in stream_alerts(run_dir):
+    for a in run_alerts(run_dir):
         left = [name for name, ch in channels.items() if _takes(ch, a) and not outbox.delivered(a.id, name)]
         if left:
             out.append((a, left))

@@ -1,11 +1,11 @@
 """OOM-kill evidence from what a container can read: its memory cgroup and the kernel's count.
 
 cgroup v2 ``memory.events`` counts ``oom_kill`` for the subtree; it works inside an LXC
-container without dmesg (research §6). cgroup v1 exposes the same counter in
-``memory.oom_control`` (the victim's own cgroup only: v1 does not count up the tree).
-Either counts every OOM kill of a process in the cgroup, the kernel's global OOM killer's
-too, so a rise there is evidence whatever limit ran out; the limit and peak along the path
-up from the agent's cgroup say whether it was the container's own.
+container without dmesg (docs/research/proxmox-and-supervision.md §6). cgroup v1 exposes
+the same counter in ``memory.oom_control`` (the victim's own cgroup only: v1 does not count
+up the tree). Either counts every OOM kill of a process in the cgroup, the kernel's global
+OOM killer's too, so a rise there is evidence whatever limit ran out; the limit and peak
+along the path up from the agent's cgroup say whether it was the container's own.
 
 A container may show no cgroup file at all (no cgroup mount: the simulated node's). The
 kernel's own ``oom_kill`` in /proc/vmstat, which no container runtime virtualizes, still

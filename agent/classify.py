@@ -71,7 +71,7 @@ def oom_reason(info: dict, gpu: int | None = None) -> str:
     return f"CUDA OOM on {where_s}"
 
 
-# --- NCCL / collective timeouts (research §4.10) ----------------------------------------------
+# --- NCCL / collective timeouts (docs/research/proxmox-and-supervision.md §4.10) ------------
 _NCCL = re.compile(
     r"Watchdog caught collective operation timeout"
     r"|ran for \d+ milliseconds before timing out"
@@ -338,8 +338,9 @@ def exit_failure(rank: int | None, pid: int | None, gpu: int | None, status: dic
 # --- heartbeats: stalls -------------------------------------------------------------------------
 class StallMonitor:
     """A rank whose heartbeat (step, ts) has not changed for ``timeout`` s while another rank's
-    has is stalled (a silent hang otherwise lasts until the NCCL timeout: research §4.10, §4.11).
-    All ranks silent for ``timeout`` s during training is a hang of the whole job."""
+    has is stalled (a silent hang otherwise lasts until the NCCL timeout:
+    docs/research/proxmox-and-supervision.md §4.10, §4.11). All ranks silent for ``timeout`` s
+    during training is a hang of the whole job."""
 
     def __init__(self, timeout: float):
         self.timeout = timeout
@@ -375,7 +376,7 @@ class StallMonitor:
 class ThroughputMonitor:
     """Steady-state tokens/s (median of the last ``window`` step events per rank, after
     ``warmup`` events) summed over ranks, against a baseline (the story: 20 → 5.4 Ktok/s
-    with nobody told why, DESIGN.md)."""
+    with nobody told why, docs/design.md)."""
 
     def __init__(self, baseline: float | None, fraction: float, warmup: int = 3, window: int = 5):
         self.baseline, self.fraction, self.warmup, self.window = baseline, fraction, warmup, window

@@ -2,8 +2,9 @@
 that started it, so `agent start` double-forks, the middle process calls setsid(), and the
 grandchild execs a fresh interpreter as the daemon (`python3 -m agent _daemon`) with stdin
 on /dev/null and stdout/stderr on agent.log: nothing of the caller's channel stays open,
-so the caller's `pct exec` returns at once (research §1.1: no signal forwarding, daemonize
-long jobs). The daemon reports "started" (or the error) back through a pipe.
+so the caller's `pct exec` returns at once (docs/research/proxmox-and-supervision.md §1.1:
+no signal forwarding, daemonize long jobs). The daemon reports "started" (or the error)
+back through a pipe.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Environment generations of a container's venv: adopt, build, switch, list, diff, remove.
 
-Why this exists (DESIGN.md, the story): a torch upgrade cu128 → cu130 ate ~200 MB per GPU
+Why this exists (docs/design.md, the story): a torch upgrade cu128 → cu130 ate ~200 MB per GPU
 and rolling it back was done by hand. Here every package set a venv has held is kept as a
 *generation*, identified by its fingerprint (python version, every installed distribution
 and version, the torch build), and the configured venv path is a symlink to one of them:

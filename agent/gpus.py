@@ -6,14 +6,15 @@ Like gpustat's ``safenvml``, every NVML call is wrapped on its own, catching NVM
 errors only: an unsupported field becomes None and its error is kept in the record's
 ``errors`` (field → "NVMLError_NotSupported: …"), a lost GPU becomes an ``{"index": i,
 "state": "invalid", "error": …}`` record. Any other exception is a bug of ours and is raised
-(research §5; review: a misspelt attribute must not pass for "unsupported"). Without a GPU
-the answer is ``{"gpus": [], "state": "no GPU", "reason": …}``.
+(docs/research/proxmox-and-supervision.md §5): a misspelt attribute must not pass for
+"unsupported". Without a GPU the answer is ``{"gpus": [], "state": "no GPU", "reason": …}``.
 
 A record: index, state, uuid, name, utilization_gpu_pct, utilization_memory_pct,
 memory_used_mib, memory_total_mib, memory_free_mib, temperature_gpu_c, power_draw_w,
 power_limit_w, processes [{pid, used_memory_mib}] (units in the names, nvidia-smi's query
-names). PIDs that NVML reports are host PIDs inside an LXC container (research §1.3,
-canonical/lxd#9755); they are reported as NVML gives them.
+names). PIDs that NVML reports are host PIDs inside an LXC container
+(docs/research/proxmox-and-supervision.md §1.3, canonical/lxd#9755); they are reported as
+NVML gives them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import re
 import shutil
 import subprocess
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 try:  # optional dependency; the agent runs with the standard library alone
     import pynvml as _nv
@@ -196,3 +197,119 @@ def architectures() -> list[dict]:
         if name:
             out.append({"name": name, "compute_cap": cap if re.fullmatch(r"\d+\.\d+", cap) else None})
     return out
+
+
+# --- health, read before a launch (agent/gpuhealth.py judges it) ------------------------------
+#
+# Fields (nvidia-smi's query names, units in ours): ecc_uncorrected_volatile (since the driver
+# loaded), ecc_uncorrected_aggregate (the GPU's life), retired_pages_pending (pre-Ampere page
+# retirement), remapped_rows_pending / remapped_rows_failure (Ampere and later), clocks_event_reasons
+# (the bitmask NVML calls clocks throttle / event reasons), pcie_gen_current/max,
+# pcie_width_current/max, persistence_mode, pci_bus_id. Each None where the GPU or driver does
+# not support it (retired pages on Hopper: NVMLError_NotSupported; checked on an H200).
+
+HEALTH_KEYS = ("ecc_uncorrected_volatile", "ecc_uncorrected_aggregate", "retired_pages_pending",
+               "remapped_rows_pending", "remapped_rows_failure", "clocks_event_reasons", "pcie_gen_current",
+               "pcie_gen_max", "pcie_width_current", "pcie_width_max", "persistence_mode", "pci_bus_id")
+
+
+def _nvml_health(i: int) -> dict:
+    nv = _nv
+    errors: dict[str, str] = {}
+    handle = _call(errors, "handle", nv.nvmlDeviceGetHandleByIndex, i)
+    if handle is None:
+        return {"index": i, "state": "invalid", "error": errors.get("handle") or "handle unavailable (GPU lost?)"}
+    unc = getattr(nv, "NVML_MEMORY_ERROR_TYPE_UNCORRECTED", 1)
+    rec: dict[str, Any] = {"index": i, "state": "ok"}
+    rec["ecc_uncorrected_volatile"] = _call(errors, "ecc_uncorrected_volatile", nv.nvmlDeviceGetTotalEccErrors, handle,
+                                            unc, getattr(nv, "NVML_VOLATILE_ECC", 0))
+    rec["ecc_uncorrected_aggregate"] = _call(errors, "ecc_uncorrected_aggregate", nv.nvmlDeviceGetTotalEccErrors,
+                                             handle, unc, getattr(nv, "NVML_AGGREGATE_ECC", 1))
+    pending = _call(errors, "retired_pages_pending", nv.nvmlDeviceGetRetiredPagesPendingStatus, handle)
+    rec["retired_pages_pending"] = None if pending is None else bool(pending)
+    remap = _call(errors, "remapped_rows", nv.nvmlDeviceGetRemappedRows, handle)  # (corr, unc, pending, failure)
+    rec["remapped_rows_pending"] = bool(remap[2]) if remap is not None else None
+    rec["remapped_rows_failure"] = bool(remap[3]) if remap is not None else None
+    reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+    rec["clocks_event_reasons"] = _call(errors, "clocks_event_reasons", reasons, handle)
+    for key, fn in (("pcie_gen_current", nv.nvmlDeviceGetCurrPcieLinkGeneration),
+                    ("pcie_gen_max", nv.nvmlDeviceGetMaxPcieLinkGeneration),
+                    ("pcie_width_current", nv.nvmlDeviceGetCurrPcieLinkWidth),
+                    ("pcie_width_max", nv.nvmlDeviceGetMaxPcieLinkWidth)):
+        rec[key] = _call(errors, key, fn, handle)
+    mode = _call(errors, "persistence_mode", nv.nvmlDeviceGetPersistenceMode, handle)
+    rec["persistence_mode"] = None if mode is None else bool(mode)
+    pci = _call(errors, "pci_bus_id", nv.nvmlDeviceGetPciInfo, handle)
+    bus = getattr(pci, "busId", None) if pci is not None else None
+    rec["pci_bus_id"] = bus.decode() if isinstance(bus, bytes) else bus
+    if errors:
+        rec["errors"] = errors
+    return rec
+
+
+_SMI_HEALTH = ("index", "pci.bus_id", "ecc.errors.uncorrected.volatile.total", "ecc.errors.uncorrected.aggregate.total",
+               "retired_pages.pending", "clocks_throttle_reasons.active", "pcie.link.gen.current", "pcie.link.gen.max",
+               "pcie.link.width.current", "pcie.link.width.max", "persistence_mode")
+_SMI_HEALTH_KEYS = ("index", "pci_bus_id", "ecc_uncorrected_volatile", "ecc_uncorrected_aggregate",
+                    "retired_pages_pending", "clocks_event_reasons", "pcie_gen_current", "pcie_gen_max",
+                    "pcie_width_current", "pcie_width_max", "persistence_mode")
+
+
+def _smi_health_value(text: str) -> Any:
+    """nvidia-smi's words as values: "[N/A]"/"[Not Supported]" None, Yes/Enabled True, a hex
+    mask or a count a number, a bus id as is."""
+    if text.startswith("["):
+        return None
+    if text in ("Yes", "Enabled"):
+        return True
+    if text in ("No", "Disabled"):
+        return False
+    if re.fullmatch(r"0x[0-9A-Fa-f]+", text):
+        return int(text, 16)
+    if re.fullmatch(r"\d+", text):
+        return int(text)
+    return text
+
+
+def _smi(exe: str, query: str, fields: tuple) -> Optional[list[list[str]]]:
+    try:
+        out = subprocess.run([exe, f"{query}={','.join(fields)}", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return [[p.strip() for p in line.split(",")] for line in out.stdout.strip().splitlines()]
+
+
+def _smi_health() -> list[dict]:
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return []
+    rows = _smi(exe, "--query-gpu", _SMI_HEALTH) or []
+    out = []
+    for parts in rows:
+        if len(parts) != len(_SMI_HEALTH_KEYS):
+            continue
+        rec = {k: _smi_health_value(v) for k, v in zip(_SMI_HEALTH_KEYS, parts)}
+        rec["retired_pages_pending"] = rec["retired_pages_pending"] if isinstance(rec["retired_pages_pending"], bool) else None
+        out.append(dict(rec, state="ok", remapped_rows_pending=None, remapped_rows_failure=None))
+    remap = _smi(exe, "--query-remapped-rows", ("gpu_bus_id", "remapped_rows.pending", "remapped_rows.failure")) or []
+    by_bus = {parts[0].lower(): parts for parts in remap if len(parts) == 3}
+    for rec in out:
+        parts = by_bus.get(str(rec.get("pci_bus_id")).lower())
+        if parts:
+            rec["remapped_rows_pending"] = _smi_health_value(parts[1]) if parts[1] in ("Yes", "No") else None
+            rec["remapped_rows_failure"] = _smi_health_value(parts[2]) if parts[2] in ("Yes", "No") else None
+    return out
+
+
+def health() -> dict:
+    """``{"source", "gpus": [record]}``: each GPU's health fields (HEALTH_KEYS), from NVML
+    where it answers, else nvidia-smi; ``{"gpus": []}`` without either."""
+    if _init() is None:
+        errors: dict[str, str] = {}
+        count = _call(errors, "count", _nv.nvmlDeviceGetCount)
+        if count:
+            return {"source": "nvml", "gpus": [_nvml_health(i) for i in range(count)]}
+    return {"source": "nvidia-smi", "gpus": _smi_health()}

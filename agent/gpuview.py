@@ -1,7 +1,7 @@
 """Why a container sees fewer GPUs than its run names, from inside it (stdlib only).
 
 On LXC a GPU reaches a container through three things the node sets up, and each breaks on
-its own (research/proxmox-and-supervision.md §1.3):
+its own (docs/research/proxmox-and-supervision.md §1.3):
 
 - the device nodes (``/dev/nvidia0…``, ``/dev/nvidiactl``, ``/dev/nvidia-uvm``), bind-mounted
   by ``lxc.mount.entry`` lines or created by ``devN:`` entries: missing → no GPU at all;

@@ -180,7 +180,8 @@ class JobProcess:
         meanwhile, so output keeps flowing into the stream), SIGKILL the rest, verify by
         scanning /proc that nothing carrying the run's marker or under its tree is left.
         SIGTERM to the group alone is not enough: torchrun workers run in their own sessions
-        (research §2, §4.1 skypilot#3742, §4.5 ray#31274, §4.9 pytorch PR#113231)."""
+        (docs/research/proxmox-and-supervision.md §2, §4.1 skypilot#3742, §4.5 ray#31274,
+        §4.9 pytorch PR#113231)."""
         started = time.time()
         report: dict = {"why": why, "grace_s": grace, "signals": [], "survivors": []}
         monitor_pid = self.ident.pid if self.alive() else None

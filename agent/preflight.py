@@ -34,7 +34,7 @@ import sys
 import time
 from typing import Any, Iterator, Optional
 
-from agent import ckptcompat, compilecache, envfp, gpuview, knowngood
+from agent import ckptcompat, compilecache, envfp, gpuhealth, gpuview, knowngood
 from agent import gpus as nvml_gpus
 from agent.protocol import FINGERPRINT, atomic_write, atomic_write_json, read_json_doc, wrap_payload
 
@@ -340,6 +340,13 @@ def check(req: dict) -> dict:
         warnings += [line.split(": stop it first")[0] + ": shared, as --share-gpus asks" for line in held]
     else:
         errors += held
+    health = None
+    if use_cuda and gpu_shortfall is None and named:
+        # a GPU with a fault is refused like a busy one (--share-gpus does not change that)
+        health = nvml_gpus.health()
+        verdict = gpuhealth.check(health, named)
+        errors += verdict.faults
+        warnings += verdict.warnings
     for g in gpu["gpus"] if use_cuda else []:
         used = g.get("memory_used_mib")
         if g["index"] in roles["target"] + roles["drafter"] and isinstance(used, (int, float)) and used > 1024:
@@ -358,7 +365,8 @@ def check(req: dict) -> dict:
 
     return {"ok": not errors and gpu_shortfall is None, "errors": errors, "warnings": warnings, "python": py,
             "torch": torch, "packages_count": len(pkgs), "fingerprint": fp, "gpu": gpu, "roles": roles,
-            "device": "cuda" if use_cuda else "cpu", "gpu_shortfall": gpu_shortfall, "model": model, "data": data, "checkpoint": ckpt,
+            "device": "cuda" if use_cuda else "cpu", "gpu_shortfall": gpu_shortfall, "gpu_health": health,
+            "model": model, "data": data, "checkpoint": ckpt,
             "disk": disk, "known_good": known, "workspace": workspace, "ts": time.time(),
             "compile_cache": compile_cache_info(workspace, fp["id"]) if use_cuda else None}
 
@@ -430,7 +438,7 @@ def create_run(req: dict) -> dict:
         created_dir = True
         atomic_write(os.path.join(run_dir, "start.sh"), req["script"], 0o644)
         fp = (req.get("record") or {}).get("fingerprint")
-        if fp:  # the run's environment, as the preflight saw it (DESIGN.md: run directory)
+        if fp:  # the run's environment, as the preflight saw it (docs/design.md: run directory)
             atomic_write_json(os.path.join(run_dir, FINGERPRINT), fp)
         if req.get("secret"):
             os.makedirs(os.path.dirname(secrets_file), mode=0o700, exist_ok=True)

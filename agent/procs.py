@@ -140,9 +140,10 @@ def cpu_seconds(pid: int) -> float | None:
 class Identity:
     """A pid that cannot be confused with a later process reusing the number.
 
-    SkyPilot guards stored PIDs with a command-line marker and boot time (research §2,
-    sky/skylet/job_lib.py); we keep pid + start time in clock ticks since boot + boot id,
-    which together name exactly one process, and the run marker for humans reading ps.
+    SkyPilot guards stored PIDs with a command-line marker and boot time
+    (docs/research/proxmox-and-supervision.md §2, sky/skylet/job_lib.py); we keep pid + start
+    time in clock ticks since boot + boot id, which together name exactly one process, and the
+    run marker for humans reading ps.
     """
 
     pid: int
@@ -180,7 +181,8 @@ class Identity:
 
 def set_child_subreaper(on: bool = True) -> bool:
     """Orphaned descendants are re-parented to us instead of init, so none escapes the
-    tree we sweep at stop (skypilot PR#9672, ray PR#42992: research §4.3, §4.7)."""
+    tree we sweep at stop (skypilot PR#9672, ray PR#42992:
+    docs/research/proxmox-and-supervision.md §4.3, §4.7)."""
     import ctypes  # here, not at the top: the read-only views (agent.runview) import procs and never need it
 
     try:
@@ -210,8 +212,9 @@ def descendants(roots: Iterable[int], marker: dict[str, str] | None = None,
 
     The environment marker catches what the tree misses: a grandchild that double-forked
     away while no subreaper was alive, re-parented to init (torchrun workers run with
-    start_new_session, so killpg of the top group misses them: research §2, §4.1, §4.9).
-    Zombies are left out: they hold no resources and cannot be signalled.
+    start_new_session, so killpg of the top group misses them:
+    docs/research/proxmox-and-supervision.md §2, §4.1, §4.9). Zombies are left out: they hold
+    no resources and cannot be signalled.
     """
     table = parents()
     skip = set(exclude) | {os.getpid()}

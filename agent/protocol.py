@@ -18,7 +18,7 @@ PROTOCOL_VERSION = 1
 
 # Machine-readable replies are printed between these lines, so that login banners, a
 # noisy .bashrc or a locale warning on the same stdout cannot corrupt them.
-# (SkyPilot does the same with <sky-payload>; research/proxmox-and-supervision.md §1.1.)
+# (SkyPilot does the same with <sky-payload>; docs/research/proxmox-and-supervision.md §1.1.)
 BEGIN = "<<<DFLASH-CTL-PAYLOAD>>>"
 END = "<<<END-DFLASH-CTL-PAYLOAD>>>"
 
@@ -50,7 +50,7 @@ def extract_payload(text: str) -> dict:
     return obj
 
 
-# --- run directory layout (DESIGN.md: contracts) -----------------------------------------
+# --- run directory layout (docs/design.md: contracts) -----------------------------------------
 SPEC = "spec.json"
 START_SCRIPT = "start.sh"
 FINGERPRINT = "fingerprint.json"
@@ -64,7 +64,7 @@ ENV_RUN_DIR = "DFLASH_RUN_DIR"  # the agent passes the run directory to the job 
 
 # The job's stdout/stderr go to these files, never to a pipe owned by the agent, so the job
 # outlives an agent that dies and a re-attached agent reads on from its recorded offsets
-# (research §4.8: silent log loss).
+# (docs/research/proxmox-and-supervision.md §4.8: silent log loss).
 JOB_STDOUT = "job.stdout"
 JOB_STDERR = "job.stderr"
 JOB_PID = "job.pid"  # {"pid","starttime","boot_id","marker"}: the job monitor (PID-reuse guard)
@@ -154,7 +154,7 @@ EXIT_USAGE = 2  # bad input, nothing written (trainer, agent verbs)
 EXIT_STOPPED = 75  # the trainer stopped on request after a checkpoint (EX_TEMPFAIL: resumable)
 EXIT_INTERRUPTED = 130  # Ctrl-C (128 + SIGINT, the shell's convention): stopped, nothing written
 # `agent follow`: the agent is gone and the run has not finished, so the stream would never
-# end (research §4.8, ray#57002): re-attach, then follow again.
+# end (docs/research/proxmox-and-supervision.md §4.8, ray#57002): re-attach, then follow again.
 EXIT_AGENT_GONE = 3
 # `ctl tail --follow` (and `ctl launch --follow`): the run died because its container restarted
 # or its node rebooted (every process of it is gone; resume from its last checkpoint).
@@ -209,12 +209,15 @@ class StreamKind(str, enum.Enum):
 
 # Trainer events (one JSON object per line in events.jsonl). Common keys: ts, rank, role,
 # gpu, kind. Kinds and their extra keys:
-#   phase       phase: loading|probing|training|saving|evaluating|done|stopping (train);
+#   phase       phase: loading|probing|training|saving|evaluating|done|stopping (train; "training"
+#               carries paths: each kernel and precision the run takes, its reason, and "missing",
+#               the faster paths not taken with their install commands: trainer/paths.py);
 #               serving|regenerating|done|stopping (regenerate: role "regenerate", rank null)
 #   step        step, total_steps, epoch, loss, ce, kl, cap, lr, grad_norm, tokens,
 #               tokens_per_s, drafted_per_s, acc (per-slot accuracy list), mem_peak_mib, wait_s
 #   checkpoint  step, path
-#   eval        step, tau
+#   eval        step, tau, by_category ({source: tau}), best_step, best_tau (the checkpoint
+#               retention keeps and `ctl export --best` exports)
 #   error       error (cuda_oom|exception|nccl_timeout; serve: regenerate's --serve server did not come up), message, traceback
 #   probe       peak_mib per role/gpu, fits, budget
 #   launch      (the launching parent, rank null) rdzv_endpoint, nproc, ranks [{rank, role, gpu}]: the

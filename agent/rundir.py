@@ -1,4 +1,4 @@
-"""Paths and small file helpers of one run directory (DESIGN.md: run directory)."""
+"""Paths and small file helpers of one run directory (docs/design.md: run directory)."""
 
 from __future__ import annotations
 

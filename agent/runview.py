@@ -45,27 +45,33 @@ def runs(workspace: str) -> list[dict]:
     return sorted(out, key=lambda r: (r["created"], r["run_id"]))
 
 
-HISTORY_POINTS = 200  # at most this many (step, loss, tokens/s) points travel to `ctl status`
+HISTORY_POINTS = 200  # at most this many (step, loss, tokens/s) points, and τ points, travel to `ctl status`
 HISTORY_BYTES = 16 << 20  # of events.jsonl read for them: a long run's recent part
 
 
 def history(run_dir: str) -> dict:
     """Loss and tokens/s over the run from its step events, thinned to HISTORY_POINTS (every
-    k-th step) for `ctl status`'s inline charts."""
+    k-th step), and τ at each save from its eval events with the best so far, for `ctl
+    status`'s inline charts."""
     path = os.path.join(run_dir, EVENTS)
     try:
         size = os.path.getsize(path)
     except OSError:
-        return {"step": [], "loss": [], "tokens_per_s": []}
+        return {"step": [], "loss": [], "tokens_per_s": [], "eval_step": [], "tau": [], "best": None}
     offset = max(0, size - HISTORY_BYTES)
-    seen, rows = set(), []
+    seen, rows, evals = set(), [], {}
     for _, r in read_json_lines(path, offset):  # the first line may be torn by the offset: skipped
         if r.get("kind") == "step" and r.get("step") not in seen:  # one row a step, whichever rank said it
             seen.add(r.get("step"))
             rows.append((r.get("step"), r.get("loss"), r.get("tokens_per_s")))
+        elif r.get("kind") == "eval" and isinstance(r.get("tau"), (int, float)):  # τ at each save
+            evals[r.get("step")] = (r.get("tau"), r.get("best_step"), r.get("best_tau"))
     every = max(1, -(-len(rows) // HISTORY_POINTS))
     rows = rows[::every]
-    return {"step": [r[0] for r in rows], "loss": [r[1] for r in rows], "tokens_per_s": [r[2] for r in rows]}
+    taus = sorted((s, *v) for s, v in evals.items() if isinstance(s, int))[-HISTORY_POINTS:]
+    return {"step": [r[0] for r in rows], "loss": [r[1] for r in rows], "tokens_per_s": [r[2] for r in rows],
+            "eval_step": [t[0] for t in taus], "tau": [t[1] for t in taus],
+            "best": {"step": taus[-1][2], "tau": taus[-1][3]} if taus and taus[-1][2] is not None else None}
 
 
 _DIED_WITH_HOST = (FailureKind.CONTAINER_RESTART.value, FailureKind.NODE_REBOOT.value)

@@ -1,11 +1,12 @@
 """The supervisor: the decisions of a run — start it, watch it, and on each outcome finish,
 restart or stop it.
 
-Shape borrowed from torch.distributed.elastic's agent (STYLE.md): a state enum with a store
-that refuses to leave a terminal state, and a loop that is monitor → restart while budget
-remains → stop, with shutdown in ``finally``. The job's processes are agent/job.py's; what
-is known about them is agent/observe.py's; status.json and result.json are the typed
-records of agent/protocol.py.
+Shape borrowed from torch.distributed.elastic's agent, a small state machine that has proven
+itself (torch/distributed/elastic/agent/server/api.py; docs/research/proxmox-and-supervision.md
+§2): a state enum with a store that refuses to leave a terminal state, and a loop that is
+monitor → restart while budget remains → stop, with shutdown in ``finally``. The job's
+processes are agent/job.py's; what is known about them is agent/observe.py's; status.json
+and result.json are the typed records of agent/protocol.py.
 """
 
 from __future__ import annotations

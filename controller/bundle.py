@@ -1,4 +1,4 @@
-"""The agent + trainer code as one versioned, content-addressed bundle (DESIGN.md).
+"""The agent + trainer code as one versioned, content-addressed bundle (docs/design.md).
 
 The bundle is the ``.py`` files of ``agent/`` and ``trainer/``; its version is the sha256 of
 their relative paths and contents. It is uploaded once per version to

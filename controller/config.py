@@ -6,7 +6,7 @@ Location: ``--config PATH`` > ``$DFLASH_CTL_CONFIG`` > ``~/.config/dflash-ctl/co
 
 Why plain dataclasses and not pydantic (which the run config, controller/runconfig.py, does
 use): every `ctl` command reads this file first, and importing pydantic and building its
-models was about half of what `ctl exec` spent before it connected (bench/exec_roundtrip.py).
+models was about half of what `ctl exec` spent before it connected (bench/ctl_exec/roundtrip.py).
 Ten fields with simple rules do not need it; the messages keep its shape
 (``nodes.sim.port: … (got …)``).
 """
@@ -95,8 +95,8 @@ class NodeConfig:
 
     host: hostname, IP or ~/.ssh/config alias; port/user: default ~/.ssh/config, else 22 and
     root; identity_file: private key; known_hosts: the file holding this node's (and its
-    bastions') host keys; pct: the pct command (its full path with sudo); sudo: run pct
-    through `sudo -n`; proxy_jump: [user@]host[:port] of a bastion, a comma list hops in
+    bastions') host keys; pct: the pct command (its full path with sudo); journalctl, dmesg:
+    the node's kernel log readers (likewise); sudo: run pct and those through `sudo -n`; proxy_jump: [user@]host[:port] of a bastion, a comma list hops in
     order (like ProxyJump, which ~/.ssh/config may set instead); control_persist: seconds the
     one-shot commands' shared SSH connection is kept after its last use (default 300; 0: no
     sharing; controller/sshmux.py); containers: per CT id."""
@@ -109,6 +109,10 @@ class NodeConfig:
     transport: str = "ssh"
     pct: str = "pct"
     sudo: bool = False
+    # the node's kernel log readers (controller/kernellog.py); their full paths with sudo,
+    # as the sudoers rule names them
+    journalctl: str = "journalctl"
+    dmesg: str = "dmesg"
     proxy_jump: Optional[str] = None
     control_persist: Optional[int] = None
     containers: dict[str, ContainerConfig] = field(default_factory=dict)
@@ -131,6 +135,8 @@ class NodeConfig:
                 raise _Invalid("control_persist", "must be 0 (no shared connection) or more seconds",
                                self.control_persist)
         _check("pct", self.pct, str)
+        _check("journalctl", self.journalctl, str)
+        _check("dmesg", self.dmesg, str)
         _check("sudo", self.sudo, bool)
         if self.transport not in ("ssh", "local"):
             raise _Invalid("transport", "must be 'ssh', or 'local' when ctl runs on the node", self.transport)

@@ -3,7 +3,7 @@
 From the container's own facts (agent/gpuview.py: device nodes, whether one opens, the
 user-space library versions) and the node's (its driver version and device nodes, read on
 the node over the same connection, only when something is missing). The fixes are the lines
-a Proxmox operator puts in /etc/pve/lxc/<ctid>.conf (research/proxmox-and-supervision.md
+a Proxmox operator puts in /etc/pve/lxc/<ctid>.conf (docs/research/proxmox-and-supervision.md
 §1.3), then `pct reboot <ctid>`.
 """
 
@@ -72,3 +72,30 @@ def shortfall_line(ct: Container, shortfall: dict, node: Optional[dict] = None) 
                 f"(no libnvidia-ml.so); install the node's {driver or ''} driver libraries with --no-kernel-module; "
                 f"{cpu}")
     return f"{head} ({shortfall.get('reason') or 'no reason given'}); check the container's GPU passthrough; {cpu}"
+
+
+def kernel_log_lines(ct: Container, pf: dict) -> list[str]:
+    """Warning lines for the Xid errors, fallen-off GPUs and resets the node's kernel log
+    holds since it booted on a GPU this launch names (matched by PCI bus id, from the
+    preflight's health records); a GPU's live faults refuse in the preflight itself
+    (agent/gpuhealth.py), so these are its history: a GPU reset since would have cleared it."""
+    from controller import kernellog
+
+    health = (pf.get("gpu_health") or {}).get("gpus") or []
+    named = set((pf.get("roles") or {}).get("target", [])) | set((pf.get("roles") or {}).get("drafter", []))
+    by_pci = {kernellog.pci_key(h.get("pci_bus_id")): h.get("index") for h in health if h.get("index") in named}
+    by_pci.pop(None, None)
+    if pf.get("device") != "cuda" or not by_pci:
+        return []
+    reading = kernellog.read(ct.runner, ct.node, None)
+    if reading.error:
+        return [f"node     kernel log not read for Xid errors since boot ({reading.error})"]
+    lines = []
+    for f in reading.findings:
+        index = by_pci.get(kernellog.pci_key(f.details.get("pci")))
+        if index is None:
+            continue
+        sudo = "sudo " if ct.node.sudo else ""
+        lines.append(f"warning: GPU {index} since node {ct.node_name} booted: {f.summary}; shows it: "
+                     f"`{sudo}{ct.node.journalctl} -k -b | grep -i -e xid -e 'fallen off'` on node {ct.node_name}")
+    return lines

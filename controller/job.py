@@ -1,4 +1,4 @@
-"""One training job across several containers, on one node or several (DESIGN.md: "Scale
+"""One training job across several containers, on one node or several (docs/design.md: "Scale
 beyond one node").
 
     ctl launch --config run.toml --from-scratch \\

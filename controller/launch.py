@@ -244,6 +244,9 @@ class Launcher:
 
             refusals.append(shortfall_line(self.ct, pf["gpu_shortfall"]))
         else:
+            from controller.gpucheck import kernel_log_lines
+
+            lines += kernel_log_lines(self.ct, pf)
             mem_lines, mem_refusals, self.auto_budget = memory_report(self.values, pf)
             lines += mem_lines
             refusals += mem_refusals
@@ -366,7 +369,7 @@ def resume_line(ctid, node_name: Optional[str], launch: Optional[dict], checkpoi
 
 def start_argv(ct: Container, run_dir: str, run_id: str, options: dict) -> list[str]:
     """The agent's start command, run by the commit step inside the container. The job is
-    ``bash start.sh`` in the run directory (DESIGN.md: run directory), written there by the
+    ``bash start.sh`` in the run directory (docs/design.md: run directory), written there by the
     commit step just before."""
     from agent.options import Options
 

@@ -6,7 +6,7 @@ A container command is always::
     [sudo -n --] pct exec <ctid> [--keep-env 0] -- env -i -- PATH=<venv/bin + system dirs> \
         HOME=<home> LANG=C.UTF-8 [explicit vars…] <argv…>
 
-Why both layers (research/proxmox-and-supervision.md §1.1): ``pct exec`` keeps the caller's
+Why both layers (docs/research/proxmox-and-supervision.md §1.1): ``pct exec`` keeps the caller's
 environment by default (keep-env=1, even at pve-container HEAD), so the SSH session's PATH
 (Homebrew, perl5 …), SSH_* and whatever the node's .bashrc exported would reach the
 trainer. ``env -i`` inside the container leaves exactly the variables we name, on every

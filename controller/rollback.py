@@ -1,9 +1,9 @@
 """`ctl kill-and-rollback`: stop a run cleanly, restore the environment that worked, say
 what changed and how to resume.
 
-The story (DESIGN.md): a torch upgrade cu128 → cu130 ate ~200 MB per GPU, the run OOMed
+The story (docs/design.md): a torch upgrade cu128 → cu130 ate ~200 MB per GPU, the run OOMed
 and recovery meant killing everything and rolling torch back by hand. The order here is
-the lesson of research/proxmox-and-supervision.md §2 and §7.3:
+the lesson of docs/research/proxmox-and-supervision.md §2 and §7.3:
 
 1. stop: the agent's ``stop --grace S`` (SIGTERM → the trainer checkpoints and exits 75 →
    SIGKILL of every remaining descendant), then an independent scan for any process that
@@ -368,8 +368,9 @@ def stop_run(ct: Container, plan: Plan, say: Callable[[str], None]) -> dict:
 
 
 def _gpus_released(ct: Container, plan: Plan) -> dict:
-    """NVML inside LXC lists host PIDs (research §1.3), so we cannot match them to the run;
-    we ask that the run's GPUs list no compute process at all once the run is gone."""
+    """NVML inside LXC lists host PIDs (docs/research/proxmox-and-supervision.md §1.3), so we
+    cannot match them to the run; we ask that the run's GPUs list no compute process at all
+    once the run is gone."""
     deadline = time.monotonic() + GPU_RELEASE_WAIT_S
     while True:
         sample = eg.recovery(ct, "gpus")

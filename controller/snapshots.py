@@ -1,7 +1,7 @@
 """Proxmox container snapshots for `ctl launch --snapshot` and `ctl kill-and-rollback
 --to snapshot:NAME`: take, list, roll back (then start and wait until the container answers).
 
-Facts this follows (research/proxmox-and-supervision.md §1.2):
+Facts this follows (docs/research/proxmox-and-supervision.md §1.2):
 - a snapshot needs snapshot-capable storage (ZFS, btrfs, LVM-thin, Ceph); on ``dir``
   storage pct refuses with "snapshot feature is not available". We cannot know in advance
   without pvesm, so we ask pct and translate its refusal into a plain sentence;

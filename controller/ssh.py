@@ -1,6 +1,6 @@
 """The SSH runner: one paramiko connection per ``ctl`` command, host keys verified.
 
-Lessons this module encodes (research/proxmox-and-supervision.md §3):
+Lessons this module encodes (docs/research/proxmox-and-supervision.md §3):
 - Host keys are checked against the configured known_hosts and an unknown or changed key
   is refused with the exact fix. fabric's Connection and proxmoxer force AutoAddPolicy;
   we never do. A new key is recorded only with an explicit ``trust_new_host_key``.
@@ -38,7 +38,7 @@ def _import_paramiko():
 
     paramiko.config imports invoke at import time, only to run ``Match exec`` lines of an
     ssh_config; that is a third to a half of paramiko's import time, paid by every `ctl`
-    command (bench/exec_roundtrip.py). A stand-in module imports the real invoke the first
+    command (bench/ctl_exec/roundtrip.py). A stand-in module imports the real invoke the first
     time paramiko touches it, so ``Match exec`` still works.
     """
     if "paramiko" in sys.modules or "invoke" in sys.modules or importlib.util.find_spec("invoke") is None:
@@ -309,7 +309,7 @@ class SSHRunner(Runner):
                 if not first.retryable or self.attempts <= 1:
                     raise
                 # Only a failed first attempt pays for importing the retry policy (~90 ms of
-                # every command's start-up otherwise: bench/exec_roundtrip.py).
+                # every command's start-up otherwise: bench/ctl_exec/roundtrip.py).
                 import tenacity
 
                 for attempt in tenacity.Retrying(
@@ -410,15 +410,16 @@ class _SSHProcess(Process):
         return status, (status - 128 if 128 < status < 128 + 65 else None)
 
     def abort(self) -> None:
-        # Closing the channel gives the remote side EOF; it is not a kill (research §1.1).
+        # Closing the channel gives the remote side EOF; it is not a kill
+        # (docs/research/proxmox-and-supervision.md §1.1).
         self.chan.close()
 
 
 def _tcp_keepalive(sock, idle: int = 30, interval: int = 10, count: int = 3) -> None:
     """paramiko's keepalive is sent with wait=False: it keeps NAT state alive but never notices
-    a dead peer (research §3), so a command on a vanished node would wait forever. TCP
-    keepalive does notice: after idle + interval × count seconds the socket errors, the
-    command ends, and the caller is told the connection was lost."""
+    a dead peer (docs/research/proxmox-and-supervision.md §3), so a command on a vanished node
+    would wait forever. TCP keepalive does notice: after idle + interval × count seconds the
+    socket errors, the command ends, and the caller is told the connection was lost."""
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         for name, value in (("TCP_KEEPIDLE", idle), ("TCP_KEEPINTVL", interval), ("TCP_KEEPCNT", count)):

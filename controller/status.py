@@ -81,6 +81,7 @@ def render_status(reply: dict, ctid: str, node: str) -> list[str]:
     if st.state == RunState.FAILED and reason:
         lines.append(f"FAILED   {reason}")
         lines += [f"         | {line}" for line in ((res.root_cause or {}).get("evidence") or [])[-EVIDENCE_LINES:]]
+    lines += node_evidence_lines(reply.get("node_evidence"))
     phase = f", phase {st.phase}" if st.phase else ""
     alive = "" if terminal else (" — agent alive" if reply.get("agent_alive") else " — AGENT NOT RUNNING")
     lines.append(f"state    {state}{phase}{alive}")
@@ -97,6 +98,13 @@ def render_status(reply: dict, ctid: str, node: str) -> list[str]:
     if st.loss is not None:
         lines.append(f"loss     {st.loss:.4f}" + (f"  (lr {st.lr:.2e})" if isinstance(st.lr, (int, float)) else "")
                      + _chart(hist.get("loss")))
+    taus = [t for t in (hist.get("tau") or []) if isinstance(t, (int, float))]
+    if taus:  # τ at each save (--eval-prompts): what serving buys, and the checkpoint that serves best
+        best = hist.get("best") or {}
+        at = (hist.get("eval_step") or [None])[-1]
+        lines.append(f"tau      {taus[-1]:.3f}" + (f" at step {at}" if at is not None else "")
+                     + (f"  (best {best['tau']:.3f} at step {best['step']}: `ctl export --best`)"
+                        if isinstance(best.get("tau"), (int, float)) else "") + _chart(taus))
     rate = st.steady_tokens_per_s or st.tokens_per_s
     if rate is not None:
         baseline = reply.get("baseline") or {}
@@ -127,6 +135,21 @@ def render_status(reply: dict, ctid: str, node: str) -> list[str]:
     if st.state != RunState.FAILED and reason and terminal:
         lines.append(f"result   {reason}")
     lines += alert_lines(reply.get("alerts"), now=time.time())
+    return lines
+
+
+def node_evidence_lines(doc: Optional[dict]) -> list[str]:
+    """What the node's kernel log said around the failure (controller/kernellog.py), with the
+    kernel lines each finding rests on."""
+    if not isinstance(doc, dict):
+        return []
+    from controller.kernellog import Reading
+
+    reading = Reading.from_json(doc)
+    lines = reading.lines()[:1] if not reading.findings else []
+    for f, line in zip(reading.findings, reading.lines()):
+        lines.append(line)
+        lines += [f"         | {r}" for r in f.records[-3:]]
     return lines
 
 

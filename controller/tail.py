@@ -4,9 +4,10 @@ The agent's ``follow --run ID --from SEQ`` prints every record with seq > SEQ. T
 keeps the last seq it handed on; when the connection drops it reconnects and asks again
 from there, and drops any record at or below it (a record in flight when the link broke may
 arrive twice). When the follow command ends, the stream's end is *not* taken as success:
-the run's state is asked (research §4.8: ray#57002 — a log stream that closes silently while
-the job still runs). Ctrl-C detaches and leaves the run alone: closing our channel ends only
-the follow process (pct does not forward signals, research §1.1), never the trainer.
+the run's state is asked (docs/research/proxmox-and-supervision.md §4.8: ray#57002 — a log
+stream that closes silently while the job still runs). Ctrl-C detaches and leaves the run
+alone: closing our channel ends only the follow process (pct does not forward signals, §1.1
+there), never the trainer.
 
 Written against :class:`StreamSource` so the loop is the same for SSH, a local node and tests.
 """

@@ -1,6 +1,7 @@
 """How the controller runs a command: one Runner interface, a local and an SSH implementation.
 
-Shaped like invoke's Runner (STYLE.md): ``Runner.run(argv)`` is one template that starts the
+Shaped like invoke's Runner (pyinvoke/invoke, invoke/runners.py), whose one interface serves
+local and remote commands alike: ``Runner.run(argv)`` is one template that starts the
 command through the transport's ``_start`` (a :class:`Process`: receive stdout/stderr, send
 stdin, wait, abort), reads stdout and stderr concurrently, streams them line by line to
 callbacks, and returns a :class:`Result`
@@ -17,8 +18,9 @@ controller/openssh.py (the operator's own ``ssh``, for a command that runs one t
 controller/session.py picks.
 
 Why paramiko and not fabric's ``Connection``: fabric unconditionally installs
-``AutoAddPolicy`` (research §3), i.e. it trusts any host key it has not seen. A Proxmox node
-is a fixed, long-lived host: an unknown or changed key must stop us, not be learned.
+``AutoAddPolicy`` (docs/research/proxmox-and-supervision.md §3), i.e. it trusts any host key
+it has not seen. A Proxmox node is a fixed, long-lived host: an unknown or changed key must
+stop us, not be learned.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ class Result:
     """The outcome of one command.
 
     ``returncode`` follows the shell convention: a process killed by signal N reports
-    128+N (as lxc-attach does, research §1.1), and ``signal`` names N when it is known.
+    128+N (as lxc-attach does, docs/research/proxmox-and-supervision.md §1.1), and ``signal``
+    names N when it is known.
     ``stdout_bytes``/``stderr_bytes`` hold the output unless the caller passed
     ``capture=False``, in which case only the last TAIL_BYTES are kept (for ``tail()``).
     """
@@ -184,8 +187,9 @@ class MarkerGate:
     """Drops everything a stream carries before a marker line, then passes the rest through.
 
     A node's login shell may print to stdout or stderr before our command starts (a
-    .bashrc that echoes, a locale warning: research §1.1, skypilot#4814). The SSH runner
-    has the remote side print a random marker line first; what came before it is noise.
+    .bashrc that echoes, a locale warning: docs/research/proxmox-and-supervision.md §1.1,
+    skypilot#4814). The SSH runner has the remote side print a random marker line first; what
+    came before it is noise.
     """
 
     def __init__(self, marker: bytes, sink: _Sink):
@@ -353,8 +357,9 @@ class Runner(ABC):
                                    f"{proc.timeout_note}") from None
         except BaseException:
             # Interrupted, timed out or stdin failed: the input is incomplete. No half-fed
-            # process lingers where we own it (research §4 item 3); remotely, closing is
-            # not a kill (research §1.1), so writers verify what arrived (container.write_file).
+            # process lingers where we own it (docs/research/proxmox-and-supervision.md §4
+            # item 3); remotely, closing is not a kill (§1.1 there), so writers verify what
+            # arrived (container.write_file).
             proc.abort()
             for t in readers:
                 t.join(5)

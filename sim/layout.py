@@ -10,6 +10,8 @@ A node's state directory::
 
     node.json            name, sshd port, containers and their storage (read by bin/pct)
     bin/pct              the pct emulation, first non-polluted entry of the login PATH
+    bin/journalctl, bin/dmesg   the node's kernel log readers (sim/kernlog.py)
+    kernel.jsonl         the node's kernel log: what tests inject (SimNode.kernel_log)
     home/                the clean-but-polluted home bound over /root for sshd
     ssh/                 host key, client key, authorized_keys, known_hosts, sshd_config, log
     lxc/<ctid>/config    LXC configs (lxc-* -P <state>/lxc)
@@ -39,7 +41,7 @@ DIR_STORAGE = "local"
 
 
 def cache_root() -> Path:
-    # resolve(): LXC refuses a rootfs path with a symlink in it (research/sim-node.md).
+    # resolve(): LXC refuses a rootfs path with a symlink in it (docs/research/sim-node.md).
     return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).resolve()
 
 
@@ -74,6 +76,11 @@ class NodePaths:
     @property
     def pct(self) -> Path:
         return self.bin / "pct"
+
+    @property
+    def kernel_log(self) -> Path:
+        """The node's kernel log (sim/kernlog.py reads it as journalctl and dmesg)."""
+        return self.root / "kernel.jsonl"
 
     @property
     def home(self) -> Path:

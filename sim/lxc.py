@@ -2,7 +2,7 @@
 
 Privileged containers with no network: ``lxc.net.0.type = empty`` because the default veth
 wants a bridge that does not exist here (sim/net.py adds its own link), and an
-``lxc.init.cmd`` of ours because minbase has no init system (research/sim-node.md;
+``lxc.init.cmd`` of ours because minbase has no init system (docs/research/sim-node.md;
 sim/ctsetup.py)."""
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def start(lxcpath: Path, name: str, logfile: Optional[Path] = None) -> None:
 
 def stop(lxcpath: Path, name: str) -> None:
     """Hard stop (lxc-stop --kill) and wait: `lxc-stop -k` can return before the container
-    is really STOPPED (research/sim-node.md)."""
+    is really STOPPED (docs/research/sim-node.md)."""
     if not (lxcpath / name / "config").exists() or not running(lxcpath, name):
         return
     if state(lxcpath, name) == "FROZEN":

@@ -33,6 +33,7 @@ DEFAULT_CTIDS = {"sim": (200, 201), "sim2": (300, 301)}
 VENV = rootfs.RECIPE["venv"]
 WORKSPACE = rootfs.RECIPE["workspace"]
 PCT_SOURCE = Path(__file__).with_name("pct.py")
+KERNLOG_SOURCE = Path(__file__).with_name("kernlog.py")  # the node's journalctl and dmesg
 
 HOST_TOOLS = ["lxc-start", "lxc-attach", "lxc-stop", "lxc-wait", "lxc-info", "lxc-freeze", "debootstrap",
               "mkfs.btrfs", "btrfs", "sshd", "ssh-keygen", "unshare", "losetup", "mount", "umount", "ip", "nsenter"]
@@ -122,6 +123,8 @@ class SimNode:
         atomic_write(str(self.paths.node_json), json.dumps(state, indent=1, sort_keys=True) + "\n")
         atomic_write(str(self.paths.pct), PCT_SOURCE.read_text(), mode=0o755)
         atomic_write(str(self.paths.bin / "pveversion"), PCT_SOURCE.read_text(), mode=0o755)
+        for tool in ("journalctl", "dmesg"):
+            atomic_write(str(self.paths.bin / tool), KERNLOG_SOURCE.read_text(), mode=0o755)
         if not was_mounted and self.sshd.pid():
             # sshd's private mount namespace was copied before the storage was mounted.
             self.sshd.stop()
@@ -218,6 +221,36 @@ class SimNode:
             gpu.install(self.paths.root, ctid, root, self.paths.bin)
             self._ensure_container(ctid, rootfs.rootfs_path(), record, progress)
 
+    def set_gpu_health(self, ctid: int, index: int, condition: str) -> None:
+        """GPU ``index`` of container ``ctid`` (and of the node) reports ``condition``
+        (sim/gpu.py: HEALTH) from the next nvidia-smi call on; nothing restarts."""
+        if ctid not in self.ctids:
+            raise ValueError(f"container {ctid} is not on sim node {self.name} ({', '.join(map(str, self.ctids))})")
+        with self._lock():
+            gpu.write_health(self.paths.root, ctid, index, condition)
+            gpu.install(self.paths.root, ctid, self.paths.rootfs(ctid, self.storage_of[ctid]), self.paths.bin)
+
+    def kernel_log(self, *messages: str, ts: Optional[float] = None, priority: int = 3) -> float:
+        """Append ``messages`` to the node's kernel log, as the kernel would have printed them
+        at ``ts`` (default now), each a microsecond after the one before; the node's own
+        ``journalctl -k`` and ``dmesg`` show them (sim/kernlog.py). Returns the first one's time."""
+        start = time.time() if ts is None else float(ts)
+        lines = "".join(json.dumps({"ts": round(start + i * 1e-6, 6), "priority": priority, "message": m}) + "\n"
+                        for i, m in enumerate(messages))
+        self.paths.root.mkdir(parents=True, exist_ok=True)
+        with open(self.paths.kernel_log, "a") as fh:
+            fcntl.flock(fh, fcntl.LOCK_EX)  # one append at a time: records never interleave
+            fh.write(lines)
+            fh.flush()
+        return start
+
+    def clear_kernel_log(self) -> None:
+        """Empty the node's kernel log, as a fresh boot leaves it (a test's records start clean)."""
+        if self.paths.kernel_log.exists():
+            with open(self.paths.kernel_log, "r+") as fh:
+                fcntl.flock(fh, fcntl.LOCK_EX)
+                fh.truncate(0)
+
     def status(self) -> dict:
         state = self._read_state()
         port = state.get("port")
@@ -272,7 +305,8 @@ class SimNode:
         if access in ("bastion", "bastion-password"):
             entry.update(host=bastion_mod.internal_name(self.name),
                          user=users.OPERATOR if access == "bastion" else users.PASSWORD_OPERATOR,
-                         sudo=True, pct=str(self.paths.pct),
+                         sudo=True, pct=str(self.paths.pct), journalctl=str(self.paths.bin / "journalctl"),
+                         dmesg=str(self.paths.bin / "dmesg"),
                          proxy_jump=f"{users.JUMP}@127.0.0.1:{state.get('bastion_port')}",
                          known_hosts=str(self.paths.ssh / "known_hosts_via_bastion"))
         elif access != "root":

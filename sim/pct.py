@@ -201,7 +201,7 @@ def vm_start(vmid: int) -> None:
 
 def vm_stop_kill(vmid: int) -> None:
     """PVE::LXC::vm_stop($vmid, 1): lxc-stop --kill. lxc-stop -k can return before the
-    container is STOPPED, so wait for it (research/sim-node.md)."""
+    container is STOPPED, so wait for it (docs/research/sim-node.md)."""
     if lxc_state(vmid) == "FROZEN":
         lxc("lxc-unfreeze", "-n", str(vmid), check=False)
     lxc("lxc-stop", "-n", str(vmid), "--kill", check=False)

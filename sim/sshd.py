@@ -1,7 +1,7 @@
 """The node's OpenSSH server on 127.0.0.1, with its own keys and a deliberately polluted login.
 
 sshd runs in a private mount namespace where a home of ours is bound over /root
-(research/sim-node.md). That keeps the test machine's own ~/.bashrc out, and lets us
+(docs/research/sim-node.md). That keeps the test machine's own ~/.bashrc out, and lets us
 reproduce the incident host's environment on purpose: Homebrew and perl5 first on PATH,
 stray PERL5LIB / PERL_MB_OPT / JAVA_HOME, and a .bashrc that prints to stdout. The product
 must survive all of it; tests prove that it scrubs it.
@@ -22,7 +22,7 @@ from agent.protocol import atomic_write
 from sim.layout import NodePaths
 from sim.proc import SimError, run, tail, wait_until, which
 
-# What the incident host's login put in front of everything (DESIGN.md, the story).
+# What the incident host's login put in front of everything (docs/design.md, the story).
 POLLUTED_PATH_PREFIX = "/opt/homebrew/opt/openjdk/bin:/root/perl5/bin"
 NOISE_PREFIX = "sim-node"
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"

@@ -5,8 +5,9 @@ They exist only inside the sim's sshd mount namespaces: /etc/passwd, /etc/group,
 /etc/shadow and /etc/sudoers there are files of the node's state directory, bound over the
 host's (the host's own lines first), so the test machine's accounts never change.
 
-- ``dflash-op``: may run the node's pct as root with no password, and nothing else — the
-  rule operators write (``dflash-op ALL=(root) NOPASSWD: /usr/sbin/pct``);
+- ``dflash-op``: may run the node's pct as root with no password — the
+  rule operators write (``dflash-op ALL=(root) NOPASSWD: /usr/sbin/pct``), and the node's kernel log
+  readers (``/usr/bin/journalctl``, ``/usr/bin/dmesg``) beside it;
 - ``dflash-pw``: the same rule without NOPASSWD, so `sudo -n` refuses ("a password is
   required"): what ctl must turn into one line, never a hang at a prompt;
 - ``dflash-jump``: the bastion's login (sim/bastion.py), no sudo.
@@ -72,7 +73,7 @@ def write(paths: NodePaths, client_pub: str, bashrc: str) -> UserFiles:
         "Defaults env_reset",
         f'Defaults secure_path="{SECURE_PATH}"',
         "root ALL=(ALL:ALL) ALL",
-        f"{OPERATOR} ALL=(root) NOPASSWD: {pct}",
+        f"{OPERATOR} ALL=(root) NOPASSWD: {pct}, {paths.bin / 'journalctl'}, {paths.bin / 'dmesg'}",
         f"{PASSWORD_OPERATOR} ALL=(root) {pct}",
         "",
     ])

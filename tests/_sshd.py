@@ -1,7 +1,7 @@
 """A throwaway OpenSSH server on 127.0.0.1 with a polluted root login, for transport tests.
 
 Independent of the simulated node (no LXC): it exercises only the SSH layer. root's home
-is a private bind mount (research/sim-node.md) whose .bashrc prints to stdout and stderr
+is a private bind mount (docs/research/sim-node.md) whose .bashrc prints to stdout and stderr
 and exports foreign PATH entries, like the node in the story.
 """
 

@@ -23,7 +23,7 @@ def _checkpoint(tmp_path, layer_ids):
 
 
 def test_preflight_refuses_a_checkpoint_that_taps_other_target_layers(tmp_path):
-    # review P5: the preflight lacked the trainer's target_layer_ids check, so such a launch
+    # the preflight once lacked the trainer's target_layer_ids check, so such a launch
     # started and the trainer refused it only inside the run
     ckpt, meta = _checkpoint(tmp_path, [1, 5])
     model = {"dir": "/t", "config": TARGET_CFG, "identity": ckptcompat.target_identity(TARGET_CFG)}

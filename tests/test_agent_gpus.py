@@ -72,7 +72,7 @@ def test_an_unsupported_field_keeps_its_nvml_error_in_the_record(monkeypatch):
 
 
 def test_a_bug_of_ours_is_raised_not_reported_as_unsupported(monkeypatch):
-    # review: `_safe` swallowed every exception, so a misspelt attribute looked like a field
+    # `_safe` once swallowed every exception, so a misspelt attribute looked like a field
     # the GPU does not support; only NVML's own errors mean that
     nv = _fake_nvml(lost_index=9)
     nv.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(usd=1, total=2)  # no .used

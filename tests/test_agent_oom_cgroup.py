@@ -1,7 +1,8 @@
 """A real host OOM kill: the agent and its job run in a memory cgroup limited to 200 MiB, the
 job allocates past it, the kernel's OOM killer SIGKILLs it, and the agent names the cause from
 the cgroup's oom_kill counter (memory.events on cgroup v2, memory.oom_control on v1) — the
-evidence that works inside a container without dmesg (research §6)."""
+evidence that works inside a container without dmesg
+(docs/research/proxmox-and-supervision.md §6)."""
 
 from __future__ import annotations
 

@@ -63,7 +63,9 @@ def test_follower_killed_at_20_random_points_reassembles_the_exact_stream(run_di
         last = rec["seq"]
     truth = [_contract(r) for r in records(run_dir)]
     assert got == truth
-    assert got[-1]["kind"] == "status" and got[-1]["payload"]["state"] == "completed"
+    end = max(i for i, r in enumerate(got) if r["kind"] == "status")
+    assert got[end]["payload"]["state"] == "completed"
+    assert {r["kind"] for r in got[end + 1:]} <= {"alert"}  # only the run's completion alert may follow
     lines = [r["payload"]["line"] for r in got if r["kind"] == "log"]
     assert lines == [f"line {i}" for i in range(12000)]
 

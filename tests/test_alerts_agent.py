@@ -19,11 +19,12 @@ from tests._agent_util import (FAKE, PY, agent_pid, env, heartbeats, kill_all, r
 from tests._alert_receiver import Receiver
 
 TOKEN = "s3cr3t-T0KEN-9f8e7d"
+RUN = "r1-20261201-114702-0001"  # the grammar of the ids ctl launch makes
 
 
 @pytest.fixture
 def run_dir(tmp_path):
-    d = tmp_path / "ws" / "runs" / "r1"
+    d = tmp_path / "ws" / "runs" / RUN
     yield str(d)
     kill_all(str(d))
 
@@ -68,9 +69,9 @@ def test_a_completed_run_sends_exactly_one_alert_with_its_next_command(run_dir, 
     time.sleep(1.0)
     assert len(receiver.alerts()) == 1, receiver.alerts()
     a = got[0]
-    assert a["run"] == "r1" and a["node"] == "n1" and a["container"] == "200"
+    assert a["run"] == RUN and a["node"] == "n1" and a["container"] == "200"
     assert "completed at step 6" in a["cause"] and "step_6" in a["cause"]
-    assert a["next"] == "ctl status --node n1 --container 200 --run r1"
+    assert a["next"] == f"ctl status --node n1 --container 200 --run {RUN}"
     assert a["id"] in a["text"]
     # the alert was a stream record before it was sent
     assert [x["id"] for x in stream_alerts(run_dir)] == [a["id"]]
@@ -91,7 +92,7 @@ def test_kill9_of_a_rank_sends_one_failed_alert_naming_rank_and_resume_line(run_
     a = got[0]
     assert "rank 1" in a["cause"] and "killed by signal 9" in a["cause"], a["cause"]
     assert a["next"].startswith("ctl launch --node n1 --container 200 --config run.toml --resume-from ")
-    assert "ctl tail --node n1 --container 200 --run r1" in a["next"]
+    assert f"ctl tail --node n1 --container 200 --run {RUN}" in a["next"]
     assert a["details"]["rank"] == 1 and a["severity"] == "error"
 
 
@@ -193,8 +194,8 @@ def test_no_secret_in_argv_run_dir_stream_logs_or_status(run_dir, receiver):
             with open(os.path.join(root, name), "rb") as fh:
                 assert TOKEN.encode() not in fh.read(), name
     status = subprocess.run([PY, "-m", "agent.runview", "status", "--workspace", os.path.dirname(os.path.dirname(run_dir)),
-                             "--run", "r1"], capture_output=True, text=True, env=env(), timeout=60)
+                             "--run", RUN], capture_output=True, text=True, env=env(), timeout=60)
     assert status.returncode == 0 and '"alerts"' in status.stdout and TOKEN not in status.stdout
     # the value lives only in the 0600 secrets file beside the run's other secrets
-    secrets = os.path.join(os.path.dirname(os.path.dirname(run_dir)), ".dflash-ctl", "secrets", "r1.notify.env")
+    secrets = os.path.join(os.path.dirname(os.path.dirname(run_dir)), ".dflash-ctl", "secrets", f"{RUN}.notify.env")
     assert oct(os.stat(secrets).st_mode & 0o777) == "0o600"

@@ -102,8 +102,8 @@ def test_the_size_prediction_matches_real_checkpoints_within_2_percent(tiny, tmp
     values = vars(flags.parse_args(argv))
     real, pred = du(os.path.join(out, "step_2")), ckptsize.checkpoint_bytes(target, values)
     assert abs(pred - real) / real < 0.02, (pred, real)
-    # wider drafters, saved through the same code path after an optimizer step (bench/export_ckpt.py)
-    from bench.export_ckpt import save_random_checkpoint
+    # wider drafters, saved through the same code path after an optimizer step (bench/export/ckpt.py)
+    from bench.export.ckpt import save_random_checkpoint
 
     for shape in [(256, 2, 768, 8, 4, 32), (512, 3, 1536, 8, 4, 64)]:
         d = str(tmp_path / f"w{shape[0]}")

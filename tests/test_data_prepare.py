@@ -99,7 +99,7 @@ def test_meta_statistics_match_direct_computation(tmp_path):
     assert ln["min"] == lens.min() and ln["max"] == lens.max()
     for q in (50, 90, 99):
         assert ln[f"p{q}"] == pytest.approx(np.percentile(lens, q))
-    assert meta["sources"] == [{"file": "a.jsonl", "bytes": os.path.getsize(src), "lines": 502}]
+    assert meta["sources"] == [{"file": "a.jsonl", "bytes": os.path.getsize(src), "lines": 502, "samples": 500}]
 
 
 def test_fingerprint_depends_on_content_not_layout(tmp_path):

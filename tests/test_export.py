@@ -83,7 +83,68 @@ def test_config_json_holds_every_field_docs_export_md_lists_for_each_consumer(ru
     assert cfg["max_position_embeddings"] == json.load(open(os.path.join(run["target"], "config.json")))["max_position_embeddings"]
     assert cfg["dtype"] == cfg["torch_dtype"] == "bfloat16"
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [i + 1 for i in cfg["dflash_config"]["target_layer_ids"]]
-    assert cfg["rope_theta"] == cfg["rope_parameters"]["rope_theta"]
+    assert cfg["rope_parameters"] == {"rope_type": "default", "rope_theta": cfg["rope_theta"]}
+    # today's loaders read the block size inside dflash_config, older ones at the top level
+    assert cfg["dflash_config"]["block_size"] == cfg["block_size"] == 8
+
+
+def loader_reads() -> list[dict]:
+    """Rows of docs/export.md's per-loader table: loader, field, file:line, the name on that line."""
+    rows, inside = [], False
+    for line in (ROOT / "docs" / "export.md").read_text().splitlines():
+        if line.startswith("| loader | field | read at |"):
+            inside = True
+        elif inside and not line.startswith("|"):
+            break
+        m = re.match(r"\| ([^|]+?) \| `([^`]+)` \| `([^`:]+):(\d+)` \| `([^`]+)` \|", line) if inside else None
+        if m:
+            rows.append({"loader": m.group(1), "field": m.group(2), "file": m.group(3), "line": int(m.group(4)),
+                         "name": m.group(5)})
+    return rows
+
+
+def _installed_source(path: str) -> Path | None:
+    """Where a recorded source file is on this machine: this repository, or vLLM in .venv-vllm."""
+    if path.startswith("trainer/"):
+        return ROOT / path
+    for site in (ROOT / ".venv-vllm").glob("lib/python*/site-packages"):
+        if (site / path).is_file():
+            return site / path
+    return None
+
+
+def test_every_loader_field_recorded_in_docs_is_in_the_export(run, run2, tmp_path):
+    rows = loader_reads()
+    loaders = {r["loader"] for r in rows}
+    assert {"transformers + shipped modeling file", "vLLM DFlash", "vLLM DFlash2", "SGLang", "z-lab transformers",
+            "MLX (z-lab `load_draft`)"} <= loaders and len(rows) >= 60
+    exports = {}
+    for name, r in (("dflash", run), ("dflash2", run2)):
+        dest = tmp_path / name
+        assert trainer("export", "--checkpoint", r["out"], "--out", str(dest)).returncode == 0
+        exports[name] = json.loads((dest / "config.json").read_text())
+    checked = 0
+    for row in rows:
+        dflash2_only = row["loader"] == "vLLM DFlash2" or "DFlash2 only" in (row["name"] + row["field"]) or \
+            row["field"].split(".")[-1] in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+        lookup(exports["dflash2"], row["field"])  # a DFlash2 export carries every field
+        if not dflash2_only:
+            lookup(exports["dflash"], row["field"])
+        src = _installed_source(row["file"])
+        if src is not None:  # the recorded read is really there
+            lines = src.read_text().splitlines()
+            assert row["name"] in lines[row["line"] - 1], f"{row['file']}:{row['line']} does not name {row['name']}"
+            checked += 1
+    assert checked >= 25  # this repository's and the installed vLLM's rows, each against its line
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "int4", "awq"])
+def test_a_quantized_export_is_refused_with_the_reason_and_nothing_written(run, tmp_path, dtype):
+    dest = tmp_path / "exp"
+    p = trainer("export", "--checkpoint", run["out"], "--out", str(dest), "--dtype", dtype)
+    assert p.returncode == 2 and not dest.exists()
+    line = p.stderr.strip()
+    assert "\n" not in line and f"--dtype {dtype}" in line and "vllm-project/vllm#51581" in line
 
 
 def test_weights_are_bf16_by_default_and_fp32_on_request_equal_to_the_masters(run, tmp_path):

@@ -1,4 +1,4 @@
-"""The step's profile table (trainer/gpu/kernel_profile.py, bench/gpu/roofline.py) and the step
+"""The step's profile table (trainer/gpu/kernel_profile.py, bench/drafter_step/roofline.py) and the step
 changes it called for, on CPU: kernels land in the class their name and region say, the
 table's idle time is the span minus the kernels' union, balanced head chunks change no number,
 and the flex options switch reads its environment."""
@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from trainer.gpu import chunked_head as ch
-from trainer.gpu import fast_drafter as fd
 from trainer.gpu import kernel_profile as kp
 from trainer.loss import dflash_loss_fn
 
@@ -87,7 +86,7 @@ def test_the_trainer_hook_profiles_only_the_step_it_is_asked_for(monkeypatch):
     assert type(kp.maybe_profile(3)).__name__ != "nullcontext"
 
 
-def test_balanced_head_chunks_have_one_size_and_change_no_number(monkeypatch):
+def test_balanced_head_chunks_have_one_size_and_give_the_unchunked_numbers():
     assert ch.balanced_chunk_blocks(512, 4096, 31) == 128  # 4 × 128, not 3 × 132 + 116
     assert ch.balanced_chunk_blocks(1024, 4096, 15) == 256
     assert ch.balanced_chunk_blocks(3, 4096, 31) == 3
@@ -100,17 +99,13 @@ def test_balanced_head_chunks_have_one_size_and_change_no_number(monkeypatch):
     fn = dflash_loss_fn(torch.rand(nb, K, dtype=torch.float64, generator=g), kl_weight=0.15, temperature=2.0,
                         cap_lambda=0.1, block_valid=torch.ones(nb, dtype=torch.bool), denom=torch.tensor(30.0),
                         n_valid_blocks=torch.tensor(nb))
-    outs = {}
-    for balanced, size in ((False, 5), (True, 4)):
-        monkeypatch.setattr(ch, "BALANCED", balanced)
-        assert ch.balanced_chunk_blocks(nb, 35, K) == size
-        loss, ce, kl, _ = ch.chunked_head_loss(h, W, t, fn, teacher=teacher, temperature=2.0, chunk_rows=35)
-        (grad,) = torch.autograd.grad(loss, h)
-        outs[balanced] = (loss.detach(), ce, kl, grad)
-    for a, b in zip(outs[False], outs[True]):
-        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12)
+    assert ch.balanced_chunk_blocks(nb, 35, K) == 4  # 4 + 4 + 4, not 5 + 5 + 2
+    loss, ce, kl, _ = ch.chunked_head_loss(h, W, t, fn, teacher=teacher, temperature=2.0, chunk_rows=35)
+    (grad,) = torch.autograd.grad(loss, h)
     ref = ch.naive_head_loss(h, W, t, fn, teacher=teacher, temperature=2.0)
-    assert torch.allclose(outs[True][0], ref, rtol=1e-10)
+    (ref_grad,) = torch.autograd.grad(ref, h)
+    assert torch.allclose(loss, ref, rtol=1e-10)
+    assert torch.allclose(grad, ref_grad, rtol=1e-10, atol=1e-12)
 
 
 def _overlapping_blocks(g, nb: int, K: int, S: int, spacing: int):
@@ -175,19 +170,9 @@ def test_teacher_spans_are_the_least_and_one_past_the_largest_valid_row():
                              teacher_spans=[None], chunk_rows=4)
 
 
-def test_flex_options_come_from_the_module_or_the_environment(monkeypatch):
-    monkeypatch.delenv("DFLASH_FLEX_OPTIONS", raising=False)
-    monkeypatch.setattr(fd, "FLEX_OPTIONS", {"fwd_BLOCK_N": 128})
-    assert fd.flex_options() == {"fwd_BLOCK_N": 128}
-    monkeypatch.setenv("DFLASH_FLEX_OPTIONS", "{}")
-    assert fd.flex_options() is None  # torch's own defaults
-    monkeypatch.setenv("DFLASH_FLEX_OPTIONS", json.dumps({"USE_TMA": True}))
-    assert fd.flex_options() == {"USE_TMA": True}
-
-
 def test_the_roofline_table_names_the_three_largest_losses():
-    sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
-    rl = importlib.import_module("roofline")
+    sys.path.insert(0, ROOT)
+    rl = importlib.import_module("bench.drafter_step.roofline")
     summary = {"span_us": 1_000_000, "classes": {
         kp.MATMUL_DRAFTER: {"us": 500_000, "n": 10}, kp.FLEX_FWD: {"us": 200_000, "n": 5},
         kp.HEAD_ELEMENTWISE: {"us": 100_000, "n": 4}, kp.OPTIMIZER: {"us": 20_000, "n": 1},
@@ -207,14 +192,14 @@ def test_the_roofline_table_names_the_three_largest_losses():
 def _h100_call(tmp_path, with_ceilings: bool):
     """A results.json as an H100 call of ``--phases step`` wrote it before the fix: its table
     made against the H200's default ceilings, no ceilings phase of its own."""
-    sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
-    rl = importlib.import_module("roofline")
+    sys.path.insert(0, ROOT)
+    rl = importlib.import_module("bench.drafter_step.roofline")
     summary = {"span_us": 1_000_000, "classes": {kp.MATMUL_DRAFTER: {"us": 600_000, "n": 10},
                                                  kp.ELEMENTWISE: {"us": 400_000, "n": 40}}}
     work = {kp.MATMUL_DRAFTER: {"flop": 390.9e12}, kp.ELEMENTWISE: {"bytes": 0.4725e12}}
     rec = {"median_s": 1.0, "drafted_pos_s": 1000.0, "mfu": 0.4,
            "table": rl.table(summary, work, {"matmul_flop_s": 787e12, "copy_bytes_s": 4.24e12})}
-    res = {"gpu": "NVIDIA H100 80GB HBM3", "phases": {"step": {"dflash:after": rec}}}
+    res = {"gpu": "NVIDIA H100 80GB HBM3", "phases": {"step": {"dflash": rec}}}
     if with_ceilings:
         res["phases"]["ceilings"] = {"matmul_flop_s": 390.9e12 / 0.6, "copy_bytes_s": 0.4725e12 / 0.2}
     path = tmp_path / "results.json"
@@ -223,18 +208,17 @@ def _h100_call(tmp_path, with_ceilings: bool):
 
 
 def test_an_h100_calls_table_reads_against_the_h100s_ceilings_not_the_h200s(tmp_path, capsys):
-    """Runs of ``--phases step`` on H100s, recorded without ceilings of their own, took the H200's
-    4.24 TB/s: the drafter's elementwise class read 145 ms over its floor where the H100's
-    2.95 TB/s makes it 96. ``roofline.py table`` now reads a call without its own ceilings
-    against its GPU's row, and a run of the step measures them in the call."""
+    """An H100's step tabled against an H200's 4.24 TB/s read the drafter's elementwise class
+    145 ms over its floor where the H100's 2.95 TB/s makes it 96. ``roofline.py table`` reads
+    a run without its own ceilings against its GPU's row, and a run of the step measures them."""
     rl, path = _h100_call(tmp_path, with_ceilings=False)
     h100 = rl.MEASURED_CEILINGS["NVIDIA H100 80GB HBM3"]
-    recorded = [json.load(open(os.path.join(ROOT, "bench", "results", "roofline", d, "results.json")))
-                for d in ("issue29_s7_call2_wgrad_split", "issue29_s7_call3_wgrad_onegemm")]
+    with open(os.path.join(ROOT, "tests", "fixtures", "h100_ceilings.json")) as fh:
+        recorded = json.load(fh)["calls"]
     assert {r["gpu"] for r in recorded} == {"NVIDIA H100 80GB HBM3"}
-    for k in ("matmul_flop_s", "copy_bytes_s"):  # the row is those calls' measurement, not a guess
-        assert h100[k] == pytest.approx(sum(r["phases"]["ceilings"][k] for r in recorded) / 2, rel=1e-3)
-    t = rl.retable(json.loads(path.read_text())["phases"]["step"]["dflash:after"]["table"], h100)
+    for k in ("matmul_flop_s", "copy_bytes_s"):  # the row is those runs' measurement, not a guess
+        assert h100[k] == pytest.approx(sum(r["ceilings"][k] for r in recorded) / 2, rel=1e-3)
+    t = rl.retable(json.loads(path.read_text())["phases"]["step"]["dflash"]["table"], h100)
     rows = {r["class"]: r for r in t["rows"]}
     assert rows[kp.ELEMENTWISE]["roofline_share"] == pytest.approx(0.4725e12 / 2.953e12 / 0.4)
     assert rows[kp.ELEMENTWISE]["lost_ms"] == pytest.approx(400 - 0.4725e12 / 2.953e12 * 1e3)
@@ -251,7 +235,7 @@ def test_a_calls_own_ceilings_win_and_an_unknown_gpu_is_refused_with_the_fix(tmp
     rl, path = _h100_call(tmp_path, with_ceilings=True)
     res = json.loads(path.read_text())
     assert rl.ceilings_of(res) == res["phases"]["ceilings"]
-    t = rl.retable(res["phases"]["step"]["dflash:after"]["table"], rl.ceilings_of(res))
+    t = rl.retable(res["phases"]["step"]["dflash"]["table"], rl.ceilings_of(res))
     assert [r["roofline_share"] for r in t["rows"]] == [pytest.approx(1.0), pytest.approx(0.5)]
     with pytest.raises(SystemExit, match="no ceilings on record for 'NVIDIA B200'.*--phases ceilings"):
         rl.ceilings_of({"gpu": "NVIDIA B200", "phases": {}})
@@ -261,7 +245,7 @@ def test_what_if_gives_the_step_with_classes_at_other_rates_and_refuses_what_it_
     """``roofline.py table --what-if CLASS=RATE``: the step's time had a class run at a rate
     shown elsewhere (docs/benchmarks.md: what 70 % MFU would take)."""
     rl, path = _h100_call(tmp_path, with_ceilings=False)
-    t = json.loads(path.read_text())["phases"]["step"]["dflash:after"]["table"]
+    t = json.loads(path.read_text())["phases"]["step"]["dflash"]["table"]
     w = rl.what_if(t, {kp.MATMUL_DRAFTER: 390.9e12 / 0.5, kp.ELEMENTWISE: 0.4725e12 / 0.8})
     assert w["saved_ms"] == pytest.approx(100 + 0) and w["step_s"] == pytest.approx(0.9)  # a slower rate: no change
     assert rl.what_if(t, {kp.ELEMENTWISE: 0})["step_s"] == pytest.approx(0.6)
@@ -279,8 +263,8 @@ def test_what_if_gives_the_step_with_classes_at_other_rates_and_refuses_what_it_
 
 
 def test_the_colocated_table_finds_its_gpu_in_the_calls_gpu_csv(tmp_path):
-    sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
-    co = importlib.import_module("colocated")
+    sys.path.insert(0, ROOT)
+    co = importlib.import_module("bench.colocated.run")
     (tmp_path / "colocated").mkdir()
     with pytest.raises(SystemExit, match="no gpu.csv"):
         co.gpu_of(str(tmp_path / "colocated"))
@@ -289,11 +273,12 @@ def test_the_colocated_table_finds_its_gpu_in_the_calls_gpu_csv(tmp_path):
 
 
 def test_the_colocated_table_of_a_recorded_call_answers_what_if(capsys):
-    """``colocated.py table DIR --what-if``, on a recorded H200 profile (colocated Qwen3-8B): the
-    GPU from its gpu.csv, and the tokens/s of the step without its idle time."""
-    sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
-    co = importlib.import_module("colocated")
-    d = os.path.join(ROOT, "bench", "results", "roofline", "issue29_s5_call2", "colocated")
+    """``colocated/run.py table DIR --what-if`` on a recorded H200 profile (tests/fixtures/colocated_h200:
+    Qwen3-8B at 65,536 tokens, flash-attn-4): the GPU from its gpu.csv, and the tokens/s of the
+    step without its idle time."""
+    sys.path.insert(0, ROOT)
+    co = importlib.import_module("bench.colocated.run")
+    d = os.path.join(ROOT, "tests", "fixtures", "colocated_h200")
     sys.argv = ["colocated.py", "table", d, "--what-if", f"{kp.IDLE}=0"]
     assert co.main() == 0
     out = capsys.readouterr().out
@@ -302,12 +287,12 @@ def test_the_colocated_table_of_a_recorded_call_answers_what_if(capsys):
 
 
 def test_the_colocated_step_counts_the_target_forward_beside_the_drafter_step():
-    sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
-    co = importlib.import_module("colocated")
+    sys.path.insert(0, ROOT)
+    co = importlib.import_module("bench.colocated.run")
     from trainer.plan import flops as fl
 
     w = co.colocated_work({"tokens": 65536})
-    drafter_only = importlib.import_module("roofline").work_of(fl.QWEN3_8B, 5, 8 * 1024, 32, 65536,
+    drafter_only = importlib.import_module("bench.drafter_step.roofline").work_of(fl.QWEN3_8B, 5, 8 * 1024, 32, 65536,
                                                                8 * 1024 * 32 * 8192 // 2, 1_048_626_432, True)
     target = fl.target_forward_flops(fl.QWEN3_8B, [8192] * 8)
     assert w[kp.MATMUL_TARGET]["flop"] + w[kp.ATTN_TARGET]["flop"] == target
@@ -343,11 +328,11 @@ def test_the_direct_block_mask_has_create_block_masks_tiles(S, B, n, drop):
 
 
 def test_the_27b_colocated_step_counts_the_hybrid_target_and_its_drafter():
-    """The Qwen3.6-27B shape's table (bench/gpu/colocated.py --scale gpu27): the target's FLOPs
+    """The Qwen3.6-27B shape's table (bench/colocated/run.py --scale gpu27): the target's FLOPs
     are trainer/gpu/fast_hybrid.py's forward count, split into matmuls and attention/recurrence;
     the drafter's head runs over the 248,320-token vocabulary."""
-    sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
-    co = importlib.import_module("colocated")
+    sys.path.insert(0, ROOT)
+    co = importlib.import_module("bench.colocated.run")
     from trainer import family
     from trainer.gpu import fast_hybrid as fh
 
@@ -359,34 +344,28 @@ def test_the_27b_colocated_step_counts_the_hybrid_target_and_its_drafter():
 
 
 def test_the_colocated_head_counts_the_teacher_rows_the_launch_computed():
-    """With teacher spans (the default) the head class counts one teacher row per distinct target
-    position of a head chunk, fewer than one per drafted slot; a launch run with
-    DFLASH_TEACHER_SPANS=0 (``--phase-env``, kept in meta.json) counts every slot. The MFU total
-    counts every slot either way."""
-    sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
-    co = importlib.import_module("colocated")
+    """The head class counts one teacher row per distinct target position of a head chunk,
+    fewer than one per drafted slot where blocks overlap; the MFU total counts every slot."""
+    sys.path.insert(0, ROOT)
+    co = importlib.import_module("bench.colocated.run")
     from trainer.plan import flops as fl
 
     step = {"tokens": 2 * 8192}
-    per_slot, spans = co.colocated_work(step, spans=False), co.colocated_work(step, spans=True)
+    w = co.colocated_work(step)
     hp = 2 * 1024 * 31
-    rows = co.teacher_rows(2, 8192, 1024, 32, True)
+    rows = co.teacher_rows(2, 8192, 1024, 32)
     assert 0.2 * hp < rows < 0.35 * hp  # blocks of 32 at 1,024 anchors cover each position ~4 times
-    assert co.teacher_rows(2, 8192, 1024, 32, False) == hp
-    saved = 2 * fl.QWEN3_8B.hidden * fl.QWEN3_8B.vocab * (hp - rows)
-    assert per_slot[kp.MATMUL_HEAD]["flop"] - spans[kp.MATMUL_HEAD]["flop"] == saved
-    assert per_slot["_total_flop"] == spans["_total_flop"]
-    assert co.spans_of({"profiled": "warm", "phase_env": ["cold:DFLASH_TEACHER_SPANS=0"]})
-    assert not co.spans_of({"profiled": "cold", "phase_env": ["cold:DFLASH_TEACHER_SPANS=0"]})
-    assert co.spans_of({"profiled": "warm"})  # meta.json before --phase-env: the default, on
+    per_slot = fl.drafter_step_flops(fl.QWEN3_8B, n_layers=5, block_size=32, n_blocks=2 * 1024, ctx_tokens=2 * 8192,
+                                     visible_ctx_pairs=2 * 1024 * 32 * 8192 // 2, teacher_positions=hp)
+    assert per_slot["head"] - w[kp.MATMUL_HEAD]["flop"] == 2 * fl.QWEN3_8B.hidden * fl.QWEN3_8B.vocab * (hp - rows)
 
 
 def test_roofline_set_takes_flag_values_as_json_or_text_and_refuses_a_pair_without_a_value():
     """``roofline.py run --set``: the step runs' flag values over the operators' (how dpace's
     extra forward was measured); numbers stay numbers, and a malformed pair stops the run
     before any device work with what was expected."""
-    sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
-    rl = importlib.import_module("roofline")
+    sys.path.insert(0, ROOT)
+    rl = importlib.import_module("bench.drafter_step.roofline")
     assert rl.config_set(["position_weights=dpace", "dpace_alpha=0.5", "use_soft_labels=false"]) == {
         "position_weights": "dpace", "dpace_alpha": 0.5, "use_soft_labels": False}
     for bad in ("position_weights", "=dpace"):
@@ -394,60 +373,13 @@ def test_roofline_set_takes_flag_values_as_json_or_text_and_refuses_a_pair_witho
             rl.config_set([bad])
 
 
-@pytest.mark.parametrize("choice", ["addkernel", "silukernel", "wgrad", "castonce", "qtile", "cumprod"])
-def test_roofline_before_turns_off_only_its_own_change_and_runs_the_candidates_as_shipped(choice, monkeypatch):
-    """``--before addkernel`` / ``silukernel`` / ``wgrad`` time the gradient-add and SiLU·up
-    kernels and the weight GEMMs adding into .grad (off in the trainer until measured) against
-    what ships: "after" turns on only that one; every other choice leaves all three as the
-    trainer ships them, in "before" and "after" alike. ``--before qtile`` changes only the
-    block masks' query tile: 128 rows, then --q-tile's."""
-    sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
-    rl = importlib.import_module("roofline")
-    from trainer import (block_conv, chunked_head, fast_drafter, flex_mask, grad_accumulate, loss, master_grad_linear,
-                         selector_fused, silu_mul_kernel)
-
-    touched = {grad_accumulate: ["KERNEL"], silu_mul_kernel: ["KERNEL"], master_grad_linear: ["ENABLED"],
-               block_conv: ["COMPILE"], flex_mask: ["Q_TILE"], loss: ["RUN_CUMSUM"],
-               fast_drafter: ["CAST_ONCE", "FLEX_OPTIONS", "DIRECT_MASKS"], selector_fused: ["FUSED", "COMPILE"],
-               chunked_head: ["TRITON", "BALANCED", "TEACHER_SPANS"]}
-    for mod, names in touched.items():  # _set_variant sets module switches: put them back after
-        for name in names:
-            monkeypatch.setattr(mod, name, getattr(mod, name))
-    monkeypatch.delenv("DFLASH_FLEX_OPTIONS", raising=False)  # _set_variant drops it
-    monkeypatch.setattr(rl, "SHIPPED", {})
-    monkeypatch.setitem(rl.BEFORE, "choice", choice)
-    monkeypatch.setitem(rl.Q_TILE_AFTER, "rows", 640)
-    shipped = (grad_accumulate.KERNEL, silu_mul_kernel.KERNEL, master_grad_linear.ENABLED, flex_mask.Q_TILE)
-    assert shipped == (False, False, False, 128)  # candidates: off in the trainer
-    seen = {}
-    for after in (False, True):
-        rl._set_variant(after, {})
-        seen[after] = (grad_accumulate.KERNEL, silu_mul_kernel.KERNEL, master_grad_linear.ENABLED,
-                       fast_drafter.CAST_ONCE, flex_mask.Q_TILE, loss.RUN_CUMSUM)
-    want_after = (choice == "addkernel", choice == "silukernel", choice == "wgrad", True,
-                  640 if choice == "qtile" else 128, True)
-    assert seen[True] == want_after
-    assert seen[False] == (False, False, False, choice != "castonce", 128, choice != "cumprod")
-    # and nothing else differs between its "before" and "after" (qtile's first device call ran
-    # its "before" without the head's Triton passes and credited their gain to the tile)
-    own = {"addkernel": (grad_accumulate, "KERNEL"), "silukernel": (silu_mul_kernel, "KERNEL"),
-           "wgrad": (master_grad_linear, "ENABLED"), "castonce": (fast_drafter, "CAST_ONCE"),
-           "qtile": (flex_mask, "Q_TILE"), "cumprod": (loss, "RUN_CUMSUM")}[choice]
-    states = {}
-    for after in (False, True):
-        rl._set_variant(after, {})
-        states[after] = {(mod.__name__, name): getattr(mod, name) for mod, names in touched.items()
-                         for name in names if (mod, name) != own}
-    assert states[False] == states[True]
-
-
 def test_idle_sources_charges_each_gpu_gap_to_a_late_launch_a_sync_or_the_queue():
-    """bench/gpu/idle_sources.py on a hand-made trace: a gap whose next kernel was launched
+    """bench/drafter_step/idle_sources.py on a hand-made trace: a gap whose next kernel was launched
     after the GPU went idle goes to the op and trainer/ frames that launched it, with what the
     host ran meanwhile; a gap the host spent in a synchronize goes to what asked for it; a gap
     with the kernel already queued is the queue's; gaps under the threshold are not counted."""
-    sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
-    isrc = importlib.import_module("idle_sources")
+    sys.path.insert(0, ROOT)
+    isrc = importlib.import_module("bench.drafter_step.idle_sources")
 
     def rows_of(result):
         return {(g["kind"], g["where"]): g for g in result["rows"]}
@@ -481,25 +413,25 @@ def test_idle_sources_charges_each_gpu_gap_to_a_late_launch_a_sync_or_the_queue(
     ]}
     r = isrc.analyze(trace, min_gap_us=5)
     assert r["gaps"] == 4 and r["gap_us"] == 82 and r["span_us"] == 116
-    assert rows_of(r)[("late launch", "aten::mm in MmBackward0 @ fast_drafter.py(300): step_backward")]["us"] == 10
+    assert rows_of(r)[("late launch", "aten::mm in MmBackward0 @ gpu/fast_drafter.py(300): step_backward")]["us"] == 10
     rows = rows_of(r)
-    late = rows[("late launch", "aten::mul @ model.py(280): block_attention < fast_drafter.py(300): step_backward")]
+    late = rows[("late launch", "aten::mul @ model.py(280): block_attention < gpu/fast_drafter.py(300): step_backward")]
     assert late["us"] == 20 and late["gaps"] == 1 and late["host"] == ["aten::cat", "aten::mul"]
-    assert rows[("sync", "aten::item @ fast_drafter.py(300): step_backward")]["us"] == 42
+    assert rows[("sync", "aten::item @ gpu/fast_drafter.py(300): step_backward")]["us"] == 42
     assert rows[("queued", "k4")]["us"] == 10
     assert [g["kind"] for g in r["rows"]] == ["sync", "late launch", "queued", "late launch"]
-    assert "| sync | aten::item @ fast_drafter.py(300): step_backward | 0.04 | 1 |" in isrc.table(r, 10)
+    assert "| sync | aten::item @ gpu/fast_drafter.py(300): step_backward | 0.04 | 1 |" in isrc.table(r, 10)
 
 
 def test_op_sources_ranks_the_operators_between_the_matmuls_by_where_they_were_asked_for():
-    """bench/gpu/op_sources.py's table: rows of one operator at one place merged, matmuls and
-    attention left to the roofline table, the innermost trainer/ frames named innermost first."""
-    sys.path[:0] = [os.path.join(ROOT, "bench", "gpu")]
-    os_ = importlib.import_module("op_sources")
+    """bench/drafter_step/op_sources.py's table: rows of one operator at one place merged, matmuls and
+    attention left to the roofline table, the innermost trainer/ frames named innermost first, by their path under trainer/."""
+    sys.path.insert(0, ROOT)
+    os_ = importlib.import_module("bench.drafter_step.op_sources")
     stack = ["/x/trainer/model.py(324): block_forward", "/usr/lib/torch/nn.py(1): f",
              "/x/trainer/gpu/fast_drafter.py(200): chunk_hidden", "/x/trainer/step.py(155): __call__",
              "/x/trainer/train.py(9): run"]
-    assert os_.trainer_frames(stack) == "model.py(324): block_forward < fast_drafter.py(200): chunk_hidden < step.py(155): __call__"
+    assert os_.trainer_frames(stack) == "model.py(324): block_forward < gpu/fast_drafter.py(200): chunk_hidden < step.py(155): __call__"
     assert os_.trainer_frames(["/usr/lib/torch/autograd.py(3): backward"]) == "(outside trainer/)"
     rows = [{"name": "aten::copy_", "device_us": 10.0, "count": 1, "where": "ToCopyBackward0 in a"},
             {"name": "aten::copy_", "device_us": 15.0, "count": 1, "where": "ToCopyBackward0 in a"},

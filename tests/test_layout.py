@@ -1,4 +1,4 @@
-"""The shape of the code, held: no import cycle between files, the layering DESIGN.md fixes
+"""The shape of the code, held: no import cycle between files, the layering docs/design.md fixes
 (the agent imports nothing of the project but itself; the trainer only the agent's protocol
 side; the sim nothing of the controller), and no one-letter alias for a project module
 (`R`, `J`, `D`, `F` once meant four different things across controller/ and trainer/).

@@ -1,14 +1,18 @@
 """Every tracked file cites only what a reader of the repository can look up.
 
-Three kinds of reference lead nowhere for someone holding only this repository:
+Four kinds of reference lead nowhere for someone holding only this repository:
 - our own tracker's numbers ("issue 18", "issues 15, 20", "Issue #7", a bare "#12", an
   issue's "finding 4");
 - dated occasions: a working session ("session 2", "session c", "2026-12-05d"), a device call
   ("call 8", "calls 3-4", a results folder "issue29_s2_call1"), a CI stop ("stop 35");
 - the paths of the machine a file was written on: /work/..., the checkout's own absolute
-  path, the writer's home, and a /tmp path written into a recorded result.
+  path, the writer's home, and a /tmp path written into a recorded result;
+- a document it does not hold: a ``NAME.md`` or ``path/to/doc.md`` that ``git ls-files``
+  lists neither from the repository's root nor from the citing file's folder (a design, a
+  spec or a review kept beside the checkout).
 A comment or doc says the lesson instead; a measurement says its machine, date, commit and
-command. Tracked file *names* are held to the first two rules as well.
+command; a fact from a document cites the document's path in docs/. Tracked file *names* are
+held to the first two rules as well.
 
 What passes on purpose:
 - public references that name their project: ``owner/repo#N``, ``paramiko#448, #563``,
@@ -16,13 +20,19 @@ What passes on purpose:
   quoted verbatim (``"fix #5194: pct: ..."``, Proxmox's way of naming its Bugzilla);
 - a plain date: a measurement is dated ("measured 2026-12-05 on one H100");
 - paths that exist wherever the product runs: /root/venv, /workspace, /var/cache/dflash-sim,
-  a /tmp path the code itself creates, ``pct stop 200`` (a container id, not an occasion).
+  a /tmp path the code itself creates, ``pct stop 200`` (a container id, not an occasion);
+- another project's document, where its project is named right before it
+  (``z-lab/dflash:README.md``, ``SpecForge:docs/concepts/DFlash2.md``,
+  ``dstackai/dstack contributing/RUNNER-AND-SHIM.md``) or it is part of a URL; a name a
+  program builds (``"flags.md"`` as a whole string literal in code) and a placeholder folder
+  (``OUT/table.md``).
 This file alone is not scanned: it holds examples of what it refuses.
 """
 
 from __future__ import annotations
 
 import os
+import posixpath
 import re
 import subprocess
 from pathlib import Path
@@ -93,9 +103,73 @@ def offences_in_line(line: str, path: str, machine=()) -> list[tuple[str, str]]:
     return out
 
 
+# A document cited by its path: NAME.md, optionally below folders. What may stand right before
+# it names another project: ``owner/repo:`` or ``Project:``, or ``owner/repo `` (a space).
+_DOC = re.compile(
+    r"(?<![\w./*{}<>$%@-])"
+    r"(?P<project>[A-Za-z0-9][\w.-]*(?:/[\w.-]+)?:|[A-Za-z0-9][\w.-]*/[\w.-]+ )?"
+    r"(?P<path>(?:[\w.-]+/)*[\w-][\w.-]*\.md)(?![\w/-])")
+_URL = re.compile(r"\b[a-z][a-z0-9+.-]*://\S+")
+_PLACEHOLDER = re.compile(r"[A-Z][A-Z0-9_]*")   # DIR/, OUT/: a folder the reader picks
+_PROSE = (".md", ".txt", ".rst")
+
+
+def dangling_documents_in_line(line: str, path: str, tracked: frozenset[str],
+                               built: frozenset[str] = frozenset()) -> list[tuple[str, str]]:
+    """("dangling document", the name) for each document the line cites that the repository
+    does not hold, looked up from the root and from the citing file's folder. ``built``: the
+    names code writes (``"table.md"``); a bare mention of one is an output, not a citation."""
+    text = _URL.sub(lambda m: " " * len(m.group()), line)
+    out = []
+    for m in _DOC.finditer(text):
+        doc = m.group("path")
+        if m.group("project") and not m.group("project").rstrip(" :").endswith(".md"):
+            continue  # another project's document, named with its project
+        if not path.endswith(_PROSE) and m.start() > 0 and m.end() < len(text) \
+                and text[m.start() - 1] in "\"'" and text[m.end()] == text[m.start() - 1]:
+            continue  # a whole string literal: a name the program builds, not a citation
+        if any(_PLACEHOLDER.fullmatch(part) for part in doc.split("/")[:-1]) or doc in built:
+            continue
+        here = posixpath.dirname(path)
+        if {posixpath.normpath(doc), posixpath.normpath(posixpath.join(here, doc))} & tracked:
+            continue
+        out.append(("dangling document", doc))
+    return out
+
+
 def _tracked() -> list[str]:
     out = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True)
     return [p for p in out.stdout.decode().split("\0") if p]
+
+
+_LITERAL = re.compile(r"""(["'])([\w.-]+\.md)\1""")
+
+
+def _names(root: Path = REPO) -> tuple[frozenset[str], frozenset[str]]:
+    """The tracked paths, and the document names that tracked code writes as string literals."""
+    tracked = frozenset(_tracked())
+    built = set()
+    for path in tracked:
+        full = root / path
+        if path != SELF and not path.endswith(_PROSE) and full.is_file():
+            built.update(m.group(2) for m in _LITERAL.finditer(full.read_text("utf-8", "replace")))
+    return tracked, frozenset(built)
+
+
+def dangling_documents(root: Path = REPO) -> list[str]:
+    tracked, built = _names(root)
+    found = []
+    for path in sorted(tracked):
+        full = root / path
+        if path == SELF or not full.is_file():
+            continue
+        data = full.read_bytes()
+        if b"\0" in data[:8192]:
+            continue  # binary
+        for no, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
+            for _, doc in dangling_documents_in_line(line, path, tracked, built):
+                found.append(f"{path}:{no}: {doc}: {line.strip()[:140]}")
+    return found
 
 
 def offences(root: Path = REPO) -> list[str]:
@@ -124,6 +198,15 @@ def test_tracked_files_cite_nothing_a_reader_cannot_look_up():
     files = {f.split(":", 1)[0] for f in found}
     assert not found, (f"{len(found)} lines or file names in {len(files)} tracked files cite what a "
                        "reader cannot look up (say the lesson, not the ticket or the occasion):\n"
+                       + "\n".join(found))
+
+
+def test_tracked_files_cite_only_documents_the_repository_holds():
+    found = dangling_documents()
+    files = {f.split(":", 1)[0] for f in found}
+    assert not found, (f"{len(found)} lines in {len(files)} tracked files cite a document the "
+                       "repository does not hold (bring it into docs/ and cite that path, name "
+                       "the other project before its path, or say the reason itself):\n"
                        + "\n".join(found))
 
 
@@ -163,7 +246,44 @@ def test_tracked_files_cite_nothing_a_reader_cannot_look_up():
     ("venv = /root/venv; data in /workspace; cache /var/cache/dflash-sim", "sim/x.py", None),
     ('W = "/tmp/sim-push-" + uuid', "sim/x.py", None),
     ("to call a function, reply in this format", "tests/x.py", None),
+    # documents: what the repository holds, or another project's, named with its project
+    ("(tests/_rollback_node.py): the story of DESIGN.md, scripted.", "tests/x.py", "dangling document"),
+    ("DDTree-style tree verification (research/dflash.md §6)", "trainer/x.py", "dangling document"),
+    ('left out ("strict unary top-k", docs/concepts/DFlash2.md)', "docs/x.md", "dangling document"),
+    ("Shaped like invoke's Runner (STYLE.md):", "controller/x.py", "dangling document"),
+    ("DDTree-style tree verification (docs/research/dflash.md §6)", "trainer/x.py", None),
+    ("from public sources (see research/dflash.md)", "docs/x.md", None),
+    ("the run directory (docs/design.md: contracts); README.md has the layout", "agent/x.py", None),
+    ("the README says so (`z-lab/dflash:README.md`, `SpecForge:docs/concepts/DFlash2.md`)", "docs/x.md", None),
+    ("[dstackai/dstack contributing/RUNNER-AND-SHIM.md]", "docs/x.md", None),
+    ("https://github.com/NVIDIA/Model-Optimizer/blob/main/examples/doc/dflash.md", "docs/x.md", None),
+    ('with open(os.path.join(out, "table.md"), "w") as fh:', "bench/x.py", None),
+    ("Writes DIR/results.json and DIR/table.md", "bench/x.py", None),
+    ('help="the folder for results.json and table.md"', "bench/x.py", None),
 ])
 def test_the_rules_refuse_private_references_and_pass_public_ones(line, path, rule):
     found = [name for name, _ in offences_in_line(line, path, _machine_rules(REPO))]
+    found += [name for name, _ in dangling_documents_in_line(line, path, frozenset(_tracked()),
+                                                             frozenset({"table.md"}))]
     assert (rule in found) if rule else not found, found
+
+
+def test_every_cited_bench_script_exists():
+    """A comment or doc that names a benchmark by its path names one the repository holds:
+    bench/ moved by question, and a stale path sends a reader nowhere."""
+    cited = re.compile(r"(?<![\w/.])bench/[A-Za-z0-9_./-]+\.(?:py|sh|json)\b")
+    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    held = set(tracked)
+    dangling = []
+    for f in tracked:
+        if f == "tests/test_references.py":
+            continue  # its examples
+        try:
+            text = (REPO / f).read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError, IsADirectoryError):
+            continue
+        for n, line in enumerate(text.splitlines(), 1):
+            for path in cited.findall(line):
+                if path not in held and not os.path.isdir(os.path.join(REPO, path)):
+                    dangling.append(f"{f}:{n}: {path}")
+    assert not dangling, "\n".join(dangling)

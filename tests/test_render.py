@@ -162,7 +162,7 @@ def test_operators_example_renders_their_exact_flag_set(tmp_path):
     proc, dump = run_script(script, tmp_path, run_dir)
     assert proc.returncode == 0, proc.stderr
     args = F.parse_args(dump["argv"][2:])
-    # TRAINER_SPEC.md "Command line", value for value.
+    # docs/trainer-spec.md "Command line", value for value.
     expected = dict(target_gpus=(0, 1, 2, 3, 4), drafter_gpus=(5, 6, 7), from_scratch=True, epochs=6, lr=6e-4,
                     warmup_ratio=0.04, weight_decay=0.01, grad_accum=4, grad_clip=1.0, token_budget=49152,
                     max_seq_len=8192, max_batch_size=64, block_size=32, max_anchors=1024, num_draft_layers=5,

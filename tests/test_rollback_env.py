@@ -1,5 +1,5 @@
 """`ctl kill-and-rollback` with venv generations, end to end on a simulated node of its own
-(tests/_rollback_node.py): the story of DESIGN.md, scripted.
+(tests/_rollback_node.py): the story of docs/design.md, scripted.
 
 A good run on generation A becomes known-good; a new generation B gets a newer, deliberately
 broken version of a package the trainer imports (safetensors, through transformers), from a

@@ -47,3 +47,24 @@ def test_status_shows_loss_and_rate_over_the_run_from_the_run_directory(tmp_path
 
     assert len(chart(loss)) == 24 and chart(loss)[0] == BARS[-1] and chart(loss)[-1] == BARS[0]  # falls
     assert chart(rate)[0] == BARS[0] and chart(rate)[-1] == BARS[-1] and "over the run" in rate
+
+
+def test_status_shows_tau_over_the_run_and_the_best_checkpoint_from_eval_events(tmp_path):
+    """τ measured at each save (eval events) is charted as loss is, with the best checkpoint
+    (the one retention keeps and `ctl export --best` exports) beside the latest τ."""
+    import json
+
+    from agent import runview
+    from controller.status import render_status
+
+    with open(tmp_path / "events.jsonl", "w") as fh:
+        for step, tau in ((10, 1.5), (20, 2.5), (30, 2.1)):
+            fh.write(json.dumps({"kind": "step", "step": step, "loss": 3.0}) + "\n")
+            fh.write(json.dumps({"kind": "eval", "step": step, "tau": tau, "best_step": 20 if step >= 20 else 10,
+                                 "best_tau": 2.5 if step >= 20 else 1.5}) + "\n")
+    hist = runview.history(str(tmp_path))
+    assert hist["eval_step"] == [10, 20, 30] and hist["tau"] == [1.5, 2.5, 2.1]
+    reply = {"run_id": "r", "status": {"state": "running", "step": 30, "total": 40, "loss": 3.0}, "history": hist}
+    tau = next(line for line in render_status(reply, "200", "sim") if line.startswith("tau"))
+    assert tau.startswith("tau      2.100 at step 30  (best 2.500 at step 20")
+    assert "1.5…2.5 over the run" in tau

@@ -41,17 +41,16 @@ class HostReads(TorchDispatchMode):
 
 
 def _step(arch: str):
-    sys.path[:0] = [ROOT, os.path.join(ROOT, "bench", "gpu")]
-    import dflash2_step as ds
-    import roofline as rl
+    sys.path.insert(0, ROOT)
+    from bench.drafter_step import run as ds
 
     from trainer.step import make_step
 
     torch.manual_seed(0)
     dev = torch.device("cpu")
-    _, args, dcfg, drafter, head, dtype = ds.drafter_and_head(arch, rl.SMOKE_SHAPE, dict(ds.SMOKE), dev)
+    _, args, dcfg, drafter, head, dtype = ds.drafter_and_head(arch, ds.SMOKE_SHAPE, dict(ds.SMOKE), dev)
     step = make_step(args, drafter, head, dcfg)
-    mb = ds.batch(rl.SMOKE_SHAPE, args.token_budget // args.max_seq_len, args.max_seq_len, args.max_anchors,
+    mb = ds.batch(ds.SMOKE_SHAPE, args.token_budget // args.max_seq_len, args.max_seq_len, args.max_anchors,
                   len(dcfg.target_layer_ids), dev, dtype)
     return step, mb, drafter
 

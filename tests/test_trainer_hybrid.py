@@ -421,11 +421,11 @@ def test_plan_run_takes_both_qwen36_layouts_and_refuses_only_what_does_not_fit()
     assert wide["gpus"][1]["peak_mib"] > default["gpus"][1]["peak_mib"] and wide["gpus"][0] == default["gpus"][0]
 
 
-# The Qwen3.6-27B runs on an H200 (docs/benchmarks.md, "Qwen3.6-27B on one H200"; raw rows in
-# bench/results/hybrid/hybrid_results.jsonl and hybrid_colocated_*), made with the build of
+# The Qwen3.6-27B runs on an H200 (bench/target_forward/hybrid.py's drafter and colocated
+# phases, 2026-12-01; docs/benchmarks.md), made with the build of
 # b6e60f8: torch's default allocator (nothing set PYTORCH_CUDA_ALLOC_CONF then: reserved ran
 # 2.6 GiB above allocated, where expandable segments hold 0.3-0.4 GiB), the chunked step's
-# context-gradient leak fixed since (bench/gpu/memory_campaign.leak_bytes_of), and in
+# context-gradient leak fixed since (bench/memory_model/campaign.leak_bytes_of), and in
 # `python -m trainer` the noisy copy of the taps beside the taps (noise in place since:
 # memory_campaign.noisy_copy_bytes). The prediction adds what that build held
 # (memory_campaign.as_measured_build).
@@ -447,13 +447,13 @@ MEASURED_H200_HYBRID = [
 def test_the_model_holds_to_the_qwen3_6_27b_h200_measurements_within_5_percent(what, role, budget, figure, measured, kw):
     """Rows: the drafter step at the operators' flags (budget 49,152, 1,024 anchors, block 32,
     5 layers of which 4 sliding-window, soft labels, CAP) — its reserved peak (64.68 GiB) and
-    allocated peak (62.11 GiB), bench/gpu/hybrid.py's drafter phase; the colocated
+    allocated peak (62.11 GiB), bench/target_forward/hybrid.py's drafter phase; the colocated
     `python -m trainer` on the full 64-layer synthetic Qwen3.6-27B target + drafter at budget
     16,384 — nvidia-smi's largest reading (107,487 MiB) and the allocated peak (104,765 MiB)
-    of its step events, hybrid.py's colocated phase. Both in one run of bench/gpu/hybrid.sh,
+    of its step events, hybrid.py's colocated phase. Both in one run of hybrid.py's phases,
     2026-12-01, one H200."""
-    sys.path.insert(0, os.path.join(ROOT, "bench", "gpu"))
-    import memory_campaign as mc
+    sys.path.insert(0, ROOT)
+    from bench.memory_model import campaign as mc
 
     gpus = {"drafter": ([1], [0]), "colocated": ([0], [0])}[role]
     values = {**flags.defaults(), "target_gpus": gpus[0], "drafter_gpus": gpus[1], "token_budget": budget,

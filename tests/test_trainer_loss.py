@@ -1,5 +1,5 @@
 """Each term of the DFlash objective against a direct, loop-by-loop computation on small
-tensors (TRAINER_SPEC.md, "Objective")."""
+tensors (docs/trainer-spec.md, "Objective")."""
 
 import math
 

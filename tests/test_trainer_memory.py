@@ -214,7 +214,7 @@ def test_a_target_family_without_terms_is_named_not_guessed():
     assert ModelShape.from_hf_config({**QWEN3_8B_CONFIG, "model_type": "qwen3"}).family == "qwen3"
 
 
-# H200 measurements (bench/gpu/memory_campaign.py, 2026-12-01, one H200, torch 2.11, expandable
+# H200 measurements (bench/memory_model/campaign.py, 2026-12-01, one H200, torch 2.11, expandable
 # segments): torch's max_memory_allocated / max_memory_reserved in MiB, after two or more
 # optimizer steps. The first runs measured a build that held one more thing than this one: the
 # chunked step's leak fixed since
@@ -239,8 +239,8 @@ MEASURED_H200 = [
 @pytest.mark.parametrize("role, budget, allocated, reserved, what, leaky", MEASURED_H200)
 def test_predicted_reserved_peaks_are_within_5_percent_of_the_h200_measurements(role, budget, allocated, reserved,
                                                                                 what, leaky):
-    sys.path.insert(0, os.path.join(ROOT, "bench", "gpu"))
-    import memory_campaign as mc
+    sys.path.insert(0, ROOT)
+    from bench.memory_model import campaign as mc
 
     sc = mc.SCALES["gpu"]
     p = budget_mod.predictions(mc._values(sc, budget, role), QWEN3_8B_CONFIG, budget)[role]

@@ -1,4 +1,4 @@
-"""bench/gpu/wheel_parts.py: a wheel over one device call's carry, sent in parts over several
+"""bench/gpu_setup/wheel_parts.py: a wheel over one device call's carry, sent in parts over several
 calls and rebuilt on the device byte for byte, or refused when a part does not match."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 import zipfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TOOL = [sys.executable, os.path.join(ROOT, "bench", "gpu", "wheel_parts.py")]
+TOOL = [sys.executable, os.path.join(ROOT, "bench", "gpu_setup", "wheel_parts.py")]
 NAME = "demo_libs-1.0-cp312-cp312-manylinux_2_28_x86_64.whl"
 
 

@@ -42,7 +42,20 @@ def validate(args) -> list[str]:
                 target_cfg = json.load(fh)
         except (OSError, ValueError):
             target_cfg = None  # refused below with the reason
+    from trainer import paths
+
+    # what was asked, before auto is resolved: the run's first lines give the reasons (trainer/paths.py)
+    setattr(args, paths.REQUESTED, paths.requested(vars(args)))
     args.target_forward = flags.target_forward_for(vars(args), cuda, target_cfg)
+    if args.target_precision in ("fp8", "auto"):
+        capability = paths.gpu_capability() if cuda else None
+        missing = flags.fp8_missing(cuda, capability)
+        # an unknown capability (no NVML here) is left to the GPU itself: the memory check tries
+        # the scaled matmul there (train.memory_check) and refuses it with the reason if it fails
+        if args.target_precision == "fp8" and cuda and missing and not isinstance(capability, str):
+            problems.append(f"--target-precision fp8: {missing}; use --target-precision bf16 (or auto: fp8 only "
+                            "where it runs)")
+        args.target_precision = flags.target_precision_for(vars(args), cuda, capability, _hidden(target_cfg))[0]
     if args.attention_kernel in ("auto", "flash"):
         from trainer.layers.flex_mask import flash_missing
 
@@ -144,6 +157,15 @@ def validate(args) -> list[str]:
             target=target_identity(args.target_model), target_layer_ids=dcfg.target_layer_ids, flag=flag,
             data_fingerprint=fingerprint, drafter=dcfg.to_hf())
     return problems
+
+
+def _hidden(target_cfg) -> int | None:
+    from trainer import family
+
+    try:
+        return int(family.text_config(target_cfg)["hidden_size"]) if target_cfg else None
+    except (KeyError, TypeError, ValueError):
+        return None  # refused below with the reason
 
 
 def _cuda_available() -> bool:

@@ -1,7 +1,7 @@
 """The drafter architectures the trainer builds (standard library only: the controller's
 preflight and the checkpoint-size prediction read it without torch).
 
-* ``dflash``  — the DFlash block drafter (TRAINER_SPEC.md "Drafter architecture").
+* ``dflash``  — the DFlash block drafter (docs/trainer-spec.md "Drafter architecture").
 * ``dflash2`` — DFlash plus a two-tap dynamic depthwise convolution around every attention
   and MLP sublayer and a pairwise path selector over each slot's top-k candidates
   (docs/dflash2.md: the sources, the objective and the serving layout).

@@ -12,7 +12,14 @@
 ``checkpoint.pt`` is written last, to a temp name, fsynced and renamed: its presence means the
 step directory is complete, and a kill at any moment leaves earlier checkpoints untouched.
 :func:`prune` keeps the newest ``--keep-checkpoints`` of them (and every ``--keep-every``-th
-step); it runs only after a save completed and never removes the checkpoint just written.
+step, and the ``best``); it runs only after a save completed and never removes the checkpoint
+just written.
+
+``OUTPUT/best.json`` names the checkpoint with the highest τ measured at save (``--eval-prompts``:
+τ = tokens committed per target forward, what serving buys, not the validation loss): step,
+τ, path. :func:`record_tau` keeps each checkpoint's τ in its ``meta.json`` and moves ``best``
+when a new one beats it; retention never deletes the best; ``python -m trainer export --best``
+and ``ctl export --best`` export it.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ FORMAT = "dflash-trainer-checkpoint"
 VERSION = 1
 CHECKPOINT = "checkpoint.pt"
 META = "meta.json"
+BEST = "best.json"
 DRAFTER = "drafter"
 STEP_DIR = re.compile(r"step_(\d+)$")
 
@@ -139,10 +147,38 @@ def steps(output_dir: str) -> list[tuple[int, str, bool]]:
     return sorted(out)
 
 
+def best(output_dir: str) -> dict | None:
+    """The best checkpoint by τ at save ({"step", "tau", "path", ...}), or None: none was
+    measured, or the one it names is no longer complete."""
+    from agent.protocol import read_json_doc
+
+    rec = read_json_doc(os.path.join(output_dir, BEST))
+    if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+        return None
+    return rec if os.path.isfile(os.path.join(step_dir(output_dir, rec["step"]), CHECKPOINT)) else None
+
+
+def record_tau(step_path: str, rec: dict) -> dict:
+    """Keep the τ measured for the checkpoint at ``step_path`` (``rec``: tau, prompts, ... and
+    by_category) in its meta.json, and make it ``best`` when its τ is higher than the best's
+    (ties keep the earlier: it was reached first). Returns the best record after this one."""
+    d = resolve(step_path)
+    meta = read_meta(d)
+    meta["eval"] = rec
+    atomic_write_json(os.path.join(d, META), meta)
+    output_dir = os.path.dirname(d)
+    current = best(output_dir)
+    if current is None or float(rec["tau"]) > float(current["tau"]):
+        current = {"step": int(meta["step"]), "tau": float(rec["tau"]), "path": os.path.join(d, CHECKPOINT),
+                   **({"by_category": rec["by_category"]} if rec.get("by_category") else {})}
+        atomic_write_json(os.path.join(output_dir, BEST), current)
+    return current
+
+
 def prune(output_dir: str, saved_step: int, keep: int, keep_every: int = 0) -> list[int]:
     """After step ``saved_step`` was saved completely: remove older checkpoints beyond the
     newest ``keep`` (the one just saved counts; 0 keeps all) except every step that is a
-    multiple of ``keep_every``, and incomplete step directories older than it (a save that
+    multiple of ``keep_every`` and the ``best`` (best.json), and incomplete step directories older than it (a save that
     died). Returns the removed steps.
 
     Newer step directories (an earlier, longer run in the same output dir) are left alone,
@@ -156,9 +192,10 @@ def prune(output_dir: str, saved_step: int, keep: int, keep_every: int = 0) -> l
         return []  # the save did not complete: remove nothing
     older = [(s, p, done) for s, p, done in here if s < saved_step]
     kept_complete = [s for s, _, done in older if done][::-1][:keep - 1]
+    top = best(output_dir)  # the checkpoint that serves best stays whatever its age
     removed = []
     for s, p, done in older:
-        if done and (s in kept_complete or (keep_every > 0 and s % keep_every == 0)):
+        if done and (s in kept_complete or (keep_every > 0 and s % keep_every == 0) or (top and s == top["step"])):
             continue
         _remove(p)
         removed.append(s)

@@ -112,6 +112,19 @@ class PreparedData:
     def __len__(self) -> int:
         return len(self.lengths)
 
+    def category(self, i: int) -> str | None:
+        """The source a sample came from (its input file's name without the extension: chat,
+        code, math ...), from meta.json's per-source sample counts (samples are written in input
+        order); None for data prepared before those counts were kept."""
+        start = 0
+        for src in self.meta.get("sources") or []:
+            if not isinstance(src.get("samples"), int):
+                return None
+            if start <= i < start + src["samples"]:
+                return os.path.splitext(str(src.get("file") or "?"))[0]
+            start += src["samples"]
+        return None
+
     def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """(input_ids int32, loss_mask uint8) of sample ``i``, copied (writable, and safe to
         hand to torch.from_numpy)."""

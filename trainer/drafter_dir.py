@@ -24,6 +24,10 @@ CONFIG = "config.json"
 CARD = "README.md"
 EVAL_FILE = "eval.json"  # beside checkpoint.pt: τ as measured for this checkpoint
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
+# Weight formats a user may ask for that the serving loaders cannot take for a drafter: vLLM's
+# DFlash loader is not quantization-aware (vllm-project/vllm#51581: a weight-quantized drafter
+# fails to load or is silently corrupted), so such an export is refused rather than written.
+QUANTIZED = ("fp8", "fp4", "int8", "int4", "nf4", "mxfp4", "nvfp4", "awq", "gptq", "bnb")
 FILE_MODE, DIR_MODE = 0o644, 0o755
 # Keys of the target's config.json an export needs (kept in the checkpoint's meta.json, so an
 # export needs no target directory).
@@ -33,6 +37,17 @@ TARGET_FACTS = ("model_type", "architectures", "_name_or_path", "max_position_em
 
 class ExportError(ValueError):
     """The export cannot be made; the message is one line naming the flag and the fix."""
+
+
+def dtype_problem(dtype: str) -> str | None:
+    """Why ``--dtype dtype`` cannot be exported (one line), or None."""
+    if dtype in DTYPES:
+        return None
+    if dtype.lower() in QUANTIZED:
+        return (f"--dtype {dtype}: a quantized drafter export is refused: vLLM's DFlash loader is not "
+                "quantization-aware (vllm-project/vllm#51581: a weight-quantized drafter fails to load or is "
+                "silently corrupted); export bf16 (the default) and quantize the target only")
+    return f"--dtype {dtype}: expected one of {', '.join(DTYPES)}"
 
 
 def target_facts(target_dir: str | None) -> dict:
@@ -68,7 +83,10 @@ def hf_config(drafter_config: dict, target: dict, dtype: str = "bf16", max_seq_l
         "architectures": [name_of_arch],
         "model_type": "qwen3",
         "auto_map": {"AutoModel": f"{MODELING_FILE[:-3]}.{name_of_arch}"},
-        "dflash_config": {**dflash, "mask_token_id": int(dflash["mask_token_id"]), "target_layer_ids": ids},
+        # block_size in dflash_config too: z-lab's releases moved it there, SGLang reads it there
+        # first and MLX's loader followed; older readers take the top-level one (docs/export.md)
+        "dflash_config": {**dflash, "block_size": int(cfg["block_size"]),
+                          "mask_token_id": int(dflash["mask_token_id"]), "target_layer_ids": ids},
         # vLLM reads the taps as EAGLE-3 aux layers (the input of layer i+1 = the output of
         # layer i); older releases read only this key, newer ones derive it the same way.
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in ids],
@@ -206,8 +224,8 @@ def write_drafter_dir(dest: str, state_dict: dict, meta: dict, *, dtype: str = "
     import torch
     from safetensors.torch import save_file
 
-    if dtype not in DTYPES:
-        raise ExportError(f"--dtype {dtype}: expected one of {', '.join(DTYPES)}")
+    if dtype_problem(dtype):
+        raise ExportError(dtype_problem(dtype))
     dest = os.path.abspath(dest)
     parent, base = os.path.split(dest)
     if not replace and os.path.exists(dest) and (not os.path.isdir(dest) or os.listdir(dest)):

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 from trainer import family  # standard library only, like this module
 
-# Exit codes are part of the trainer → agent contract (DESIGN.md); their home is
+# Exit codes are part of the trainer → agent contract (docs/design.md); their home is
 # agent/protocol.py, which the agent reads without importing the trainer.
 from agent.protocol import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED, EXIT_USAGE  # noqa: F401 (re-exported)
 
@@ -160,6 +160,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--target-layer-ids", "layers", None, "tapped target layers (default: evenly spaced, as in the reference drafter)", "drafter", metavar="IDS"),
     Flag("--drafter-step", "choice", "auto", "drafter forward/backward (trainer/step.py): reference (model.py + loss.py, the whole micro-batch through autograd) or chunked (trainer/gpu/fast_drafter.py: anchor chunks, bounded activation memory, ~10× less memory per drafted position; with --position-weights dpace it first runs every chunk forward without gradient for the detached weights: on an H200 the step takes 1.32× as long, same memory); auto = chunked on CUDA, reference on CPU", "drafter", choices=("auto", "reference", "chunked")),
     Flag("--target-forward", "choice", "auto", "target forward: hf (transformers, hooks on the tapped layers) or fast (over the same weights: fused GEMMs, cuDNN attention, stops after the last tapped layer; trainer/gpu/fast_target.py for Qwen3, trainer/gpu/fast_hybrid.py for Qwen3.5/3.6 with flash-linear-attention's Gated DeltaNet kernels); auto = fast on CUDA (for Qwen3.5/3.6 only when flash-linear-attention is importable), hf on CPU", "drafter", choices=("auto", "hf", "fast")),
+    Flag("--target-precision", "choice", "bf16", "the frozen target's linear layers: bf16, or fp8 = e4m3 weights with a scale per output channel (made once at load: about half the weight memory) and activations quantized per row inside the op that produces them (the norm before q/k/v and gate/up, SiLU·up before down, the attention output before o; trainer/gpu/fp8.py), torch's scaled matmul; the taps and the final state stay bf16. fp8 needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, Blackwell) and is refused on others; on CPU it runs emulated (the same arithmetic, for tests). auto = fp8 on such a GPU for a target of hidden size 4,096 or more (where its GEMMs were measured faster), else bf16. The default stays bf16 until drafters trained on FP8 taps are shown to keep their acceptance length", "drafter", choices=("bf16", "fp8", "auto")),
     Flag("--mask-token-id", "int", None, "id used for the masked block slots (default: the target config's mask_token_id, else the first id past its tokenizer — 151669 for Qwen3, 248070 for Qwen3.5/3.6 — else the family's default when the vocabulary has it, else the last id); checked against the vocabulary", "drafter"),
     Flag("--drafter-layer-types", "str", "auto", "attention of each drafter layer, comma list of full/sliding (e.g. sliding,sliding,sliding,sliding,full); auto = the public drafters of the target's family: all full for Qwen3, sliding-window with the last layer full for Qwen3.5/3.6 (SpecForge's qwen3.6-27b-dflash.json)", "drafter", metavar="auto|LIST"),
     Flag("--sliding-window", "int", family.SLIDING_WINDOW, "window of the drafter's sliding layers: a block slot at position p sees context from p - window + 1 on and the slots before it in its block (SpecForge's sliding DFlash mask)", "drafter"),
@@ -179,10 +180,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--noise-end", "float", 0.0, "noise amplitude at the last step (linear anneal)", "loss"),
     # -- outputs
     Flag("--save-interval", "int", 2000, "optimizer steps between checkpoints (a final one is always written)", "output"),
-    Flag("--keep-checkpoints", "int", 3, "keep the newest N checkpoints in --output-dir: an older one is removed only after a newer save completed, never the newest loadable one (0 keeps all); the launch preflight refuses a run whose retained checkpoints cannot fit the output disk", "output", metavar="N"),
+    Flag("--keep-checkpoints", "int", 3, "keep the newest N checkpoints in --output-dir: an older one is removed only after a newer save completed, never the newest loadable one, never the best by τ at save (0 keeps all); the launch preflight refuses a run whose retained checkpoints cannot fit the output disk", "output", metavar="N"),
     Flag("--keep-every", "int", 0, "also keep every checkpoint whose step is a multiple of K, beyond --keep-checkpoints (0: none)", "output", metavar="K"),
     Flag("--log-interval", "int", 1, "optimizer steps between step events", "output"),
-    Flag("--eval-prompts", "int", 0, "held-out prompts for acceptance-length evaluation at each save (0: off)", "output"),
+    Flag("--eval-prompts", "int", 0, "held-out prompts for acceptance-length evaluation at each save (0: off); the τ measured selects the best checkpoint (OUTPUT/best.json), which retention keeps", "output"),
     Flag("--probe-memory", "bool", False, "run this run's worst case (full-length sequences at the resolved --token-budget, --max-anchors each, the selected --drafter-step) for two optimizer steps on each role's GPU, report the measured allocated and reserved peaks beside the memory model's prediction, and exit: 0 when every GPU holds the measured reserved peak plus a 2 GiB margin, 2 (one line per short GPU: role, need, shortfall) when not", "output"),
     Flag("--probe-first", "bool", False, "before training, run --probe-memory's worst case in a separate process and train only if it fits (costs one more start-up and two steps; the compile cache it fills is reused)", "output"),
     Flag("--probe-capacity-mib", "float", None, "the memory --probe-memory checks the measured need against, instead of the GPU's free memory: plan for a smaller GPU (on CPU the check runs only with it)", "output", metavar="MIB"),
@@ -306,6 +307,54 @@ def target_forward_for(values: Mapping[str, Any], cuda: bool, target_config: Map
     if target_config is not None and family.unsupported(dict(target_config)) is None and family.is_hybrid(dict(target_config)):
         return "fast" if (family.fast_forward_kernels() if kernels is None else kernels) else "hf"
     return "fast"
+
+
+# FP8 tensor cores and torch's row-wise scaled matmul: Ada (8.9), Hopper (9.0), Blackwell.
+FP8_MIN_CAPABILITY = (8, 9)
+# --target-precision auto takes fp8 from this hidden size on: measured faster than compiled
+# bf16 at the Qwen3-8B (4,096) and 27B (5,120) widths; smaller GEMMs were not measured, and
+# the quantization's share of a GEMM grows as the GEMM shrinks.
+FP8_MIN_HIDDEN = 4096
+
+
+def fp8_missing(cuda: bool, capability: Any) -> str | None:
+    """Why FP8 GEMMs cannot run on this run's GPU, one line; None when they can.
+    ``capability``: (major, minor) of the GPU, or a string saying why it is unknown."""
+    if not cuda:
+        return "this run is on CPU (FP8 is emulated there: the same arithmetic, for tests, never faster)"
+    if isinstance(capability, str) or capability is None:
+        return f"the GPU's compute capability is unknown ({capability or 'not asked'})"
+    major, minor = capability
+    if (major, minor) < FP8_MIN_CAPABILITY:
+        return (f"the GPU's compute capability is {major}.{minor}: FP8 tensor cores need 8.9 (Ada) or newer "
+                "(Hopper 9.0, Blackwell 10.0/12.0); an Ampere GPU has none")
+    return None
+
+
+def target_precision_for(values: Mapping[str, Any], cuda: bool, capability: Any,
+                         hidden: int | None) -> tuple[str, str]:
+    """(--target-precision resolved, why) for a run on CUDA (``cuda``) or CPU, on a GPU of
+    ``capability`` ((major, minor), or why it is unknown), for a target of ``hidden`` size. An
+    explicit fp8 stays fp8 (validate refuses it where FP8 cannot run on a GPU; on CPU it runs
+    emulated)."""
+    choice = values.get("target_precision") or "bf16"
+    missing = fp8_missing(cuda, capability)
+    if choice == "bf16":
+        could = missing is None and (hidden or 0) >= FP8_MIN_HIDDEN
+        return "bf16", "--target-precision bf16" + ("; fp8 would run on this GPU (--target-precision auto or fp8)"
+                                                    if could else "")
+    if choice == "fp8":
+        if not cuda:
+            return "fp8", "--target-precision fp8, emulated on CPU (e4m3 values, fp32 arithmetic: the GPU path's numbers, none of its speed)"
+        return "fp8", "--target-precision fp8" + (f", but {missing}" if missing else f" (compute capability {capability[0]}.{capability[1]})")
+    if missing is not None:
+        return "bf16", f"--target-precision auto: {missing}"
+    if (hidden or 0) < FP8_MIN_HIDDEN:
+        return "bf16", (f"--target-precision auto: the target's hidden size {hidden} is below {FP8_MIN_HIDDEN:,}, "
+                        "where FP8 was not measured faster than bf16")
+    return "fp8", (f"--target-precision auto: compute capability {capability[0]}.{capability[1]} has FP8 tensor cores "
+                   f"and the target's hidden size {hidden:,} is at least {FP8_MIN_HIDDEN:,} (its GEMMs measured "
+                   "1.3-1.7x compiled bf16 with the quantization in their producers)")
 
 
 def start_decision(values: Mapping[str, Any]) -> list[str]:

@@ -1,4 +1,4 @@
-"""The kinds of job the agent supervises in a container, defined once (DESIGN.md: "The whole
+"""The kinds of job the agent supervises in a container, defined once (docs/design.md: "The whole
 life cycle"): what runs, where its options come from, which paths it reads and writes, and
 how a stopped one resumes.
 

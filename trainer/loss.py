@@ -1,4 +1,4 @@
-"""The DFlash objective (TRAINER_SPEC.md, "Objective").
+"""The DFlash objective (docs/trainer-spec.md, "Objective").
 
 Shapes: b sequences, N blocks (anchors) per sequence, B slots per block; slot k of the block
 at anchor a predicts token x[a+k]. Slot 0 (the anchor itself) has weight 0, so only slots
@@ -99,7 +99,7 @@ def run_products(ce: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
     no dead slot at or before j. The same value and gradient as ``cumprod(exp(−ce) · live)`` to
     float rounding, but torch's cumprod backward asks the host whether its input holds a zero
     (a ``.item()``: one GPU synchronisation per call, i.e. per anchor chunk of the step, after
-    which the host launches every kernel late; bench/gpu/idle_sources.py found it), and a
+    which the host launches every kernel late; bench/drafter_step/idle_sources.py found it), and a
     cumulative sum's backward is another cumulative sum, asked nothing."""
     alive = (live == 0).cumsum(-1) == 0
     return torch.where(alive, torch.exp(-torch.where(alive, ce, 0.0).cumsum(-1)), 0.0)
@@ -274,7 +274,7 @@ def dflash_loss_fn(weights: torch.Tensor, *, kl_weight: float = 0.0, temperature
                    ):
     """The spec's objective as a per-chunk function ``(ce [n, K], kl [n, K] | None, blocks:
     slice) -> loss``, the form trainer/gpu/chunked_head.py differentiates chunk by chunk
-    (TRAINER_SPEC.md "Objective"; :func:`dflash_loss` is the whole-batch form):
+    (docs/trainer-spec.md "Objective"; :func:`dflash_loss` is the whole-batch form):
 
     L = (1 − kl_weight)·Σ w·ce / Σ w + kl_weight·Σ w·T²·kl / Σ w
         + cap_lambda · mean over valid blocks of (1 − E/(B−1)), E = Σ_j Π_{k≤j} p_k,

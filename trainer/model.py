@@ -1,4 +1,4 @@
-"""The DFlash drafter (TRAINER_SPEC.md, "Drafter architecture").
+"""The DFlash drafter (docs/trainer-spec.md, "Drafter architecture").
 
 A few Qwen3-style decoder layers that draft a block of B tokens in one pass::
 

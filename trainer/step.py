@@ -1,6 +1,6 @@
 """The drafter's training step behind one interface: ``step(mb, taps) -> StepStats``.
 
-Two implementations of the same objective (TRAINER_SPEC.md "Objective"), picked by
+Two implementations of the same objective (docs/trainer-spec.md "Objective"), picked by
 ``--drafter-step`` (flags.drafter_step_for):
 
 * :class:`ReferenceStep` — the whole micro-batch through autograd: trainer/model.py's

@@ -44,9 +44,17 @@ class Target:
     transformers model stays for ``forward_logits`` (evaluation).
 
     A synthetic target (trainer/synth/synthetic.py: config.json + random-weights.json) gets its
-    weights made on the device instead of read from safetensors."""
+    weights made on the device instead of read from safetensors.
 
-    def __init__(self, target_dir: str, layer_ids: list[int], device, dtype, forward: str = "hf"):
+    ``precision="fp8"`` (``--target-precision``, trainer/gpu/fp8.py): every linear layer of the
+    decoder (not the embedding, not the LM head) becomes e4m3 with a scale per output
+    channel, one layer at a time right after loading, and the bf16 weights go; both forwards
+    then run FP8 — the fast one with the activations quantized inside their producers, the
+    transformers one (evaluation) through ``fp8.Fp8Linear``. The taps and the final state stay
+    in ``dtype``."""
+
+    def __init__(self, target_dir: str, layer_ids: list[int], device, dtype, forward: str = "hf",
+                 precision: str = "bf16"):
         from transformers import AutoModelForCausalLM
 
         from trainer.synth import synthetic
@@ -62,6 +70,13 @@ class Target:
                 kw["device_map"] = {"": device.index if device.index is not None else torch.cuda.current_device()}
             self.model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, **kw).to(device).eval()
         self.model.requires_grad_(False)
+        if precision not in ("bf16", "fp8"):
+            raise ValueError(f"--target-precision {precision!r}: expected bf16 or fp8 (auto is resolved before loading)")
+        self.precision = precision
+        if precision == "fp8":
+            from trainer.gpu import fp8
+
+            fp8.quantize_linears(self.model.model.layers)
         self.layer_ids = list(layer_ids)
         self._taps: dict[int, torch.Tensor] = {}
         for i in self.layer_ids:  # the transformers forward (evaluation, tree verification) taps through these
@@ -77,10 +92,10 @@ class Target:
 
             self.fast = FastTarget.from_hf(self.model.model, self.layer_ids, keep_all_layers=True, share_weights=True,
                                            attn_backend="cudnn" if device.type == "cuda" else "math")
-        if self.fast is not None and device.type == "cuda":
-            # the unfused q/k/v and gate/up tensors just freed stay in the caching
-            # allocator otherwise: 34 GB of a 27B target, shown as used by nvidia-smi and
-            # the agent (103 GB per target GPU measured where ~70 GB was allocated)
+        if (self.fast is not None or precision == "fp8") and device.type == "cuda":
+            # the unfused q/k/v and gate/up tensors (and with fp8 the bf16 weights) just freed
+            # stay in the caching allocator otherwise: 34 GB of a 27B target, shown as used by
+            # nvidia-smi and the agent (103 GB per target GPU measured where ~70 GB was allocated)
             torch.cuda.empty_cache()
 
     def _hook(self, i):

@@ -29,7 +29,6 @@ from trainer.gpu import kernel_profile
 from trainer import runtime_env
 from trainer import topology as topo_mod
 from trainer.data import PreparedData, make_batches
-from trainer.serve.evaluate import acceptance_length
 from trainer.flags import EXIT_OK, EXIT_STOPPED
 from trainer.loss import key, sample_anchors
 from trainer.model import Drafter, DrafterConfig, FrozenHead
@@ -38,7 +37,7 @@ from trainer.target import Target, read_config, target_identity
 from trainer.telemetry import Events, Heartbeat, make_logger
 from trainer.topology import MicroBatch, assemble, recv_microbatch, send_microbatch
 
-FINAL_LR_RATIO = 0.1  # cosine decays to 10 % of peak (TRAINER_SPEC.md)
+FINAL_LR_RATIO = 0.1  # cosine decays to 10 % of peak (docs/trainer-spec.md)
 # Set by --probe-first for its probe process (the run goes on after it): the file where the
 # probe leaves the token budget it measured, which the training run then takes as given.
 ENV_PROBE_FIRST = "DFLASH_PROBE_FIRST"
@@ -232,7 +231,8 @@ def memory_check(args, topo, events: Events) -> int | None:
     2 GiB margin). All ranks agree — the budget is the minimum over ranks, a refusal
     anywhere stops every rank — so nothing trains unless every GPU fits. Returns EXIT_USAGE
     when refused (one line naming GPU, role and shortfall, an error event
-    "memory_refused"), else None."""
+    "memory_refused"; an FP8 target whose scaled matmul does not run on this GPU: "fp8_refused"),
+    else None."""
     if topo.device.type != "cuda":
         return None
     from trainer.plan.budget import plan_run
@@ -253,6 +253,14 @@ def memory_check(args, topo, events: Events) -> int | None:
             p = plan_run({**values, "token_budget": budget}, {topo.gpu: free}, cfg, **kw)
             p["auto"], p["auto_reason"] = True, reason
     row = p["gpus"].get(topo.gpu, {})
+    if topo.is_target and args.target_precision == "fp8":
+        from trainer.gpu import fp8
+
+        # the capability allowed it (validate); whether this torch build has the kernel is
+        # known only by trying it on the GPU
+        why = fp8.runs_here(topo.device)
+        if why:
+            p["refusals"].append(f"--target-precision fp8 on GPU {topo.gpu}: {why}; use --target-precision bf16")
     refused = topo_mod.all_reduce_max(topo, 1.0 if p["refusals"] else 0.0) > 0
     if p["auto"] and not refused:
         events.emit("probe", phase="plan", budget=args.token_budget, auto=True, reason=p["auto_reason"],
@@ -275,9 +283,38 @@ def memory_check(args, topo, events: Events) -> int | None:
         return None
     for line in p["refusals"]:
         print(f"python -m trainer: error: {line}", file=sys.stderr, flush=True)
-        events.emit("error", error="memory_refused", message=line, gpu_free_mib=round(free, 1),
+        events.emit("error", error="fp8_refused" if line.startswith("--target-precision") else "memory_refused", message=line, gpu_free_mib=round(free, 1),
                     need_mib=row.get("need_mib"), short_mib=row.get("short_mib"), budget=p["token_budget"])
     return EXIT_USAGE
+
+
+def load_target(args, dcfg, topo, dtype):
+    """The frozen target on a target rank (None elsewhere), in ``--target-precision``
+    (resolved; memory_check refused an FP8 target whose scaled matmul does not run here)."""
+    if not topo.is_target:
+        return None
+    precision = getattr(args, "target_precision", "bf16") or "bf16"
+    return Target(args.target_model, dcfg.target_layer_ids, topo.device, dtype, args.target_forward, precision=precision)
+
+
+def run_paths(args, dev):
+    """The run's kernels and precisions with their reasons (trainer/paths.py), from this
+    process's facts: the GPU's capability, whether flash-attn-4 runs, torch's CUDA build."""
+    from trainer import family, paths
+
+    cuda = dev.type == "cuda"
+    facts = paths.Facts(cuda=cuda)
+    hidden = int(family.text_config(read_config(args.target_model))["hidden_size"])
+    if cuda:
+        from trainer.layers.flex_mask import flash_missing
+
+        cap = torch.cuda.get_device_capability(dev)
+        major = int(str(torch.version.cuda).split(".")[0]) if torch.version.cuda else None
+        facts = paths.Facts(cuda=True, capability=(int(cap[0]), int(cap[1])), flash_missing=flash_missing(),
+                            cuda_major=major, hidden=hidden)
+    else:
+        facts = paths.Facts(cuda=False, hidden=hidden)
+    return paths.decide(vars(args), facts)
 
 
 @dataclass
@@ -364,6 +401,30 @@ def save_checkpoint(args, events, step: int, position: int, stream, drafter, opt
     return path
 
 
+def evaluate_at_save(args, events, wandb, step: int, path: str, target, drafter, head, data, dev) -> dict:
+    """τ of the checkpoint just saved on the held-out prompts (per category where the data
+    knows each sample's source): into its eval.json (the model card) and its meta.json, the
+    ``best`` checkpoint moved when it beats it (retention keeps that one), an eval event and a
+    wandb row. τ, not the loss, is what selects: it is what serving buys."""
+    from trainer.drafter_dir import record_eval
+    from trainer.serve.evaluate import EVAL_MAX_NEW, evaluate
+
+    got = evaluate(target, drafter, head, data, args.eval_prompts, dev)
+    rec = {"tau": got["tau"], "prompts": args.eval_prompts, "max_new_tokens": EVAL_MAX_NEW, "device": dev.type,
+           "dtype": str(next(drafter.parameters()).dtype).replace("torch.", ""),
+           "by": "trainer/serve/evaluate.py at save", **({"by_category": got["by_category"]} if got["by_category"] else {})}
+    step_path = os.path.dirname(path)
+    record_eval(step_path, block=rec)  # the export's model card shows it
+    best = ckpt_io.record_tau(step_path, rec)
+    events.emit("eval", step=step, tau=got["tau"], by_category=got["by_category"], best_step=best["step"],
+                best_tau=best["tau"])
+    wandb.log({"eval/tau": got["tau"], "eval/best_tau": best["tau"], "eval/best_step": best["step"],
+               **{f"eval/tau_{k}": v for k, v in got["by_category"].items()}}, step=step)
+    cats = "".join(f", {k} {v:.3f}" for k, v in got["by_category"].items())
+    print(f"eval step {step}: tau {got['tau']:.3f}{cats} (best: step {best['step']}, tau {best['tau']:.3f})", flush=True)
+    return rec
+
+
 def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
     dev, log = topo.device, topo.is_log_rank
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32  # target + shipped states; drafter weights fp32
@@ -376,7 +437,7 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
     start = start_point(args, len(stream), per_step)
 
     # -- models: the frozen target on target ranks; the drafter, its step and AdamW on drafter ranks
-    target = Target(args.target_model, dcfg.target_layer_ids, dev, dtype, args.target_forward) if topo.is_target else None
+    target = load_target(args, dcfg, topo, dtype)
     drafter = head = opt = drafter_step = None
     if topo.is_drafter:
         drafter, head, opt = build_drafter(args, dcfg, target, dev, dtype)
@@ -388,7 +449,10 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
             "data_fingerprint": data.fingerprint, "schedule": start.schedule,
             "world": {"drafter_ranks": topo.n_drafter, "grad_accum": args.grad_accum}}
     if log:
-        events.emit("phase", phase="training")
+        chosen = run_paths(args, dev)
+        for line in chosen.lines():
+            print(f"python -m trainer: {line}", flush=True)
+        events.emit("phase", phase="training", paths=chosen.event())
         print(f"training: {topo.world} rank(s) ({topo.role}), steps {start.step}→{start.last_step} of "
               f"{start.total_steps}, {per_step} micro-batches/step, schedule {start.schedule['total_steps']} steps",
               flush=True)
@@ -450,17 +514,8 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
                 path = save_checkpoint(args, events, step, start.position + (step - start.step) * per_step, stream,
                                        drafter, opt, meta)
                 if args.eval_prompts > 0 and target is not None:
-                    from trainer.serve.evaluate import EVAL_MAX_NEW, acceptance_length
-                    from trainer.drafter_dir import record_eval
-
                     events.emit("phase", phase="evaluating")
-                    tau = acceptance_length(target, drafter, head, data, args.eval_prompts, dev)
-                    record_eval(os.path.dirname(path), block={  # the export's model card shows it
-                        "tau": tau, "prompts": args.eval_prompts, "max_new_tokens": EVAL_MAX_NEW, "device": dev.type,
-                        "dtype": str(next(drafter.parameters()).dtype).replace("torch.", ""),
-                        "by": "trainer/serve/evaluate.py at save"})
-                    events.emit("eval", step=step, tau=tau)
-                    print(f"eval step {step}: tau {tau:.3f}", flush=True)
+                    evaluate_at_save(args, events, wandb, step, path, target, drafter, head, data, dev)
                 events.emit("phase", phase="training")
             topo_mod.barrier(topo)
         if stopped:
@@ -515,7 +570,7 @@ def probe(args, topo, events: Events, hb: Heartbeat) -> int:
     keep = torch.ones(b, n, dtype=torch.bool, device=dev)
     if cuda:
         torch.cuda.reset_peak_memory_stats(dev)
-    target = Target(args.target_model, dcfg.target_layer_ids, dev, dtype, args.target_forward) if topo.is_target else None
+    target = load_target(args, dcfg, topo, dtype)
     drafter = head = opt = drafter_step = None
     if topo.is_drafter:
         drafter, head, opt = build_drafter(args, dcfg, target, dev, dtype)

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from trainer.ddtree import speculative_tree
-from trainer.evaluate import greedy, speculative
+from trainer.serve.ddtree import speculative_tree
+from trainer.serve.evaluate import greedy, speculative
 
 
 def _sync(device):
@@ -95,7 +95,7 @@ def tree_pass_error(target, prompt: list[int], vocab: int, device, budget: int =
     """Largest |logit| difference between one tree pass (random tree) and plain causal passes
     along each of its paths: float noise when this transformers build honours the custom 4D
     mask and positions, large when it does not (then tree τ would be meaningless)."""
-    from trainer.ddtree import build_tree, target_tree_forward, tree_mask
+    from trainer.serve.ddtree import build_tree, target_tree_forward, tree_mask
 
     g = torch.Generator().manual_seed(0)
     tokens, parents, depths = build_tree(torch.randn(3, vocab, generator=g).log_softmax(-1), budget)
@@ -145,7 +145,7 @@ def served_all(step_dir: str, work: str, target, prompts, refs: dict, max_new: i
     decoded by ``served``."""
     import shutil
 
-    from trainer.export import export
+    from trainer.serve.export import export
 
     out = {}
     for dtype in ("fp32", "bf16"):

@@ -130,5 +130,8 @@ def plot(results: dict, path: str) -> bool:
 
 
 if __name__ == "__main__":  # python3 bench/quality/report.py results.json → the table
+    if len(sys.argv) != 2 or sys.argv[1].startswith("-"):
+        print("usage: python3 bench/quality/report.py RESULTS.json   (run.py's results: the table)")
+        sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
     with open(sys.argv[1]) as fh:
         print(table(json.load(fh)))

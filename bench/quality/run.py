@@ -37,6 +37,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path[:0] = [HERE, ROOT]
 
+from bench import _layout  # noqa: E402
+_layout.ensure()  # the trainer's module names, also in a base tree from before they moved
+
 import torch  # noqa: E402
 
 import corpus  # noqa: E402
@@ -72,8 +75,8 @@ SCALES = {
                     "max_batch_size": 64, "block_size": 16, "max_anchors": 48, "layers": 3},
         "eval": {"prompts": 12, "max_new": 128, "curve_prompts": 6, "curve_max_new": 64, "tree_budgets": [16, 32, 64],
                  "served": True, "served_vllm": False,
-                 # 6 of the 12: all three budgets for all six variants fit the call (on 12, call 4
-                 # reached budget 16 for three variants only)
+                 # 6 of the 12: all three budgets for all six variants fit one 10-minute GPU call
+                 # (on 12, only budget 16 of three variants did)
                  "tree_prompts": 6},
     },
 }
@@ -211,8 +214,8 @@ def train_and_evaluate(name: str, argv: list[str], v_out: str, v: dict, c: dict)
         served = v["final"]["served"]
         said = (f"; served τ fp32 {served['fp32']['tau']:.2f} (= block: {served['fp32']['equal_to_block']}), "
                 f"bf16 {served['bf16']['tau']:.2f}")
-        if ev.get("served_vllm"):  # --set eval.served_vllm=true: the bf16 export served by vLLM (trainer/served.py)
-            from trainer import served as served_mod
+        if ev.get("served_vllm"):  # --set eval.served_vllm=true: the bf16 export served by vLLM (trainer/serve/served.py)
+            from trainer.serve import served as served_mod
 
             r = served_mod.check(os.path.join(v_out, "served", "bf16"), c["target_dir"], c["prompts"], ev["max_new"])
             served["vllm"] = {k: r[k] for k in ("ok", "causes", "tau_served", "tau_trained", "counters", "prompts",

@@ -11,7 +11,7 @@ import shlex
 
 # Objective flags per variant. The reference is DFlash's decay-weighted CE with γ = 7, the
 # value the literature gives for block 16; "operators" is the operators' own objective
-# flags as they launch them (TRAINER_SPEC.md, γ = 10 included).
+# flags as they launch them (γ = 10 included).
 SOFT = ["--use-soft-labels", "--kl-weight", "0.15", "--kl-temperature", "2.0"]
 CAP = ["--cap-lambda", "0.1"]
 NOISE = ["--noise-type", "uniform", "--noise-start", "0.05", "--noise-end", "0.01"]

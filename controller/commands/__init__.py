@@ -1,6 +1,6 @@
 """Command groups of `ctl`. Each module exposes ``register(app)``; COMMANDS says which module
 holds each top-level command, so `ctl exec` imports the exec module and not the launch
-machinery (start-up time is most of a short command: bench/exec_roundtrip.py)."""
+machinery (start-up time is most of a short command: bench/ctl_exec/roundtrip.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ if TYPE_CHECKING:  # not imported at run time: controller/front.py's commands ne
 COMMANDS: dict[str, str] = {
     "exec": "remote",
     "env": "envs",
-    "launch": "launch", "tail": "run", "status": "run", "runs": "run", "stop": "run",
+    "launch": "launch", "tail": "run", "status": "run", "runs": "run", "stop": "run", "watch": "run",
     "kill-and-rollback": "rollback", "history": "rollback",
     "sim": "sim",
     "export": "export",

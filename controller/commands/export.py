@@ -1,6 +1,9 @@
 """`ctl export`: a run's drafter from the container to the operator's machine, ready to serve.
 
-    ctl export --container 200 [--run RUN] [--step N] --to DIR [--dtype bf16|fp32]
+    ctl export --container 200 [--run RUN] [--step N | --best] --to DIR [--dtype bf16|fp32]
+
+``--best``: the checkpoint with the highest τ measured at save (``--eval-prompts``), which
+retention keeps; either way the result line says which step it took and its τ.
 
 One SSH connection. DIR is checked here first (absent or empty). In the container,
 ``python -m trainer export --checkpoint RUN_DIR [--step N] --out TMP --json`` runs from this
@@ -161,7 +164,7 @@ def verify(got: dict[str, dict], manifest: dict) -> None:
 
 
 def fetch(ct, caller, run_dir: str, step: Optional[int], dtype: str, dest: Path, say: Callable[[str], None],
-          progress_factory, earlier: bool = False) -> dict:
+          progress_factory, earlier: bool = False, best: bool = False) -> dict:
     """Export in the container, stream, verify, place at ``dest``. Returns the manifest
     (``already``: True when ``dest`` held this very export before: ``earlier`` from
     :func:`check_destination`)."""
@@ -172,6 +175,8 @@ def fetch(ct, caller, run_dir: str, step: Optional[int], dtype: str, dest: Path,
     args = ["export", "--checkpoint", run_dir, "--out", remote, "--dtype", dtype, "--json"]
     if step is not None:
         args += ["--step", str(step)]
+    if best:
+        args.append("--best")
     local = Path(dest.parent) / f".{dest.name}.ctl-export-{secrets.token_hex(4)}"
     try:
         result = caller.run("trainer", args, on_stderr=lambda line: say(f"  {line}") if line.strip() else None)
@@ -231,6 +236,8 @@ def export_command(
     run: Optional[str] = run_option("run id (default: the latest run in the container)"),
     step: Optional[int] = typer.Option(None, "--step", metavar="N", min=0,
                                        help="export the checkpoint of step N (default: the run's newest complete one)"),
+    best: bool = typer.Option(False, "--best", help="the checkpoint with the highest τ measured at save "
+                                                    "(--eval-prompts), not the newest"),
     to: str = typer.Option(..., "--to", metavar="DIR", help="where the drafter directory goes on this machine; "
                                                             "must be absent or empty"),
     dtype: str = typer.Option("bf16", "--dtype", help="weight dtype: bf16 (what the serving stacks run) or fp32"),
@@ -250,8 +257,10 @@ def export_command(
     from controller.commands import job as job_cmd
     from controller.commands.watch import resolve_run, container_or_last_launch
 
-    if dtype not in ("bf16", "fp32"):
-        raise fail(f"--dtype {dtype}: expected bf16 or fp32", EXIT_CONFIG)
+    from trainer.drafter_dir import dtype_problem
+
+    if dtype_problem(dtype):  # a quantized export is refused with its reason, before any connection
+        raise fail(dtype_problem(dtype), EXIT_CONFIG)
     if not to.strip():  # an unset $DEST: Path("") would be the current directory
         raise fail(f"--to {to!r}: the destination is empty; name a new or empty directory", EXIT_CONFIG)
     dest = Path(to).expanduser().absolute()
@@ -277,7 +286,8 @@ def export_command(
             run_dir = posixpath.join(ct.config.workspace, "runs", run_id)
             say(f"exporting run {run_id} from {ct}")
             try:
-                manifest = fetch(ct, caller, run_dir, step, dtype, dest, say, byteprogress.receiving, earlier=earlier)
+                manifest = fetch(ct, caller, run_dir, step, dtype, dest, say, byteprogress.receiving, earlier=earlier,
+                                 best=best)
             except ExportFailed as exc:
                 raise fail(str(exc), exc.code) from None
             except KeyboardInterrupt:
@@ -288,10 +298,14 @@ def export_command(
         if json_out:
             typer.echo(json.dumps({"run_id": run_id, "container": ct.ctid, "node": ct.node_name, "to": str(dest),
                                    "already": bool(manifest.get("already")),
+                                   "tau": manifest.get("tau"), "best": best,
                                    **{k: manifest[k] for k in ("step", "checkpoint", "dtype", "files", "bytes")}},
                                   sort_keys=True))
         else:
-            typer.echo(f"{dest}: step {manifest['step']} of run {run_id} ({manifest['checkpoint']} in {ct}), "
+            from trainer.serve.export import tau_words
+
+            typer.echo(f"{dest}: step {manifest['step']}{tau_words({**manifest, 'best': best})} of run {run_id} "
+                       f"({manifest['checkpoint']} in {ct}), "
                        f"{len(manifest['files'])} files, {manifest['bytes'] / 2**20:.1f} MiB, sha256 verified"
                        + (" (it was already there, complete)" if manifest.get("already") else ""))
         say(served_check_hint(dest))

@@ -1,5 +1,6 @@
-"""The job forms of `ctl launch`, `ctl tail` and `ctl status` (controller/job.py): several
-``--container NODE:CTID`` make one job. Called from controller/commands/run.py."""
+"""The job forms of `ctl tail`, `ctl status` and `ctl kill-and-rollback` (controller/job.py):
+several ``--container NODE:CTID`` make one job. Called from controller/commands/run.py; a job's
+launch goes through controller/commands/launch.py like every launch."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ from typing import Optional
 
 from controller import config as cfg
 from controller import job
-from controller.commands.plain import (EXIT_CONFIG, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_NOT_DONE, EXIT_REFUSED,
-                                       EXIT_TRANSPORT, echo, fail)
-from controller.jobview import ContainerStream, last_launch_path, remember
+from controller.commands.plain import (EXIT_FAILED, EXIT_NOT_DONE, EXIT_REFUSED,
+                                       echo, fail)
+from controller.jobview import ContainerStream, last_launch_path
 from controller.session import open_containers
 
 
@@ -29,67 +30,13 @@ def from_config(section) -> tuple[list[str], str, str]:
     return containers, roles("target_gpus"), roles("drafter_gpus")
 
 
-def _default_node(ctl_config: Optional[str], node: Optional[str]) -> Optional[str]:
+def default_node(ctl_config: Optional[str], node: Optional[str]) -> Optional[str]:
     if node:
         return node
     try:
         return cfg.load(ctl_config).default_node
     except cfg.ConfigError:
         return None
-
-
-def launch(containers: list[str], run_config, start: dict, *, node: Optional[str], target_gpus: Optional[str],
-           drafter_gpus: Optional[str], accept_drift: bool, follow: bool, json_out: bool, wandb_key: Optional[str],
-           ctl_config: Optional[str], trust_new_host_key: bool, dist_timeout: Optional[int] = None,
-           share_gpus: bool = False) -> int:
-    from controller.launch import LaunchRefused
-    from controller.render import RenderError
-    from controller.runconfig import RunConfigError
-    from controller.transport import TransportError
-
-    try:
-        members = job.plan(containers, target_gpus, drafter_gpus, _default_node(ctl_config, node))
-    except job.JobError as exc:
-        raise fail(str(exc), EXIT_CONFIG) from None
-    say = (lambda line: echo(line, err=True)) if json_out else echo
-    from controller import interrupts
-
-    # Ctrl-C before the first commit starts nothing; from it on it waits for the report below
-    # (controller/interrupts.py; a container that did not start stops the others: controller/job.py).
-    with interrupts.guarded():
-        try:
-            with open_containers(members, ctl_config, trust_new_host_key) as cts:
-                result = job.launch(cts, members, run_config, start, say=say, accept_drift=accept_drift,
-                                    wandb_key=wandb_key, dist_timeout=dist_timeout, share_gpus=share_gpus)
-        except (job.JobError, RunConfigError, RenderError, cfg.ConfigError) as exc:
-            raise fail(str(exc), EXIT_CONFIG) from None
-        except job.JobStartLost as exc:
-            raise fail(str(exc), EXIT_INTERRUPTED if interrupts.interrupted() else EXIT_TRANSPORT) from None
-        except LaunchRefused as exc:
-            raise fail(f"job refused — nothing was started:\n  {exc}", EXIT_REFUSED) from None
-        except TransportError as exc:
-            raise fail(str(exc), EXIT_TRANSPORT) from None
-        except KeyboardInterrupt:
-            raise fail("interrupted before the job's runs were created: nothing was started", EXIT_INTERRUPTED) from None
-        job.save_record(ctl_config, result)
-        remember(ctl_config, members[0].node, members[0].ctid, result.run_id)
-        labels = [m.label for m in members]
-        follow_line, stop_line = f"ctl tail --run {result.run_id} --follow", f"ctl kill-and-rollback --run {result.run_id}"
-        if json_out:
-            echo(json.dumps({"run_id": result.run_id, "job": True, "containers": labels,
-                                   "endpoint": result.endpoint, "layout": job.layout(members), "starts": result.starts,
-                                   "timings": result.timings}, sort_keys=True))
-        else:
-            echo(f"job {result.run_id} started in {', '.join(labels)} (rendezvous {result.endpoint}, "
-                       f"{result.timings['total_s']:.1f} s)")
-            for line in interrupts.how_to_follow_and_stop(follow_line, stop_line):
-                echo(line)
-    if interrupts.interrupted():
-        raise fail(interrupts.went_on(f"job {result.run_id}", follow_line, stop_line), EXIT_INTERRUPTED)
-    if follow:
-        return tail(members, result.run_id, ctl_config=ctl_config, follow=True, raw=False, since=0,
-                    trust_new_host_key=trust_new_host_key)
-    return 0
 
 
 def tail(members: list[job.Member], run_id: str, *, ctl_config: Optional[str], follow: bool, raw: bool, since: int,

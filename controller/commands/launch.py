@@ -12,13 +12,14 @@ Exit codes as there: 3 when the launch is refused and nothing was started.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import typer
 
-from controller.commands.remote import (EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_REFUSED, EXIT_TRANSPORT, TrustOpt,
-                                        container_checked, container_session, fail)
+from controller.commands.remote import (EXIT_CONFIG, EXIT_CONTAINER, EXIT_INTERRUPTED, EXIT_REFUSED, EXIT_TRANSPORT,
+                                        TrustOpt, container_checked, fail)
 from controller.commands.run import CtlConfigOpt, NodeOpt
 from controller.commands.watch import _follow
 from controller.container import Container
@@ -65,102 +66,123 @@ def launch_command(
                                   help="first take `pct snapshot <ctid> ctl-<run>` (snapshot-capable storage only; "
                                        "`ctl kill-and-rollback --to snapshot:ctl-<run>` restores it)"),
 ) -> None:
-    """Preflight, drift check and start of a training run in a container: one SSH connection."""
+    """Preflight, drift check and start of a run: a training run in one container or as a job
+    across several, or a data job (prepare, regenerate); one SSH connection per node."""
     # Here, not at the top: the run config's models (pydantic) are a third of what `ctl status`
     # or `ctl tail` would otherwise spend starting (docs/benchmarks.md).
-    from controller import configfile, runconfig
-    from controller.agentcall import AgentCaller
-    from controller.launch import LaunchRefused
-    from controller.render import RenderError
+    from controller import runconfig
 
-    from controller.commands import job as job_cmd
-
-    if _data_kind(config):
-        raise typer.Exit(_launch_data_job(container, config, node=node, sets=sets, follow=follow, json_out=json_out,
-                                          ctl_config=ctl_config, trust_new_host_key=trust_new_host_key,
-                                          start=(from_scratch, resume_from, init_from), snapshot=snapshot,
-                                          overrides={"target_model": target_model, "data_dir": data_dir,
-                                                     "output_dir": output_dir, "target_gpus": target_gpus,
-                                                     "drafter_gpus": drafter_gpus, "wandb_run_name": wandb_run_name}))
-    # Several containers (or none, and the config's [[job.containers]]): one job (controller/job.py).
-    is_job = job_cmd.is_job(container) or not container
+    overrides = {"target_model": target_model, "data_dir": data_dir, "output_dir": output_dir,
+                 "target_gpus": target_gpus, "drafter_gpus": drafter_gpus, "wandb_run_name": wandb_run_name}
     # Everything that can be checked here is, before any connection is opened.
     try:
-        start = runconfig.start_decision(from_scratch, resume_from, init_from)
-        run_config = configfile.load(config, overrides={"target_model": target_model, "data_dir": data_dir,
-                                               "output_dir": output_dir,
-                                               "target_gpus": None if is_job else target_gpus,
-                                               "drafter_gpus": None if is_job else drafter_gpus,
-                                               "wandb_run_name": wandb_run_name},
-                            sets=sets)
-        wandb_key = run_config.wandb.read_key()
+        if _data_kind(config):
+            plan = _data_plan(container, config, node=node, sets=sets, ctl_config=ctl_config, overrides=overrides,
+                              start=(from_scratch, resume_from, init_from), snapshot=snapshot)
+        else:
+            plan = _train_plan(container, config, node=node, sets=sets, ctl_config=ctl_config, overrides=overrides,
+                               start=(from_scratch, resume_from, init_from), snapshot=snapshot,
+                               accept_drift=accept_drift, share_gpus=share_gpus)
     except runconfig.RunConfigError as exc:
         raise fail(str(exc), EXIT_CONFIG) from None
+    raise typer.Exit(_launch(plan, ctl_config=ctl_config, trust_new_host_key=trust_new_host_key,
+                             json_out=json_out, follow=follow))
+
+
+@dataclass
+class _Plan:
+    """One launch as the front-end runs it: which containers, what starts there, and how the
+    start is reported. Every kind (a run, a job across containers, a data job) goes through
+    :func:`_launch`, so a refusal, a lost reply or a Ctrl-C reads the same for all."""
+
+    members: list  # controller.job.Member, in rank order
+    run_id: str
+    what: str  # "launch" or "job": how a refusal names it
+    start: Callable  # (containers, say) -> the launch's result
+    report: Callable  # (containers, result) -> (lines, json object)
+    follow_line: str
+    stop_line: str
+    on_started: Callable = lambda result: None
+
+
+def _container_ids(container: List[str]) -> list[str]:
+    for c in container:
+        if ":" not in c:
+            container_checked(c)
+    return list(container)
+
+
+def _member(container: str, node: Optional[str], ctl_config: Optional[str]):
+    """The one container of a single launch, on the default node unless named."""
+    from controller import config as cfg
+    from controller.job import Member
+
+    try:
+        name = cfg.load(ctl_config).node(node)[0]
+    except cfg.ConfigError as exc:
+        raise fail(str(exc), EXIT_CONFIG) from None
+    return Member(name, str(int(container_checked(container))))
+
+
+def _train_plan(container, config, *, node, sets, ctl_config, overrides, start, snapshot, accept_drift,
+                share_gpus) -> _Plan:
+    from agent.protocol import new_run_id
+    from controller import configfile, job, runconfig
+    from controller.commands import job as job_cmd
+
+    container = _container_ids(container)
+    is_job = job_cmd.is_job(container) or not container
+    decision = runconfig.start_decision(*start)
+    run_config = configfile.load(config, overrides={**overrides, **({"target_gpus": None, "drafter_gpus": None}
+                                                                    if is_job else {})}, sets=sets)
+    wandb_key = run_config.wandb.read_key()
+    run_id = new_run_id(run_config.name)
     if not container:
         if run_config.job is None:
             raise fail("--container is required (or a [[job.containers]] table in the run config)", EXIT_CONFIG)
         container, target_gpus, drafter_gpus = job_cmd.from_config(run_config.job)
-    if is_job:
-        raise typer.Exit(job_cmd.launch(container, run_config, start, node=node, target_gpus=target_gpus,
-                                        drafter_gpus=drafter_gpus, accept_drift=accept_drift, follow=follow,
-                                        json_out=json_out, wandb_key=wandb_key, ctl_config=ctl_config,
-                                        trust_new_host_key=trust_new_host_key, share_gpus=share_gpus))
-    container = int(container_checked(container[0]))
-    say = (lambda line: typer.echo(line, err=True)) if json_out else typer.echo
-    from agent.protocol import new_run_id
-    from controller import interrupts
-    from controller.transport import TransportError
+    else:
+        target_gpus, drafter_gpus = overrides["target_gpus"], overrides["drafter_gpus"]
+    if not is_job:
+        member = _member(container[0], node, ctl_config)
 
-    run_id = new_run_id(run_config.name)
-    with container_session(container, node, ctl_config, trust_new_host_key) as ct:
-        follow_line = f"ctl tail --container {ct.ctid} --run {run_id} --follow"
-        stop_line = f"ctl kill-and-rollback --container {ct.ctid} --run {run_id}"
+        def start_one(cts, say):
+            return _launch_one(cts[0], run_config, decision, snapshot=snapshot, say=say, accept_drift=accept_drift,
+                               wandb_key=wandb_key, share_gpus=share_gpus, run_id=run_id)
 
-        def maybe_started(why: object, code: int) -> SystemExit:
-            """The commit was sent and its reply lost: the run may have started regardless."""
-            return fail(f"{why}; run {run_id} may have started in {ct}: check with `ctl status --container {ct.ctid} "
-                        f"--run {run_id}`; follow: `{follow_line}`; stop: `{stop_line}`",
-                        EXIT_INTERRUPTED if interrupts.interrupted() else code)
-        # Ctrl-C before the commit: nothing started; from the commit on: held until the run id
-        # and how to follow and stop it are printed (controller/interrupts.py).
-        with interrupts.guarded():
-            try:
-                result = _launch_one(ct, run_config, start, snapshot=snapshot, say=say, accept_drift=accept_drift,
-                                     wandb_key=wandb_key, share_gpus=share_gpus, run_id=run_id)
-            except (runconfig.RunConfigError, RenderError) as exc:
-                raise fail(str(exc), EXIT_CONFIG) from None
-            except LaunchRefused as exc:
-                if not exc.certain:
-                    raise maybe_started(exc, EXIT_REFUSED) from None
-                raise fail(f"launch refused — nothing was started:\n  {exc}", EXIT_REFUSED) from None
-            except KeyboardInterrupt:
-                raise fail(f"interrupted before run {run_id} was created in {ct}: nothing was started",
-                           EXIT_INTERRUPTED) from None
-            except TransportError as exc:
-                if not interrupts.holding():
-                    raise
-                raise maybe_started(exc, EXIT_TRANSPORT) from None
-            interrupts.pause_point("launch.started")
-            remember(ctl_config, ct.node_name, ct.ctid, result.run_id)
-            first = result.starts[0]
-            if json_out:
-                typer.echo(json.dumps({"run_id": result.run_id,
-                                       "run_dir": f"{ct.config.workspace}/runs/{result.run_id}",
-                                       "container": ct.ctid,
-                                       "node": ct.node_name, "start": first, "round_trips": result.round_trips,
-                                       "timings": result.timings}, sort_keys=True))
-            else:
-                typer.echo(f"run {result.run_id} started in {ct}: state {first.get('state')}, agent pid "
-                           f"{first.get('agent_pid')}, job pid {first.get('job_pid')} ({result.round_trips} round "
-                           f"trips, {result.timings['total_s']:.1f} s)")
-                for line in interrupts.how_to_follow_and_stop(follow_line, stop_line):
-                    typer.echo(line)
-        if interrupts.interrupted():
-            raise fail(interrupts.went_on(f"run {run_id}", follow_line, stop_line, where=f" in {ct}"), EXIT_INTERRUPTED)
-        code = 0
-        if follow:
-            code = _follow(ct, AgentCaller(ct), result.run_id, 0, True, False)
-    raise typer.Exit(code)
+        def report_one(cts, result):
+            ct, first = cts[0], result.starts[0]
+            return ([f"run {result.run_id} started in {ct}: state {first.get('state')}, agent pid "
+                     f"{first.get('agent_pid')}, job pid {first.get('job_pid')} ({result.round_trips} round "
+                     f"trips, {result.timings['total_s']:.1f} s)"],
+                    {"run_id": result.run_id, "run_dir": f"{ct.config.workspace}/runs/{result.run_id}",
+                     "container": ct.ctid, "node": ct.node_name, "start": first,
+                     "round_trips": result.round_trips, "timings": result.timings})
+
+        return _Plan([member], run_id, "launch", start_one, report_one,
+                     f"ctl tail --container {member.ctid} --run {run_id} --follow",
+                     f"ctl kill-and-rollback --container {member.ctid} --run {run_id}")
+    if snapshot:
+        raise fail("--snapshot: a job across containers takes no snapshot; snapshot each container with "
+                   "`pct snapshot` first, or launch one container", EXIT_CONFIG)
+    try:
+        members = job.plan(container, target_gpus, drafter_gpus, job_cmd.default_node(ctl_config, node))
+    except job.JobError as exc:
+        raise fail(str(exc), EXIT_CONFIG) from None
+
+    def start_job(cts, say):
+        return job.launch(cts, members, run_config, decision, say=say, accept_drift=accept_drift,
+                          wandb_key=wandb_key, share_gpus=share_gpus, run_id=run_id)
+
+    def report_job(cts, result):
+        labels = [m.label for m in members]
+        return ([f"job {result.run_id} started in {', '.join(labels)} (rendezvous {result.endpoint}, "
+                 f"{result.timings['total_s']:.1f} s)"],
+                {"run_id": result.run_id, "job": True, "containers": labels, "endpoint": result.endpoint,
+                 "layout": job.layout(members), "starts": result.starts, "timings": result.timings})
+
+    return _Plan(members, run_id, "job", start_job, report_job, f"ctl tail --run {run_id} --follow",
+                 f"ctl kill-and-rollback --run {run_id}", on_started=lambda result: job.save_record(ctl_config, result))
 
 
 def _data_kind(config: Path) -> Optional[str]:
@@ -174,20 +196,14 @@ def _data_kind(config: Path) -> Optional[str]:
     return None if kind == "train" else str(kind)
 
 
-def _launch_data_job(container: List[str], config: Path, *, node, sets, follow, json_out, ctl_config,
-                     trust_new_host_key, start, snapshot, overrides) -> int:
+def _data_plan(container, config, *, node, sets, ctl_config, overrides, start, snapshot) -> _Plan:
     """A prepare or regenerate job (controller/datalaunch.py) in one container."""
-    from controller import configfile, runconfig
-    from controller.agentcall import AgentCaller
+    from agent.protocol import new_run_id
+    from controller import configfile
     from controller.datalaunch import DataLauncher, job_secret
-    from controller.launch import LaunchRefused
-    from controller.render import RenderError
 
-    try:
-        run_config = configfile.load(config, overrides=overrides, sets=sets)
-        secret = job_secret(run_config)  # read here, before any connection
-    except runconfig.RunConfigError as exc:
-        raise fail(str(exc), EXIT_CONFIG) from None
+    run_config = configfile.load(config, overrides=overrides, sets=sets)
+    secret = job_secret(run_config)  # read here, before any connection
     kind = run_config.job_kind
     given = [name for name, v in zip(("--from-scratch", "--resume-from", "--init-from"), start) if v]
     if given:
@@ -198,29 +214,115 @@ def _launch_data_job(container: List[str], config: Path, *, node, sets, follow, 
     if len(container) != 1:
         raise fail(f"--container: a {kind.name} job runs in one container; give its id, e.g. --container 200",
                    EXIT_CONFIG)
-    container_checked(container[0])
+    member = _member(container[0], node, ctl_config)
+    run_id = new_run_id(run_config.name)
+
+    def start_data(cts, say):
+        return DataLauncher(cts[0], run_config, say=say, secret=secret, run_id=run_id).run()
+
+    def report_data(cts, result):
+        ct, first = cts[0], result.start_reply
+        return ([f"{kind.name} job {result.run_id} started in {ct}: state {first.get('state')}, agent pid "
+                 f"{first.get('agent_pid')}, job pid {first.get('job_pid')} ({result.round_trips} round trips, "
+                 f"{result.timings['total_s']:.1f} s)"],
+                {"run_id": result.run_id, "run_dir": result.run_dir, "container": ct.ctid, "node": ct.node_name,
+                 "kind": kind.name, "start": first, "round_trips": result.round_trips, "timings": result.timings})
+
+    return _Plan([member], run_id, "launch", start_data, report_data,
+                 f"ctl tail --container {member.ctid} --run {run_id} --follow",
+                 f"ctl stop --container {member.ctid} --run {run_id}")
+
+
+def _launch(plan: _Plan, *, ctl_config: Optional[str], trust_new_host_key: bool, json_out: bool,
+            follow: bool) -> int:
+    """The one front-end of every launch: open the containers, start, and say what happened —
+    one refusal line, one lost-reply line, one Ctrl-C rule and one report for every kind."""
+    from controller import config as cfg
+    from controller import interrupts
+    from controller.commands import job as job_cmd
+    from controller.container import ContainerError
+    from controller.job import JobError, JobStartLost
+    from controller.launch import LaunchRefused
+    from controller.render import RenderError
+    from controller.runconfig import RunConfigError
+    from controller.session import open_containers
+    from controller.transport import CommandError, TransportError
+
     say = (lambda line: typer.echo(line, err=True)) if json_out else typer.echo
-    with container_session(int(container[0]), node, ctl_config, trust_new_host_key) as ct:
-        try:
-            result = DataLauncher(ct, run_config, say=say, secret=secret).run()
-        except RenderError as exc:
-            raise fail(str(exc), EXIT_CONFIG) from None
-        except LaunchRefused as exc:
-            raise fail(f"launch refused — nothing was started:\n  {exc}", EXIT_REFUSED) from None
-        remember(ctl_config, ct.node_name, ct.ctid, result.run_id)
-        first = result.start_reply
-        if json_out:
-            typer.echo(json.dumps({"run_id": result.run_id, "run_dir": result.run_dir, "container": ct.ctid,
-                                   "node": ct.node_name, "kind": kind.name, "start": first,
-                                   "round_trips": result.round_trips, "timings": result.timings}, sort_keys=True))
-        else:
-            typer.echo(f"{kind.name} job {result.run_id} started in {ct}: state {first.get('state')}, agent pid "
-                       f"{first.get('agent_pid')}, job pid {first.get('job_pid')} ({result.round_trips} round trips, "
-                       f"{result.timings['total_s']:.1f} s)")
-            typer.echo(f"  follow: ctl tail --container {ct.ctid} --run {result.run_id} --follow")
-        if follow:
-            return _follow(ct, AgentCaller(ct), result.run_id, 0, True, False)
-    return 0
+    single = len(plan.members) == 1
+    noun = "run" if single else "job"
+    where = f" in container {plan.members[0].ctid} on node {plan.members[0].node}" if single else ""
+
+    def maybe_started(why: object, code: int) -> SystemExit:
+        """A start was sent and its reply lost: the run may have started regardless."""
+        check = (f"ctl status --container {plan.members[0].ctid} --run {plan.run_id}" if single
+                 else f"ctl status --run {plan.run_id}")
+        return fail(f"{why}; {noun} {plan.run_id} may have started{where}: check with `{check}`; follow: "
+                    f"`{plan.follow_line}`; stop: `{plan.stop_line}`",
+                    EXIT_INTERRUPTED if interrupts.interrupted() else code)
+
+    def started(cts) -> object:
+        # Ctrl-C before the first commit starts nothing; from it on it is held until the run id
+        # and how to follow and stop it are printed (controller/interrupts.py).
+        with interrupts.guarded():
+            try:
+                result = plan.start(cts, say)
+            except (JobError, RunConfigError, RenderError) as exc:
+                raise fail(str(exc), EXIT_CONFIG) from None
+            except JobStartLost as exc:
+                raise fail(str(exc), EXIT_INTERRUPTED if interrupts.interrupted() else EXIT_TRANSPORT) from None
+            except LaunchRefused as exc:
+                if not exc.certain:
+                    raise maybe_started(exc, EXIT_REFUSED) from None
+                raise fail(f"{plan.what} refused — nothing was started:\n  {exc}", EXIT_REFUSED) from None
+            except KeyboardInterrupt:
+                raise nothing_started from None
+            except TransportError as exc:
+                if interrupts.holding():
+                    raise maybe_started(exc, EXIT_TRANSPORT) from None
+                raise
+            interrupts.pause_point("launch.started")
+            plan.on_started(result)
+            state["started"] = True
+            remember(ctl_config, plan.members[0].node, plan.members[0].ctid, plan.run_id)
+            lines, record = plan.report(cts, result)
+            if json_out:
+                typer.echo(json.dumps(record, sort_keys=True))
+            else:
+                for line in lines + interrupts.how_to_follow_and_stop(plan.follow_line, plan.stop_line):
+                    typer.echo(line)
+        if interrupts.interrupted():
+            raise fail(interrupts.went_on(f"{noun} {plan.run_id}", plan.follow_line, plan.stop_line, where=where),
+                       EXIT_INTERRUPTED)
+        return result
+
+    nothing_started = fail(f"interrupted before {noun} {plan.run_id} was created{where}: nothing was started",
+                           EXIT_INTERRUPTED)
+    state = {"started": False}
+    try:
+        with open_containers(plan.members, ctl_config, trust_new_host_key) as cts:
+            started(cts)
+            if follow and single:  # over the same connection
+                from controller.agentcall import AgentCaller
+
+                return _follow(cts[0], AgentCaller(cts[0]), plan.run_id, 0, True, False)
+    except cfg.ConfigError as exc:
+        raise fail(str(exc), EXIT_CONFIG) from None
+    except TransportError as exc:
+        raise fail(str(exc), EXIT_TRANSPORT) from None
+    except ContainerError as exc:
+        raise fail(str(exc), getattr(exc, "exit_code", EXIT_CONTAINER)) from None
+    except CommandError as exc:
+        raise fail(str(exc), exc.result.returncode or 1) from None
+    except KeyboardInterrupt:
+        if state["started"]:
+            raise fail(interrupts.went_on(f"{noun} {plan.run_id}", plan.follow_line, plan.stop_line, where=where),
+                       EXIT_INTERRUPTED) from None
+        raise nothing_started from None
+    if not follow:
+        return 0
+    return job_cmd.tail(plan.members, plan.run_id, ctl_config=ctl_config, follow=True, raw=False, since=0,
+                        trust_new_host_key=trust_new_host_key)
 
 
 def _launch_one(ct: Container, run_config, start: dict, *, snapshot: bool, say, accept_drift: bool,

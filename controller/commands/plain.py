@@ -22,7 +22,7 @@ from controller.exitcodes import CtlExit
 from controller.session import open_runner
 from controller.transport import CommandError, TransportError
 
-# When set, `ctl` writes {"ssh_connections": N} here on exit (bench/exec_roundtrip.py, tests).
+# When set, `ctl` writes {"ssh_connections": N} here on exit (bench/ctl_exec/roundtrip.py, tests).
 ENV_STATS = "DFLASH_CTL_STATS"
 
 # Exit codes of ctl itself (a remote command's own code passes through unchanged); their
@@ -117,7 +117,8 @@ def container_session(container: int, node: Optional[str], config_path: Optional
     except CommandError as exc:
         raise fail(str(exc), exc.result.returncode or 1) from None
     except KeyboardInterrupt:
-        # pct exec does not forward signals (research §1.1): closing our side is not a kill.
+        # pct exec does not forward signals (docs/research/proxmox-and-supervision.md §1.1):
+        # closing our side is not a kill.
         raise fail(f"interrupted; whatever was started in container {container} may still be running "
                    f"(pct exec does not forward signals): check with `ctl exec -c {container} -- ps -ef`",
                    EXIT_INTERRUPTED) from None

@@ -183,6 +183,12 @@ def status_in(container: Optional[int], run: Optional[str], json_out: bool, node
     container, node = container_or_last_launch(container, node, ctl_config)
     with container_session(container, node, ctl_config, trust_new_host_key, one_shot=True) as ct:
         reply = resolve_run(ct, AgentCaller(ct), run)
+        from controller import kernellog
+
+        # a rank dead or a GPU lost: what the node's own kernel log says of that moment
+        evidence = kernellog.for_run(ct, reply)
+        if evidence is not None:
+            reply["node_evidence"] = evidence.to_json()
         if json_out:
             echo(json.dumps(reply, sort_keys=True, indent=1))
         else:

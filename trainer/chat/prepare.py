@@ -207,6 +207,7 @@ def _fill(inputs: Sequence[str], writer: ShardWriter, shard_tokens: int, progres
     for path in inputs:
         kind, fmt, form = _kind(path)
         size = os.path.getsize(path) if os.path.isfile(path) else None
+        first = len(lengths)
         if kind == "tokenized":
             source = {"file": os.path.basename(path), "bytes": size, "lines": 0}
             samples = _tokenized(path, source)
@@ -242,6 +243,9 @@ def _fill(inputs: Sequence[str], writer: ShardWriter, shard_tokens: int, progres
         progress.finish()
         if kind != "tokenized":
             source["rows"] = stats.rows - rows_before
+        # samples are written in input order: these counts give each sample its source, so τ can
+        # be reported per category (chat, code, math: the input files' names)
+        source["samples"] = len(lengths) - first
         sources.append(source)
     if not lengths:
         if stats and stats.rows:

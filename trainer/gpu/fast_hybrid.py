@@ -4,7 +4,7 @@ soft labels, the final normed hidden state. trainer/gpu/fast_target.py does the 
 Qwen3 targets; this is its hybrid counterpart, over the transformers model's own weights.
 
 Per layer, against transformers' Qwen3_5DecoderLayer (the same math, tested on CPU in
-tests/test_trainer_hybrid.py and on an H200 by bench/gpu/hybrid.py):
+tests/test_trainer_hybrid.py and on an H200 by bench/target_forward/hybrid.py):
 
 * one GEMM per projection group: Gated DeltaNet in_proj_qkv | in_proj_z | in_proj_b |
   in_proj_a; full attention q_proj (query and output gate interleaved per head) | k_proj |
@@ -25,17 +25,22 @@ tests/test_trainer_hybrid.py and on an H200 by bench/gpu/hybrid.py):
   reduces to plain RoPE for text: all three position components are equal);
 * Qwen3.5's zero-centred RMSNorm (x̂ · (1 + w), in fp32) fused with the residual add;
 * it stops after the last tapped layer unless the final state is wanted, and keeps no
-  hidden state but the tapped ones.
+  hidden state but the tapped ones;
+* with FP8 weights (trainer/gpu/fp8.py) every projection is an e4m3 GEMM whose input is
+  quantized per row by its producer: the zero-centred norms, SiLU·up, the gated attention
+  output, the Gated DeltaNet's gated norm (each compiled with its quantization on CUDA).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
 from trainer import family
+from trainer.gpu import fp8
 from trainer.layers import fused_ops as fo
 from trainer.gpu.fast_target import TargetLayer  # a gated full-attention layer: wqkv holds query | gate per head, k, v
 
@@ -127,6 +132,41 @@ gated_norm = _maybe_compile(_gated_norm)
 qk_prep = _maybe_compile(_qk_prep)
 
 
+def _gated_heads(o, gate):
+    """Gated attention's o-projection input: the heads merged, times sigmoid of the gate."""
+    b, h, L, d = o.shape
+    return o.transpose(1, 2).reshape(b, L, h * d) * torch.sigmoid(gate.reshape(b, L, h * d))
+
+
+def _merged_norm(o, z, w, eps: float):
+    """The Gated DeltaNet's out-projection input [b, L, Hv·dv]."""
+    b, L = o.shape[:2]
+    return _gated_norm(o, z, w, eps).reshape(b, L, -1)
+
+
+def _q(fn):
+    """``fn`` with its output quantized per row in the same compiled op (fp8.quantize_rows)."""
+    def produce(*args):
+        return fp8.quantize_rows(fn(*args))
+    return _maybe_compile(produce)
+
+
+def _add_rms1p_q(x, y, w, eps: float):
+    r = x + y
+    return r, fp8.quantize_rows(_rms1p(r, w, eps))
+
+
+# What a hybrid layer calls per precision (fp8.BF16/FP8's counterpart for this family's norms
+# and gated outputs): a producer gives the next GEMM's input, ``mm`` consumes it.
+# The bf16 set is the forward as it was: eager gate, compiled gated norm.
+BF16_OPS = SimpleNamespace(name="bf16", norm=rms1p, add_norm=add_rms1p, silu_mul=fo.silu_mul, gated_heads=_gated_heads,
+                           merged_norm=lambda o, z, w, eps: gated_norm(o, z, w, eps).reshape(*o.shape[:2], -1),
+                           mm=fp8.BF16.mm)
+FP8_OPS = SimpleNamespace(name="fp8", norm=_q(_rms1p), add_norm=_maybe_compile(_add_rms1p_q),
+                          silu_mul=fp8.FP8.silu_mul, gated_heads=_q(_gated_heads), merged_norm=_q(_merged_norm),
+                          mm=fp8.mm)
+
+
 def chunk_gated_delta_rule(q, k, v, g, beta):
     """o [b, L, Hv, dv] of the gated delta rule on L2-normalised q/k [b, L, Hk, dk] (Hk
     divides Hv: grouped value attention, value head j reads key head j // (Hv / Hk)), q
@@ -215,6 +255,7 @@ class FastHybridTarget:
         self.layer_ids = list(layer_ids)
         self.final_norm = final_norm
         self._rope = None
+        self.ops = FP8_OPS if layers and isinstance(layers[0].wgu, fp8.Fp8Weight) else BF16_OPS
 
     def _tables(self, L: int, device):
         if self._rope is None or self._rope[0].shape[0] < L:
@@ -226,44 +267,49 @@ class FastHybridTarget:
         return self._rope[0][:L], self._rope[1][:L]
 
     def _mixer(self, w, h, cos, sin):
-        """The token mixer's output [b, L, H] of one layer on normed states h."""
-        d = self.dims
-        b, L, _ = h.shape
+        """The token mixer's output [b, L, H] of one layer on normed states h (a tensor, or
+        FP8's (e4m3, scale))."""
+        d, ops = self.dims, self.ops
+        b, L = input_shape(h)
         if isinstance(w, TargetLayer):
             q_dim, kv_dim = d.heads * d.head_dim, d.kv_heads * d.head_dim
-            qg, k, v = (h @ w.wqkv.t()).split([2 * q_dim, kv_dim, kv_dim], dim=-1)
+            qg, k, v = ops.mm(h, w.wqkv).split([2 * q_dim, kv_dim, kv_dim], dim=-1)
             q, gate = qg.view(b, L, d.heads, 2 * d.head_dim).chunk(2, dim=-1)
             q, k = qk_prep(q, k.view(b, L, d.kv_heads, d.head_dim), w.qn, w.kn, cos, sin, d.eps)
             o = causal_attention(q, k, v.view(b, L, d.kv_heads, d.head_dim).transpose(1, 2))
-            o = o.transpose(1, 2).reshape(b, L, q_dim) * torch.sigmoid(gate.reshape(b, L, q_dim))
-            return o @ w.wo.t()
+            return ops.mm(ops.gated_heads(o, gate), w.wo)
         key_dim, value_dim = d.lin_k_heads * d.lin_k_dim, d.lin_v_heads * d.lin_v_dim
-        qkv, z, bb, a = (h @ w.w_in.t()).split([2 * key_dim + value_dim, value_dim, d.lin_v_heads, d.lin_v_heads], -1)
+        qkv, z, bb, a = ops.mm(h, w.w_in).split([2 * key_dim + value_dim, value_dim, d.lin_v_heads, d.lin_v_heads], -1)
         q, k, v = conv_silu_qkv(qkv, w.conv, key_dim, d.lin_k_dim)
         g, beta = gates(a, bb, w.A_log, w.dt_bias)
         o = chunk_gated_delta_rule(q, k, v.view(b, L, d.lin_v_heads, d.lin_v_dim), g, beta)
-        o = gated_norm(o, z.view(b, L, d.lin_v_heads, d.lin_v_dim), w.norm, d.eps)
-        return o.reshape(b, L, value_dim) @ w.wo.t()
+        return ops.mm(ops.merged_norm(o, z.view(b, L, d.lin_v_heads, d.lin_v_dim), w.norm, d.eps), w.wo)
+
+    @property
+    def precision(self) -> str:
+        return self.ops.name
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, want_final: bool = False):
         """input_ids [b, S] right-padded → (taps [b, S, n·H], final [b, S, H] or None).
         Causal everywhere (attention and the recurrence), so padding never reaches a real
         position."""
-        eps = self.dims.eps
+        eps, ops = self.dims.eps, self.ops
         b, L = input_ids.shape
         x = F.embedding(input_ids, self.embed)
         cos, sin = self._tables(L, input_ids.device)
         last = len(self.layers) - 1 if want_final else max(self.layer_ids)
         taps = {}
-        h = rms1p(x, self.layers[0].ln1, eps)
+        h = ops.norm(x, self.layers[0].ln1, eps)
         for i in range(last + 1):
             w = self.layers[i]
-            x, h = add_rms1p(x, self._mixer(w, h, cos, sin), w.ln2, eps)
-            m = fo.silu_mul(h @ w.wgu.t()) @ w.wd.t()
+            x, h = ops.add_norm(x, self._mixer(w, h, cos, sin), w.ln2, eps)
+            m = ops.mm(ops.silu_mul(ops.mm(h, w.wgu)), w.wd)
             nxt = self.layers[i + 1].ln1 if i < last else self.final_norm
-            if i < last or want_final:
-                x, h = add_rms1p(x, m, nxt, eps)
+            if i < last:
+                x, h = ops.add_norm(x, m, nxt, eps)
+            elif want_final:
+                x, h = add_rms1p(x, m, nxt, eps)  # the final state leaves in the model's dtype
             else:
                 x = x + m
             if i in self.layer_ids:
@@ -281,33 +327,26 @@ class FastHybridTarget:
         with torch.no_grad():
             for lyr in hf_model.layers[:n]:
                 m = lyr.mlp
-                wgu = _fuse((m.gate_proj, m.up_proj), share_weights)
+                wgu = fp8.fuse((m.gate_proj, m.up_proj), share_weights)
                 if hasattr(lyr, "linear_attn"):
                     la = lyr.linear_attn
-                    w_in = _fuse((la.in_proj_qkv, la.in_proj_z, la.in_proj_b, la.in_proj_a), share_weights)
+                    w_in = fp8.fuse((la.in_proj_qkv, la.in_proj_z, la.in_proj_b, la.in_proj_a), share_weights)
                     layers.append(DeltaNetLayer(lyr.input_layernorm.weight, w_in, la.conv1d.weight.view(la.conv1d.weight.shape[0], -1),
-                                                la.A_log, la.dt_bias, la.norm.weight, la.out_proj.weight,
-                                                lyr.post_attention_layernorm.weight, wgu, m.down_proj.weight))
+                                                la.A_log, la.dt_bias, la.norm.weight, fp8.weight_of(la.out_proj),
+                                                lyr.post_attention_layernorm.weight, wgu, fp8.weight_of(m.down_proj)))
                 else:
                     a = lyr.self_attn
-                    wqkv = _fuse((a.q_proj, a.k_proj, a.v_proj), share_weights)
+                    wqkv = fp8.fuse((a.q_proj, a.k_proj, a.v_proj), share_weights)
                     layers.append(TargetLayer(lyr.input_layernorm.weight, wqkv, a.q_norm.weight, a.k_norm.weight,
-                                                      a.o_proj.weight, lyr.post_attention_layernorm.weight, wgu,
-                                                      m.down_proj.weight))
+                                              fp8.weight_of(a.o_proj), lyr.post_attention_layernorm.weight, wgu,
+                                              fp8.weight_of(m.down_proj)))
         return cls(dims, hf_model.embed_tokens.weight, layers, layer_ids, hf_model.norm.weight)
 
 
-def _fuse(linears, share: bool) -> torch.Tensor:
-    """The weights of ``linears`` stacked along their outputs; with ``share`` the layers'
-    own parameters become views of the stacked tensor (memory not doubled)."""
-    fused = torch.cat([m.weight for m in linears])
-    if share:
-        row = 0
-        for m in linears:
-            rows = m.weight.shape[0]
-            m.weight = torch.nn.Parameter(fused[row:row + rows], requires_grad=False)
-            row += rows
-    return fused
+def input_shape(h) -> tuple[int, int]:
+    """(b, L) of a GEMM input: a tensor [b, L, K] or FP8's (e4m3 [b, L, K], scale)."""
+    t = h[0] if isinstance(h, tuple) else h
+    return t.shape[0], t.shape[1]
 
 
 def tokens_per_layer_flops(dims: HybridDims, hidden: int, intermediate: int, layer_type: str, seq_len: int) -> float:

@@ -14,6 +14,12 @@ budget, so the compiled kernels of one budget serve every other.
 
 Build it from an HF model (``FastTarget.from_hf(model.model, layer_ids)``) or with random
 weights directly on the device (``FastTarget.random(shape, …)``, benchmarks).
+
+Precision follows the weights: bf16 tensors, or FP8 (trainer/gpu/fp8.py: ``Fp8Weight`` with
+per-channel scales, given by an HF model whose linears were quantized at load, or
+``random(..., precision="fp8")``), in which case each GEMM's input is quantized per row by the
+compiled op that produces it (the norms, SiLU·up, the attention heads' merge). The taps (the
+residual stream) and the final normed state stay in the model's dtype either way.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from trainer.gpu import fp8
 from trainer.layers import fused_ops as fo
 from trainer.plan.flops import ModelShape
 from trainer.plan.memory import TARGET_CHUNK_TOKENS
@@ -31,13 +38,18 @@ from trainer.plan.memory import TARGET_CHUNK_TOKENS
 @dataclass
 class TargetLayer:
     ln1: torch.Tensor
-    wqkv: torch.Tensor
+    wqkv: torch.Tensor | fp8.Fp8Weight
     qn: torch.Tensor
     kn: torch.Tensor
-    wo: torch.Tensor
+    wo: torch.Tensor | fp8.Fp8Weight
     ln2: torch.Tensor
-    wgu: torch.Tensor
-    wd: torch.Tensor
+    wgu: torch.Tensor | fp8.Fp8Weight
+    wd: torch.Tensor | fp8.Fp8Weight
+
+    def quantized(self) -> "TargetLayer":
+        """This layer with its four GEMM weights in FP8 (per-channel scales)."""
+        q = fp8.Fp8Weight.of
+        return TargetLayer(self.ln1, q(self.wqkv), self.qn, self.kn, q(self.wo), self.ln2, q(self.wgu), q(self.wd))
 
 
 _GQA_OK: dict = {}
@@ -79,6 +91,12 @@ class FastTarget:
         self.rope_theta = rope_theta
         self.attn = sdpa_causal(attn_backend)
         self._rope = None
+        self.ops = fp8.ops_for(layers[0].wqkv) if layers else fp8.BF16
+
+    @property
+    def precision(self) -> str:
+        """"fp8" when the layers' GEMM weights are FP8, else "bf16" (the model's dtype)."""
+        return self.ops.name
 
     def _tables(self, L: int, device):
         if self._rope is None or self._rope[0].shape[0] < L:
@@ -113,18 +131,21 @@ class FastTarget:
         slots = {}  # layer → its column blocks in out (a layer named twice is written twice)
         for j, i in enumerate(self.layer_ids):
             slots.setdefault(i, []).append(j)
-        h = fo.norm(x, self.layers[0].ln1, self.eps)
+        ops = self.ops  # bf16: h is a tensor; fp8: (e4m3, per-row scale) from the producer
+        h = ops.norm(x, self.layers[0].ln1, self.eps)
         for i in range(last + 1):
             w = self.layers[i]
-            q, k, v = fo.qkv_prep(h @ w.wqkv.t(), w.qn, w.kn, cos, sin, s.n_heads, s.n_kv_heads, s.head_dim, self.eps)
-            o = self.attn(q, k, v).transpose(1, 2).reshape(b, L, s.q_dim)
+            q, k, v = fo.qkv_prep(ops.mm(h, w.wqkv), w.qn, w.kn, cos, sin, s.n_heads, s.n_kv_heads, s.head_dim, self.eps)
+            o = ops.heads(self.attn(q, k, v))
             del q, k, v
-            x, h = fo.add_norm(x, o @ w.wo.t(), w.ln2, self.eps)
+            x, h = ops.add_norm(x, ops.mm(o, w.wo), w.ln2, self.eps)
             del o
-            m = fo.silu_mul(h @ w.wgu.t()) @ w.wd.t()
+            m = ops.mm(ops.silu_mul(ops.mm(h, w.wgu)), w.wd)
             nxt = self.layers[i + 1].ln1 if i < last else self.final_norm
-            if nxt is not None and (i < last or want_final):
-                x, h = fo.add_norm(x, m, nxt, self.eps)
+            if nxt is not None and i < last:
+                x, h = ops.add_norm(x, m, nxt, self.eps)
+            elif nxt is not None and want_final:
+                x, h = fo.add_norm(x, m, nxt, self.eps)  # the final state leaves in the model's dtype
             else:
                 x = x + m
             del m
@@ -140,7 +161,8 @@ class FastTarget:
         """From a transformers Qwen3Model (``model.model``). Layers after the last tapped one
         are skipped unless ``keep_all_layers``. The fused q|k|v and gate|up weights are new
         tensors; with ``share_weights`` the transformers layers' own parameters are re-pointed
-        at views of them, so the model's memory is not doubled and both forwards stay usable."""
+        at views of them, so the model's memory is not doubled and both forwards stay usable.
+        An HF model whose linears are FP8 (``fp8.quantize_linears``) gives an FP8 forward."""
         cfg = hf_model.config
         shape = ModelShape.from_hf_config(cfg)
         n = shape.n_layers if keep_all_layers else max(layer_ids) + 1
@@ -148,20 +170,11 @@ class FastTarget:
         with torch.no_grad():
             for lyr in hf_model.layers[:n]:
                 a, m = lyr.self_attn, lyr.mlp
-                qkv = (a.q_proj, a.k_proj, a.v_proj)
-                gu = (m.gate_proj, m.up_proj)
-                wqkv = torch.cat([p.weight for p in qkv])
-                wgu = torch.cat([p.weight for p in gu])
-                if share_weights:
-                    for fused, parts in ((wqkv, qkv), (wgu, gu)):
-                        row = 0
-                        for p in parts:
-                            rows = p.weight.shape[0]
-                            p.weight = torch.nn.Parameter(fused[row:row + rows], requires_grad=False)
-                            row += rows
+                wqkv = fp8.fuse((a.q_proj, a.k_proj, a.v_proj), share_weights)
+                wgu = fp8.fuse((m.gate_proj, m.up_proj), share_weights)
                 layers.append(TargetLayer(
-                    lyr.input_layernorm.weight, wqkv, a.q_norm.weight, a.k_norm.weight, a.o_proj.weight,
-                    lyr.post_attention_layernorm.weight, wgu, m.down_proj.weight))
+                    lyr.input_layernorm.weight, wqkv, a.q_norm.weight, a.k_norm.weight, fp8.weight_of(a.o_proj),
+                    lyr.post_attention_layernorm.weight, wgu, fp8.weight_of(m.down_proj)))
         theta = getattr(cfg, "rope_theta", None) or (getattr(cfg, "rope_parameters", None) or {}).get("rope_theta", 1e6)
         return cls(shape, hf_model.embed_tokens.weight, layers, layer_ids, hf_model.norm.weight,
                    rope_theta=float(theta), eps=float(getattr(cfg, "rms_norm_eps", 1e-6)), attn_backend=attn_backend,
@@ -169,19 +182,31 @@ class FastTarget:
 
     @classmethod
     def random(cls, shape: ModelShape, layer_ids, device="cuda", dtype=torch.bfloat16, n_layers: int | None = None,
-               attn_backend: str = "cudnn", std: float = 0.02, chunk_tokens: int = TARGET_CHUNK_TOKENS):
+               attn_backend: str = "cudnn", std: float = 0.02, chunk_tokens: int = TARGET_CHUNK_TOKENS,
+               precision: str = "bf16", seed: int | None = None):
         """Random weights made on the device (benchmarks): layers 0..max(layer_ids) unless
-        n_layers says more."""
+        n_layers says more; ``precision`` "fp8" quantizes each layer as it is made (the bf16
+        model never exists whole). With ``seed`` the weights are those of any other call with
+        the same seed and shape, whatever the precision (bf16 against fp8 on equal weights)."""
         n = n_layers if n_layers is not None else max(layer_ids) + 1
         H, q, kv, I, hd = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate, shape.head_dim
 
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(seed)
+
         def mat(o, i):
-            return torch.randn(o, i, device=device, dtype=dtype) * std
+            return torch.randn(o, i, device=device, dtype=dtype, generator=gen) * std
 
         def ones(k):
             return torch.ones(k, device=device, dtype=dtype)
 
-        layers = [TargetLayer(ones(H), mat(q + 2 * kv, H), ones(hd), ones(hd), mat(H, q), ones(H),
-                              mat(2 * I, H), mat(H, I)) for _ in range(n)]
-        embed = torch.randn(shape.vocab, H, device=device, dtype=dtype) * std
+        if precision not in ("bf16", "fp8"):
+            raise ValueError(f"precision {precision!r}: expected bf16 or fp8")
+        layers = []
+        for _ in range(n):
+            layer = TargetLayer(ones(H), mat(q + 2 * kv, H), ones(hd), ones(hd), mat(H, q), ones(H), mat(2 * I, H), mat(H, I))
+            layers.append(layer.quantized() if precision == "fp8" else layer)
+        embed = mat(shape.vocab, H)
         return cls(shape, embed, layers, layer_ids, ones(H), attn_backend=attn_backend, chunk_tokens=chunk_tokens)

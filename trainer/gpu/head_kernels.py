@@ -33,7 +33,7 @@ import triton.language as tl
 __all__ = ["stats", "stats_soft", "grad", "grad_soft", "topk", "topk_fits", "STATS_CONFIG", "GRAD_CONFIG"]
 
 # (BLOCK, num_warps): the fastest on an H200 at the operators' chunk (3,968 × 151,936 bf16 rows),
-# what the step's "after" ran (bench/gpu/roofline.py's ``head`` phase; docs/benchmarks.md,
+# what the step's "after" ran (bench/drafter_step/roofline.py's ``head`` phase; docs/benchmarks.md,
 # statistics 1.21 ms, gradient 0.94 ms)
 STATS_CONFIG = (2048, 4)
 GRAD_CONFIG = (8192, 8)

@@ -5,7 +5,7 @@ Layout (per sequence of the batch, shared by every head):
     Q  = the draft blocks, concatenated:        n_blocks × block_size rows
     KV = [ context (ctx_len) | the same blocks ]: ctx_len + n_blocks × block_size columns
 
-Rule (TRAINER_SPEC.md, "Drafter architecture"): a query in block i (anchor a_i) sees
+Rule (docs/trainer-spec.md, "Drafter architecture"): a query in block i (anchor a_i) sees
 
 * context positions kv < a_i — strictly before its anchor, because at inference the
   anchor's own target hidden state is not available yet;

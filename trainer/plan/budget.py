@@ -90,7 +90,9 @@ def run_spec(values, cfg: dict, role: str, token_budget: int, alloc_conf: str | 
         # a split target rank makes its next micro-batch while the last one is still being sent
         resident_microbatches=2 if role == "target" else 1,
         allocator=mm.allocator_of(runtime_env.ALLOC_CONF if alloc_conf is None else alloc_conf),
-        drafter_arch=values.get("drafter_arch") or "dflash")
+        drafter_arch=values.get("drafter_arch") or "dflash",
+        # auto unresolved (the controller's preflight cannot see the GPU's FP8): planned as bf16, the larger
+        target_precision="fp8" if values.get("target_precision") == "fp8" else "bf16")
 
 
 def predictions(values, cfg: dict, token_budget: int, alloc_conf: str | None = None) -> dict[str, mm.Prediction]:

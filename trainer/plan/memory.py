@@ -19,7 +19,9 @@ full ``--max-seq-len`` sequences as the budget allows)
 
 persistent        what lives from load to exit
   target_weights  bf16 layers, embedding, final norm, LM head of the language model (never
-                  a vision tower)                                            (family term)
+                  a vision tower)                                            (family term);
+                  with ``--target-precision fp8`` the decoder's linear layers at 1 B/param
+                  plus an fp32 scale per output channel (embedding, norms, head stay bf16)
   drafter_state   fp32 weights + fp32 gradients + AdamW m and v: 16 B/param — the AdamW
                   state exists only after the first optimizer step, so a one-step probe
                   under-reads by 8 B/param; the model is the steady state (step 2 on)
@@ -47,6 +49,8 @@ per chunk         bounded, whatever the budget
   weights16       the bf16 working copies of the drafter's weights a chunk's backward needs
 
 Phases (the allocated peak is the largest):
+  load       an FP8 target only: the bf16 model as loaded, before its linear layers are
+             quantized one by one (the drafter is built after the target)
   target     the target forward of a micro-batch: persistent + its output buffers + one chunk
   chunk      an anchor chunk's forward + backward: persistent + buffers + context + chunk terms
   ctx_bwd    the context path's backward: persistent + buffers + context + its gradients
@@ -100,19 +104,34 @@ class TargetFamily:
     forward runs in chunks of whole sequences (trainer/gpu/fast_target.py); otherwise every
     forward takes the whole micro-batch at once."""
 
-    weight_bytes: Callable[[ModelShape, int, bool], int]  # (shape, layers loaded, tied) → bytes
-    transient_bytes: Callable[[ModelShape, int, str], int]  # (shape, tokens in one forward, forward) → bytes
+    weight_bytes: Callable[..., int]  # (shape, layers loaded, tied, precision="bf16") → bytes
+    transient_bytes: Callable[..., int]  # (shape, tokens in one forward, forward, precision="bf16") → bytes
     chunked: bool
 
 
-def _dense_weights(s: ModelShape, n_layers: int, tied: bool) -> int:
-    return 2 * (n_layers * (s.layer_params + s.layer_norm_params) + (1 if tied else 2) * s.vocab * s.hidden + s.hidden)
+def fp8_saving(linear_params: int, out_channels: int) -> int:
+    """Bytes an FP8 copy saves against bf16: 1 of 2 bytes per weight, less an fp32 scale per
+    output channel (trainer/gpu/fp8.py)."""
+    return linear_params - 4 * out_channels
 
 
-def _dense_transient(s: ModelShape, tokens: int, forward: str) -> int:
+def _dense_linear(s: ModelShape) -> tuple[int, int]:
+    """(weights, output channels) of one dense layer's linear layers: q|k|v, o, gate|up, down."""
+    return s.layer_params, s.q_dim + 2 * s.kv_dim + 2 * s.hidden + 2 * s.intermediate
+
+
+def _dense_weights(s: ModelShape, n_layers: int, tied: bool, precision: str = "bf16") -> int:
+    bf16 = 2 * (n_layers * (s.layer_params + s.layer_norm_params) + (1 if tied else 2) * s.vocab * s.hidden + s.hidden)
+    return bf16 - (n_layers * fp8_saving(*_dense_linear(s)) if precision == "fp8" else 0)
+
+
+def _dense_transient(s: ModelShape, tokens: int, forward: str, precision: str = "bf16") -> int:
     # the MLP of one layer is the largest moment: residual x, norm output h, gate|up [2I],
     # the gated product [I]; attention (q|k|v, q, k, v, output) is smaller for Qwen3; the
-    # transformers forward's layers hold the same
+    # transformers forward's layers hold the same. FP8: h and the product are e4m3 (1 B; their
+    # per-row scales are 4 B a token)
+    if precision == "fp8":
+        return tokens * (max(3 * s.hidden + 5 * s.intermediate, 3 * s.hidden + 4 * (s.q_dim + 2 * s.kv_dim)) + 8)
     return tokens * 2 * max(2 * s.hidden + 3 * s.intermediate, 2 * s.hidden + 2 * (s.q_dim + 2 * s.kv_dim))
 
 
@@ -131,15 +150,31 @@ def hybrid_layer_params(s: ModelShape, layer_type: str) -> int:
             + 2 * la.v_heads + la.v_dim)
 
 
-def _hybrid_weights(s: ModelShape, n_layers: int, tied: bool) -> int:
+def hybrid_linear(s: ModelShape, layer_type: str) -> tuple[int, int]:
+    """(weights, output channels) of one Qwen3.5/3.6 layer's linear layers: the MLP, and the
+    gated attention's q (query and gate) | k | v and o, or the Gated DeltaNet's
+    q|k|v | z | β | a and out projections."""
+    H, I = s.hidden, s.intermediate
+    if layer_type == family.FULL:
+        out = 2 * s.q_dim + 2 * s.kv_dim
+        return s.mlp_params + H * out + s.q_dim * H, out + H + 2 * I + H
+    la = s.linear
+    out = 2 * la.key_dim + 2 * la.value_dim + 2 * la.v_heads
+    return s.mlp_params + H * out + la.value_dim * H, out + H + 2 * I + H
+
+
+def _hybrid_weights(s: ModelShape, n_layers: int, tied: bool, precision: str = "bf16") -> int:
     layers = sum(hybrid_layer_params(s, t) for t in s.layer_types[:n_layers])
-    return 2 * (layers + (1 if tied else 2) * s.vocab * s.hidden + s.hidden)
+    bf16 = 2 * (layers + (1 if tied else 2) * s.vocab * s.hidden + s.hidden)
+    if precision != "fp8":
+        return bf16
+    return bf16 - sum(fp8_saving(*hybrid_linear(s, t)) for t in s.layer_types[:n_layers])
 
 
 GDN_CHUNK = 64  # flash-linear-attention's chunk of the gated delta rule
 
 
-def _hybrid_transient(s: ModelShape, tokens: int, forward: str) -> int:
+def _hybrid_transient(s: ModelShape, tokens: int, forward: str, precision: str = "bf16") -> int:
     """A Gated DeltaNet layer is the largest moment (bf16 elements per token, fp32 as two):
     beside x and h, the fused projection q|k|v|z|β|a, the conv output, q and k repeated to
     the value heads, v made contiguous for the kernel, the decay (fp32) and β; inside fla's
@@ -147,7 +182,8 @@ def _hybrid_transient(s: ModelShape, tokens: int, forward: str) -> int:
     the WY factors w and u, every chunk's [dk, dv] state, the corrected v and the output.
     transformers' forward runs the conv and the SiLU as two passes (one more conv-sized
     tensor). The MLP (x, h, gate|up, product) is smaller for Qwen3.6-27B, the gated full
-    attention smaller still; both stay in the max for other widths."""
+    attention smaller still; both stay in the max for other widths. FP8 makes a few of these
+    e4m3 (the norm outputs); the bf16 count is kept as its bound."""
     H, I, la = s.hidden, s.intermediate, s.linear
     kd, vd, hv = la.key_dim, la.value_dim, la.v_heads
     qk = 2 * hv * la.k_dim
@@ -232,6 +268,7 @@ class RunSpec:
     head_chunk_rows: int = HEAD_CHUNK_ROWS
     allocator: Allocator = field(default_factory=lambda: ALLOCATORS["expandable"])
     drafter_arch: str = "dflash"  # trainer/arch.py; dflash2 adds its convolutions and selector
+    target_precision: str = "bf16"  # "bf16" or "fp8" (--target-precision, resolved)
 
     @property
     def batch(self) -> int:
@@ -319,7 +356,8 @@ def predict(s: RunSpec) -> Prediction:
     buf = {"taps": T * s.taps_count * t.hidden * 2, "final": T * t.hidden * 2 if s.soft_labels else 0,
            "ids": T * 16}
     buffers = sum(buf.values()) * max(1, s.resident_microbatches)
-    terms = {"target_weights": fam.weight_bytes(t, n_loaded, s.tied) if has_t else 0,
+    fp8 = s.target_precision == "fp8"
+    terms = {"target_weights": fam.weight_bytes(t, n_loaded, s.tied, s.target_precision) if has_t else 0,
              "drafter_state": 16 * P if has_d else 0,
              "frozen_head": (1 if s.tied else 2) * t.vocab * t.hidden * 2 if s.role == "drafter" else 0,
              **{k: v * max(1, s.resident_microbatches) for k, v in buf.items()}}
@@ -328,15 +366,19 @@ def predict(s: RunSpec) -> Prediction:
     if has_t:
         if s.target_forward == "fast" and fam.chunked:
             per = max(1, s.chunk_tokens // L)
-            tgt = fam.transient_bytes(t, min(b, per) * L, "fast")
+            tgt = fam.transient_bytes(t, min(b, per) * L, "fast", s.target_precision)
         else:
             # the whole micro-batch at once, keeping each tapped layer's output as it goes and
             # concatenating them at the end: the larger of one layer's transient beside the
             # kept taps and of the concatenation (kept taps, their copy, x and h). Its final
             # state is the last h, not a separate buffer.
-            tgt = max(fam.transient_bytes(t, T, s.target_forward), buf["taps"] + 2 * T * t.hidden * 2) - buf["final"]
+            tgt = max(fam.transient_bytes(t, T, s.target_forward, s.target_precision),
+                      buf["taps"] + 2 * T * t.hidden * 2) - buf["final"]
         terms["target_chunk"] = tgt
         phases["target"] = persistent + buffers + tgt
+        if fp8:
+            # loaded in bf16, then quantized layer by layer; nothing else is on the GPU yet
+            phases["load"] = fam.weight_bytes(t, n_loaded, s.tied, "bf16")
     if has_d:
         n_c = max(1, min(s.max_anchors, L - 1, s.chunk_anchors))
         C = n_c * s.block_size
@@ -367,7 +409,7 @@ def drafter_peak_bytes(shape: ModelShape, *, n_layers: int, block_size: int, max
                        max_batch_size: int = 64, chunk_positions: int = 16384,
                        head_chunk_rows: int = HEAD_CHUNK_ROWS, soft_labels: bool = False,
                        double_buffer: bool = True, **_ignored) -> dict:
-    """A drafter rank alone (bench/gpu/run_all.py, ``python -m trainer.gpu.probe``): allocated
+    """A drafter rank alone (``python -m trainer.gpu.probe``): allocated
     peak and its terms. ``double_buffer``: two micro-batches' buffers resident."""
     s = RunSpec(shape, "drafter", token_budget, max_seq_len, max_batch_size, n_layers, n_tapped, block_size,
                 max_anchors, soft_labels, chunk_anchors=max(1, chunk_positions // block_size),

@@ -1,4 +1,4 @@
-"""DDTree-style tree verification for a DFlash drafter (research/dflash.md §6; Ringel &
+"""DDTree-style tree verification for a DFlash drafter (docs/research/dflash.md §6; Ringel &
 Romano, arXiv 2604.12989, ``liranringel/ddtree``), greedy (T = 0), for evaluation.
 
 One round:

@@ -1,4 +1,4 @@
-"""Acceptance length τ by greedy speculative decoding (TRAINER_SPEC.md, "Evaluation").
+"""Acceptance length τ by greedy speculative decoding (docs/trainer-spec.md, "Evaluation").
 
 Each round: the drafter drafts a block from the committed prefix's tapped target states
 (the block is [bonus, MASK × (B-1)] at the next position; each slot's argmax, or for a
@@ -73,10 +73,23 @@ def prompts_from(data, n: int, max_prompt: int = 256) -> list[list[int]]:
 
 
 def acceptance_length(target, drafter, head, data, n_prompts: int, device, max_new: int = EVAL_MAX_NEW) -> float:
+    return evaluate(target, drafter, head, data, n_prompts, device, max_new)["tau"]
+
+
+def evaluate(target, drafter, head, data, n_prompts: int, device, max_new: int = EVAL_MAX_NEW) -> dict:
+    """τ over the held-out prompts, pooled over every round, and per category where the data
+    says which source each sample came from (``by_category``: {name: τ}; {} otherwise)."""
     was_training = drafter.training
     drafter.eval()
     counts: list[int] = []
-    for prompt in prompts_from(data, n_prompts):
-        counts += speculative(target, drafter, head, prompt, max_new, device)[1]
+    by: dict[str, list[int]] = {}
+    first = max(0, len(data) - n_prompts)
+    for k, prompt in enumerate(prompts_from(data, n_prompts)):
+        per_forward = speculative(target, drafter, head, prompt, max_new, device)[1]
+        counts += per_forward
+        category = data.category(first + k) if hasattr(data, "category") else None
+        if category is not None:
+            by.setdefault(category, []).extend(per_forward)
     drafter.train(was_training)
-    return sum(counts) / max(1, len(counts))
+    tau = lambda c: sum(c) / max(1, len(c))  # noqa: E731
+    return {"tau": tau(counts), "by_category": {name: tau(c) for name, c in sorted(by.items())}}

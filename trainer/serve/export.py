@@ -35,7 +35,7 @@ import sys
 from agent.protocol import read_json_lines, wrap_payload
 from trainer import flags
 
-from trainer.drafter_dir import DTYPES, ExportError, read_evals, target_facts, write_drafter_dir
+from trainer.drafter_dir import DTYPES, ExportError, dtype_problem, read_evals, target_facts, write_drafter_dir
 
 PROG = "python -m trainer export"
 
@@ -43,11 +43,23 @@ PROG = "python -m trainer export"
 # --------------------------------------------------------------------------- finding the checkpoint
 
 
-def resolve(path: str, step: int | None = None) -> str:
-    """The complete step directory ``path`` names (see the module doc), or ExportError."""
+def resolve(path: str, step: int | None = None, best: bool = False) -> str:
+    """The complete step directory ``path`` names (see the module doc), or ExportError.
+    ``best``: the checkpoint with the highest τ at save (its output directory's best.json)."""
     from trainer import checkpoint as ckpt_io
 
     path = os.path.abspath(path)
+    if best:
+        if step is not None:
+            raise ExportError("--best and --step name different checkpoints; give one of them")
+        where = ([os.path.dirname(ckpt_io.resolve(path))] if os.path.basename(path) == ckpt_io.CHECKPOINT
+                 or ckpt_io.STEP_DIR.match(os.path.basename(path)) else
+                 [path] if ckpt_io.steps(path) else _run_outputs(path))
+        found = [b for b in map(ckpt_io.best, where) if b]
+        if not found:
+            raise ExportError(f"--best: {path} has no best checkpoint (none had its τ measured at save: train with "
+                              "--eval-prompts N, or export one by --step)")
+        return ckpt_io.resolve(max(found, key=lambda b: b["tau"])["path"])
     if os.path.basename(path) == ckpt_io.CHECKPOINT or ckpt_io.STEP_DIR.match(os.path.basename(path)):
         d = ckpt_io.resolve(path)
         if step is not None and ckpt_io.STEP_DIR.match(os.path.basename(d)).group(1) != str(step):
@@ -85,11 +97,15 @@ def _run_outputs(run_dir: str) -> list[str]:
     return out
 
 
-def export(checkpoint: str, out: str, dtype: str = "bf16", step: int | None = None, say=lambda line: None) -> dict:
-    """Export the checkpoint ``checkpoint`` names to ``out``; returns the manifest plus step."""
+def export(checkpoint: str, out: str, dtype: str = "bf16", step: int | None = None, say=lambda line: None,
+           best: bool = False) -> dict:
+    """Export the checkpoint ``checkpoint`` names to ``out`` (``best``: the one with the highest
+    τ at save); returns the manifest plus its step and τ (None where none was measured)."""
     from trainer import checkpoint as ckpt_io
 
-    d = resolve(checkpoint, step)
+    if dtype_problem(dtype):  # before anything is read
+        raise ExportError(dtype_problem(dtype))
+    d = resolve(checkpoint, step, best)
     out = os.path.abspath(out)
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ExportError(f"--out {out} is not empty; name a new or empty directory")
@@ -99,9 +115,17 @@ def export(checkpoint: str, out: str, dtype: str = "bf16", step: int | None = No
     say(f"exporting {d} ({DTYPES[dtype]}) to {out}")
     state = ckpt_io.load(d, mmap=True)["model"]
     result = write_drafter_dir(out, state, meta, dtype=dtype, evals=read_evals(d))
-    result.update(step=meta["step"], checkpoint=d, dtype=dtype)
+    tau = (meta.get("eval") or {}).get("tau", (read_evals(d).get("block") or {}).get("tau"))
+    result.update(step=meta["step"], checkpoint=d, dtype=dtype, tau=tau, best=best)
     say(f"wrote {len(result['files'])} files, {result['bytes'] / 2**20:.1f} MiB")
     return result
+
+
+def tau_words(result: dict) -> str:
+    """" (the best: τ 2.31 at save)" — which checkpoint an export took and how well it drafts."""
+    tau = result.get("tau")
+    what = "the best" if result.get("best") else "τ"
+    return f" ({what}: τ {tau:.3f} at save)" if isinstance(tau, (int, float)) else " (τ not measured at save)"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,15 +136,18 @@ def main(argv: list[str] | None = None) -> int:
                         "complete checkpoint) or a run directory (the output directories its checkpoint events name)")
     p.add_argument("--step", type=int, default=None, metavar="N",
                    help="with an output or run directory: that step instead of the newest")
+    p.add_argument("--best", action="store_true",
+                   help="the checkpoint with the highest τ measured at save (--eval-prompts), not the newest")
     p.add_argument("--out", required=True, metavar="DIR", help="the export directory; must be absent or empty")
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16",
-                   help="weight dtype of model.safetensors (default bf16, what the serving stacks run)")
+    p.add_argument("--dtype", default="bf16", metavar="|".join(DTYPES),
+                   help="weight dtype of model.safetensors (default bf16, what the serving stacks run); a "
+                        "quantized format is refused with the reason (vllm-project/vllm#51581)")
     p.add_argument("--json", action="store_true", help="print the manifest (files, sizes, sha256) as JSON between "
                                                        "the agent protocol's sentinel lines")
     args = p.parse_args(argv)
     say = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else (lambda line: print(line, flush=True))
     try:
-        result = export(args.checkpoint, args.out, args.dtype, args.step, say)
+        result = export(args.checkpoint, args.out, args.dtype, args.step, say, args.best)
     except ExportError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         if args.json:
@@ -134,5 +161,5 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         sys.stdout.write(wrap_payload({"ok": True, **result}))
     else:
-        print(f"{result['dir']}: step {result['step']}, " + ", ".join(f["path"] for f in result["files"]))
+        print(f"{result['dir']}: step {result['step']}{tau_words(result)}, " + ", ".join(f["path"] for f in result["files"]))
     return flags.EXIT_OK
