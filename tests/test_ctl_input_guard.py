@@ -481,3 +481,14 @@ def test_set_values_that_are_text_stay_text():
     values = config.values()
     assert config.wandb.run_name == "2024" and values["max_steps"] == 24 and values["lr"] == 3e-4
     assert values["token_budget"] == "auto" and values["probe_first"] is True
+
+
+@pytest.mark.parametrize("line", ["concurrency = 1000000000", "concurrency = true", "temperature = nan"])
+def test_a_regenerate_launch_with_an_unbounded_value_is_refused_before_connecting(env, tmp_path, line):
+    """`concurrency = 1000000000` was launched, and the job took its node down."""
+    config = tmp_path / "regen.toml"
+    config.write_text('name = "regen"\nkind = "regenerate"\n[regenerate]\ninput = "/w/in.jsonl"\nout = "/w/out"\n'
+                      f'endpoint = ["http://10.0.0.5:30000"]\n{line}\n')
+    proc = ctl(env, "launch", "-c", "200", "--config", config)
+    assert proc.returncode == CtlExit.USAGE, proc.stderr
+    assert f"[regenerate]" in one_line(proc) and line.split()[0] in one_line(proc)
