@@ -255,6 +255,10 @@ def classify_event(event: dict, ts: float | None = None) -> Failure | None:
         g = info.get("gpu") if info.get("gpu") is not None else gpu
         return Failure(FailureKind.CUDA_OOM, _with_rank(oom_reason(info, gpu), rank), rank, g, event.get("pid"), ts,
                        evidence, info)
+    if error in ("rows_failed", "accounting"):  # a data job's failure, said by the job itself
+        kind = FailureKind.ROWS_FAILED if error == "rows_failed" else FailureKind.DATA_JOB
+        details = {k: event[k] for k in ("failed", "total") if k in event}
+        return Failure(kind, message[:500], None, None, event.get("pid"), ts, evidence, details)
     if error == "nccl_timeout":
         return Failure(FailureKind.NCCL_TIMEOUT, _with_rank("NCCL collective timeout", rank), rank, gpu,
                        event.get("pid"), ts, evidence)

@@ -37,6 +37,10 @@ class Observation:
     stall: StallMonitor
     tput: ThroughputMonitor
     memory_base: cgroup.MemorySample | None = None  # the OOM counters when the attempt began
+    # (time.monotonic(), sample) of the last few seconds: the kernel's host-wide counter is
+    # judged over the moments around a death, not the whole attempt (another container's OOM
+    # kill an hour earlier is not evidence about this SIGKILL)
+    memory_recent: list = field(default_factory=list)
     failures: list[Failure] = field(default_factory=list)
     first_failure_at: float | None = None  # time.monotonic() of the first failure
     heartbeats: dict[int, dict] = field(default_factory=dict)
@@ -59,6 +63,12 @@ class Observation:
             out[rank] = RankHealth(step=hb.get("step"), pid=hb.get("pid"), gpu=hb.get("gpu"), role=hb.get("role"),
                                    heartbeat_age_s=round(now - float(hb.get("ts") or now), 1), health=health)
         return dict(sorted(out.items()))
+
+
+# How far back the kernel's host-wide oom_kill counter is compared when a death is noticed:
+# a death is seen within a slow tick or two (agent/supervisor.py SLOW_EVERY), and the OOM
+# killer's SIGKILL lands at once.
+HOST_OOM_WINDOW_S = 3.0
 
 
 class Observer:
@@ -274,10 +284,24 @@ class Observer:
                                           "rdzv_endpoint": endpoint, "startup_timeout_s": limit,
                                           "heartbeats": sorted(seen.heartbeats)}))
 
+    def sample_memory(self, now: float) -> None:
+        """Every slow tick: the OOM counters, the last HOST_OOM_WINDOW_S seconds of them kept."""
+        recent = self.seen.memory_recent
+        recent.append((now, cgroup.sample(self.oom_path)))
+        while len(recent) > 2 and recent[1][0] <= now - HOST_OOM_WINDOW_S:
+            recent.pop(0)
+
     def oom_delta(self) -> dict | None:
-        """The OOM kills the container could see since the attempt began (cgroup.oom_evidence)."""
+        """The OOM kills the container could see (cgroup.oom_evidence): its cgroup's since the
+        attempt began; the kernel's host-wide count only since a sample a few seconds before
+        now (HOST_OOM_WINDOW_S), when a death was just noticed."""
         base = self.seen.memory_base
-        return cgroup.oom_evidence(base, cgroup.sample(self.oom_path)) if base else None
+        if not base:
+            return None
+        now = cgroup.sample(self.oom_path)
+        recent = self.seen.memory_recent
+        host_base = recent[0][1].host_oom_kill if recent else base.host_oom_kill
+        return cgroup.oom_evidence(base._replace(host_oom_kill=host_base), now)
 
     def rank_exit_failures(self, reaped: dict[int, dict], job_exit: dict | None = None) -> list[Failure]:
         """The ranks that died without a failure of their own already named: a rank whose

@@ -224,6 +224,30 @@ def busy(workspace: str, wanted: list[int], use_cuda: bool) -> list[str]:
 
 # --- the check ---------------------------------------------------------------------------------
 
+JOB_PREFLIGHT_TIMEOUT_S = 120.0  # a tokenizer to load, endpoints to ask (each with its own timeout)
+
+
+def job_preflight(argv: list[str], timeout: float) -> list[str]:
+    """The data job's own start checks (``python -m trainer SUB FLAGS --preflight``,
+    trainer/chat/preflight.py) with this python and bundle: a wrong --target, a target without
+    a chat template, an unreadable input, an endpoint that does not answer, an out that cannot
+    be written — each refused here, before a run directory exists."""
+    try:
+        proc = subprocess.run([sys.executable, "-m", "trainer", *argv, "--preflight"], capture_output=True,
+                              text=True, stdin=subprocess.DEVNULL, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return [f"the job's own checks (python -m trainer {argv[0]} --preflight) took over {timeout:g} s; "
+                "is an endpoint or the target's disk hanging?"]
+    try:
+        from agent.protocol import extract_payload
+
+        reply = extract_payload(proc.stdout)
+    except ValueError:
+        said = [line for line in proc.stderr.splitlines() if line.strip()][-1:] or [f"exit {proc.returncode}"]
+        return [f"the job's own checks (python -m trainer {argv[0]} --preflight) failed: {said[0]}"]
+    return [str(e) for e in reply.get("errors") or []]
+
+
 def check_data_job(req: dict) -> dict:
     """The preflight of a data job (trainer/kinds.py): what runs it, its input paths, and no
     live run sharing its paths. No GPU, torch, model or checkpoint checks: it holds no GPU,
@@ -235,6 +259,8 @@ def check_data_job(req: dict) -> dict:
         if not os.path.exists(path):
             errors.append(f"{option} {path}: no such file in this container; copy it there or fix the path")
     errors += path_conflicts(workspace, paths)
+    if not errors and req.get("argv"):
+        errors += job_preflight(req["argv"], float(req.get("job_preflight_timeout") or JOB_PREFLIGHT_TIMEOUT_S))
     run_id = req.get("run_id")
     if run_id and os.path.exists(knowngood.run_dir(workspace, run_id)):
         errors.append(f"run {run_id} already exists in {workspace}/runs; launch again for a new run id")

@@ -259,6 +259,10 @@ class FailureKind(str, enum.Enum):
     # every process of the run went with its container's restart / its node's reboot
     CONTAINER_RESTART = "container_restart"
     NODE_REBOOT = "node_reboot"
+    # a data job's own failure, in its words (its `error` event): rows that failed, or an
+    # accounting that does not add up — never a training rank's "exited with code 1"
+    ROWS_FAILED = "rows_failed"
+    DATA_JOB = "data_job"
 
 
 # --- status.json and result.json --------------------------------------------------------------

@@ -227,6 +227,7 @@ class Supervisor:
                 if read_json(self.rd.stop_request) is not None:
                     return Outcome(OutcomeKind.STOP)
                 self.obs.read_heartbeats()
+                self.obs.sample_memory(now)
                 self.obs.check_ranks(self.job.reaped)
                 self.obs.check_stalls(now)
                 self.obs.check_startup(time.time())

@@ -96,7 +96,9 @@ class DataLauncher:
     def preflight(self) -> dict:
         request = {"workspace": self.workspace, "run_id": self.run_id, "config": self.config.name,
                    "kind": self.kind.name, "paths": self.config.paths(self.values),
-                   "read_options": self._options(self.kind.reads)}
+                   "read_options": self._options(self.kind.reads),
+                   # the job's own start checks run in the container (its --preflight)
+                   "argv": self.argv}
         return self._call("agent.preflight", "check", request, "the launch preflight")
 
     def report(self, pf: dict) -> list[str]:

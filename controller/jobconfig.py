@@ -30,7 +30,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr,
 from typing_extensions import Annotated
 
 from agent.protocol import RUN_NAME_PATTERN
-from controller.runconfig import PLACEHOLDERS, RunConfigError, SupervisionSection, fill, parse_set
+from controller.runconfig import (PLACEHOLDERS, RunConfigError, SupervisionSection, _shown, exact, fill, parse_set,
+                                  typed_set_value)
 from trainer import kinds
 
 
@@ -57,13 +58,25 @@ def _as_list(value: Any) -> Any:
     return [value] if isinstance(value, (str, int, float)) and not isinstance(value, bool) else value
 
 
+def value_kind(action: argparse.Action) -> Optional[str]:
+    """"int", "float" or None (text, a choice, a switch) for an option's values: the parser's
+    own type, or the ``kind`` a typed bound carries (trainer/flags.py bounded)."""
+    return {int: "int", float: "float"}.get(action.type) or getattr(action.type, "kind", None)
+
+
 def _field(action: argparse.Action) -> tuple[Any, Any]:
-    # a parser's own converter (e.g. "a positive int"): any scalar here, the parser judges it
-    scalar: Any = {int: int, float: float, str: str, None: str}.get(action.type, Union[int, float, str])
+    # a number is held to its exact type first (true is not 1, 24.0 not 24, "8" not 8: the
+    # rule of a training config's values, controller/runconfig.py exact), then the parser's
+    # own converter judges its range
+    kind = value_kind(action)
+    scalar: Any = {"int": int, "float": float}.get(kind) or \
+        {str: str, None: str}.get(action.type, Union[int, float, str])
+    if kind:
+        scalar = Annotated[scalar, BeforeValidator(lambda value, kind=kind: _exact_number(kind, value))]
     if action.choices:
         scalar = Literal[tuple(action.choices)]  # type: ignore[valid-type]
     if _is_switch(action):
-        typ: Any = bool
+        typ: Any = Annotated[bool, BeforeValidator(lambda value: exact("bool", value))]
     elif _is_list(action):
         typ = Annotated[list[scalar], BeforeValidator(_as_list)]
     else:
@@ -75,11 +88,21 @@ def _field(action: argparse.Action) -> tuple[Any, Any]:
     return typ, Field(default, alias=option_name(action).lstrip("-"), description=(action.help or "").replace("%%", "%"))
 
 
+def _exact_number(kind: str, value: Any) -> Any:
+    """A file's number of the exact type; text (never from a file for a number field: --set
+    values are typed first, runconfig.typed_set_value) is refused the same way."""
+    if isinstance(value, str):
+        raise ValueError(f"must be a {'whole number' if kind == 'int' else 'number'}, not the text {value!r}")
+    return exact(kind, value)
+
+
 def section_model(kind: kinds.Kind) -> type[BaseModel]:
     parser = kind.build_parser()
     fields = {a.dest: _field(a) for a in options_of(parser) if a.dest not in dict(kind.not_in_config)}
+    # finite numbers only, as in a training config: nan and inf compare false against every bound
     return create_model(f"{kind.name.title()}Section",
-                        __config__=ConfigDict(extra="forbid", populate_by_name=True, frozen=True), **fields)
+                        __config__=ConfigDict(extra="forbid", populate_by_name=True, frozen=True,
+                                              allow_inf_nan=False), **fields)
 
 
 class _DataJob(BaseModel):
@@ -165,16 +188,23 @@ def parse_problems(parser: argparse.ArgumentParser, argv: list[str]) -> Optional
 
 
 _MODELS: dict[str, type[BaseModel]] = {}
+_SECTIONS: dict[str, type[BaseModel]] = {}
+
+
+def section_model_of(kind: kinds.Kind) -> type[BaseModel]:
+    if kind.name not in _SECTIONS:
+        try:
+            _SECTIONS[kind.name] = section_model(kind)
+        except ImportError as exc:
+            raise RunConfigError(f"kind = {kind.name!r}: its command ({kind.parser}) is not in this version of "
+                                 f"dflash-ctl ({exc})") from None
+    return _SECTIONS[kind.name]
 
 
 def model_for(name: str) -> type[BaseModel]:
     kind = kinds.get(name)
     if name not in _MODELS:
-        try:
-            section = section_model(kind)
-        except ImportError as exc:
-            raise RunConfigError(f"kind = {name!r}: its command ({kind.parser}) is not in this version of "
-                                 f"dflash-ctl ({exc})") from None
+        section = section_model_of(kind)
         _MODELS[name] = create_model(f"{name.title()}JobConfig", __base__=_DataJob,
                                      kind=(Literal[name], ...),  # type: ignore[valid-type]
                                      **{kind.table: (section, ...)})
@@ -197,7 +227,8 @@ def from_dict(data: dict[str, Any], *, source: str, default_name: str, sets: lis
         section = data.setdefault(table, {})
         for existing in [k for k in section if k.replace("_", "-") == sub.replace("_", "-")]:
             del section[existing]
-        section[sub.replace("_", "-")] = value
+        model = section_model_of(kind) if table == kind.table else SupervisionSection
+        section[sub.replace("_", "-")] = typed_set_value(model, sub, value)  # the file's rule
     data.setdefault(kind.table, {})
     for key in data[kind.table] if isinstance(data[kind.table], dict) else ():
         why = dict(kind.not_in_config).get(key.replace("-", "_"))
@@ -235,7 +266,7 @@ def format_errors(exc: ValidationError, source: str, model: type[BaseModel], kin
             lines.append(f"{where}: unknown setting for a {kind.name} job; known: {', '.join(known)}")
         else:
             got = err.get("input")
-            value = f" = {got!r}" if got is not None and not isinstance(got, dict) else ""
+            value = f" = {_shown(got)}" if got is not None and not isinstance(got, dict) else ""
             lines.append(f"{where}{value}: {err['msg'].removeprefix('Value error, ')}")
     return f"{source}: " + "\n  ".join(lines)
 

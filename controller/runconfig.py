@@ -21,6 +21,7 @@ The start decision is *not* part of a config: a file is reused across launches, 
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from pathlib import Path
@@ -84,6 +85,8 @@ def _shown(value: Any) -> str:
 
     if isinstance(value, str):
         return repr(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)  # TOML's nan and inf (JSON would say NaN, Infinity)
     try:
         return json.dumps(value)
     except (TypeError, ValueError):
@@ -384,12 +387,53 @@ def _set_override(data: dict[str, Any], key: str, value: Any) -> None:
         if dest in WANDB_FLAGS:
             table, sub = "wandb", WANDB_FLAGS[dest].replace("_", "-")
         section = data.setdefault(table, {})
+    if isinstance(value, str):
+        model = {"trainer": TrainerSection, "wandb": WandbSection, "baseline": BaselineSection,
+                 "supervision": SupervisionSection}.get(table)
+        value = typed_set_value(model, sub, value)
     # One spelling per field: drop any other spelling already present, the override wins.
     norm = sub.replace("_", "-")
     for existing in list(section):
         if existing.replace("_", "-") == norm:
             del section[existing]
     section[norm] = value
+
+
+def _scalar_types(annotation: Any) -> set:
+    """The plain types a field's annotation admits (Optional, Union, Annotated and Literal
+    unwrapped; a Literal admits its values' types)."""
+    import typing
+
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _scalar_types(typing.get_args(annotation)[0])
+    if origin is Literal:
+        return {type(v) for v in typing.get_args(annotation)}
+    if origin is Union or type(annotation).__name__ == "UnionType":
+        return set().union(*(_scalar_types(a) for a in typing.get_args(annotation)))
+    return {origin or annotation}
+
+
+def typed_set_value(model: Optional[type[BaseModel]], key: str, text: str) -> Any:
+    """A `--set KEY=VALUE` value as the run-config file would hold it, so that one rule judges
+    both (`--set max-steps=24.0` was taken, `max-steps = 24.0` in the file refused): for a
+    field that holds a number or true/false, VALUE is read as the TOML value it
+    spells (24.0 is a float, true a boolean, nan a float that is not finite); anything else,
+    and a VALUE that is not a TOML value ("auto", "0,1"), stays text for the field to parse."""
+    field = None
+    if model is not None:
+        norm = key.replace("-", "_")
+        field = next((f for n, f in model.model_fields.items() if n == norm or (f.alias or "").replace("-", "_") == norm),
+                     None)
+    if field is None:
+        return text
+    kinds = _scalar_types(field.annotation) - {type(None)}
+    if not kinds & {int, float, bool}:
+        return text
+    try:
+        return tomllib.loads(f"v = {text.strip()}")["v"]
+    except (tomllib.TOMLDecodeError, ValueError):
+        return text
 
 
 def parse_set(items: list[str]) -> list[tuple[str, str]]:

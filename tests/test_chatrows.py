@@ -193,3 +193,31 @@ def test_detect_form_reads_the_first_conversation_row(tmp_path):
     assert chatrows.detect_form(_jsonl(tmp_path / "o.jsonl", [{"x": 1}] + OPENAI)) == "openai"
     assert chatrows.detect_form(_jsonl(tmp_path / "s.jsonl", SHAREGPT)) == "sharegpt"
     assert chatrows.detect_form(_jsonl(tmp_path / "t.jsonl", [{"input_ids": [1], "loss_mask": [1]}])) == "tokenized"
+
+
+def test_a_jsonl_whose_first_line_is_a_json_array_is_read_line_by_line(tmp_path):
+    """A JSONL whose first line was `[1, 2]` (or an array of one conversation) was taken for a
+    JSON-array file: every later line was dropped silently (1 of 5 rows, exit 0), or the error
+    named line 1 twice. Now a file is a JSON array only when its whole content is one array:
+    here line 1 is one unusable row, and every line after it is read."""
+    for first in ("[1, 2]", json.dumps([OPENAI[0]])):
+        p = tmp_path / "c.jsonl"
+        p.write_text(first + "\n" + "".join(json.dumps(r) + "\n" for r in OPENAI))
+        assert chatrows.detect_format(str(p)) == "jsonl"
+        rows = list(iter_rows(str(p)))
+        assert [(r.problem, r.where) for r in rows[:1]] == [("not_an_object", f"{p}:1")]
+        assert _good(rows[1:]) == _good(iter_rows(_jsonl(tmp_path / "plain.jsonl", OPENAI)))
+        assert [r.where for r in rows[1:]] == [f"{p}:{n}" for n in range(2, 2 + len(OPENAI))]
+
+
+def test_a_json_array_file_is_one_array_and_data_after_it_is_an_error_naming_file_and_line(tmp_path):
+    one_line = tmp_path / "one.json"
+    one_line.write_text(json.dumps(OPENAI) + "\n")
+    assert chatrows.detect_format(str(one_line)) == "json" and len(list(iter_rows(str(one_line)))) == len(OPENAI)
+    pretty = tmp_path / "pretty.json"
+    pretty.write_text("[\n" + ",\n".join(json.dumps(r, indent=1) for r in OPENAI) + "\n]\n\n{\"messages\": []}\n")
+    assert chatrows.detect_format(str(pretty)) == "json"
+    line = pretty.read_text().splitlines().index('{"messages": []}') + 1
+    with pytest.raises(ChatRowsError) as exc:
+        list(iter_rows(str(pretty)))
+    assert str(exc.value).startswith(f"{pretty}:{line}: data after the JSON array"), str(exc.value)

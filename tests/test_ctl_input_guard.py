@@ -351,7 +351,7 @@ def test_a_bad_value_on_the_command_line_is_one_line_and_exit_2(env):
     proc = ctl(env, "launch", "-c", "200", "--config", REPO / "examples" / "tiny.toml", "--from-scratch",
                "--set", "lr=nan")
     assert proc.returncode == CtlExit.USAGE
-    assert "[trainer] lr = 'nan': Input should be a finite number" in one_line(proc)
+    assert "[trainer] lr = nan: Input should be a finite number" in one_line(proc)  # as in the file
 
 
 def test_a_run_config_that_is_not_utf8_is_one_line(env, tmp_path):
@@ -453,3 +453,42 @@ def test_an_export_destination_nothing_can_be_created_in_is_one_line_before_conn
     assert proc.returncode == CtlExit.USAGE, proc.stderr
     line = one_line(proc)
     assert line.startswith(f"ctl: error: --to {to}: ") and "writable" in line, line
+
+
+SET_LIKE_THE_FILE = [("max-steps", "24.0"), ("max-steps", "true"), ("lr", "true"), ("token-budget", "true"),
+                     ("token-budget", "1024.0"), ("probe-first", "1"), ("baseline.steady-steps", "true"),
+                     ("baseline.steady-steps", "5.0"), ("supervision.max-restarts", "2.0")]
+
+
+@pytest.mark.parametrize("key,text", SET_LIKE_THE_FILE)
+def test_a_set_value_is_judged_by_the_rule_of_the_same_value_in_the_file(tmp_path, key, text):
+    """`--set max-steps=24.0` was accepted (pydantic's lax reading of the text) while
+    `max-steps = 24.0` in the file was refused: a --set value is now read as the TOML value it
+    spells, then checked exactly as the file's. Both refusals say the same thing."""
+    with pytest.raises(R.RunConfigError) as by_set:
+        R.from_dict(_tiny(), source="tiny.toml", sets=[f"{key}={text}"])
+    table, _, name = key.rpartition(".")
+    data = _tiny()
+    data.setdefault(table or "trainer", {})[name] = __import__("tomllib").loads(f"v = {text}")["v"]
+    with pytest.raises(R.RunConfigError) as in_file:
+        R.from_dict(data, source="tiny.toml")
+    assert str(by_set.value) == str(in_file.value), (str(by_set.value), str(in_file.value))
+
+
+def test_set_values_that_are_text_stay_text():
+    config = R.from_dict(_tiny(), sets=["wandb.run-name=2024", "max-steps=24", "lr=3e-4", "token-budget=auto",
+                                        "probe-first=true"])
+    values = config.values()
+    assert config.wandb.run_name == "2024" and values["max_steps"] == 24 and values["lr"] == 3e-4
+    assert values["token_budget"] == "auto" and values["probe_first"] is True
+
+
+@pytest.mark.parametrize("line", ["concurrency = 1000000000", "concurrency = true", "temperature = nan"])
+def test_a_regenerate_launch_with_an_unbounded_value_is_refused_before_connecting(env, tmp_path, line):
+    """`concurrency = 1000000000` was launched, and the job took its node down."""
+    config = tmp_path / "regen.toml"
+    config.write_text('name = "regen"\nkind = "regenerate"\n[regenerate]\ninput = "/w/in.jsonl"\nout = "/w/out"\n'
+                      f'endpoint = ["http://10.0.0.5:30000"]\n{line}\n')
+    proc = ctl(env, "launch", "-c", "200", "--config", config)
+    assert proc.returncode == CtlExit.USAGE, proc.stderr
+    assert f"[regenerate]" in one_line(proc) and line.split()[0] in one_line(proc)

@@ -20,6 +20,7 @@ import pytest
 from agent import preflight
 from agent.protocol import extract_payload
 from controller import configfile, jobconfig, runconfig
+from trainer import kinds
 from controller.config import ContainerConfig
 from controller.render import render_job_script
 from controller.status import render_status
@@ -50,7 +51,8 @@ def test_prepare_config_is_validated_from_prepares_own_parser(tmp_path):
     fields = jobconfig.model_for("prepare").model_fields["prepare"].annotation.model_fields
     from controller.jobconfig import option_name, options_of
 
-    assert {f.alias for f in fields.values()} == {option_name(a)[2:] for a in options_of(build_parser())}
+    not_in_config = {d.replace("_", "-") for d, _ in kinds.get("prepare").not_in_config}  # --preflight: the launch's
+    assert {f.alias for f in fields.values()} == {option_name(a)[2:] for a in options_of(build_parser())} - not_in_config
     assert {"input", "out", "target", "thinking", "strict"} <= {f.alias for f in fields.values()}
     assert fields["shard_tokens"].default == build_parser().get_default("shard_tokens")
     assert "[prepare] thinking = 'maybe': Input should be 'on' or 'off'" in _refused(
@@ -65,7 +67,7 @@ def test_prepare_config_is_validated_from_prepares_own_parser(tmp_path):
     regen = 'kind = "regenerate"\n[regenerate]\ninput = "a"\nout = "/o"\nendpoint = "http://127.0.0.1:1"\n'
     cfg = _config(tmp_path, regen + "concurrency = 4\n", "r.toml")
     assert cfg.argv(cfg.resolve(run_id="r", run_dir="/r", workspace="/w"))[:1] == ["regenerate"]
-    assert "[regenerate]: argument --concurrency: invalid positive int value: '0'" in _refused(
+    assert "[regenerate]: argument --concurrency: 0 is out of range: give a whole number from 1 to 4096" in _refused(
         tmp_path, regen + "concurrency = 0\n")
     assert "[regenerate] run-dir: not a run-config setting" in _refused(tmp_path, regen + 'run-dir = "/x"\n')
     assert "[trainer]: a prepare job has no trainer flags" in _refused(
@@ -299,3 +301,24 @@ def test_regenerate_job_sends_the_api_key_named_by_api_key_env_and_writes_it_now
         # the 0600 secret file only: not the run config, start.sh, the record, events or logs
         assert holders == [os.path.join("secrets", "regen-20261201-114702-0001.env")]
         assert os.stat(os.path.join(workspace, "secrets", "regen-20261201-114702-0001.env")).st_mode & 0o077 == 0
+
+
+def test_a_regenerate_job_with_failed_rows_ends_in_its_own_words_not_a_training_ranks(tmp_path):
+    """A regenerate job whose rows failed ended as "rank 0 (pid …) exited with code 1",
+    training's wording. The job now says its failure as an error event (rows failed, of how
+    many, where they are listed, the first error) and the agent names the run's failure with it."""
+    with _served_target(tmp_path, fail=lambda n, body: 400 if "question 1" in json.dumps(body) else None) as proxy:
+        workspace, inp, out, cfg = _regen_job(tmp_path, proxy, 4, "max-attempts = 1\n")
+        run_id = "regen-20261201-114702-0003"
+        run_dir = os.path.join(workspace, "runs", run_id)
+        values = cfg.resolve(run_id=run_id, run_dir=run_dir, workspace=workspace)
+        _launch(workspace, run_id, cfg.argv(values), {"kind": "regenerate", "config": "regen",
+                                                       "paths": cfg.paths(values), "gpus": {}})
+        res = wait_terminal(run_dir, timeout=180)
+    assert res["state"] == "failed" and res["root_cause"]["kind"] == "rows_failed", res
+    assert res["reason"].startswith(f"regenerate: 1 of 4 rows failed (listed in {out}/failures.jsonl; launch the "
+                                    "same config again to retry them); first: "), res["reason"]
+    assert "HTTP 400" in res["reason"] and "rank 0" not in res["reason"], res["reason"]
+    reply = extract_payload(agent_module("agent.runview", "status", "--workspace", workspace, "--run", run_id).stdout)
+    lines = render_status(reply, "200", "sim")
+    assert any(line.startswith("FAILED   rows_failed: regenerate: 1 of 4 rows failed") for line in lines), lines

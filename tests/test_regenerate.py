@@ -493,3 +493,51 @@ def test_a_request_that_times_out_is_retried(tmp_path, server):
         proxy.close()
     assert "done 2 + failed 0 + skipped 0 = 2 input rows" in summary_line(p)
     assert len(tries) == 3 and min(tries.values()) >= 2  # every request's first attempt timed out
+
+
+def test_three_regenerates_into_one_out_at_once_give_one_writer_and_every_id_once(tmp_path, server):
+    """Two regenerate launches with the same --out both ran to "completed" (each id written
+    twice); a job plus the same command typed by hand wrote 190 ids twice. The job now holds
+    an exclusive lock beside its --out for its whole life (trainer/outlock.py, as prepare
+    does): of three started together — whichever way they were started — one writes, and the
+    others are refused in one line, exit 2, writing nothing."""
+    inp = write_input(tmp_path / "in.jsonl", conversations(12))
+    out = tmp_path / "out"
+    proxy = Proxy(server, hold_after=2)  # the writer is held mid-way while the others start
+    procs = [subprocess.Popen(regen_argv(inp, out, proxy.url), cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    try:
+        refused = []
+        deadline = time.monotonic() + 60
+        while len(refused) < 2 and time.monotonic() < deadline:
+            refused = [p for p in procs if p.poll() is not None]
+            time.sleep(0.1)
+        assert len(refused) == 2, [p.poll() for p in procs]
+        for p in refused:
+            err = p.stderr.read()
+            assert p.returncode == 2 and err.count("\n") == 1, err
+            assert f"{out}: another regenerate is writing it now" in err and "choose another --out" in err, err
+        proxy.gate.set()
+        writer = next(p for p in procs if p not in refused)
+        assert writer.wait(120) == 0, writer.stderr.read()
+    finally:
+        proxy.gate.set()
+        proxy.close()
+        for p in procs:
+            p.kill()
+    ids = [r["id"] for r in output_rows(out)]
+    assert len(ids) == len(set(ids)) == 12
+
+
+def test_a_jsonl_whose_first_line_is_an_array_has_every_later_row_answered(tmp_path, server):
+    """Read as a JSON-array file, such an input answered 1 of 5 rows and exited 0 with the
+    accounting adding up; line by line, line 1 is one skipped row and the other four are done."""
+    inp = tmp_path / "in.jsonl"
+    inp.write_text("[1, 2]\n" + "".join(json.dumps(r) + "\n" for r in conversations(4)))
+    p = regenerate(inp, tmp_path / "out", server, check=0)
+    assert "done 4 + failed 0 + skipped 1 (not_an_object 1) = 5 input rows" in summary_line(p), p.stdout
+    trailing = tmp_path / "trailing.json"
+    trailing.write_text(json.dumps(conversations(2), indent=1) + "\n" + json.dumps(conversations(1)[0]) + "\n")
+    p = regenerate(trailing, tmp_path / "out2", server, check=2)
+    assert p.stderr.count("\n") == 1 and f"{trailing}:" in p.stderr and "data after the JSON array" in p.stderr
+    assert not (tmp_path / "out2").exists()

@@ -20,7 +20,7 @@ def run(*args: str) -> subprocess.CompletedProcess:
 
 def test_bad_input_is_one_line_exit_2_naming_the_field(tmp_path):
     (tmp_path / "e").mkdir()
-    (tmp_path / "e" / "config.json").write_text(json.dumps({"block_size": 4}))
+    (tmp_path / "e" / "config.json").write_text(json.dumps({"block_size": 4, "dflash_config": {}}))
     (tmp_path / "ok.json").write_text("[[1, 2, 3]]")
     for args, said in [((str(tmp_path / "none"), "--target", str(tmp_path / "e")), "EXPORT"),
                        ((str(tmp_path / "e"), "--target", str(tmp_path / "e")), "give the prompts"),
@@ -63,3 +63,23 @@ def test_engine_length_leaves_two_blocks_past_the_budget():
         assert "--max-new 32" in str(exc) and "max_position_embeddings 72" in str(exc)
     else:
         raise AssertionError("a budget past the target's positions must be refused")
+
+
+def test_a_directory_that_is_not_a_dflash_export_is_one_line(tmp_path):
+    """served-check on a target's own directory (no block_size) gave KeyError: 'block_size'."""
+    (tmp_path / "ok.json").write_text("[[1, 2, 3]]")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{not json")
+    listed = tmp_path / "listed"
+    listed.mkdir()
+    (listed / "config.json").write_text("[1]")
+    for export, said in ((plain, "not a DFlash export"), (broken, "config.json is not JSON"),
+                         (listed, "not a DFlash export")):
+        p = run(str(export), "--target", str(plain), "--prompts", str(tmp_path / "ok.json"))
+        assert p.returncode == 2 and p.stdout == "", p.stderr
+        lines = p.stderr.strip().splitlines()
+        assert len(lines) == 1 and f"EXPORT {export}: " in lines[0] and said in lines[0], p.stderr

@@ -421,6 +421,37 @@ def to_argv(values: Mapping[str, Any]) -> list[str]:
     return argv
 
 
+class Bounded:
+    """The argparse type of a data job's number (trainer/regen/job.py, trainer/chat/prepare.py),
+    held to training's rules (``exact`` and BOUNDS above): exactly its kind ("24.0" is no whole
+    number, "true" no number), finite, and within ``low`` … ``high`` (``low_open``: above
+    ``low``). ``kind`` tells controller/jobconfig.py the run config's type of the value, so a
+    file's ``concurrency = true`` or ``"8"`` is refused there as a training config's would be."""
+
+    def __init__(self, kind: str, low: float | None = None, high: float | None = None, *, low_open: bool = False,
+                 why: str = ""):
+        self.kind, self.low, self.high, self.low_open, self.why = kind, low, high, low_open, why
+        self.__name__ = "whole number" if kind == "int" else "number"  # argparse's "invalid <name> value"
+
+    def range_text(self) -> str:
+        low = "" if self.low is None else (f"above {self.low:g}" if self.low_open else f"from {self.low:g}")
+        high = "" if self.high is None else f"{'to' if low else 'at most'} {self.high:g}"
+        return " ".join(x for x in (low, high) if x)
+
+    def __call__(self, text: str) -> Any:
+        try:
+            value: Any = int(text) if self.kind == "int" else float(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {self.__name__}; give one {self.range_text()}") from None
+        if self.kind == "float" and not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number; give one {self.range_text()}")
+        below = self.low is not None and (value <= self.low if self.low_open else value < self.low)
+        if below or (self.high is not None and value > self.high):
+            raise argparse.ArgumentTypeError(f"{text} is out of range: give a {self.__name__} {self.range_text()}"
+                                             + (f" ({self.why})" if self.why else ""))
+        return value
+
+
 class UsageParser(argparse.ArgumentParser):
     """The parser of every ``python -m trainer`` command: a bad argument is one line on
     stderr and EXIT_USAGE, never a usage dump."""

@@ -44,14 +44,21 @@ class Kind:
         return factory()
 
 
+# Every data kind's command takes --preflight: its start checks, nothing written, run by the
+# launch's preflight in the container before anything starts (agent/preflight.py).
+PREFLIGHT = "preflight"
+PREFLIGHT_WHY = "the launch runs the job's own checks with it before anything starts"
+
 KINDS: dict[str, Kind] = {k.name: k for k in (
     Kind(TRAIN, "trainer", (), "trainer.flags:build_parser", ("data_dir", "target_model"), ("output_dir",),
          "its checkpoint: `ctl launch … --resume-from CKPT`", True),
     Kind("prepare", "prepare", ("prepare",), "trainer.chat.prepare:build_parser", ("input",), ("out",),
-         "a rerun of the same config: the output directory appears only when complete", False),
+         "a rerun of the same config: the output directory appears only when complete", False,
+         ((PREFLIGHT, PREFLIGHT_WHY),)),
     Kind("regenerate", "regenerate", ("regenerate",), "trainer.regen.job:build_parser", ("input",), ("out",),
          "a rerun of the same config: ids already in the output are skipped (each id exactly once)", False,
-         (("run_dir", "the agent gives every job its run directory ($DFLASH_RUN_DIR)"),), ("api_key_env",)),
+         (("run_dir", "the agent gives every job its run directory ($DFLASH_RUN_DIR)"), (PREFLIGHT, PREFLIGHT_WHY)),
+         ("api_key_env",)),
 )}
 DATA_KINDS = tuple(k for k in KINDS if not KINDS[k].gpus)
 

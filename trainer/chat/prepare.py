@@ -14,7 +14,6 @@ numpy + standard library at import time: the tokenizer is loaded only for conver
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import os
 import re
@@ -31,7 +30,7 @@ import numpy as np
 from trainer.data import (DEFAULT_PROGRESS_EVERY, DEFAULT_SHARD_TOKENS, FORMAT, FORMAT_VERSION, IDS_DTYPE, MASK_DTYPE,
                           MAX_TOKEN_ID, META, OFFSETS_DTYPE, DataError, Fingerprint, PreparedData,
                           ShardWriter)
-from trainer.flags import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED, EXIT_USAGE, UsageParser
+from trainer.flags import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_OK, EXIT_STOPPED, EXIT_USAGE, Bounded, UsageParser
 
 
 def _check_sample(obj: Any) -> tuple[np.ndarray, np.ndarray]:
@@ -166,45 +165,21 @@ def _remove_created(created: list[str]) -> None:
 
 
 def _claim(out: str):
-    """Hold ``.<name>.prepare-lock`` beside ``out`` while a prepare writes it: a POSIX lock,
-    which the kernel drops when its process dies (SIGKILL too) and forked workers do not
-    inherit. A second prepare into the same --out is refused with one line. None where the
-    file system has no locks: then nothing is swept (a live prepare's partial looks the same)."""
-    import fcntl
+    """trainer/outlock.py's lock of ``out``, held while a prepare writes it; its refusal as
+    the prepare's own one-line DataError. None where the file system has no locks: then
+    nothing is swept (a live prepare's partial looks the same)."""
+    from trainer import outlock
 
-    path = os.path.join(os.path.dirname(out), f".{os.path.basename(out)}.prepare-lock")
-    while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(fd)
-            if exc.errno not in (errno.EACCES, errno.EAGAIN):  # a file system without locks: no claim, no sweep
-                try:
-                    os.unlink(path)
-                except OSError:
-                    pass
-                return None
-            raise DataError(f"{out}: another prepare is writing it now (it holds {path}); wait for it to end "
-                            "or choose another --out") from None
-        try:
-            same = os.stat(path).st_ino == os.fstat(fd).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:  # else the holder before us removed the file as we opened it: take the new one
-            return fd, path
-        os.close(fd)
+    try:
+        return outlock.claim(out, "prepare")
+    except outlock.OutBusy as exc:
+        raise DataError(str(exc)) from None
 
 
 def _release(claim) -> None:
-    if claim is None:
-        return
-    fd, path = claim
-    try:
-        os.unlink(path)  # before the close: whoever opens it next gets a new file and checks the inode
-    except FileNotFoundError:
-        pass
-    os.close(fd)
+    from trainer import outlock
+
+    outlock.release(claim)
 
 
 def _missing_ancestors(path: str) -> list[str]:
@@ -365,6 +340,11 @@ def _fsync_dir(path: str) -> None:
 # --------------------------------------------------------------------------- CLI
 
 
+# A sane ceiling for --workers whatever the machine (the job also refuses more than the CPUs it
+# may use: main); the run config is checked against it before anything starts.
+MAX_WORKERS = 1024
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = UsageParser(prog="python -m trainer prepare",
                     description="Turn training data into memory-mapped shards + meta.json for the trainer's --data-dir: "
@@ -374,9 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", nargs="+", required=True, metavar="FILE", action="extend",
                    help="input files (or saved datasets directories), read in the order given (repeatable)")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory (must not exist, or be empty)")
-    p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, metavar="N",
+    p.add_argument("--shard-tokens", type=Bounded("int", 1, 1 << 40), default=DEFAULT_SHARD_TOKENS, metavar="N",
                    help=f"tokens per shard file (default {DEFAULT_SHARD_TOKENS})")
-    p.add_argument("--progress-every", type=int, default=DEFAULT_PROGRESS_EVERY, metavar="N",
+    p.add_argument("--progress-every", type=Bounded("int", 0, 1 << 40), default=DEFAULT_PROGRESS_EVERY, metavar="N",
                    help=f"off a terminal, a progress line on stderr every N samples (default {DEFAULT_PROGRESS_EVERY}; "
                         "0: none); on a terminal a progress bar")
     c = p.add_argument_group("conversations")
@@ -384,15 +364,33 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--thinking", choices=("on", "off"),
                    help="enable_thinking for templates that have it (Qwen3, 3.5, 3.6): as the target is served")
     c.add_argument("--last-turn-only", action="store_true", help="loss on the last assistant turn only")
-    c.add_argument("--max-seq-len", type=int, metavar="N", help="samples longer than N tokens are truncated or dropped")
+    c.add_argument("--max-seq-len", type=Bounded("int", 2, 1 << 20), metavar="N", help="samples longer than N tokens are truncated or dropped")
     c.add_argument("--too-long", choices=("truncate", "drop"), default="truncate",
                    help="what --max-seq-len does to a longer sample (default truncate); counted either way")
     c.add_argument("--form", choices=("openai", "sharegpt"),
                    help="force the row form (default: detected per file from its first conversation row)")
     c.add_argument("--strict", action="store_true",
                    help="any unusable row is an error (exit 2, nothing written) instead of skipped and counted")
-    c.add_argument("--workers", type=int, default=0, metavar="N", help="worker processes (default: every core)")
+    c.add_argument("--workers", type=Bounded("int", 0, MAX_WORKERS), default=0, metavar="N",
+                   help="worker processes (default 0: every core the job may use; never more than those)")
+    p.add_argument("--preflight", action="store_true",
+                   help="only check what the job would refuse at its start (trainer/chat/preflight.py); write nothing")
     return p
+
+
+def preflight(args) -> int:
+    """The job's start checks, nothing written (trainer/chat/preflight.py)."""
+    from trainer.chat import preflight as pf
+
+    problems, size = pf.inputs_problems(args.input)
+    if args.target is not None:
+        problems += pf.target_problems(args.target, None if args.thinking is None else args.thinking == "on",
+                                       args.last_turn_only)
+    if os.path.exists(args.out) and (not os.path.isdir(args.out) or os.listdir(args.out)):
+        problems.append(f"--out {args.out}: already exists and is not empty; remove it or choose another --out")
+    else:
+        problems += pf.out_problems(args.out, int(size * pf.ROOM_FACTOR["prepare"]))
+    return pf.report(problems)
 
 
 class _Stopped(Exception):
@@ -409,16 +407,18 @@ def _on_sigterm(signum, frame):
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(argv) if argv is not None else None)
+    # Checked here, where the job runs (a run config is judged on the operator's machine):
+    # more workers than the CPUs the job may use only adds processes that wait for a core.
+    if args.workers > _cores():
+        print(f"prepare: error: --workers {args.workers}: this machine lets the job use {_cores()} CPU(s); give at "
+              f"most {_cores()}, or 0 for all of them", file=sys.stderr)
+        return EXIT_USAGE
+    if args.preflight:
+        return preflight(args)
     chat = None
     if args.target is not None:
         from trainer.chat.encode import ChatOptions
 
-        if args.max_seq_len is not None and args.max_seq_len < 1:
-            print(f"prepare: error: --max-seq-len {args.max_seq_len} must be >= 1", file=sys.stderr)
-            return EXIT_USAGE
-        if args.workers < 0:
-            print(f"prepare: error: --workers {args.workers} must be >= 0 (0: every core)", file=sys.stderr)
-            return EXIT_USAGE
         chat = ChatOptions(target=args.target, thinking=None if args.thinking is None else args.thinking == "on",
                            last_turn_only=args.last_turn_only, max_seq_len=args.max_seq_len,
                            too_long=args.too_long, form=args.form, strict=args.strict, workers=args.workers)

@@ -304,9 +304,35 @@ def detect_format(path: str) -> str:
     if head.startswith(b"ARROW1") or head[:4] == b"\xff\xff\xff\xff" or path.endswith(".arrow"):
         return "arrow"
     first = head.lstrip(b"\xef\xbb\xbf \t\r\n")[:1]
-    if first == b"[":
+    if first == b"[" and not _lines_after_a_whole_first_line(path):
         return "json"
     return "jsonl"
+
+
+# A JSONL row is never this long; a first line longer than this that starts with "[" is
+# taken for a one-line JSON array without reading it all twice.
+_FIRST_LINE_MAX = 64 << 20
+
+
+def _lines_after_a_whole_first_line(path: str) -> bool:
+    """The first non-blank line is a JSON value on its own and more non-blank text follows:
+    JSON Lines whose first row happens to be an array (`[1, 2]`), not a JSON-array file (one
+    array is the file's whole content, over one line or many)."""
+    if not os.path.isfile(path):
+        return False  # a pipe is read once, by the job: its first character decides
+    with open(path, "rb") as fh:
+        for raw in fh:
+            if raw.strip(b"\xef\xbb\xbf \t\r\n"):
+                break
+        else:
+            return False
+        if len(raw) > _FIRST_LINE_MAX:
+            return False
+        try:
+            json.loads(raw.decode("utf-8-sig"))
+        except ValueError:
+            return False  # an array that goes on over the next lines
+        return any(line.strip() for line in fh)
 
 
 def detect_form(path: str, fmt: str | None = None, scan: int = 1000) -> str | None:
@@ -433,6 +459,11 @@ def _json_array(path: str, chunk: int = 1 << 20) -> Iterator[tuple[Any, str, str
                 yield b"", f"{path}:{line}", "broken_json"  # the array never closes
                 return
             if buf[pos] == "]":
+                pos += 1
+                skip_ws()
+                if pos < len(buf):  # the file is one array: anything after it is not a row of it
+                    raise ChatRowsError(f"{path}:{line}: data after the JSON array's closing ] (a JSON-array file is "
+                                        "one array; JSON Lines is one object a line): fix or remove it")
                 return
             if not first:
                 if buf[pos] != ",":

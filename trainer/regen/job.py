@@ -27,7 +27,7 @@ import time
 from typing import Iterable, Sequence
 
 from agent.protocol import ENV_RUN_DIR, EXIT_FAILURE, EXIT_OK, EXIT_STOPPED, EXIT_USAGE
-from trainer.flags import UsageParser
+from trainer.flags import Bounded, UsageParser
 from trainer.regen.client import PermanentError
 
 PROG = "python -m trainer regenerate"
@@ -53,17 +53,15 @@ class UsageError(ValueError):
     """Bad input: one line on stderr, exit 2."""
 
 
-def _positive(kind):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise ValueError(text) from None
-        if not value > 0:
-            raise ValueError(text)
-        return value
-    parse.__name__ = f"positive {kind.__name__}"
-    return parse
+# The ceiling of --concurrency. The engine keeps one task per conversation in flight and never
+# more (run_rows), so memory follows min(concurrency, rows left), not the setting; but each
+# in-flight conversation also holds a connection and its history, and an SGLang or vLLM server
+# runs a few hundred requests at once (--max-running-requests, --max-num-seqs) and queues the
+# rest. 4096 is well past what any one server uses; 10^9 once took a node down.
+MAX_CONCURRENCY = 4096
+DAY_S = 86400.0
+WEEK_S = 7 * DAY_S
+_SECONDS = dict(low=0.0, low_open=True)
 
 
 def build_parser() -> UsageParser:
@@ -82,43 +80,69 @@ def build_parser() -> UsageParser:
     p.add_argument("--api-key-env", metavar="VAR",
                    help="the environment variable holding the servers' API key (SGLang/vLLM --api-key), sent as "
                         "a bearer token; never the key itself on the command line")
-    p.add_argument("--concurrency", type=_positive(int), default=DEFAULT_CONCURRENCY, metavar="N",
-                   help=f"conversations in flight at once (default {DEFAULT_CONCURRENCY})")
+    p.add_argument("--concurrency", type=Bounded("int", 1, MAX_CONCURRENCY, why="the documented ceiling: docs/regenerate.md"),
+                   default=DEFAULT_CONCURRENCY, metavar="N",
+                   help=f"conversations in flight at once (default {DEFAULT_CONCURRENCY}, at most {MAX_CONCURRENCY})")
     g = p.add_argument_group("sampling (unset: the server's default)")
-    g.add_argument("--temperature", type=float)
-    g.add_argument("--top-p", type=float, dest="top_p")
-    g.add_argument("--max-tokens", type=_positive(int), dest="max_tokens", metavar="N", help="per answer")
-    g.add_argument("--seed", type=int)
+    g.add_argument("--temperature", type=Bounded("float", 0.0, 2.0, why="the OpenAI API's range"))
+    g.add_argument("--top-p", type=Bounded("float", 0.0, 1.0, low_open=True), dest="top_p")
+    g.add_argument("--max-tokens", type=Bounded("int", 1, 1 << 24), dest="max_tokens", metavar="N", help="per answer")
+    g.add_argument("--seed", type=Bounded("int", -(1 << 63), (1 << 63) - 1))
     g.add_argument("--thinking", choices=("on", "off"),
                    help="chat_template_kwargs.enable_thinking, for templates that have it (Qwen3)")
     r = p.add_argument_group("retries and durability")
-    r.add_argument("--max-attempts", type=_positive(int), default=8, metavar="N",
+    r.add_argument("--max-attempts", type=Bounded("int", 1, 1000), default=8, metavar="N",
                    help="attempts per request before a transient error (connection, 408, 429, 5xx) fails the row "
                         "(default 8)")
-    r.add_argument("--retry-initial", type=_positive(float), default=1.0, metavar="S",
+    r.add_argument("--retry-initial", type=Bounded("float", high=DAY_S, **_SECONDS), default=1.0, metavar="S",
                    help="first backoff in seconds, doubling with jitter (default 1)")
-    r.add_argument("--retry-max-wait", type=_positive(float), default=60.0, metavar="S",
+    r.add_argument("--retry-max-wait", type=Bounded("float", high=DAY_S, **_SECONDS), default=60.0, metavar="S",
                    help="longest backoff in seconds (default 60)")
-    r.add_argument("--request-timeout", type=_positive(float), default=DEFAULT_TIMEOUT_S, metavar="S",
+    r.add_argument("--request-timeout", type=Bounded("float", high=WEEK_S, **_SECONDS), default=DEFAULT_TIMEOUT_S, metavar="S",
                    help=f"seconds one answer may take (default {DEFAULT_TIMEOUT_S:g})")
-    r.add_argument("--flush-rows", type=_positive(int), default=DEFAULT_FLUSH_ROWS, metavar="N",
+    r.add_argument("--flush-rows", type=Bounded("int", 1, 1 << 20), default=DEFAULT_FLUSH_ROWS, metavar="N",
                    help=f"fsync the output every N finished rows (default {DEFAULT_FLUSH_ROWS})")
-    r.add_argument("--flush-s", type=_positive(float), default=DEFAULT_FLUSH_S, metavar="S",
+    r.add_argument("--flush-s", type=Bounded("float", high=DAY_S, **_SECONDS), default=DEFAULT_FLUSH_S, metavar="S",
                    help=f"… or every S seconds, whichever comes first (default {DEFAULT_FLUSH_S:g})")
     o = p.add_argument_group("progress and the server")
-    o.add_argument("--progress-s", type=_positive(float), default=DEFAULT_PROGRESS_S, metavar="S",
+    o.add_argument("--progress-s", type=Bounded("float", high=DAY_S, **_SECONDS), default=DEFAULT_PROGRESS_S, metavar="S",
                    help=f"a progress event and line every S seconds (default {DEFAULT_PROGRESS_S:g}; a terminal: 1)")
     o.add_argument("--run-dir", metavar="DIR",
                    help=f"where events.jsonl goes (default ${ENV_RUN_DIR}, else --out)")
     o.add_argument("--serve", metavar="CMD",
                    help="start this server command first (split like a shell would, no shell run), wait until "
                         "every --endpoint is healthy, stop it at the end")
-    o.add_argument("--serve-timeout", type=_positive(float), default=DEFAULT_SERVE_TIMEOUT_S, metavar="S",
+    o.add_argument("--serve-timeout", type=Bounded("float", high=WEEK_S, **_SECONDS), default=DEFAULT_SERVE_TIMEOUT_S, metavar="S",
                    help=f"seconds the server may take to become healthy (default {DEFAULT_SERVE_TIMEOUT_S:g})")
-    o.add_argument("--serve-stop-grace", type=_positive(float), default=DEFAULT_SERVE_STOP_GRACE_S, metavar="S",
+    o.add_argument("--serve-stop-grace", type=Bounded("float", high=DAY_S, **_SECONDS), default=DEFAULT_SERVE_STOP_GRACE_S, metavar="S",
                    help="seconds the server has to exit after SIGTERM before SIGKILL, at the end or when the job dies "
                         f"(default {DEFAULT_SERVE_STOP_GRACE_S:g}; a GPU server may need them to free its memory)")
+    p.add_argument("--preflight", action="store_true",
+                   help="only check what the job would refuse at its start (trainer/chat/preflight.py): the input, "
+                        "the endpoints (without --serve), the out; write nothing")
     return p
+
+
+def preflight(args) -> int:
+    """The job's start checks, nothing written (trainer/chat/preflight.py)."""
+    from trainer.chat import preflight as pf
+    from trainer.chat import rows as chatrows
+    from trainer.regen.client import pick_model
+
+    problems, size = pf.inputs_problems([args.input])
+    if not problems:
+        try:
+            count_rows(args.input, args.form, chatrows.detect_format(args.input))
+        except chatrows.ChatRowsError as exc:
+            problems.append(f"--input {exc}")
+    # A server the job starts itself is checked by the job (--serve-timeout); a key that only
+    # the run's secret file will hold (ctl launch writes it at the commit) is not here yet.
+    if not args.serve and not (args.api_key_env and not os.environ.get(args.api_key_env)):
+        try:
+            pick_model(args.endpoint, args.model, api_key_of(args))
+        except ValueError as exc:
+            problems.append(str(exc))
+    return pf.report(problems + pf.out_problems(args.out, int(size * pf.ROOM_FACTOR["regenerate"])))
 
 
 def api_key_of(args) -> str | None:
@@ -179,45 +203,63 @@ async def answer_conversation(row, client, first_endpoint: int, progress) -> dic
 
 
 async def run_rows(rows: Iterable, store, client, progress, args, stop: asyncio.Event) -> bool:
-    """Send every row not done yet; True when the input was gone through, False when stopped."""
-    queue: asyncio.Queue = asyncio.Queue(maxsize=args.concurrency)
+    """Send every row not done yet; True when the input was gone through, False when stopped.
+
+    One task per conversation in flight, made when a slot frees and gone when it ends: never
+    more than ``args.concurrency`` at once, and never more than the rows still to send, so
+    memory follows the work in flight, not the setting (a pool of N workers made up front
+    held 10^9 idle tasks before the first answer)."""
+    slots = asyncio.Semaphore(args.concurrency)
+    in_flight: set[asyncio.Task] = set()
+    crashed: list[BaseException] = []
 
     def maybe_flush() -> None:
         if store.pending() >= args.flush_rows:
             store.flush()
 
-    async def worker() -> None:
-        while (item := await queue.get()) is not None:
-            row, first = item
-            progress.in_flight += 1
-            try:
-                record = await answer_conversation(row, client, first, progress)
-            except PermanentError as exc:
-                store.add_failed(row.id, row.where, str(exc))
-                progress.failed += 1
-            else:
-                store.add_done(record)
-                progress.done += 1
-            finally:
-                progress.in_flight -= 1
-            maybe_flush()
+    async def one(row, first: int) -> None:
+        progress.in_flight += 1
+        try:
+            record = await answer_conversation(row, client, first, progress)
+        except PermanentError as exc:
+            store.add_failed(row.id, row.where, str(exc))
+            progress.failed += 1
+        else:
+            store.add_done(record)
+            progress.done += 1
+        finally:
+            progress.in_flight -= 1
+            slots.release()
+        maybe_flush()
+
+    def ended(task: asyncio.Task) -> None:
+        in_flight.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            crashed.append(task.exception())
 
     async def produce() -> None:
         seen: set = set()
         n_sent = 0
         for i, row in enumerate(rows):
             if i % 512 == 511:
-                await asyncio.sleep(0)  # a long stretch of done rows must not starve the workers
+                await asyncio.sleep(0)  # a long stretch of done rows must not starve the ones in flight
             cause = skip_cause(row, seen)
             if cause is not None:
                 progress.skip(cause)
             elif row.id in store.done:
                 progress.already_done()
             else:
-                await queue.put((row, n_sent % len(client.endpoints)))
+                await slots.acquire()
+                if crashed:
+                    raise crashed[0]  # a bug in a row's task is raised, not hidden
+                task = asyncio.create_task(one(row, n_sent % len(client.endpoints)))
+                in_flight.add(task)
+                task.add_done_callback(ended)
                 n_sent += 1
-        for _ in range(args.concurrency):
-            await queue.put(None)
+        while in_flight:
+            await asyncio.wait(set(in_flight))
+        if crashed:
+            raise crashed[0]
 
     async def tick() -> None:
         while True:
@@ -227,26 +269,24 @@ async def run_rows(rows: Iterable, store, client, progress, args, stop: asyncio.
             progress.tick()
 
     progress.tick(force=True)  # the total and the line from the start, not after the first interval
-    workers = [asyncio.create_task(worker()) for _ in range(args.concurrency)]
     producer = asyncio.create_task(produce())
     ticker = asyncio.create_task(tick())
     stopper = asyncio.create_task(stop.wait())
-    everything = asyncio.gather(producer, *workers)
-    finished, _ = await asyncio.wait({everything, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    completed = everything in finished
-    for t in (ticker, stopper, producer, *workers):
+    finished, _ = await asyncio.wait({producer, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    completed = producer in finished
+    for t in (ticker, stopper, producer, *in_flight):
         t.cancel()
-    await asyncio.gather(everything, ticker, stopper, return_exceptions=True)
+    await asyncio.gather(producer, ticker, stopper, *in_flight, return_exceptions=True)
     store.flush()  # what was answered is kept, even when a bug below is raised
     if completed:
-        everything.result()  # a bug in a worker is raised, not hidden
+        producer.result()  # a bug in a row's task is raised, not hidden
     return completed
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(list(argv) if argv is not None else None)
     try:
-        return _main(args)
+        return preflight(args) if args.preflight else _main(args)
     except UsageError as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr, flush=True)
         return EXIT_USAGE
@@ -275,10 +315,8 @@ class _Telemetry:
 
 
 def _main(args) -> int:
+    from trainer import outlock
     from trainer.chat import rows as chatrows
-    from trainer.regen.client import pick_model
-    from trainer.regen.server import Server, ServeError
-    from trainer.regen.store import Store, StoreError
 
     try:
         fmt = chatrows.detect_format(args.input)
@@ -289,6 +327,27 @@ def _main(args) -> int:
         raise UsageError(f"--serve {args.serve!r}: {exc}") from None
     if serve_argv == []:
         raise UsageError("--serve: give the server's command, e.g. --serve 'python -m sglang.launch_server …'")
+    # One writer per --out for the job's whole life, before a server starts or a row is read
+    # (trainer/outlock.py): a second job, or the same command typed by hand, is refused here.
+    parent = os.path.dirname(os.path.abspath(args.out))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        held = outlock.claim(args.out, "regenerate")
+    except (outlock.OutBusy, OSError) as exc:
+        raise UsageError(f"--out {exc}" if isinstance(exc, outlock.OutBusy) else
+                         f"--out {args.out}: cannot lock it ({exc.strerror or exc})") from None
+    try:
+        return _main_locked(args, fmt, serve_argv)
+    finally:
+        outlock.release(held)
+
+
+def _main_locked(args, fmt: str, serve_argv) -> int:
+    from trainer.chat import rows as chatrows
+    from trainer.regen.client import pick_model
+    from trainer.regen.server import Server, ServeError
+    from trainer.regen.store import Store, StoreError
+
     tel = _Telemetry(args.run_dir or os.environ.get(ENV_RUN_DIR) or args.out)
     stop = {"signal": None}  # a SIGTERM before the engine runs (its loop installs its own handlers)
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -314,29 +373,36 @@ def _main(args) -> int:
         # Without --serve, nothing is written before this: an endpoint that does not answer,
         # or does not serve the model, or an output directory of other settings is bad input.
         try:
+            total = count_rows(args.input, args.form, fmt)  # a JSON-array file with data after it: refused here
             model = pick_model(args.endpoint, args.model, api_key_of(args))
             store = Store(args.out, settings_of(args, model))
+        except chatrows.ChatRowsError as exc:
+            raise UsageError(f"--input {exc}") from None
         except (ValueError, StoreError) as exc:
             raise UsageError(str(exc)) from None
         tel.open()
-        return _regenerate(args, fmt, model, store, tel, stop)
+        return _regenerate(args, fmt, model, store, tel, stop, total)
     finally:
         if server is not None:
             print(f"regenerate: stopped the server (exit {server.stop()})", flush=True)
         tel.close()
 
 
-def _regenerate(args, fmt: str, model: str, store, tel: _Telemetry, stop: dict) -> int:
-    """The engine over the input, then the summary and the exit code."""
+def count_rows(path: str, form: str | None, fmt: str) -> int:
+    """The input's rows: one per non-blank line in JSONL (no parsing needed to count); other
+    formats are read once more (which also finds a JSON-array file's trailing data)."""
     from trainer.chat import rows as chatrows
+
+    return sum(1 for _ in (chatrows.iter_lines(path) if fmt == "jsonl" else chatrows.iter_rows(path, form, fmt)))
+
+
+def _regenerate(args, fmt: str, model: str, store, tel: _Telemetry, stop: dict, total: int) -> int:
+    """The engine over the input, then the summary and the exit code."""
     from trainer.regen.client import Retry, Sampling
     from trainer.regen.progress import Progress
 
     if store.torn:
         print(f"regenerate: cut a torn last line off {store.output.path} (the row is done again)", flush=True)
-    # one row per non-blank line in JSONL (no parsing needed to count); others are read once more
-    total = sum(1 for _ in (chatrows.iter_lines(args.input) if fmt == "jsonl"
-                            else chatrows.iter_rows(args.input, args.form, fmt)))
     progress = Progress(total, tel.events, sys.stdout, args.progress_s, tel.hb)
     sampling = Sampling(args.temperature, args.top_p, args.max_tokens, args.seed,
                         None if args.thinking is None else args.thinking == "on")
@@ -362,11 +428,21 @@ def _regenerate(args, fmt: str, model: str, store, tel: _Telemetry, stop: dict) 
               "(run again to retry them); first: " + "; ".join(f"{f['where']}: {f['error']}" for f in first),
               file=sys.stderr, flush=True)
     if not progress.adds_up():
-        print(f"{PROG}: error: the accounting does not add up: done + failed + skipped = {progress.accounted():,} "
-              f"of {total:,} input rows, so a row was lost or counted twice; the output is kept (run again to redo "
-              "what is missing) — please report it with the summary in regenerate.json", file=sys.stderr, flush=True)
+        said = (f"the accounting does not add up: done + failed + skipped = {progress.accounted():,} of {total:,} "
+                "input rows, so a row was lost or counted twice; the output is kept (run again to redo what is "
+                "missing) — please report it with the summary in regenerate.json")
+        print(f"{PROG}: error: {said}", file=sys.stderr, flush=True)
+        # the job's failure in its own words: the agent names the run's failure with it
+        tel.events.emit("error", error="accounting", message=f"regenerate: {said}")
         return EXIT_FAILURE
-    return EXIT_FAILURE if store.failed_now else EXIT_OK
+    if store.failed_now:
+        first = next(iter(store.failed_now.values()))
+        tel.events.emit("error", error="rows_failed", failed=len(store.failed_now), total=total,
+                        message=f"regenerate: {len(store.failed_now):,} of {total:,} rows failed (listed in "
+                                f"{store.failures.path}; launch the same config again to retry them); first: "
+                                f"{first['where']}: {first['error']}")
+        return EXIT_FAILURE
+    return EXIT_OK
 
 
 async def _run(args, fmt, model, sampling, retry, store, progress, stop_flag) -> bool:

@@ -284,6 +284,27 @@ def summary(report: dict) -> str:
     return "\n".join([head, *(f"served-check: cause: {c}" for c in report["causes"])])
 
 
+def export_problem(export: str) -> str | None:
+    """Why ``export`` is not a DFlash export this check can serve, or None: its config.json
+    must be a JSON object with ``block_size`` and ``dflash_config`` (trainer/drafter_dir.py
+    writes both); a target's own directory has neither (it was KeyError: 'block_size')."""
+    path = os.path.join(export, "config.json")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            cfg = json.load(fh)
+    except (OSError, ValueError) as exc:
+        return f"its config.json is not JSON ({exc}); give the directory ctl export or python -m trainer export wrote"
+    if not isinstance(cfg, dict):
+        return "not a DFlash export: its config.json is not a JSON object"
+    missing = [k for k in ("block_size", "dflash_config") if k not in cfg]
+    block = cfg.get("block_size")
+    if missing or isinstance(block, bool) or not isinstance(block, int) or block < 2:
+        archs = ", ".join(map(str, cfg.get("architectures") or [])) or "none named"
+        return (f"not a DFlash export (its config.json has {'no ' + ' and no '.join(missing) if missing else 'block_size ' + repr(block)}; "
+                f"architectures: {archs}); give the directory ctl export or python -m trainer export wrote")
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = flags.UsageParser(prog=PROG, description="Serve a target with a DFlash export as its drafter in vLLM, greedy; "
                           "check the output is the target's greedy output and vLLM's τ is the trained τ (docs/export.md).")
@@ -304,6 +325,9 @@ def main(argv: list[str] | None = None) -> int:
         for path, what in ((args.export, "EXPORT"), (args.target, "--target")):
             if not os.path.isfile(os.path.join(path, "config.json")):
                 raise ServedError(f"{what} {path}: no config.json there")
+        problem = export_problem(args.export)
+        if problem:
+            raise ServedError(f"EXPORT {args.export}: {problem}")
         if args.max_new < 1 or not 0 <= args.tolerance < 1:
             raise ServedError("--max-new must be >= 1 and --tolerance in [0, 1)")
         report = check(args.export, args.target, load_prompts(args), args.max_new, args.tolerance, args.vllm_python,
