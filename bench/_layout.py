@@ -56,6 +56,10 @@ OLD_NAMES = {
 
 
 def _exists(name: str) -> bool:
+    """Whether ``name`` is a real module of this tree (an alias made here does not count)."""
+    mod = sys.modules.get(name)
+    if mod is not None:
+        return getattr(mod, "__spec__", None) is not None
     try:
         return importlib.util.find_spec(name) is not None
     except ModuleNotFoundError:  # its parent package is missing
@@ -95,6 +99,10 @@ class _LazyAlias(types.ModuleType):
         return importlib.import_module(self.__dict__["_old"])
 
     def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            # inspect and pickle probe every module in sys.modules for __file__ and the like:
+            # answering them must not import the old module (and its dependencies)
+            raise AttributeError(name)
         return getattr(self._target(), name)
 
     def __setattr__(self, name, value):
