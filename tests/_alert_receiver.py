@@ -85,3 +85,18 @@ class Receiver:
 
     def of_kind(self, kind: str) -> list[dict]:
         return [a for a in self.alerts().values() if a["kind"] == kind]
+
+
+def sim_notify_config(sim_node, path, ctid) -> "object":
+    """A controller config holding the sim node with container ``ctid`` alone and one webhook
+    channel whose URL is read from ALERT_WEBHOOK_URL (the tests' receiver)."""
+    from controller import config as cfg
+
+    entry = sim_node.node_config()
+    node = cfg.NodeConfig(host=entry["host"], port=entry["port"], user=entry["user"],
+                          identity_file=entry["identity_file"], known_hosts=entry["known_hosts"],
+                          containers={k: cfg.ContainerConfig(**v) for k, v in entry["containers"].items()
+                                      if str(k) == str(ctid)})
+    cfg.save(cfg.Config(default_node="sim", nodes={"sim": node},
+                        notify={"channels": {"hook": {"type": "webhook", "url_env": "ALERT_WEBHOOK_URL"}}}), path)
+    return path

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import posixpath
-import signal
 import subprocess
 import sys
 import time
@@ -15,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from _agent_util import wait_for
 
 from agent.protocol import END, extract_payload
 from controller import config as cfg
@@ -67,13 +67,7 @@ def _status(ct: Container) -> dict:
 
 
 def _wait(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.5)
+    return wait_for(predicate, timeout, interval=0.5, what=what)
 
 
 def test_job_started_through_ctl_exec_outlives_dropped_ssh_connections_and_its_stream_keeps_growing(ct):

@@ -10,10 +10,10 @@ import os
 import posixpath
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from _agent_util import wait_for
 
 from agent.protocol import new_run_id
 from controller import config as cfg
@@ -21,7 +21,7 @@ from controller import kernellog
 from controller.agentcall import AgentCaller
 from controller.container import Container
 from controller.ssh import SSHRunner
-from tests._alert_receiver import Receiver
+from tests._alert_receiver import Receiver, sim_notify_config
 
 pytestmark = pytest.mark.sim
 
@@ -54,14 +54,7 @@ def receiver():
 
 @pytest.fixture
 def config(sim_node, tmp_path):
-    entry = sim_node.node_config()
-    node = cfg.NodeConfig(host=entry["host"], port=entry["port"], user=entry["user"],
-                          identity_file=entry["identity_file"], known_hosts=entry["known_hosts"],
-                          containers={k: cfg.ContainerConfig(**v) for k, v in entry["containers"].items()
-                                      if str(k) == str(CT)})
-    path = tmp_path / "config.toml"
-    cfg.save(cfg.Config(default_node="sim", nodes={"sim": node},
-                        notify={"channels": {"hook": {"type": "webhook", "url_env": "ALERT_WEBHOOK_URL"}}}), path)
+    path = sim_notify_config(sim_node, tmp_path / "config.toml", CT)
     sim_node.clear_kernel_log()
     yield path
     sim_node.clear_kernel_log()
@@ -78,13 +71,7 @@ def _ctl(*argv, config, env_extra=None):
 
 
 def _wait(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.3)
+    return wait_for(predicate, timeout, interval=0.3, what=what)
 
 
 def _kill_a_rank(config, inject) -> str:

@@ -272,7 +272,7 @@ def test_every_cited_bench_script_exists():
     """A comment or doc that names a benchmark by its path names one the repository holds:
     bench/ moved by question, and a stale path sends a reader nowhere."""
     cited = re.compile(r"(?<![\w/.])bench/[A-Za-z0-9_./-]+\.(?:py|sh|json)\b")
-    tracked = subprocess.run(["git", "ls-files"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    tracked = _tracked()
     held = set(tracked)
     dangling = []
     for f in tracked:

@@ -18,8 +18,9 @@ from typing import Callable, List, Optional
 
 import typer
 
-from controller.commands.remote import (EXIT_CONFIG, EXIT_CONTAINER, EXIT_INTERRUPTED, EXIT_REFUSED, EXIT_TRANSPORT,
-                                        TrustOpt, container_checked, fail)
+from controller.commands.plain import errors_as_exits
+from controller.commands.remote import (EXIT_CONFIG, EXIT_INTERRUPTED, EXIT_REFUSED, EXIT_TRANSPORT, TrustOpt,
+                                        container_checked, fail)
 from controller.commands.run import CtlConfigOpt, NodeOpt
 from controller.commands.watch import _follow
 from controller.container import Container
@@ -237,16 +238,14 @@ def _launch(plan: _Plan, *, ctl_config: Optional[str], trust_new_host_key: bool,
             follow: bool) -> int:
     """The one front-end of every launch: open the containers, start, and say what happened —
     one refusal line, one lost-reply line, one Ctrl-C rule and one report for every kind."""
-    from controller import config as cfg
     from controller import interrupts
     from controller.commands import job as job_cmd
-    from controller.container import ContainerError
     from controller.job import JobError, JobStartLost
     from controller.launch import LaunchRefused
     from controller.render import RenderError
     from controller.runconfig import RunConfigError
     from controller.session import open_containers
-    from controller.transport import CommandError, TransportError
+    from controller.transport import TransportError
 
     say = (lambda line: typer.echo(line, err=True)) if json_out else typer.echo
     single = len(plan.members) == 1
@@ -300,20 +299,12 @@ def _launch(plan: _Plan, *, ctl_config: Optional[str], trust_new_host_key: bool,
                            EXIT_INTERRUPTED)
     state = {"started": False}
     try:
-        with open_containers(plan.members, ctl_config, trust_new_host_key) as cts:
+        with errors_as_exits(), open_containers(plan.members, ctl_config, trust_new_host_key) as cts:
             started(cts)
             if follow and single:  # over the same connection
                 from controller.agentcall import AgentCaller
 
                 return _follow(cts[0], AgentCaller(cts[0]), plan.run_id, 0, True, False)
-    except cfg.ConfigError as exc:
-        raise fail(str(exc), EXIT_CONFIG) from None
-    except TransportError as exc:
-        raise fail(str(exc), EXIT_TRANSPORT) from None
-    except ContainerError as exc:
-        raise fail(str(exc), getattr(exc, "exit_code", EXIT_CONTAINER)) from None
-    except CommandError as exc:
-        raise fail(str(exc), exc.result.returncode or 1) from None
     except KeyboardInterrupt:
         if state["started"]:
             raise fail(interrupts.went_on(f"{noun} {plan.run_id}", plan.follow_line, plan.stop_line, where=where),

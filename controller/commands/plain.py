@@ -94,20 +94,10 @@ def seconds_checked(value: Optional[float]) -> Optional[float]:
 
 
 @contextlib.contextmanager
-def container_session(container: int, node: Optional[str], config_path: Optional[str],
-                      trust_new_host_key: bool, one_shot: bool = False) -> Iterator[Container]:
-    """One runner (one SSH connection) for the whole command; errors as one clear line.
-    ``one_shot``: the command runs one thing in the container (controller/session.py)."""
-    runner = None
+def errors_as_exits() -> Iterator[None]:
+    """A config, connection or in-container failure as one line and its exit code."""
     try:
-        conf = cfg.load(config_path)
-        node_name, node_conf = conf.node(node)
-        runner = open_runner(node_name, node_conf, trust_new_host_key=trust_new_host_key, one_shot=one_shot)
-        handle = Container(runner, node_name, node_conf, container)
-        yield handle
-        trusted = getattr(runner, "trusted_key", None)
-        if trusted:
-            echo(f"ctl: recorded the host key of node {node_name} ({trusted})", err=True)
+        yield
     except cfg.ConfigError as exc:
         raise fail(str(exc), EXIT_CONFIG) from None
     except TransportError as exc:
@@ -116,6 +106,24 @@ def container_session(container: int, node: Optional[str], config_path: Optional
         raise fail(str(exc), getattr(exc, "exit_code", EXIT_CONTAINER)) from None
     except CommandError as exc:
         raise fail(str(exc), exc.result.returncode or 1) from None
+
+
+@contextlib.contextmanager
+def container_session(container: int, node: Optional[str], config_path: Optional[str],
+                      trust_new_host_key: bool, one_shot: bool = False) -> Iterator[Container]:
+    """One runner (one SSH connection) for the whole command; errors as one clear line.
+    ``one_shot``: the command runs one thing in the container (controller/session.py)."""
+    runner = None
+    try:
+        with errors_as_exits():
+            conf = cfg.load(config_path)
+            node_name, node_conf = conf.node(node)
+            runner = open_runner(node_name, node_conf, trust_new_host_key=trust_new_host_key, one_shot=one_shot)
+            handle = Container(runner, node_name, node_conf, container)
+            yield handle
+            trusted = getattr(runner, "trusted_key", None)
+            if trusted:
+                echo(f"ctl: recorded the host key of node {node_name} ({trusted})", err=True)
     except KeyboardInterrupt:
         # pct exec does not forward signals (docs/research/proxmox-and-supervision.md §1.1):
         # closing our side is not a kill.

@@ -34,18 +34,14 @@ import math
 import torch
 import torch.nn.functional as F
 
-from trainer.layers.fused_ops import EAGER
+from trainer.layers.fused_ops import EAGER, compile_once
 
 _COMPILED: dict = {}
 _COMPILED_ON = {"cuda"}  # tests add "cpu" to check the compiled functions against the eager ones
 
 
 def _on_device(fn, device: torch.device):
-    if device.type not in _COMPILED_ON or EAGER:
-        return fn
-    if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, dynamic=False)
-    return _COMPILED[fn]
+    return fn if device.type not in _COMPILED_ON or EAGER else compile_once(fn, _COMPILED)
 
 
 def _up(t: torch.Tensor) -> torch.Tensor:  # scores in fp32 at least (hf_dflash._up)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from trainer.layers.fused_ops import EAGER
+from trainer.layers.fused_ops import EAGER, compile_once
 from trainer.layers.hf_dflash import grouped_conv as _grouped_conv_formula
 
 _COMPILED: dict = {}
@@ -30,11 +30,7 @@ _COMPILED_ON = {"cuda"}  # tests add "cpu" to check the compiled functions again
 
 
 def _on_device(fn, device: torch.device):
-    if device.type not in _COMPILED_ON or EAGER:
-        return fn
-    if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, dynamic=False)
-    return _COMPILED[fn]
+    return fn if device.type not in _COMPILED_ON or EAGER else compile_once(fn, _COMPILED)
 
 
 class _GroupedConv(torch.autograd.Function):

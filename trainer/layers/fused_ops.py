@@ -20,6 +20,14 @@ EAGER = os.environ.get("DFLASH_EAGER", "0") == "1"
 _COMPILE = torch.cuda.is_available() and not EAGER
 
 
+def compile_once(fn, cache: dict):
+    """``fn`` compiled with static shapes, once per ``cache`` (the pieces whose compile depends
+    on the device they meet: DFlash2's block convolution, the selector's pieces)."""
+    if fn not in cache:
+        cache[fn] = torch.compile(fn, dynamic=False)
+    return cache[fn]
+
+
 def _maybe_compile(fn):
     # Static shapes: with dynamic=True Inductor's kernels index with run-time divisions and
     # lose 16-byte vector loads; measured 4-6x under the copy bandwidth on H200 (see
