@@ -75,6 +75,22 @@ def check_channel(name: str, ch: Any) -> dict:
     return dict(ch)
 
 
+def takes(ch: dict, alert: Alert) -> bool:
+    """Whether channel ``ch`` is to get ``alert``: not switched off, and of a kind it lists
+    (``kinds``; none listed: every kind). The one test of a channel's filter, for the agent's
+    deliveries and for what ``ctl watch`` is owed (agent/alertwatch.py ``owed``)."""
+    if ch.get("enabled") is False:
+        return False
+    kinds = ch.get("kinds")
+    return not kinds or alert.kind in kinds
+
+
+def channel_filter(ch: dict) -> dict:
+    """The part of a channel ``takes`` reads: what ``ctl watch`` tells the container about its
+    own channels (no host, address or variable name travels for it)."""
+    return {k: ch[k] for k in ("enabled", "kinds") if k in ch}
+
+
 def secret_names(channels: Mapping[str, dict]) -> list[str]:
     """The environment variable names the channels read."""
     out = []
