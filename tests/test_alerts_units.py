@@ -154,3 +154,29 @@ def test_ctl_watch_is_owed_an_alert_only_on_the_channels_whose_kinds_take_it(tmp
         out.record(a.id, name, True, "ctl watch")
     got = overview()
     assert got["deliver"] == [] and got["runs"] == []  # nothing owed: the finished run is not listed
+
+
+def test_the_evidence_verb_names_the_channels_that_take_a_node_evidence_alert_once(tmp_path):
+    import subprocess
+
+    from agent.alerts import Alert
+    from agent.protocol import extract_payload
+    from controller.watchall import channel_filters
+    from tests._agent_util import PY, env
+
+    rd = tmp_path / "ws" / "runs" / "r1-20261201-114702-0001"
+    rd.mkdir(parents=True)
+    alert = Alert(id="e1", kind="node_evidence", run="r1", ts=1.0, cause="host OOM", next="ctl status")
+    channels = channel_filters({"slack": {"type": "slack", "url_env": "S", "kinds": ["failed"]},
+                                "team": {"type": "slack", "url_env": "T", "kinds": ["failed", "node_evidence"]},
+                                "hook": {"type": "webhook", "url_env": "H"}})
+    req = json.dumps({"refers_to": "f1", "ts": 2.0, "reading": None, "alert": alert.to_json(), "channels": channels})
+
+    def evidence():
+        proc = subprocess.run([PY, "-m", "agent.alertcmd", "evidence", "--run-dir", str(rd)], input=req,
+                              capture_output=True, text=True, env=env(), timeout=60, check=True)
+        return extract_payload(proc.stdout)
+
+    assert evidence()["channels"] == ["team", "hook"]
+    again = evidence()
+    assert again["added"] is False and again["channels"] == []  # looked up once: sent once
