@@ -2,11 +2,13 @@
 trip, JSON request on stdin, sentinel-wrapped JSON reply:
 
     configure --run-dir D     {config, secrets}: notify.json and the 0600 secrets file
-    overview --workspace W    {channels: [names], handover_s}: every run's row for `ctl status --all`
-                              / `ctl watch`, and the alerts ctl should deliver itself
+    overview --workspace W    {channels: {name: filter}, handover_s}: every run's row for `ctl status
+                              --all` / `ctl watch`, and the alerts ctl should deliver itself on
+                              the channels (of the operator's config) whose filter takes them
     ack --run-dir D           {acks: [{id, channel, ok, error}]}: deliveries made by ctl watch
-    evidence --run-dir D      {refers_to, ts, reading, alert}: what ctl watch found in the node's
-                              kernel log about a failure alert (node_evidence.jsonl)
+    evidence --run-dir D      {refers_to, ts, reading, alert, channels}: what ctl watch found in the
+                              node's kernel log about a failure alert (node_evidence.jsonl); the
+                              reply names the channels that owe its alert
 
 Secrets come only on stdin (never argv) and go only into the secrets file.
 """
@@ -18,9 +20,9 @@ import os
 import sys
 import time
 
-from agent.alerts import AlertKind, Thresholds
-from agent.alertwatch import (HANDOVER_S, Outbox, add_node_evidence, load_notify, node_evidence, pending, run_alerts,
-                              write_notify)
+from agent.alerts import Alert, AlertKind, Thresholds
+from agent.alertwatch import (HANDOVER_S, Outbox, add_node_evidence, load_notify, node_evidence, owed, pending,
+                              run_alerts, write_notify)
 from agent.protocol import RunStatus, wrap_payload
 from agent.rundir import RunDir, agent_alive
 
@@ -65,10 +67,19 @@ def _row(rd: RunDir) -> dict:
             "reason": st.reason or st.last_error, "updated": st.updated, "progress": st.progress}
 
 
-def overview(workspace: str, channels: list[str], handover_s: float = HANDOVER_S, all_runs: bool = False) -> dict:
+def _filters(channels) -> dict:
+    """The request's channels: name -> filter (notify.channel_filter); a bare list of names
+    (an older ctl) is every kind on each."""
+    if isinstance(channels, dict):
+        return {str(k): v if isinstance(v, dict) else {} for k, v in channels.items()}
+    return {str(name): {} for name in channels or []}
+
+
+def overview(workspace: str, channels, handover_s: float = HANDOVER_S, all_runs: bool = False) -> dict:
     """Every live run (and, for delivery, every run with alerts not yet delivered on the
     operator's channels) of the workspace."""
     base = os.path.join(workspace, "runs")
+    channels = _filters(channels)
     rows, deliver, evidence_due = [], [], []
     now = time.time()
     for name in sorted(os.listdir(base)) if os.path.isdir(base) else []:
@@ -83,7 +94,7 @@ def overview(workspace: str, channels: list[str], handover_s: float = HANDOVER_S
         container_channels = set(load_notify(rd.path).get("channels") or {})
         alive = agent_alive(rd)
         for a in alerts:
-            left = [c for c in channels if not outbox.delivered(a.id, c)]
+            left = owed(a, channels, outbox)
             if not left:
                 continue
             # The container's own agent goes first; ctl takes over what it could not do:
@@ -149,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         print(wrap_payload({"ok": True, "run_dir": rd.path}))
         return 0
     if args.verb == "overview":
-        print(wrap_payload(overview(args.workspace, list(req.get("channels") or []),
+        print(wrap_payload(overview(args.workspace, req.get("channels") or {},
                                     float(req.get("handover_s") or HANDOVER_S), bool(req.get("all")))))
         return 0
     rd = RunDir(args.run_dir)
@@ -158,7 +169,9 @@ def main(argv: list[str] | None = None) -> int:
             print(wrap_payload({"ok": False, "error": "evidence: the request names no refers_to alert id"}))
             return 2
         added = add_node_evidence(rd.path, {k: req.get(k) for k in ("refers_to", "ts", "reading", "alert")})
-        print(wrap_payload({"ok": True, "added": added}))
+        alert = Alert.from_json(req.get("alert"))
+        names = owed(alert, _filters(req.get("channels")), Outbox(rd.path)) if added and alert else []
+        print(wrap_payload({"ok": True, "added": added, "channels": names}))
         return 0
     outbox = Outbox(rd.path)
     for ack in req.get("acks") or []:

@@ -35,6 +35,7 @@ import time
 from typing import Callable
 
 from agent.alerts import ALERT_RECORD, Alert, AlertRules, Thresholds
+from agent.notify import takes
 from agent.protocol import STREAM, atomic_write
 
 NOTIFY = "notify.json"
@@ -199,17 +200,16 @@ def pending(run_dir: str, channels: dict, outbox: Outbox | None = None) -> list[
     outbox = outbox or Outbox(run_dir)
     out = []
     for a in run_alerts(run_dir):
-        left = [name for name, ch in channels.items() if _takes(ch, a) and not outbox.delivered(a.id, name)]
+        left = owed(a, channels, outbox)
         if left:
             out.append((a, left))
     return out
 
 
-def _takes(ch: dict, alert: Alert) -> bool:
-    if ch.get("enabled") is False:
-        return False
-    kinds = ch.get("kinds")
-    return not kinds or alert.kind in kinds
+def owed(alert: Alert, channels: dict, outbox: Outbox) -> list[str]:
+    """The channels (name -> channel, or just its filter) that take ``alert`` and have not
+    had it: for the agent's own channels and for ``ctl watch``'s alike."""
+    return [name for name, ch in channels.items() if takes(ch, alert) and not outbox.delivered(alert.id, name)]
 
 
 class Deliverer(threading.Thread):
@@ -244,7 +244,7 @@ class Deliverer(threading.Thread):
         with self._lock:
             items = list(self.alerts.values())
             channels = dict(self.channels)
-        return all(self.outbox.delivered(a.id, n) for a in items for n, ch in channels.items() if _takes(ch, a))
+        return all(self.outbox.delivered(a.id, n) for a in items for n, ch in channels.items() if takes(ch, a))
 
     def run(self) -> None:
         while not self._stop.is_set():
@@ -270,7 +270,7 @@ class Deliverer(threading.Thread):
             for name, ch in channels.items():
                 if self._stop.is_set():
                     return
-                if not _takes(ch, a) or not self.outbox.due(a.id, name, time.time()):
+                if not takes(ch, a) or not self.outbox.due(a.id, name, time.time()):
                     continue
                 try:
                     send(a, ch, env)

@@ -14,6 +14,7 @@ echoed by an error message into the delivery log).
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import urllib.error
 import urllib.request
@@ -28,12 +29,13 @@ SECRET_KEYS = {"webhook": ("url_env",), "slack": ("url_env",), "ntfy": ("token_e
                "email": ("password_env",), "command": ()}
 PLAIN_KEYS = {"webhook": ("timeout_s",), "slack": ("timeout_s",),
               "ntfy": ("server", "topic", "timeout_s"),
-              "email": ("host", "port", "starttls", "ssl", "user", "sender", "to", "timeout_s"),
+              "email": ("host", "port", "starttls", "ssl", "cafile", "user", "sender", "to", "timeout_s"),
               "command": ("argv", "timeout_s")}
 REQUIRED = {"webhook": ("url_env",), "slack": ("url_env",), "ntfy": ("server", "topic"),
             "email": ("host", "sender", "to"), "command": ("argv",)}
 COMMON_KEYS = ("type", "enabled", "kinds")  # kinds: only these alert kinds (default: all)
 DEFAULT_TIMEOUT_S = 10.0
+NTFY_TOPIC = re.compile(r"[-_A-Za-z0-9]{1,64}")  # ntfy's own rule for a topic name
 USER_AGENT = "dflash-ctl-alerts/1"
 
 
@@ -67,7 +69,26 @@ def check_channel(name: str, ch: Any) -> dict:
         raise ValueError(f"{where}.argv: must be a list of strings, the command and its arguments")
     if kind == "email" and not (isinstance(ch["to"], list) and ch["to"] and all(isinstance(a, str) for a in ch["to"])):
         raise ValueError(f"{where}.to: must be a list of addresses")
+    if kind == "ntfy" and not (isinstance(ch["topic"], str) and NTFY_TOPIC.fullmatch(ch["topic"])):
+        raise ValueError(f"{where}.topic: must be 1 to 64 letters, digits, '-' or '_' (ntfy's topic names; "
+                         f"got {ch['topic']!r})")
     return dict(ch)
+
+
+def takes(ch: dict, alert: Alert) -> bool:
+    """Whether channel ``ch`` is to get ``alert``: not switched off, and of a kind it lists
+    (``kinds``; none listed: every kind). The one test of a channel's filter, for the agent's
+    deliveries and for what ``ctl watch`` is owed (agent/alertwatch.py ``owed``)."""
+    if ch.get("enabled") is False:
+        return False
+    kinds = ch.get("kinds")
+    return not kinds or alert.kind in kinds
+
+
+def channel_filter(ch: dict) -> dict:
+    """The part of a channel ``takes`` reads: what ``ctl watch`` tells the container about its
+    own channels (no host, address or variable name travels for it)."""
+    return {k: ch[k] for k in ("enabled", "kinds") if k in ch}
 
 
 def secret_names(channels: Mapping[str, dict]) -> list[str]:
@@ -84,6 +105,13 @@ def webhook_body(alert: Alert) -> dict:
     """The generic webhook's JSON body (docs/alerts.md documents it): the alert record, plus
     ``text`` (its human form) and ``version``."""
     return {"version": 1, **alert.to_json(), "text": alert.text()}
+
+
+def slack_text(alert: Alert) -> str:
+    """The alert's text for a Slack-compatible receiver: Slack reads ``&``, ``<`` and ``>`` as
+    control characters (``<...>`` is a link or a mention), so exactly those three are escaped
+    as its formatting reference says; everything else goes as it is."""
+    return alert.text().replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def _scrub(text: str, secrets: list[str]) -> str:
@@ -133,10 +161,12 @@ def _send(alert: Alert, ch: dict, env: Mapping[str, str]) -> None:
     elif kind == "slack":
         # Slack's incoming webhook takes {"text": ...}; the id is in the text (the body is all
         # a Slack-compatible receiver keeps).
-        _post(_need(ch, "url_env", env), json.dumps({"text": alert.text()}).encode(),
+        _post(_need(ch, "url_env", env), json.dumps({"text": slack_text(alert)}).encode(),
               {"Content-Type": "application/json"}, timeout)
     elif kind == "ntfy":
-        headers = {"Title": alert.title(), "Tags": alert.kind, "X-Alert-Id": alert.id,
+        # ntfy's publish API: the message is the body; title, priority and tags are headers
+        headers = {"Content-Type": "text/plain; charset=utf-8", "Title": alert.title(), "Tags": alert.kind,
+                   "X-Alert-Id": alert.id,
                    "Priority": "high" if alert.severity == "error" else "default"}
         if ch.get("token_env"):
             headers["Authorization"] = f"Bearer {_need(ch, 'token_env', env)}"
@@ -163,6 +193,7 @@ def _plain_env(env: Mapping[str, str]) -> dict:
 
 def _email(alert: Alert, ch: dict, env: Mapping[str, str], timeout: float) -> None:
     import smtplib
+    import ssl
     from email.message import EmailMessage
 
     msg = EmailMessage()
@@ -173,10 +204,14 @@ def _email(alert: Alert, ch: dict, env: Mapping[str, str], timeout: float) -> No
     msg["X-Alert-Id"] = alert.id
     msg.set_content(alert.text())
     port = int(ch.get("port") or (465 if ch.get("ssl") else 587 if ch.get("starttls") else 25))
-    cls = smtplib.SMTP_SSL if ch.get("ssl") else smtplib.SMTP
-    with cls(ch["host"], port, timeout=timeout) as smtp:
+    # smtplib's own default context checks neither the certificate nor the host name: a
+    # man in the middle would get the password. Verified against the system's CAs, or the
+    # operator's own (cafile) for a private server.
+    tls = ssl.create_default_context(cafile=ch.get("cafile") or None)
+    with (smtplib.SMTP_SSL(ch["host"], port, timeout=timeout, context=tls) if ch.get("ssl")
+          else smtplib.SMTP(ch["host"], port, timeout=timeout)) as smtp:
         if ch.get("starttls"):
-            smtp.starttls()
+            smtp.starttls(context=tls)
         if ch.get("user"):
             smtp.login(ch["user"], _need(ch, "password_env", env))
         smtp.send_message(msg)

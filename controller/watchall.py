@@ -43,6 +43,18 @@ def targets(conf: cfg.Config, node: Optional[str] = None) -> list[Target]:
     return out
 
 
+def channel_filters(channels: dict) -> dict:
+    """What the container needs of the operator's channels to say which of them owe an alert
+    (agent/alertwatch.py ``owed``: the filter is applied there, for every alert ctl watch sends)."""
+    from agent.notify import channel_filter
+
+    return {name: channel_filter(ch) for name, ch in channels.items()}
+
+
+def overview_request(channels: dict, all_runs: bool = False) -> dict:
+    return {"channels": channel_filters(channels), "all": all_runs}
+
+
 @dataclass
 class Round:
     rows: list[dict] = field(default_factory=list)  # each with node, container
@@ -89,9 +101,9 @@ class Watcher:
             try:
                 ct = self._container(t)
                 caller = AgentCaller(ct)
-                names = sorted(t.channels)  # also without delivering: a run with alerts to deliver is listed
+                # also without delivering: a run with alerts to deliver is listed
                 reply = caller.call("agent.alertcmd", ["overview", "--workspace", ct.config.workspace],
-                                    request={"channels": names, "all": self.all_runs}, what="the runs' overview")
+                                    request=overview_request(t.channels, self.all_runs), what="the runs' overview")
             except Exception as exc:  # noqa: BLE001 - one silent node must not hide the others
                 out.errors.append(f"{t.node_name}:{t.ctid}: {str(exc).splitlines()[0][:200]}")
                 self.runners.pop(t.node_name, None)
@@ -143,7 +155,7 @@ class Watcher:
             reading = kernellog.for_failure(ct, d.get("root_cause") or {}, failure.ts)
             alert = kernellog.evidence_alert(failure, reading) if reading and reading.findings else None
             doc = {"refers_to": failure.id, "ts": time.time(), "reading": reading.to_json() if reading else None,
-                   "alert": alert.to_json() if alert else None}
+                   "alert": alert.to_json() if alert else None, "channels": channel_filters(t.channels)}
             try:
                 added = caller.call("agent.alertcmd", ["evidence", "--run-dir", d["run_dir"]], request=doc,
                                     what="the node's evidence")
@@ -151,9 +163,7 @@ class Watcher:
                 out.errors.append(f"{t.node_name}:{t.ctid}: node evidence not recorded: {str(exc).splitlines()[0][:160]}")
                 continue
             if alert and added.get("added"):
-                from agent.alertwatch import _takes
-
-                alerts.append((alert, d["run_dir"], sorted(n for n, ch in t.channels.items() if _takes(ch, alert))))
+                alerts.append((alert, d["run_dir"], added.get("channels") or []))
         return alerts
 
 

@@ -3,7 +3,10 @@ POSTs and keeps each one it answered 200 (a request whose answer could not be wr
 sender was killed while waiting — did not arrive). It can be taken down (the port closed)
 and brought back on the same port, made to fail a share of requests after reading them (a
 sender must retry; the receiver then holds a repeat, dropped by the alert id), and made to
-hold its first answers (a sender killed mid-delivery)."""
+hold its first answers (a sender killed mid-delivery). Every request it read is also kept
+whole (path, headers, raw body) in ``requests_seen``, before its answer is written: the Slack
+and ntfy channels are checked against it byte for byte (their bodies are not the webhook's
+JSON, so only JSON bodies count as ``arrivals``)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ class Receiver:
         self.fail_every = 0  # answer 500 to every n-th request (0: never)
         self.hold_first_s = 0.0  # the first request waits this long before its answer
         self.requests = 0
+        self.requests_seen: list[dict] = []  # {path, headers, body: bytes}, answered 200
         self._lock = threading.Lock()
         self._server = None
         self.port = port
@@ -37,6 +41,9 @@ class Receiver:
                     n = outer.requests
                     hold = outer.hold_first_s if n == 1 else 0.0
                     fail = outer.fail_every and n % outer.fail_every == 0
+                    # kept before the answer goes, so that a sender that has its answer finds it here
+                    outer.requests_seen.append({"path": self.path, "headers": dict(self.headers.items()),
+                                                "body": body})
                 if self.path != outer.path:
                     self.send_response(404)
                     self.end_headers()
@@ -56,8 +63,9 @@ class Receiver:
                 except OSError:
                     return  # the sender is gone: it never learnt of this one
                 with outer._lock:
-                    outer.arrivals.append(json.loads(body))
-                    outer.arrived_at.append(time.time())
+                    if (self.headers.get("Content-Type") or "").startswith("application/json"):
+                        outer.arrivals.append(json.loads(body))
+                        outer.arrived_at.append(time.time())
 
             def log_message(self, *a):  # quiet
                 pass

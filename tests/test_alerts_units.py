@@ -112,3 +112,71 @@ def test_ctl_tail_prints_an_alert_record():
     alert = AlertRules("r1").feed(status("completed", step=3))[0]
     Printer(out.append)({"seq": 9, "ts": 1.0, "kind": "alert", "payload": alert.to_json()})
     assert out == ["== alert completed: completed at step 3"]
+
+
+def test_ctl_watch_is_owed_an_alert_only_on_the_channels_whose_kinds_take_it(tmp_path):
+    """`ctl watch` asks the container which alerts it owes on the operator's channels; a
+    channel's ``kinds`` is part of that question (it was ignored: every alert went to every
+    channel, and a finished run stayed listed as owing what no channel would take)."""
+    import subprocess
+
+    from agent.alertwatch import Outbox
+    from controller.watchall import overview_request
+    from tests._agent_util import PY, env
+
+    run = "r1-20261201-114702-0001"
+    rd = tmp_path / "ws" / "runs" / run
+    rd.mkdir(parents=True)
+    (rd / "spec.json").write_text(json.dumps({"run_id": run}))
+    (rd / "status.json").write_text(json.dumps({"state": "completed"}))
+    rules = AlertRules(run)
+    nan, done = (rules.feed(ev("step", step=4, loss=float("nan"), tokens_per_s=1.0))
+                 + rules.feed(status("completed", step=9)))
+    (rd / "stream.jsonl").write_text("".join(json.dumps({"seq": i, "ts": a.ts, "kind": "alert", "payload": a.to_json()},
+                                                        separators=(",", ":")) + "\n" for i, a in enumerate([nan, done])))
+    channels = {"slack": {"type": "slack", "url_env": "SLACK_URL", "kinds": ["loss_nonfinite", "failed"]},
+                "hook": {"type": "webhook", "url_env": "HOOK_URL"}}
+
+    def overview():
+        proc = subprocess.run([PY, "-m", "agent.alertcmd", "overview", "--workspace", str(tmp_path / "ws")],
+                              input=json.dumps(overview_request(channels)), capture_output=True, text=True,
+                              env=env(), timeout=60, check=True)
+        from agent.protocol import extract_payload
+
+        return extract_payload(proc.stdout)
+
+    got = overview()
+    assert {d["alert"]["kind"]: d["channels"] for d in got["deliver"]} == {"loss_nonfinite": ["slack", "hook"],
+                                                                          "completed": ["hook"]}
+    assert "SLACK_URL" not in json.dumps(overview_request(channels))  # only the filter travels
+    out = Outbox(str(rd))
+    for a, name in ((nan, "slack"), (nan, "hook"), (done, "hook")):
+        out.record(a.id, name, True, "ctl watch")
+    got = overview()
+    assert got["deliver"] == [] and got["runs"] == []  # nothing owed: the finished run is not listed
+
+
+def test_the_evidence_verb_names_the_channels_that_take_a_node_evidence_alert_once(tmp_path):
+    import subprocess
+
+    from agent.alerts import Alert
+    from agent.protocol import extract_payload
+    from controller.watchall import channel_filters
+    from tests._agent_util import PY, env
+
+    rd = tmp_path / "ws" / "runs" / "r1-20261201-114702-0001"
+    rd.mkdir(parents=True)
+    alert = Alert(id="e1", kind="node_evidence", run="r1", ts=1.0, cause="host OOM", next="ctl status")
+    channels = channel_filters({"slack": {"type": "slack", "url_env": "S", "kinds": ["failed"]},
+                                "team": {"type": "slack", "url_env": "T", "kinds": ["failed", "node_evidence"]},
+                                "hook": {"type": "webhook", "url_env": "H"}})
+    req = json.dumps({"refers_to": "f1", "ts": 2.0, "reading": None, "alert": alert.to_json(), "channels": channels})
+
+    def evidence():
+        proc = subprocess.run([PY, "-m", "agent.alertcmd", "evidence", "--run-dir", str(rd)], input=req,
+                              capture_output=True, text=True, env=env(), timeout=60, check=True)
+        return extract_payload(proc.stdout)
+
+    assert evidence()["channels"] == ["team", "hook"]
+    again = evidence()
+    assert again["added"] is False and again["channels"] == []  # looked up once: sent once
