@@ -15,7 +15,7 @@ from controller import notifyconfig
 
 def commands(ct, run_id: str, launch: Optional[dict]) -> dict:
     """The next-command templates ({checkpoint} filled in by the agent)."""
-    from controller.launch import resume_line
+    from controller.resume import resume_line
 
     where = ["--node", ct.node_name, "--container", str(ct.ctid)] if ct.node_name else ["--container", str(ct.ctid)]
     out = {"status": shlex.join(["ctl", "status", *where, "--run", run_id]),

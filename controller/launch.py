@@ -15,7 +15,6 @@ directory and no process.
 from __future__ import annotations
 
 import posixpath
-import shlex
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -346,25 +345,6 @@ def memory_report(values: dict, pf: dict) -> tuple[list[str], list[str], Optiona
         budget = int(plan["token_budget"])
         lines.append(f"memory   --token-budget auto → {budget} ({plan['auto_reason']}): the run trains with it")
     return lines, list(plan["refusals"]), budget
-
-
-def resume_line(ctid, node_name: Optional[str], launch: Optional[dict], checkpoint: Optional[dict]) -> str:
-    """The exact `ctl launch` that continues a run: its config file and `--set`s as it was
-    launched, from its checkpoint (a training run) or again (a data job resumes by itself)."""
-    launch = launch or {}
-    config = launch.get("config_file") or (f"{launch['config']}.toml" if launch.get("config") else "RUN_CONFIG.toml")
-    argv = ["ctl", "launch", "--container", str(ctid), "--config", config]
-    if node_name:
-        argv[2:2] = ["--node", node_name]
-    if (launch.get("kind") or "train") != "train":
-        pass  # a data job resumes by launching its config again (trainer/kinds.py)
-    elif checkpoint and checkpoint.get("exists", True):
-        argv += ["--resume-from", checkpoint["path"]]
-    else:
-        argv += ["--from-scratch"]
-    for item in launch.get("sets") or []:  # what its launch changed over the file, so it runs on alike
-        argv += ["--set", item]
-    return shlex.join(argv)
 
 
 def start_argv(ct: Container, run_dir: str, run_id: str, options: dict) -> list[str]:

@@ -35,7 +35,7 @@ from controller import envgen_client as eg
 from controller.agentcall import AgentCaller
 from controller import snapshots as snaps
 from controller.container import Container, ContainerError
-from controller.launch import resume_line
+from controller.resume import resume_line
 
 # Extra seconds, after the agent's stop returned, for SIGKILLed processes to be reaped.
 SURVIVOR_WAIT_S = 10.0

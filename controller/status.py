@@ -46,7 +46,7 @@ def restart_message(reply: dict, ctid: str, node: Optional[str]) -> Optional[str
     """"container 200 restarted at …; the run died at step N; resume with `ctl launch …`" when
     the run's container restarted (or its node rebooted) under it (agent.runview's
     ``host_restart``), else None."""
-    from controller.launch import resume_line
+    from controller.resume import resume_line
 
     restart = reply.get("host_restart")
     if not isinstance(restart, dict):

@@ -104,7 +104,7 @@ def test_the_shipped_tiny_example_validates():
 def test_the_printed_resume_line_names_the_config_file_the_run_was_launched_with(tmp_path):
     # kill-and-rollback printed `--config tiny.toml` (a guess from the config's name) for a
     # run launched with examples/tiny.toml, so the line failed from any other directory.
-    from controller.launch import resume_line
+    from controller.resume import resume_line
 
     config = configfile.load("examples/tiny.toml")
     assert config._source_file and config._source_file.endswith("/examples/tiny.toml")

@@ -304,7 +304,7 @@ def export_command(
         else:
             from trainer.serve.export import tau_words
 
-            typer.echo(f"{dest}: step {manifest['step']}{tau_words({**manifest, 'best': best})} of run {run_id} "
+            typer.echo(f"{dest}: step {manifest['step']} of run {run_id}{tau_words({**manifest, 'best': best})} "
                        f"({manifest['checkpoint']} in {ct}), "
                        f"{len(manifest['files'])} files, {manifest['bytes'] / 2**20:.1f} MiB, sha256 verified"
                        + (" (it was already there, complete)" if manifest.get("already") else ""))

@@ -275,7 +275,7 @@ def _launch(plan: _Plan, *, ctl_config: Optional[str], trust_new_host_key: bool,
                     raise maybe_started(exc, EXIT_REFUSED) from None
                 raise fail(f"{plan.what} refused — nothing was started:\n  {exc}", EXIT_REFUSED) from None
             except KeyboardInterrupt:
-                raise nothing_started from None
+                raise nothing_started() from None
             except TransportError as exc:
                 if interrupts.holding():
                     raise maybe_started(exc, EXIT_TRANSPORT) from None
@@ -295,8 +295,10 @@ def _launch(plan: _Plan, *, ctl_config: Optional[str], trust_new_host_key: bool,
                        EXIT_INTERRUPTED)
         return result
 
-    nothing_started = fail(f"interrupted before {noun} {plan.run_id} was created{where}: nothing was started",
-                           EXIT_INTERRUPTED)
+    def nothing_started() -> SystemExit:
+        return fail(f"interrupted before {noun} {plan.run_id} was created{where}: nothing was started",
+                    EXIT_INTERRUPTED)
+
     state = {"started": False}
     try:
         with errors_as_exits(), open_containers(plan.members, ctl_config, trust_new_host_key) as cts:
@@ -309,7 +311,7 @@ def _launch(plan: _Plan, *, ctl_config: Optional[str], trust_new_host_key: bool,
         if state["started"]:
             raise fail(interrupts.went_on(f"{noun} {plan.run_id}", plan.follow_line, plan.stop_line, where=where),
                        EXIT_INTERRUPTED) from None
-        raise nothing_started from None
+        raise nothing_started() from None
     if not follow:
         return 0
     return job_cmd.tail(plan.members, plan.run_id, ctl_config=ctl_config, follow=True, raw=False, since=0,
