@@ -13,8 +13,8 @@ import os
 from pathlib import Path
 
 import pytest
-
 from _trainer_tiny import base_args, tiny_setup
+
 from trainer import drafter_dir
 from trainer.serve import reference
 
@@ -73,7 +73,7 @@ def test_no_tau_at_save_leaves_no_reference_but_keeps_the_trained_facts(run):
 def test_the_reference_is_refused_where_the_check_measures_something_else(run, tmp_path):
     ref = reference.find(str(run["export"]), None)
     fp = json.loads((Path(run["data"]) / "meta.json").read_text())["fingerprint"]
-    same = dict(prompts=PROMPTS, max_new=64, from_data=True, data_fingerprint=fp, target_dir=run["target"])
+    same = {"prompts": PROMPTS, "max_new": 64, "from_data": True, "data_fingerprint": fp, "target_dir": run["target"]}
     assert reference.comparable(ref, **same) is None
     other_target = tmp_path / "t"
     other_target.mkdir()

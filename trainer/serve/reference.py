@@ -22,8 +22,8 @@ CAUSE = {"target_layer_ids": "wrong taps", "mask_token_id": "mask id", "block_si
 def from_checkpoint(checkpoint: str) -> dict:
     """The reference a checkpoint records (its τ may be None: not measured at save); raises
     ExportError for a path that is not a complete checkpoint."""
-    from trainer.serve.export import resolve
     from trainer import checkpoint as ckpt_io
+    from trainer.serve.export import resolve
 
     d = resolve(checkpoint)
     meta = ckpt_io.read_meta(d)

@@ -1,6 +1,6 @@
 """``python -m trainer served-check``: does the export serve, in vLLM, with the τ it trained with?
 
-    python -m trainer served-check EXPORT --target T (--prompts FILE.json | --data DIR)
+    python -m trainer served-check EXPORT --target T (--data DIR | --prompts FILE.json)
         [--eval-prompts N] [--max-new N] [--tolerance F] [--checkpoint CKPT] [--vllm-python PY] [--json]
 
 vLLM serves T with EXPORT as its DFlash drafter, greedy, on the prompts (``--data``: the
@@ -10,9 +10,15 @@ them). The check passes when
 1. vLLM's output equals the target's own greedy decoding (trainer/serve/evaluate.py ``greedy``,
    fp32) token for token, on every prompt; and
 2. τ served — from vLLM's own counters, ``LLM.get_metrics()``: 1 + accepted draft tokens /
-   drafts — is not below τ trained — our evaluator (trainer/serve/evaluate.py ``speculative``) with
-   the export's weights, fp32, on the same prompts — by more than ``--tolerance`` (relative;
-   default 0.02).
+   drafts — is not below the reference by more than ``--tolerance`` (relative; default 0.02).
+   The reference is the τ the checkpoint was measured at when it was saved (trainer/serve/
+   reference.py: ``--checkpoint``'s meta, else the export's ``dflash_eval.json``), never τ
+   re-measured on the export under test; ``--eval-prompts``/``--max-new`` default to what it was
+   measured on. Without a usable one (none recorded, or this check measures other prompts,
+   budget, data or target: the report says which) τ trained is our evaluator
+   (trainer/serve/evaluate.py ``speculative``) on the export's weights, fp32, same prompts; and
+3. every field of config.json the drafter trained with (mask id, block size, taps, rope,
+   causality) is still the checkpoint's record: each one changed is a "likely cause" line.
 
 Counting, and the one correction it needs: both count τ as tokens committed per target
 verify forward, bonus included (vLLM: accepted + 1 per verify step; ours: bonus + accepted
@@ -237,14 +243,14 @@ def check(export: str, target: str, prompts: list[list[int]], max_new: int = MAX
         max_pos = int(json.load(fh).get("max_position_embeddings") or 2048)
     model_len = engine_max_model_len(prompts, max_new + 1, num_spec, max_pos)
     at_save = ref["tau"] if ref and not not_comparable else None
-    if checkpoint and at_save is None:
+    if checkpoint:  # what in the export is not the checkpoint; τ trained measured on it only without τ at save
         from trainer.serve.export import export as export_checkpoint
 
         with tempfile.TemporaryDirectory(prefix="served-check-trained-") as tmp:
             fresh = os.path.join(tmp, "fp32")
             export_checkpoint(checkpoint, fresh, dtype="fp32")
             differences = export_differences(export, fresh)
-            mine = ours(fresh, target, prompts, max_new)
+            mine = ours(fresh if at_save is None else export, target, prompts, max_new)
     else:
         mine = ours(export, target, prompts, max_new)
     # vLLM counts the prefill's token as output token 1: one more, so both decode the same rounds
@@ -256,11 +262,11 @@ def check(export: str, target: str, prompts: list[list[int]], max_new: int = MAX
               "trained_from": (ref or {}).get("source") if at_save is not None else
               (checkpoint and os.path.abspath(checkpoint) or export)}
     report["causes"] = causes(report, cfg, tolerance)
-    if at_save is not None and report["tau_served"] < at_save * (1 - tolerance):
-        if report["tau_export"] < at_save * (1 - tolerance):  # what tells the export from the engine
-            report["causes"].insert(-1, f"the export drafts below its checkpoint under our evaluator too (τ "
-                                        f"{report['tau_export']:.3f}): the export is not what was trained (its "
-                                        "config.json or weights), not the engine")
+    short = at_save is not None and report["tau_served"] < at_save * (1 - tolerance)
+    if short and report["tau_export"] < at_save * (1 - tolerance):  # what tells the export from the engine
+        report["causes"].insert(-1, f"the export drafts below its checkpoint under our evaluator too (τ "
+                                    f"{report['tau_export']:.3f}): the export is not what was trained (its "
+                                    "config.json or weights), not the engine")
     if report["causes"] and differences:
         report["causes"][-1:-1] = [f"the export is not the checkpoint: {d}" for d in differences]
     # a trained field changed is a broken export whatever τ it happened to serve at
