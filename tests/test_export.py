@@ -168,12 +168,12 @@ def modes(directory: Path) -> dict:
 def test_files_are_world_readable_even_under_umask_077(run, tmp_path):
     saved = Path(run["out"]) / "step_4" / "drafter"  # written by the trainer under umask 077
     assert modes(saved) == {"drafter": 0o755, "config.json": 0o644, "model.safetensors": 0o644,
-                            "modeling_dflash.py": 0o644, "README.md": 0o644}
+                            "modeling_dflash.py": 0o644, "README.md": 0o644, "dflash_eval.json": 0o644}
     assert stat.S_IMODE(saved.parent.stat().st_mode) == 0o755  # step_N/ reachable
     dest = tmp_path / "exp"
     assert trainer("export", "--checkpoint", run["out"], "--out", str(dest), umask="0o077").returncode == 0
     assert modes(dest) == {"exp": 0o755, "config.json": 0o644, "model.safetensors": 0o644,
-                           "modeling_dflash.py": 0o644, "README.md": 0o644}
+                           "modeling_dflash.py": 0o644, "README.md": 0o644, "dflash_eval.json": 0o644}
 
 
 def test_the_export_equals_the_checkpoints_drafter_dir_byte_for_byte(run, tmp_path):
@@ -236,7 +236,7 @@ def test_an_export_that_fails_midway_leaves_nothing_at_out(run, tmp_path, monkey
 def test_an_empty_out_dir_is_filled(run, tmp_path):
     (tmp_path / "exp").mkdir()
     X.export(run["out"], str(tmp_path / "exp"))
-    assert sorted(os.listdir(tmp_path / "exp")) == ["README.md", "config.json", "model.safetensors", "modeling_dflash.py"]
+    assert sorted(os.listdir(tmp_path / "exp")) == ["README.md", "config.json", "dflash_eval.json", "model.safetensors", "modeling_dflash.py"]
 
 
 @pytest.mark.parametrize("argv", [["--help"], ["export", "--help"], ["flags", "--help"], ["prepare", "--help"]])

@@ -97,7 +97,7 @@ def test_ctl_export_brings_the_containers_drafter_and_checksums_match(run, env, 
     assert mine == {f["path"]: f["sha256"] for f in doc["files"]}
     # the container's own step_4/drafter/, written by the trainer at save time: the same bytes
     assert mine == container_sums(env, f"{run['output']}/step_4/drafter")
-    assert sorted(mine) == ["README.md", "config.json", "model.safetensors", "modeling_dflash.py"]
+    assert sorted(mine) == ["README.md", "config.json", "dflash_eval.json", "model.safetensors", "modeling_dflash.py"]
     assert stat.S_IMODE(dest.stat().st_mode) == 0o755
     assert {stat.S_IMODE(f.stat().st_mode) for f in dest.iterdir()} == {0o644}
     assert json.loads((dest / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]

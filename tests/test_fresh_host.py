@@ -133,7 +133,7 @@ def test_demo_runs_on_a_freshly_booted_host_and_tells_the_story(tmp_path, fresh)
     assert re.search(rf"^training: .*steps {resume.group(2)}→", after, re.M), after[:3000]
     assert re.search(r"^ctl: run \S+ completed; last checkpoint \S+/step_400/checkpoint\.pt", after, re.M)
     exported = tmp_path / "drafter"
-    assert {p.name for p in exported.iterdir()} == {"config.json", "model.safetensors", "modeling_dflash.py", "README.md"}
+    assert {p.name for p in exported.iterdir()} == {"config.json", "dflash_eval.json", "model.safetensors", "modeling_dflash.py", "README.md"}
     assert _nothing_left(tmp_path / "state") == []
 
 

@@ -23,6 +23,11 @@ WEIGHTS = "model.safetensors"
 CONFIG = "config.json"
 CARD = "README.md"
 EVAL_FILE = "eval.json"  # beside checkpoint.pt: τ as measured for this checkpoint
+# In the export: the checkpoint's τ at save, what it was measured on, and the drafter facts it
+# was trained with, so served-check compares a served export with its checkpoint, never with
+# itself (a config.json edited after the export drafts badly on both sides alike).
+SIDECAR = "dflash_eval.json"
+SIDECAR_FORMAT = "dflash-export-eval"
 DTYPES = {"bf16": "bfloat16", "fp32": "float32"}
 # Weight formats a user may ask for that the serving loaders cannot take for a drafter: vLLM's
 # DFlash loader is not quantization-aware (vllm-project/vllm#51581: a weight-quantized drafter
@@ -212,6 +217,47 @@ def model_card(meta: dict, cfg: dict, n_params: int, dtype: str, evals: dict) ->
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- the τ sidecar
+
+
+def trained_facts(cfg: dict) -> dict:
+    """The fields of an export's config.json that must stay what the drafter trained with
+    (served-check names each one that differs as a likely cause of a served τ shortfall)."""
+    dfl = cfg.get("dflash_config") or {}
+    return {"block_size": cfg.get("block_size"), "mask_token_id": dfl.get("mask_token_id"),
+            "target_layer_ids": dfl.get("target_layer_ids"), "rope_theta": cfg.get("rope_theta"),
+            "layer_types": cfg.get("layer_types"), "is_causal": cfg.get("is_causal")}
+
+
+def sidecar(meta: dict, cfg: dict, evals: dict) -> dict:
+    """``dflash_eval.json`` of an export: τ at save (None when it was not measured) with what it
+    was measured on, and :func:`trained_facts`. Only checkpoint facts, so step_N/drafter/ and
+    ``python -m trainer export`` write the same bytes."""
+    rec = evals.get("block") or meta.get("eval") or {}
+    conf = meta.get("config") or {}
+    n = rec.get("prompts")
+    measured = None
+    if rec.get("tau") is not None:
+        measured = {"prompts": n, "max_new_tokens": rec.get("max_new_tokens"), "device": rec.get("device"),
+                    "dtype": rec.get("dtype"), "by": rec.get("by", "trainer/serve/evaluate.py"),
+                    "prompts_source": f"the last {n} samples of the prepared data (held out by --eval-prompts)",
+                    "data_dir": conf.get("data_dir"), "data_fingerprint": meta.get("data_fingerprint"),
+                    "target": meta.get("target"), "target_model": conf.get("target_model")}
+    return {"format": SIDECAR_FORMAT, "version": 1, "step": meta.get("step"),
+            "tau": rec.get("tau"), "measured": measured, "trained": trained_facts(cfg)}
+
+
+def _sidecar_text(meta: dict, cfg: dict, evals: dict) -> str:
+    return json.dumps(sidecar(meta, cfg, evals), indent=1, sort_keys=True) + "\n"
+
+
+def read_sidecar(export_dir: str) -> dict | None:
+    """The export's :func:`sidecar`, or None (absent, unreadable, or not ours: an export of
+    another trainer)."""
+    doc = read_json_doc(os.path.join(export_dir, SIDECAR))
+    return doc if isinstance(doc, dict) and doc.get("format") == SIDECAR_FORMAT else None
+
+
 # --------------------------------------------------------------------------- writing
 
 
@@ -244,6 +290,7 @@ def write_drafter_dir(dest: str, state_dict: dict, meta: dict, *, dtype: str = "
         _write(os.path.join(tmp, CONFIG), json.dumps(cfg, indent=1, sort_keys=True) + "\n")
         _write(os.path.join(tmp, MODELING_FILE), _modeling_source())
         _write(os.path.join(tmp, CARD), model_card(meta, cfg, n_params, dtype, evals or {}))
+        _write(os.path.join(tmp, SIDECAR), _sidecar_text(meta, cfg, evals or {}))
         for name in os.listdir(tmp):
             path = os.path.join(tmp, name)
             with open(path, "rb") as fh:
@@ -291,7 +338,7 @@ def manifest(directory: str) -> dict:
 
 def record_eval(step_dir: str, *, block: dict | None = None, tree: dict | None = None) -> None:
     """Merge measured τ into ``step_N/eval.json`` (``block``: one record; ``tree``: {budget:
-    record}) and refresh the model card of ``step_N/drafter/`` so it shows them."""
+    record}) and refresh the model card and τ sidecar of ``step_N/drafter/`` so they carry them."""
     evals = read_evals(step_dir)
     if block is not None:
         evals["block"] = block
@@ -303,6 +350,8 @@ def record_eval(step_dir: str, *, block: dict | None = None, tree: dict | None =
     cfg = read_json_doc(os.path.join(drafter, CONFIG))
     if meta and cfg and os.path.isfile(os.path.join(drafter, CARD)):
         from safetensors import safe_open
+
+        atomic_write(os.path.join(drafter, SIDECAR), _sidecar_text(meta, cfg, evals), FILE_MODE)
 
         with safe_open(os.path.join(drafter, WEIGHTS), framework="pt") as f:
             n_params = sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())

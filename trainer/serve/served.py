@@ -1,6 +1,6 @@
 """``python -m trainer served-check``: does the export serve, in vLLM, with the τ it trained with?
 
-    python -m trainer served-check EXPORT --target T (--prompts FILE.json | --data DIR)
+    python -m trainer served-check EXPORT --target T (--data DIR | --prompts FILE.json)
         [--eval-prompts N] [--max-new N] [--tolerance F] [--checkpoint CKPT] [--vllm-python PY] [--json]
 
 vLLM serves T with EXPORT as its DFlash drafter, greedy, on the prompts (``--data``: the
@@ -10,9 +10,15 @@ them). The check passes when
 1. vLLM's output equals the target's own greedy decoding (trainer/serve/evaluate.py ``greedy``,
    fp32) token for token, on every prompt; and
 2. τ served — from vLLM's own counters, ``LLM.get_metrics()``: 1 + accepted draft tokens /
-   drafts — is not below τ trained — our evaluator (trainer/serve/evaluate.py ``speculative``) with
-   the export's weights, fp32, on the same prompts — by more than ``--tolerance`` (relative;
-   default 0.02).
+   drafts — is not below the reference by more than ``--tolerance`` (relative; default 0.02).
+   The reference is the τ the checkpoint was measured at when it was saved (trainer/serve/
+   reference.py: ``--checkpoint``'s meta, else the export's ``dflash_eval.json``), never τ
+   re-measured on the export under test; ``--eval-prompts``/``--max-new`` default to what it was
+   measured on. Without a usable one (none recorded, or this check measures other prompts,
+   budget, data or target: the report says which) τ trained is our evaluator
+   (trainer/serve/evaluate.py ``speculative``) on the export's weights, fp32, same prompts; and
+3. every field of config.json the drafter trained with (mask id, block size, taps, rope,
+   causality) is still the checkpoint's record: each one changed is a "likely cause" line.
 
 Counting, and the one correction it needs: both count τ as tokens committed per target
 verify forward, bonus included (vLLM: accepted + 1 per verify step; ours: bonus + accepted
@@ -171,7 +177,8 @@ def causes(report: dict, cfg: dict, tolerance: float) -> list[str]:
             else:
                 continue
             break
-        out.append(f"served τ {served:.3f} is {100 * (1 - served / trained):.1f} % below trained τ {trained:.3f} "
+        what = "τ at save" if report.get("reference_used") else "trained τ"
+        out.append(f"served τ {served:.3f} is {100 * (1 - served / trained):.1f} % below {what} {trained:.3f} "
                    f"(tolerance {100 * tolerance:.1f} %)")
     return out
 
@@ -205,10 +212,16 @@ def export_differences(export: str, fresh: str) -> list[str]:
 
 
 def check(export: str, target: str, prompts: list[list[int]], max_new: int = MAX_NEW, tolerance: float = TOLERANCE,
-          python: str | None = None, timeout: float = 900, checkpoint: str | None = None) -> dict:
-    """The whole check: a report with ``ok`` and ``causes``. ``checkpoint``: τ trained is
-    measured on the checkpoint as trained (exported afresh, fp32) instead of on the export,
-    so an export that no longer is what trained (a field or a tensor changed) fails too."""
+          python: str | None = None, timeout: float = 900, checkpoint: str | None = None,
+          ref: dict | None = None, not_comparable: str | None = None) -> dict:
+    """The whole check: a report with ``ok`` and ``causes``. ``ref`` (trainer/serve/reference.py):
+    the checkpoint's τ at save, the reference served τ is held to, unless ``not_comparable``
+    says why this check measures something else; without one τ trained is our evaluator on
+    the export itself (``checkpoint``: on the checkpoint exported afresh, fp32). Every
+    config.json field that is not what the drafter trained with (``ref``'s record) fails it,
+    named as the cause it points at."""
+    from trainer.serve import reference
+
     export, target = os.path.abspath(export), os.path.abspath(target)
     with open(os.path.join(export, "config.json")) as fh:
         cfg = json.load(fh)
@@ -218,37 +231,61 @@ def check(export: str, target: str, prompts: list[list[int]], max_new: int = MAX
                           "(docs/export.md); serve it on a GPU node")
     num_spec = int(cfg["block_size"]) - 1
     py = vllm_python(python)
+    base = {"export": export, "target": target, "prompts": len(prompts), "max_new": max_new,
+            "vllm_max_tokens": max_new + 1, "num_speculative_tokens": num_spec, "tolerance": tolerance,
+            "reference": reference_words(ref, not_comparable)}
     refused = [c for c in config_causes(cfg, num_spec) if "twice" in c]
     if refused:  # vLLM would not even start on it: the cause, without an engine start
-        return {"export": export, "target": target, "prompts": len(prompts), "max_new": max_new,
-                "vllm_max_tokens": max_new + 1, "num_speculative_tokens": num_spec, "tolerance": tolerance,
-                "tau_trained": None, "tau_served": None, "causes": refused, "ok": False}
+        return {**base, "tau_trained": None, "tau_served": None, "causes": refused, "ok": False}
+    drifted = reference.drift(cfg, (ref or {}).get("trained"))
     differences = []
     with open(os.path.join(target, "config.json")) as fh:
         max_pos = int(json.load(fh).get("max_position_embeddings") or 2048)
     model_len = engine_max_model_len(prompts, max_new + 1, num_spec, max_pos)
-    if checkpoint:
+    at_save = ref["tau"] if ref and not not_comparable else None
+    if checkpoint:  # what in the export is not the checkpoint; τ trained measured on it only without τ at save
         from trainer.serve.export import export as export_checkpoint
 
         with tempfile.TemporaryDirectory(prefix="served-check-trained-") as tmp:
             fresh = os.path.join(tmp, "fp32")
             export_checkpoint(checkpoint, fresh, dtype="fp32")
             differences = export_differences(export, fresh)
-            mine = ours(fresh, target, prompts, max_new)
+            mine = ours(fresh if at_save is None else export, target, prompts, max_new)
     else:
         mine = ours(export, target, prompts, max_new)
     # vLLM counts the prefill's token as output token 1: one more, so both decode the same rounds
     served = serve(py, target, export, prompts, max_new + 1, num_spec, model_len, timeout)
-    report = {"export": export, "target": target, "prompts": len(prompts), "max_new": max_new,
-              "vllm_max_tokens": max_new + 1, "num_speculative_tokens": num_spec, "tolerance": tolerance,
-              "vllm_max_model_len": model_len, "tau_trained": tau_ours(mine), "tau_served": tau_vllm(served["counters"]),
-              "counters": served["counters"], "ours": mine, "vllm": served,
-              "trained_from": checkpoint and os.path.abspath(checkpoint) or export}
+    report = {**base, "vllm_max_model_len": model_len,
+              "tau_trained": at_save if at_save is not None else tau_ours(mine),
+              "tau_export": tau_ours(mine), "tau_served": tau_vllm(served["counters"]),
+              "counters": served["counters"], "ours": mine, "vllm": served, "reference_used": at_save is not None,
+              "trained_from": (ref or {}).get("source") if at_save is not None else
+              (checkpoint and os.path.abspath(checkpoint) or export)}
     report["causes"] = causes(report, cfg, tolerance)
+    short = at_save is not None and report["tau_served"] < at_save * (1 - tolerance)
+    if short and report["tau_export"] < at_save * (1 - tolerance):  # what tells the export from the engine
+        report["causes"].insert(-1, f"the export drafts below its checkpoint under our evaluator too (τ "
+                                    f"{report['tau_export']:.3f}): the export is not what was trained (its "
+                                    "config.json or weights), not the engine")
     if report["causes"] and differences:
         report["causes"][-1:-1] = [f"the export is not the checkpoint: {d}" for d in differences]
+    # a trained field changed is a broken export whatever τ it happened to serve at
+    report["causes"][0:0] = [f"likely cause: {d}" for d in drifted]
     report["ok"] = not report["causes"]
     return report
+
+
+def reference_words(ref: dict | None, not_comparable: str | None) -> str:
+    """Which reference τ the check holds served τ to, in words (the report's ``reference``)."""
+    if ref is None:
+        return ("none: no dflash_eval.json in the export and no --checkpoint; τ trained is our evaluator on the export "
+                "itself, which cannot see a config.json changed after the export")
+    if not_comparable:
+        return (f"not used ({not_comparable}): {ref['source']} has τ {ref.get('tau')} at save; τ trained is our "
+                "evaluator on the export itself")
+    m = ref["measured"]
+    return (f"τ {ref['tau']:.3f} at save of step {ref.get('step')}, from {ref['source']} ({m.get('prompts')} held-out "
+            f"prompts × {m.get('max_new_tokens')} tokens, {m.get('device')} {m.get('dtype')})")
 
 
 def load_prompts(args) -> list[list[int]]:
@@ -274,14 +311,27 @@ def load_prompts(args) -> list[list[int]]:
         raise ServedError(f"--data {args.data}: {exc}") from None
 
 
+def data_fingerprint(data_dir: str | None) -> str | None:
+    """The prepared data's fingerprint from its meta.json (nothing re-hashed), or None."""
+    from agent.protocol import read_json_doc
+
+    doc = read_json_doc(os.path.join(data_dir, "meta.json")) if data_dir else None
+    return doc.get("fingerprint") if isinstance(doc, dict) else None
+
+
 def summary(report: dict) -> str:
+    """The verdict on its first line (a failure names its first cause there), then one line
+    per cause."""
+    lines = [f"served-check: cause: {c}" for c in report["causes"]]
     if report["tau_served"] is None:
-        return "\n".join(["served-check: FAIL: not served", *(f"served-check: cause: {c}" for c in report["causes"])])
-    head = (f"served-check: {'PASS' if report['ok'] else 'FAIL'}: τ served (vLLM) {report['tau_served']:.3f}, "
-            f"τ trained (our evaluator) {report['tau_trained']:.3f} on {report['prompts']} prompts × "
-            f"{report['max_new']} tokens (vLLM max_tokens {report['vllm_max_tokens']}: its prefill token counts as "
-            f"output; max_model_len {report.get('vllm_max_model_len')}: two blocks past the budget); tolerance {100 * report['tolerance']:.1f} %")
-    return "\n".join([head, *(f"served-check: cause: {c}" for c in report["causes"])])
+        return "\n".join([f"served-check: FAIL: not served: {report['causes'][0]}", *lines])
+    verdict = "PASS" if report["ok"] else f"FAIL: {report['causes'][0]}"
+    head = (f"served-check: {verdict}: τ served (vLLM) {report['tau_served']:.3f}, τ trained {report['tau_trained']:.3f} "
+            f"(reference: {report['reference']}), our evaluator on the export {report['tau_export']:.3f}; "
+            f"{report['prompts']} prompts × {report['max_new']} tokens (vLLM max_tokens {report['vllm_max_tokens']}: "
+            f"its prefill token counts as output; max_model_len {report.get('vllm_max_model_len')}: two blocks past "
+            f"the budget); tolerance {100 * report['tolerance']:.1f} %")
+    return "\n".join([head, *lines])
 
 
 def export_problem(export: str) -> str | None:
@@ -312,13 +362,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--target", required=True, metavar="T", help="the target model directory the drafter was trained on")
     p.add_argument("--prompts", metavar="FILE.json", help="a JSON list of prompts, each a list of token ids")
     p.add_argument("--data", metavar="DIR", help="the run's prepared data; its last --eval-prompts samples' prompts")
-    p.add_argument("--eval-prompts", type=int, default=10, metavar="N", help="with --data: how many (default 10)")
-    p.add_argument("--max-new", type=int, default=MAX_NEW, metavar="N", help=f"new tokens per prompt (default {MAX_NEW})")
+    p.add_argument("--eval-prompts", type=int, default=None, metavar="N",
+                   help="with --data: how many (default: as many as the reference τ at save was measured on, else 10)")
+    p.add_argument("--max-new", type=int, default=None, metavar="N",
+                   help=f"new tokens per prompt (default: the reference's budget, else {MAX_NEW})")
     p.add_argument("--tolerance", type=float, default=TOLERANCE, metavar="F",
-                   help=f"how far (relative) served τ may fall below trained τ (default {TOLERANCE})")
+                   help=f"how far (relative) served τ may fall below the reference τ (default {TOLERANCE})")
     p.add_argument("--vllm-python", metavar="PY", help=f"vLLM's interpreter (default {DEFAULT_VLLM_PYTHON})")
-    p.add_argument("--checkpoint", metavar="CKPT", help="measure τ trained on this checkpoint (python -m trainer export's "
-                   "--checkpoint forms) rather than on EXPORT: also catches an export changed since it was written")
+    p.add_argument("--checkpoint", metavar="CKPT", help="take the reference τ at save from this checkpoint's meta "
+                   "(python -m trainer export's --checkpoint forms) rather than from EXPORT's dflash_eval.json; not "
+                   "measured at save: τ trained is measured on it, exported afresh")
     p.add_argument("--json", action="store_true", help="print the whole report as JSON")
     args = p.parse_args(argv)
     try:
@@ -328,10 +381,22 @@ def main(argv: list[str] | None = None) -> int:
         problem = export_problem(args.export)
         if problem:
             raise ServedError(f"EXPORT {args.export}: {problem}")
-        if args.max_new < 1 or not 0 <= args.tolerance < 1:
-            raise ServedError("--max-new must be >= 1 and --tolerance in [0, 1)")
-        report = check(args.export, args.target, load_prompts(args), args.max_new, args.tolerance, args.vllm_python,
-                       checkpoint=args.checkpoint)
+        from trainer.serve import reference
+
+        ref = reference.find(args.export, args.checkpoint)
+        measured = (ref or {}).get("measured") or {}
+        if args.max_new is None:
+            args.max_new = int(measured.get("max_new_tokens") or MAX_NEW)
+        if args.eval_prompts is None:
+            args.eval_prompts = int(measured.get("prompts") or 10)
+        if args.max_new < 1 or args.eval_prompts < 1 or not 0 <= args.tolerance < 1:
+            raise ServedError("--max-new and --eval-prompts must be >= 1 and --tolerance in [0, 1)")
+        prompts = load_prompts(args)
+        why_not = ref and reference.comparable(
+            ref, prompts=len(prompts), max_new=args.max_new, from_data=bool(args.data),
+            data_fingerprint=data_fingerprint(args.data), target_dir=args.target)
+        report = check(args.export, args.target, prompts, args.max_new, args.tolerance, args.vllm_python,
+                       checkpoint=args.checkpoint, ref=ref, not_comparable=why_not or None)
     except (ServedError, ExportError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return flags.EXIT_USAGE
