@@ -83,6 +83,10 @@ def fp8_tables(results: dict) -> str:
             row += [_f((_verified(v, p).get("by_category") or {}).get(c)) for p in precs for c in cats]
             row += [" / ".join(f"{p} {'yes' if _verified(v, p).get('lossless') else 'NO'}" for p in precs)]
             lines.append("| " + " | ".join(row) + " |")
+        dtypes = sorted({_verified(v, p).get("dtype") or "?" for v in results["variants"].values()
+                         for p in precs if _verified(v, p)})
+        # on CPU the trainer loads its target in fp32: "bf16" there is the unquantized fp32 target
+        lines.append(f"\n(verifying targets loaded as the trainer loads them here: weights in {', '.join(dtypes)})")
         parts.append("\n".join(lines))
         spread = fp8_spread(results, "bf16")
         if spread:
@@ -91,7 +95,7 @@ def fp8_tables(results: dict) -> str:
                 for taps, (m, lo, hi, n) in spread.items()))
     te = results.get("tap_error")
     if te:
-        head = ["tapped layer", "FP8 vs bf16: rel L2", "max abs", "bf16 vs fp32: rel L2", "max abs", "max |tap|"] + \
+        head = ["tapped layer", "FP8 vs bf16: rel L2", "max abs", "bf16 vs fp32: rel L2", "max abs", "largest tap (abs)"] + \
                [f"rel L2 {c}" for c in te["layers"][0]["by_category"]]
         lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
         for r in te["layers"]:
