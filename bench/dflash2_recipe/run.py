@@ -279,14 +279,16 @@ def section_drafter(cfg: dict, smoke: bool, attention_kernel: str, passes: int, 
         torch.cuda.synchronize()
     first_s, first_compile = time.perf_counter() - t0, compile_stats()["compile_s"] - c0
     first_loss = float(losses[0])
+    c1 = compile_stats()["compile_s"]
     times = _timed_passes(one_pass, passes, cuda, deadline)
+    timed_compile = compile_stats()["compile_s"] - c1
     t = statistics.median(times)
     rec = {"section": "drafter", "arch": "dflash2", "attention_kernel": attention_kernel, **_shape_stats(lengths, raw),
            "layer_types": dcfg.layer_types, "sliding_window": dcfg.sliding_window, "taps": list(dcfg.target_layer_ids),
            "block": cfg["block_size"], "max_anchors": cfg["max_anchors"], "micro_batch": cfg["micro_batch"],
            "grad_accum": accum, "optimizer_steps_per_pass": len(mbs) // accum, "soft_labels": bool(args.use_soft_labels),
            "params": sum(p.numel() for p in drafter.parameters()), "first_pass_s": first_s,
-           "first_pass_compile_s": first_compile, "pass_s": t, "pass_times": times,
+           "first_pass_compile_s": first_compile, "timed_passes_compile_s": timed_compile, "pass_s": t, "pass_times": times,
            "step_s": t / (len(mbs) // accum), "samples_s": len(lengths) / t, "tokens_s": sum(lengths) / t,
            "vs_theirs": len(lengths) / t / THEIRS["trainer_samples_s"], "loss_first_step": first_loss,
            "peak_alloc_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None,
@@ -301,6 +303,7 @@ def section_capture(cfg: dict, smoke: bool, precision: str, passes: int, deadlin
     from trainer import family
     from trainer.synth import synthetic
     from trainer.target import Target
+    from trainer.train import compile_stats
 
     dev = torch.device("cpu" if smoke else "cuda")
     cuda = dev.type == "cuda"
@@ -330,12 +333,15 @@ def section_capture(cfg: dict, smoke: bool, precision: str, passes: int, deadlin
             taps, final = target.forward(ids, want_final=want_final)
         shapes.append((tuple(taps.shape), None if final is None else tuple(final.shape)))
 
+    c0 = compile_stats()["compile_s"]
     t0 = time.perf_counter()
-    one_pass()
+    one_pass()  # every micro-batch shape once: the compiles (and fla's first launches)
     if cuda:
         torch.cuda.synchronize()
-    first_s = time.perf_counter() - t0
+    first_s, first_compile = time.perf_counter() - t0, compile_stats()["compile_s"] - c0
+    c1 = compile_stats()["compile_s"]
     times = _timed_passes(one_pass, passes, cuda, deadline)
+    timed_compile = compile_stats()["compile_s"] - c1
     t = statistics.median(times)
     n_tensors = len(cfg["target_layer_ids"]) + int(want_final)
     rec = {"section": "capture", "precision": target.fast.precision if target.fast is not None else precision,
@@ -343,12 +349,12 @@ def section_capture(cfg: dict, smoke: bool, precision: str, passes: int, deadlin
            "layers_run": (text["num_hidden_layers"] if want_final else max(cfg["target_layer_ids"]) + 1),
            "want_final": want_final, "tensors_per_sample": n_tensors, "taps_shape_last": shapes[-1][0],
            **_shape_stats(lengths, raw), "load_s": load_s, "weights_gib": weights_gib, "first_pass_s": first_s,
+           "first_pass_compile_s": first_compile, "timed_passes_compile_s": timed_compile,
            "pass_s": t, "pass_times": times, "prompts_s": len(lengths) / t, "tokens_s": sum(lengths) / t,
            "vs_theirs": len(lengths) / t / THEIRS["capture_prompts_s"],
            "peak_alloc_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None,
            "peak_reserved_gib": torch.cuda.max_memory_reserved() / GIB if cuda else None}
-    del target
-    return rec
+    return rec  # the target goes with this frame
 
 
 def section_predict(runs: dict, hidden: int) -> dict:
@@ -412,7 +418,8 @@ def main(argv=None) -> int:
         with open(path) as fh:
             results = json.load(fh)
     results.update({"gpu": torch.cuda.get_device_name(0) if not a.smoke else "cpu", "torch": torch.__version__,
-                    "date": time.strftime("%F %T %Z"), "config": cfg, "theirs": THEIRS})
+                    "date": time.strftime("%F %T %Z"), "config": cfg, "theirs": THEIRS,
+                    "smoke": a.smoke})  # smoke: tiny widths, so every ratio to theirs means nothing
     ok = True
     deadline = start + a.deadline_s
     for name in a.sections.split(","):
