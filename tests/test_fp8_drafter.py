@@ -257,3 +257,21 @@ def test_target_fp8_with_soft_labels_trains_its_teacher_through_the_fp8_head_and
     head.quantize_teacher()
     assert head.lm_head8.w8.dtype == torch.float8_e4m3fn and head.lm_head8.scale.shape == (32, 1)
     assert head.lm_head.dtype == torch.float32  # the drafter's logits keep the bf16 (here fp32) head
+
+
+# ------------------------------------------------------------------ memory
+def test_the_memory_model_counts_the_fp8_teacher_head_exactly_and_the_fp8_drafters_casts():
+    from trainer.plan import memory as mm
+
+    head = FrozenHead(torch.zeros(4, 64), torch.randn(256, 64))
+    head.quantize_teacher()
+    held = head.lm_head8.w8.numel() + 4 * head.lm_head8.scale.numel()
+    tiny = mm.ModelShape(6, 64, 4, 2, 16, 128, 256, "tiny")
+    spec = dict(target=tiny, role="colocated", token_budget=192, seq_len=48, soft_labels=True)
+    assert mm.predict(mm.RunSpec(**spec, target_precision="fp8")).terms["teacher_head8"] == held
+    assert mm.predict(mm.RunSpec(**{**spec, "soft_labels": False}, target_precision="fp8")).terms["teacher_head8"] == 0
+    b16, f8 = (mm.predict(mm.RunSpec(mm.QWEN3_8B, "colocated", 49152, 8192, soft_labels=True, drafter_precision=p))
+               for p in ("bf16", "fp8"))
+    # what the backward keeps is torchao's bf16 input and weight, as the bf16 GEMM's: only transient casts grow
+    assert f8.terms["activations"] == b16.terms["activations"] and f8.terms["fp8_casts"] > 0
+    assert 0 < f8.allocated - b16.allocated < 2 * 2**30
