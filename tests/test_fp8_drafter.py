@@ -275,3 +275,18 @@ def test_the_memory_model_counts_the_fp8_teacher_head_exactly_and_the_fp8_drafte
     # what the backward keeps is torchao's bf16 input and weight, as the bf16 GEMM's: only transient casts grow
     assert f8.terms["activations"] == b16.terms["activations"] and f8.terms["fp8_casts"] > 0
     assert 0 < f8.allocated - b16.allocated < 2 * 2**30
+
+
+def test_the_fp8_bench_runs_the_teacher_head_and_drafter_step_sections_on_cpu(tmp_path):
+    """bench/fp8/run.py --smoke --sections teacher_head,drafter_step: the harness the GPU run uses."""
+    torchao()
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("fp8_bench_d", os.path.join(ROOT, "bench", "fp8", "run.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.main(["--out", str(tmp_path), "--smoke", "--reps", "1", "--sections", "teacher_head,drafter_step"]) == 0
+    s = json.loads((tmp_path / "summary.json").read_text())["sections"]
+    assert s["teacher_head"]["ms"]["fp8"] > 0 and 0 < s["teacher_head"]["rel_err"]["fp8"] < 0.05
+    d = s["drafter_step"]
+    assert {"bf16", "fp8", "teacher_fp8"} <= set(d) and abs(d["loss_diff_fp8"]) < 0.05 and d["speedup_fp8"] > 0

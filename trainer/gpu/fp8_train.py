@@ -111,6 +111,9 @@ def _matmul():
                                                axiswise_dim=get_maybe_axiswise_dim(dim, cc.scaling_granularity),
                                                round_scales_to_power_of_2=pow2)
 
+        # in the graph as torchao's own is (allow_in_graph is per class, not inherited): AOTAutograd
+        # traces its casts and GEMMs, and the casts fuse
+        @torch._dynamo.allow_in_graph
         class Matmul(base):
             @staticmethod
             def backward(ctx, grad_output):
