@@ -1,5 +1,5 @@
 """The drafter's GEMMs in FP8 training (``--drafter-precision fp8``): torchao's float8 training
-with row-wise scales, the anchor the issue names, over the drafter's own linear layers.
+with row-wise scales (the better-kept path for FP8 training), over the drafter's own linear layers.
 
 What changes and what does not:
 
