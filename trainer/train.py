@@ -152,11 +152,21 @@ def build_drafter(args, dcfg: DrafterConfig, target, dev, dtype):
     """The drafter (fp32 master weights, init keyed by --seed), the frozen shared head (the
     target's own tensors when colocated, else read from its safetensors) and AdamW with
     weight decay on matrices only (DFlash2's convolution base kernels are per-channel gains
-    around the identity, like norm weights: not decayed)."""
+    around the identity, like norm weights: not decayed). With --drafter-precision fp8 the drafter's
+    GEMMs become torchao's FP8 training linears (trainer/gpu/fp8_train.py) over the same fp32
+    parameters."""
     torch.manual_seed(args.seed)
     with torch.device(dev):  # made where it trains: a 27B target's drafter is 1.7 B parameters
         drafter = Drafter(dcfg)
+    if getattr(args, "drafter_precision", "bf16") == "fp8":
+        # before the optimizer and any compile, and before a checkpoint is loaded into it: the
+        # conversion keeps the Parameter objects and their names, so loading is unchanged
+        from trainer.gpu import fp8_train
+
+        fp8_train.convert(drafter)
     head = FrozenHead(target.embed, target.lm_head) if target else FrozenHead.from_target_dir(args.target_model, dev, dtype)
+    if getattr(args, "target_precision", "bf16") == "fp8" and args.use_soft_labels:
+        head.quantize_teacher()  # the teacher's logits in FP8 too, as the target's other GEMMs
     decayed = {n: p.dim() >= 2 and not n.endswith("base_kernel") for n, p in drafter.named_parameters()}
     matrices = [p for n, p in drafter.named_parameters() if decayed[n]]
     vectors = [p for n, p in drafter.named_parameters() if not decayed[n]]
@@ -261,6 +271,12 @@ def memory_check(args, topo, events: Events) -> int | None:
         why = fp8.runs_here(topo.device)
         if why:
             p["refusals"].append(f"--target-precision fp8 on GPU {topo.gpu}: {why}; use --target-precision bf16")
+    if topo.is_drafter and getattr(args, "drafter_precision", "bf16") == "fp8":
+        from trainer.gpu import fp8_train
+
+        why = fp8_train.runs_here(topo.device)
+        if why:
+            p["refusals"].append(f"--drafter-precision fp8 on GPU {topo.gpu}: {why}; use --drafter-precision bf16")
     refused = topo_mod.all_reduce_max(topo, 1.0 if p["refusals"] else 0.0) > 0
     if p["auto"] and not refused:
         events.emit("probe", phase="plan", budget=args.token_budget, auto=True, reason=p["auto_reason"],
@@ -283,7 +299,7 @@ def memory_check(args, topo, events: Events) -> int | None:
         return None
     for line in p["refusals"]:
         print(f"python -m trainer: error: {line}", file=sys.stderr, flush=True)
-        events.emit("error", error="fp8_refused" if line.startswith("--target-precision") else "memory_refused", message=line, gpu_free_mib=round(free, 1),
+        events.emit("error", error="fp8_refused" if line.startswith(("--target-precision", "--drafter-precision")) else "memory_refused", message=line, gpu_free_mib=round(free, 1),
                     need_mib=row.get("need_mib"), short_mib=row.get("short_mib"), budget=p["token_budget"])
     return EXIT_USAGE
 
