@@ -218,7 +218,10 @@ def section_teacher_head(s: ModelShape, seq: int, rows: int, device, dtype, cloc
 
 
 # ------------------------------------------------------------------ (e) the drafter step
-def section_drafter_step(smoke: bool, iters: int) -> dict:
+DRAFTER_VARIANTS = {"bf16": {}, "fp8": {"drafter_precision": "fp8"}, "teacher_fp8": {"target_precision": "fp8"}}
+
+
+def section_drafter_step(smoke: bool, iters: int, variants: tuple[str, ...] = tuple(DRAFTER_VARIANTS)) -> dict:
     sys.path.insert(0, os.path.join(ROOT, "bench", "drafter_step"))
     import importlib.util
 
@@ -231,8 +234,7 @@ def section_drafter_step(smoke: bool, iters: int) -> dict:
     out = {"shape": shape.name, "config": {k: v for k, v in config.items() if not isinstance(v, tuple)}}
     keep = ("median_s", "drafted_pos_s", "first_step_s", "first_step_compile_s", "peak_alloc_gib",
             "peak_reserved_gib", "model_reserved_gib", "loss_first_step", "mfu")
-    for name, extra in (("bf16", {}), ("fp8", {"drafter_precision": "fp8"}),
-                        ("teacher_fp8", {"target_precision": "fp8"})):
+    for name, extra in ((v, DRAFTER_VARIANTS[v]) for v in variants):
         try:
             rec = ds.run("dflash", iters, shape, {**config, **extra}, device)
             out[name] = {k: rec.get(k) for k in keep}
@@ -276,6 +278,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sections", default="gemms,forward",
                     help="comma list of gemms, forward, teacher_head, drafter_step")
     ap.add_argument("--iters", type=int, default=5, help="timed drafter steps per variant (drafter_step)")
+    ap.add_argument("--variants", default=",".join(DRAFTER_VARIANTS),
+                    help=f"drafter_step's variants, of {','.join(DRAFTER_VARIANTS)} (bf16 is the baseline of the ratios)")
     ap.add_argument("--deadline-s", type=float, default=330.0, help="start no section after this many seconds")
     ap.add_argument("--batch", type=int, default=8, help="sequences in the forward (default 8)")
     args = ap.parse_args(argv)
@@ -308,7 +312,11 @@ def main(argv=None) -> int:
             elif name == "teacher_head":
                 res = section_teacher_head(shape, seq, 4096, device, dtype, Clock(device, reps_gemm))
             elif name == "drafter_step":
-                res = section_drafter_step(args.smoke, 1 if args.smoke else args.iters)
+                variants = tuple(v for v in args.variants.split(",") if v)
+                bad = [v for v in variants if v not in DRAFTER_VARIANTS]
+                if bad:
+                    ap.error(f"--variants {','.join(bad)}: not a variant; use some of {','.join(DRAFTER_VARIANTS)}")
+                res = section_drafter_step(args.smoke, 1 if args.smoke else args.iters, variants)
             else:
                 raise ValueError(f"unknown section {name!r}")
         except Exception as exc:  # noqa: BLE001 - one section's failure is its result, the rest still run
