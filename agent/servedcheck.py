@@ -11,8 +11,8 @@ Two ways in, one path:
 Per checked run, ``<run dir>/served-check.json`` (under its flock) holds the live check and the
 one queued behind it: a newer save supersedes a queued one (the older checkpoint's τ matters
 less than the newer's), never the live one. :func:`poll` starts the queued one once the live
-one has ended; the run's agent polls while the run lives, and the job itself polls as it ends
-(so the last save's check still starts after the training and its agent are gone).
+one has ended; the run's agent polls while the run lives, and the check's own agent as it
+ends (so the last save's check still starts after the training and its agent are gone).
 
 A check runs as its own run (``runs/served-check-…``): its agent, stream, status and stop are
 every job's. Its start strips the checked run's marker from the environment, so stopping that
@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 
-from agent import knowngood, protocol
+from agent import knowngood, procs, protocol
 from agent.rundir import Lock, RunDir, agent_alive, agent_live_or_none, finished, read_json
 
 STATE = "served-check.json"
@@ -70,7 +70,17 @@ def start(checked: RunDir, req: dict) -> dict:
     env = {k: v for k, v in agent_env().items() if k not in (protocol.ENV_RUN_ID, protocol.ENV_RUN_DIR)}
     argv = [sys.executable, "-m", "agent", "start", "--run-dir", run_dir, "--run-id", run_id, "--cwd", run_dir,
             "--", *job_argv(req, checked)]
-    p = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env, timeout=120)
+    # An agent is a child subreaper: with the bit on, the check's double-forked agent would be
+    # re-parented to this one and swept up as a leftover when this run ends (agent/monitor.py
+    # revive does the same for the same reason).
+    reaper = procs.is_child_subreaper()
+    if reaper:
+        procs.set_child_subreaper(False)
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, stdin=subprocess.DEVNULL, env=env, timeout=120)
+    finally:
+        if reaper:
+            procs.set_child_subreaper(True)
     try:
         reply = protocol.extract_payload(p.stdout)
     except ValueError:
@@ -137,6 +147,16 @@ def poll(checked: RunDir, ending: str | None = None) -> dict | None:
             state["live"] = {k: reply[k] for k in ("run_id", "run_dir", "step")}
         return reply
     return _locked(checked, go)
+
+
+def after_check(spec: dict, run_id: str) -> dict | None:
+    """A served-check run ``run_id`` (its ``spec``) has ended: start the check queued behind it
+    for the same run. Called by the check's own agent, since the checked run's agent may be
+    gone by now (the last save's check still runs); None for any other run."""
+    argv = list(spec.get("argv") or [])
+    if "served-check-job" not in argv or "--report-to" not in argv[:-1]:
+        return None
+    return poll(RunDir(argv[argv.index("--report-to") + 1]), ending=run_id)
 
 
 # --- ctl served-check: python3 -m agent.servedcheck start --workspace W --run R … ----------------

@@ -362,6 +362,16 @@ class Supervisor:
         self.status.reason = reason
         result.save(self.rd.result)
         self.store.set(state)  # writes status.json and the final status record
+        self.next_served_check()
+
+    def next_served_check(self) -> None:
+        """A served-check run hands on to the check queued behind it (agent/servedcheck.py)."""
+        from agent import servedcheck
+
+        try:
+            servedcheck.after_check(self.spec, self.run_id)
+        except Exception:  # noqa: BLE001 - the queued check is lost, never this run's ending
+            traceback.print_exc()
 
     def shutdown(self) -> None:
         """Always: nothing of a finished run keeps running; the stream is durable."""

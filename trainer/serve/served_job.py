@@ -227,21 +227,6 @@ def run(args, p: Plan) -> int:
     return flags.EXIT_OK if rec["ok"] else flags.EXIT_FAILURE
 
 
-def next_check(checked_run_dir: str | None) -> None:
-    """This check is ending: start the one queued behind it for the same run (its agent may be
-    gone by now: the last save's check still runs). Never fails the check that ran."""
-    from agent import servedcheck
-    from agent.protocol import ENV_RUN_ID
-    from agent.rundir import RunDir
-
-    if not checked_run_dir:
-        return
-    try:
-        servedcheck.poll(RunDir(checked_run_dir), ending=os.environ.get(ENV_RUN_ID))
-    except Exception as exc:  # noqa: BLE001 - the queued check is said lost, this one's verdict stands
-        print(f"served-check: the check queued after this one did not start: {exc}", flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.best and args.step is not None:
@@ -262,10 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.write(wrap_payload({"ok": True, "step": p.step, "checkpoint": p.step_dir,
                                            "tau_at_save": p.meta["eval"]["tau"], "prompts": p.prompts_n}))
             return flags.EXIT_OK
-        try:
-            return run(args, p)
-        finally:
-            next_check(args.report_to)
+        return run(args, p)
     except (ServedError, ExportError) as exc:
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return flags.EXIT_USAGE
