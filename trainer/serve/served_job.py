@@ -22,8 +22,8 @@ counters) not below the τ at save by more than ``--tolerance``. The result is a
 
 Where it runs and what it may take: with ``--gpu N`` on that GPU alone (CUDA_VISIBLE_DEVICES
 for our evaluator and vLLM; the agent and ``ctl served-check`` refuse a GPU a live run holds).
-Without, on CPU at the lowest priority — nice 19, the idle I/O class (``ionice -c 3``, where
-util-linux has it) — with ``--threads`` threads (torch's and vLLM's OpenMP pool, unbound):
+Without, on CPU at the lowest priority — nice 19 and SCHED_IDLE, the idle I/O class (``ionice
+-c 3``, where util-linux has it) — with ``--threads`` threads (torch's and vLLM's OpenMP pool, unbound):
 training keeps its cores whenever it wants them. docs/benchmarks.md ("Served check beside
 training") has the measured cost.
 
@@ -121,6 +121,14 @@ def lower_priority(threads: int) -> list[str]:
     """CPU: this process and every child (vLLM) at nice 19, in the idle I/O class, with
     ``threads`` threads; returns what was applied, in words."""
     done = [f"nice {os.nice(19 - os.nice(0))}"]
+    # SCHED_IDLE, inherited by vLLM's processes: a training thread that wakes (every OpenMP
+    # barrier of a step) preempts the check at once; nice 19 alone still let it run a slice
+    # first, which cost the training a third of its step rate on 2 cores (docs/benchmarks.md)
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        done.append("SCHED_IDLE")
+    except (AttributeError, OSError):
+        pass
     ionice = shutil.which("ionice")
     if ionice and subprocess.run([ionice, "-c", "3", "-p", str(os.getpid())], capture_output=True).returncode == 0:
         done.append("I/O class idle")
