@@ -1,4 +1,4 @@
-"""``python -m trainer``: train a DFlash drafter; ``prepare``, ``regenerate``, ``tiny``, ``synthetic``, ``export``, ``served-check`` and ``flags``
+"""``python -m trainer``: train a DFlash drafter; ``prepare``, ``regenerate``, ``tiny``, ``synthetic``, ``export``, ``served-check``, ``served-check-job`` and ``flags``
 subcommands.
 
 Bad input (flags, paths, an incompatible checkpoint, a missing start decision) is refused
@@ -230,6 +230,7 @@ SUBCOMMANDS = {
     "synthetic": _subcommand("trainer.synth.synthetic"),
     "export": _subcommand("trainer.serve.export"),
     "served-check": _subcommand("trainer.serve.served"),
+    "served-check-job": _subcommand("trainer.serve.served_job"),
     "flags": _flags_main,
 }
 

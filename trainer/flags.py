@@ -185,6 +185,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--keep-every", "int", 0, "also keep every checkpoint whose step is a multiple of K, beyond --keep-checkpoints (0: none)", "output", metavar="K"),
     Flag("--log-interval", "int", 1, "optimizer steps between step events", "output"),
     Flag("--eval-prompts", "int", 0, "held-out prompts for acceptance-length evaluation at each save (0: off); the τ measured selects the best checkpoint (OUTPUT/best.json), which retention keeps", "output"),
+    Flag("--served-check-every", "int", 0, "every K-th save with τ measured (--eval-prompts; steps that are multiples of K × --save-interval, and the last save) the run's agent starts a served-check job for that checkpoint: exported, served in vLLM where the run runs, on the same held-out prompts, held to its τ at save (docs/jobs.md); training never waits for it, at most one runs per run and a newer save supersedes a queued one (0: off)", "output", metavar="K"),
+    Flag("--served-check-gpu", "int", None, "the GPU the served checks run on, reserved for them: never one of --target-gpus/--drafter-gpus (default: CPU at the lowest priority: nice 19, idle I/O, --served-check-threads threads)", "output", metavar="N"),
+    Flag("--served-check-threads", "int", 1, "on CPU: threads a served check may use (our evaluator's and vLLM's)", "output", metavar="N"),
+    Flag("--vllm-python", "path", None, "vLLM's interpreter in the container, for the served checks (default $DFLASH_VLLM_PYTHON, else .venv-vllm beside the trainer's package)", "output", metavar="PY"),
     Flag("--probe-memory", "bool", False, "run this run's worst case (full-length sequences at the resolved --token-budget, --max-anchors each, the selected --drafter-step) for two optimizer steps on each role's GPU, report the measured allocated and reserved peaks beside the memory model's prediction, and exit: 0 when every GPU holds the measured reserved peak plus a 2 GiB margin, 2 (one line per short GPU: role, need, shortfall) when not", "output"),
     Flag("--probe-first", "bool", False, "before training, run --probe-memory's worst case in a separate process and train only if it fits (costs one more start-up and two steps; the compile cache it fills is reused)", "output"),
     Flag("--probe-capacity-mib", "float", None, "the memory --probe-memory checks the measured need against, instead of the GPU's free memory: plan for a smaller GPU (on CPU the check runs only with it)", "output", metavar="MIB"),
@@ -201,6 +205,8 @@ FLAGS: tuple[Flag, ...] = (
 INT_MAX = 2**63 - 1
 BOUNDS: dict[str, tuple[Any, Any]] = {
     "nnodes": (1, 1024),
+    "served_check_gpu": (0, 1023),
+    "served_check_threads": (1, 1024),
     "node_rank": (0, 1023),
     "dist_timeout": (1, 7 * 86400),
     "epochs": (1, 100_000),
@@ -401,6 +407,14 @@ def check(values: Mapping[str, Any]) -> list[str]:
             f"--target-gpus {format_gpus(t)} and --drafter-gpus {format_gpus(d)} overlap on {both}: "
             "make them disjoint, or equal to colocate both roles on the same GPUs"
         )
+    every, sc_gpu = values.get("served_check_every") or 0, values.get("served_check_gpu")
+    if every and not values.get("eval_prompts"):
+        problems.append(f"--served-check-every {every} needs --eval-prompts N: a served check serves the held-out "
+                        "prompts and holds served τ to the τ measured on them at save")
+    if sc_gpu is not None and sc_gpu in set(t or ()) | set(d or ()):
+        problems.append(f"--served-check-gpu {sc_gpu} is one of the training's GPUs (--target-gpus {format_gpus(t or ())}, "
+                        f"--drafter-gpus {format_gpus(d or ())}): reserve another GPU for the served checks, or leave it "
+                        "out to check on CPU at the lowest priority")
     budget, max_len = values.get("token_budget"), values.get("max_seq_len")
     if isinstance(budget, int) and isinstance(max_len, int) and budget < max_len:
         problems.append(

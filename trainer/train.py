@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from agent.protocol import ENV_RUN_DIR
+from agent.protocol import ENV_RUN_DIR, EVENTS
 from trainer import checkpoint as ckpt_io
 from trainer.gpu import kernel_profile
 from trainer import runtime_env
@@ -417,6 +417,35 @@ def save_checkpoint(args, events, step: int, position: int, stream, drafter, opt
     return path
 
 
+def served_check_due(args, step: int, finishing: bool) -> bool:
+    """Is this save due a served check (--served-check-every K)? Every K-th save by step, so a
+    resumed run keeps the same rhythm, and the last one."""
+    every = args.served_check_every
+    return every > 0 and (step % (every * args.save_interval) == 0 or finishing)
+
+
+class ServedRows:
+    """The served checks' records (``served_check`` events the served-check job appends to this
+    run's events.jsonl) as wandb rows, each once: logged at the step the trainer next logs, with
+    ``eval/served_step`` naming the checkpoint it measured (wandb's step only grows)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.offset = os.path.getsize(path) if os.path.exists(path) else 0
+
+    def new(self) -> list[dict]:
+        from agent.protocol import read_json_lines
+
+        rows = []
+        for self.offset, rec in read_json_lines(self.path, self.offset):
+            if rec.get("kind") == "served_check" and isinstance(rec.get("step"), int):
+                rows.append({"eval/served_step": rec["step"], "eval/served_ok": int(bool(rec.get("ok"))),
+                             **({"eval/served_tau": rec["tau_served"]} if rec.get("tau_served") is not None else {}),
+                             **({"eval/served_tau_at_save": rec["tau_at_save"]}
+                                if rec.get("tau_at_save") is not None else {})})
+        return rows
+
+
 def evaluate_at_save(args, events, wandb, step: int, path: str, target, drafter, head, data, dev) -> dict:
     """τ of the checkpoint just saved on the held-out prompts (per category where the data
     knows each sample's source): into its eval.json (the model card) and its meta.json, the
@@ -461,6 +490,7 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
         topo_mod.broadcast_parameters(topo, drafter)
         drafter_step = make_step(args, drafter, head, dcfg)
     wandb = make_logger(log, args.wandb_project, args.wandb_run_name, args.wandb_mode, run_dir, vars(args))
+    served_rows = ServedRows(os.path.join(run_dir, EVENTS))
     meta = {"config": vars(args), "drafter_config": dcfg.to_hf(), "target": target_identity(args.target_model),
             "data_fingerprint": data.fingerprint, "schedule": start.schedule,
             "world": {"drafter_ranks": topo.n_drafter, "grad_accum": args.grad_accum}}
@@ -514,6 +544,8 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
             if log:
                 events.emit("step", **metrics)
                 wandb.log({k: v for k, v in metrics.items() if k not in ("step", "total_steps")}, step=step)
+                for row in served_rows.new():  # served checks that ended since the last row (agent/servedcheck.py)
+                    wandb.log(row, step=step)
                 print(step_line(metrics), flush=True)
                 if "compile_cache" in metrics:
                     print(f"compile: {metrics['compile_s']:.1f} s in the first step ({metrics['compile_cache_hits']} "
@@ -532,6 +564,10 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
                 if args.eval_prompts > 0 and target is not None:
                     events.emit("phase", phase="evaluating")
                     evaluate_at_save(args, events, wandb, step, path, target, drafter, head, data, dev)
+                    if served_check_due(args, step, finishing):  # the agent starts it; we never wait for it
+                        events.emit("served_check_due", step=step, checkpoint=os.path.dirname(path),
+                                    gpu=args.served_check_gpu, threads=args.served_check_threads,
+                                    vllm_python=args.vllm_python)
                 events.emit("phase", phase="training")
             topo_mod.barrier(topo)
         if stopped:
