@@ -70,16 +70,77 @@ def decode_all(kind: str, target, drafter, head, prompts, refs: dict, max_new: i
             "per_prompt": per_prompt}
 
 
-def load_target(target_dir: str, d: dict, device):
-    """The evaluation target (fp32, taps for a drafter of budget ``d``) and the frozen head
-    the drafters share: (drafter config, target, head)."""
+def load_target(target_dir: str, d: dict, device, dtype=torch.float32, precision: str = "bf16"):
+    """The evaluation target (fp32 unless ``dtype`` says otherwise; ``precision`` "fp8": its
+    decoder's linear layers in e4m3 as ``--target-precision fp8`` loads them, trainer/gpu/fp8.py;
+    taps for a drafter of budget ``d``) and the frozen head the drafters share: (drafter
+    config, target, head)."""
     from trainer.model import DrafterConfig, FrozenHead
     from trainer.target import Target, read_config
 
     ids = [int(x) for x in d["target_layer_ids"].split(",")] if d.get("target_layer_ids") else None
     dcfg = DrafterConfig.from_target(read_config(target_dir), d["layers"], d["block_size"], None, ids)
-    target = Target(target_dir, dcfg.target_layer_ids, device, torch.float32)
+    target = Target(target_dir, dcfg.target_layer_ids, device, dtype, precision=precision)
     return dcfg, target, FrozenHead(target.embed, target.lm_head)
+
+
+def trainer_dtype(device) -> torch.dtype:
+    """The dtype the trainer loads its target in on ``device`` (trainer/train.py): what a
+    drafter's taps were made in, and what it is verified against as the trainer would."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def by_category(per_prompt: list[list[int]], categories: list[str]) -> dict[str, float]:
+    """τ pooled per category from per-prompt [committed, forwards] counts (decode_all's
+    ``per_prompt``; ``categories`` gives each prompt's, in the same order)."""
+    sums: dict[str, list[int]] = {}
+    for (tokens, forwards), cat in zip(per_prompt, categories):
+        acc = sums.setdefault(cat, [0, 0])
+        acc[0] += tokens
+        acc[1] += forwards
+    return {cat: tokens / max(1, forwards) for cat, (tokens, forwards) in sums.items()}
+
+
+def _errors(got: torch.Tensor, ref: torch.Tensor) -> dict:
+    d = (got.double() - ref.double())
+    return {"rel_l2": float(d.norm() / ref.double().norm().clamp(min=1e-30)), "max_abs": float(d.abs().max())}
+
+
+@torch.no_grad()
+def tap_error(target_dir: str, layer_ids: list[int], windows: dict[str, list[list[int]]], device) -> dict:
+    """The taps of ``--target-precision fp8`` against bf16's, per tapped layer, on ``windows``
+    (held-out text per category, equal-length rows): relative L2 (‖fp8 − bf16‖ / ‖bf16‖ over
+    every position and channel) and max |fp8 − bf16|; beside them bf16's own error against fp32
+    (how large the rounding the drafters always trained with is) and the largest |tap|. Both
+    precisions in bf16, as the GPU trainer loads the target (on CPU the FP8 GEMMs are emulated
+    with the same arithmetic). {"layers": [{layer, fp8_vs_bf16, bf16_vs_fp32, max_abs_tap,
+    by_category: {cat: fp8_vs_bf16}}], "all": fp8_vs_bf16 pooled over layers, "positions"}."""
+    from trainer.target import Target
+
+    def taps(dtype, precision):
+        t = Target(target_dir, layer_ids, device, dtype, precision=precision)
+        out = {}
+        for cat, rows in windows.items():
+            x, _ = t.forward(torch.tensor(rows, device=device), want_final=False)
+            out[cat] = x.float().view(*x.shape[:-1], len(layer_ids), -1).cpu()
+        del t
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
+        return out
+
+    ref, fp8, full = taps(torch.bfloat16, "bf16"), taps(torch.bfloat16, "fp8"), taps(torch.float32, "bf16")
+    cats = list(windows)
+
+    def flat(t: dict, j: int | None = None) -> torch.Tensor:  # every category's positions, one layer or all
+        return torch.cat([(t[c] if j is None else t[c][..., j, :]).reshape(-1) for c in cats])
+
+    layers = []
+    for j, layer in enumerate(layer_ids):
+        layers.append({"layer": layer, "fp8_vs_bf16": _errors(flat(fp8, j), flat(ref, j)),
+                       "bf16_vs_fp32": _errors(flat(ref, j), flat(full, j)), "max_abs_tap": float(flat(ref, j).abs().max()),
+                       "by_category": {c: _errors(fp8[c][..., j, :], ref[c][..., j, :]) for c in cats}})
+    return {"layers": layers, "all": _errors(flat(fp8), flat(ref)),
+            "positions": int(sum(len(r) * len(r[0]) for r in windows.values())), "dtype": "bfloat16"}
 
 
 def block_tau(target, drafter, head, prompts, max_new: int, device) -> float:

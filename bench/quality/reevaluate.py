@@ -60,7 +60,7 @@ def main(argv=None) -> int:
     target_dir = os.path.join(work, "target")
     if not os.path.isfile(os.path.join(target_dir, "config.json")):
         p.error(f"no target under {target_dir}: pass run.py's --work directory with --work")
-    trained = {name: os.path.join(work, cfg.get("drafters_dir", "drafters"), name)
+    trained = {name: v.get("dir") or os.path.join(work, cfg.get("drafters_dir", "drafters"), name)
                for name, v in source["variants"].items()
                if v.get("final")}
     missing = [n for n, path in trained.items() if not variants.checkpoints(path)]
@@ -88,10 +88,10 @@ def main(argv=None) -> int:
     from trainer.checkpoint import load_drafter
 
     split = corpus.load_split(s["corpus_bytes"])
-    prompts = distill.eval_prompts(split["held_out"], args.prompts, s["distill"]["prompt_len"])
+    prompts, categories = distill.eval_prompts(split, args.prompts, s["distill"]["prompt_len"])
     _, target, head = measure.load_target(target_dir, d, device)
     refs = measure.reference(target, prompts, max_new, device)
-    results = {"config": dict(cfg, tree_budgets=budgets, prompts=args.prompts, max_new=max_new,
+    results = {"config": dict(cfg, tree_budgets=budgets, prompts=args.prompts, max_new=max_new, prompt_categories=categories,
                               source=os.path.abspath(args.results), work=work, base=args.base),
                "greedy": {"seconds": round(refs["seconds"], 3), "tokens": refs["tokens"]},
                "variants": {}}
@@ -109,6 +109,8 @@ def main(argv=None) -> int:
                "tree": {}}
         for b in budgets:
             fin["tree"][str(b)] = measure.decode_all("tree", target, dr, head, prompts, refs, max_new, device, b)
+        for r in [fin["block"], *fin["tree"].values()]:
+            r["by_category"] = measure.by_category(r["per_prompt"], categories)
         results["variants"][name] = {"steps": orig.get("steps"), "final_loss": orig.get("final_loss"), "final": fin}
         taus = " / ".join(f"{c['tau']:.2f}" for c in [fin["block"], *fin["tree"].values()])
         ok = all(c["lossless"] for c in [fin["block"], *fin["tree"].values()])

@@ -2,7 +2,12 @@
 seed, shape, learning rate); only the objective flags differ — and for "dflash2" the
 architecture (docs/dflash2.md): DFlash2 on the reference objective, so its Δτ against
 "decay" is DFlash2 against DFlash at the same target, data, steps, block size and seed
-(the same --seed gives both the same DFlash weights and, at step 0, the same drafts)."""
+(the same --seed gives both the same DFlash weights and, at step 0, the same drafts).
+
+"fp8-taps" is the reference objective trained on the taps of the target in FP8
+(``--target-precision fp8``: e4m3 weights with a scale per output channel, activations per row;
+trainer/gpu/fp8.py; emulated with the same arithmetic on CPU): its Δτ against "decay" is what
+FP8 taps cost, everything else equal. Every other variant pins ``--target-precision bf16``."""
 
 from __future__ import annotations
 
@@ -23,7 +28,14 @@ VARIANTS: dict[str, list[str]] = {
     "dpace": ["--position-weights", "dpace", "--dpace-alpha", "0.5"],
     "operators": ["--position-weights", "decay", "--gamma", "10.0", *NOISE, *SOFT, *CAP],
     "dflash2": ["--drafter-arch", "dflash2", "--position-weights", "decay", "--gamma", "7"],
+    "fp8-taps": ["--position-weights", "decay", "--gamma", "7", "--target-precision", "fp8"],
 }
+
+
+def target_precision(variant: str) -> str:
+    """The --target-precision a variant trains with (its taps' precision)."""
+    flags = VARIANTS[variant]
+    return flags[flags.index("--target-precision") + 1] if "--target-precision" in flags else "bf16"
 
 
 def trainer_argv(variant: str, target_dir: str, data_dir: str, out_dir: str, d: dict, seed: int = 0) -> list[str]:
@@ -41,6 +53,9 @@ def trainer_argv(variant: str, target_dir: str, data_dir: str, out_dir: str, d: 
             "--drafter-step", "reference", "--target-forward", "hf"]
     if d.get("target_layer_ids"):
         argv += ["--target-layer-ids", d["target_layer_ids"]]
+    if "--target-precision" not in VARIANTS[variant]:
+        # said, not defaulted: a variant's taps stay bf16 whatever the trainer's default becomes
+        argv += ["--target-precision", "bf16"]
     return argv + VARIANTS[variant]
 
 
