@@ -90,6 +90,7 @@ class Observer:
         self._last_gpu = float("-inf")
         self._last_gpu_reason: str | None = None
         self.changed = True  # something status.json shows changed since the last write
+        self.served_due: list[dict] = []  # served_check_due events not yet handed on (agent/servedcheck.py)
         self.seen = self.new_attempt()
 
     def new_attempt(self, started: float | None = None) -> Observation:
@@ -175,6 +176,8 @@ class Observer:
                 self.add_failure(failure)
         elif kind == "launch":
             seen.launch = ev
+        elif kind == "served_check_due" and ev.get("checkpoint"):
+            self.served_due.append(ev)
         elif kind == "progress":
             seen.progress = {**{k: v for k, v in ev.items() if k not in PROGRESS_META}, "ts": ev.get("ts")}
 

@@ -176,7 +176,8 @@ def active_runs(workspace: str) -> list[dict]:
         rec = read_json(knowngood.launch_record_path(workspace, name)) or {}
         gpus = rec.get("gpus") or {}
         out.append({"run_id": name, "state": st.state.value, "kind": rec.get("kind") or "train",
-                    "gpus": sorted(set(gpus.get("target", [])) | set(gpus.get("drafter", []))),
+                    # every role's: a served check's reserved GPU too (agent/servedcheck.py)
+                    "gpus": sorted({g for ids in gpus.values() if isinstance(ids, list) for g in ids}),
                     "paths": rec.get("paths") or {}})
     return out
 

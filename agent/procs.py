@@ -192,6 +192,17 @@ def set_child_subreaper(on: bool = True) -> bool:
         return False
 
 
+def is_child_subreaper() -> bool:
+    import ctypes
+
+    try:
+        out = ctypes.c_int(0)
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER + 1, ctypes.byref(out), 0, 0, 0) == 0 and out.value != 0
+    except (OSError, AttributeError):
+        return False
+
+
 def all_pids() -> list[int]:
     return [int(name) for name in os.listdir("/proc") if name.isdigit()]
 

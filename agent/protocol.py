@@ -232,14 +232,22 @@ class StreamKind(str, enum.Enum):
 #               bytes_total, samples_per_s, tokens_per_s, eta_s); rates are named <what>_per_s.
 #               The agent keeps the last one as status.json's "progress"; a job that sends one
 #               has started.
-EVENT_KINDS = ("phase", "step", "checkpoint", "eval", "error", "probe", "launch", "progress")
+#   served_check_due  (train, --served-check-every K) step, checkpoint, gpu, threads, vllm_python: this
+#               save is due a served check; the run's agent starts the served-check job for it
+#               (agent/servedcheck.py). The trainer only says it: it never waits for the check.
+#   served_check  a ServedCheck record (below): served τ of a checkpoint beside its τ at save;
+#               written by the served-check job into its own events.jsonl and the checked run's
+EVENT_KINDS = ("phase", "step", "checkpoint", "eval", "error", "probe", "launch", "progress", "served_check_due",
+               "served_check")
 PROGRESS_META = ("ts", "kind", "rank", "role", "gpu")  # event keys that are not progress fields
 
 # Agent events (stream kind "event", payload key "kind" = "agent.<name>"): the agent's own
 # observations, next to the trainer's events. "agent.failure" carries "failure" (a
 # FailureKind), "rank", "gpu", "reason" (one line, printed first), "evidence" (log lines).
+# "agent.served_check": a served check started (run_id), queued behind the live one (queued,
+# superseded_step: the queued one it replaced) or not started (ok false, error), for step.
 AGENT_EVENT_KINDS = ("agent.started", "agent.reattached", "agent.failure", "agent.stop_requested",
-                     "agent.stop", "agent.restart", "agent.job_exit")
+                     "agent.stop", "agent.restart", "agent.job_exit", "agent.served_check")
 
 
 class FailureKind(str, enum.Enum):
@@ -488,6 +496,52 @@ class RunResult:
 
     def save(self, path: str) -> None:
         atomic_write_json(path, self.to_json())
+
+
+@record
+class ServedCheck:
+    """A served check of one checkpoint (the ``served_check`` event, and ``served`` in the
+    checkpoint's meta.json): served τ in the engine beside the τ the checkpoint was measured at
+    when it was saved (the reference), the verdict, and its causes. One home for the fields:
+    the served-check job writes it (trainer/serve/served_job.py), the agent relays and
+    runview reads it, ``ctl status`` prints it (controller/status.py).
+
+    ``verdict``: pass | below reference (served τ more than ``tolerance`` under ``tau_at_save``) |
+    not lossless (output is not the target's greedy output) | broken export (a trained
+    config.json field changed) | not served (the engine refused it) | no reference (τ at save
+    not measured or not comparable: served τ held to our evaluator on the export)."""
+
+    step: int | None = None
+    checkpoint: str | None = None  # the step directory checked
+    tau_served: float | None = None  # vLLM's own counters: 1 + accepted / drafts
+    tau_at_save: float | None = None  # the reference (None: none usable, see verdict)
+    tau_export: float | None = None  # our evaluator on the export as served
+    ok: bool | None = None
+    verdict: str | None = None
+    causes: list[str] = Factory(list)  # served.py's causes(): one line each, the likely cause first
+    tolerance: float | None = None
+    prompts: int | None = None
+    max_new_tokens: int | None = None
+    engine: str | None = None  # e.g. "vllm 0.32.0 cpu"
+    device: str | None = None  # "cpu" or "cuda:N" (the GPU reserved for it)
+    elapsed_s: float | None = None
+    run_id: str | None = None  # the served-check job's own run
+    checked_run: str | None = None  # the run whose checkpoint it is
+    ts: float | None = None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: Any) -> "ServedCheck | None":
+        if not isinstance(doc, dict) or not isinstance(doc.get("step"), int):
+            return None
+        kw = _pick(cls, doc)
+        kw["causes"] = [str(c) for c in (kw.get("causes") or [])]
+        return cls(**kw)
+
+
+SERVED_VERDICTS = ("pass", "below reference", "not lossless", "broken export", "not served", "no reference")
 
 
 def _state(value: Any, where: str | None) -> "RunState | None":

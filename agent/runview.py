@@ -26,7 +26,7 @@ from typing import Optional
 from agent import knowngood, procs
 from agent.daemon import revive_if_gone
 from agent.protocol import (DEFAULT_WORKSPACE, ENV_WORKSPACE, EVENTS, EXIT_USAGE, SPEC, BadRunId, CorruptFile,
-                            FailureKind, RunResult, RunStatus, check_run_arg, load_json_object, read_json_lines, wrap_payload)
+                            FailureKind, RunResult, RunStatus, ServedCheck, check_run_arg, load_json_object, read_json_lines, wrap_payload)
 from agent.rundir import RunDir, agent_alive, agent_live_or_none, read_json, read_status
 
 
@@ -57,21 +57,30 @@ def history(run_dir: str) -> dict:
     try:
         size = os.path.getsize(path)
     except OSError:
-        return {"step": [], "loss": [], "tokens_per_s": [], "eval_step": [], "tau": [], "best": None}
+        return {"step": [], "loss": [], "tokens_per_s": [], "eval_step": [], "tau": [], "best": None, "served": []}
     offset = max(0, size - HISTORY_BYTES)
-    seen, rows, evals = set(), [], {}
+    seen, rows, evals, served = set(), [], {}, {}
     for _, r in read_json_lines(path, offset):  # the first line may be torn by the offset: skipped
         if r.get("kind") == "step" and r.get("step") not in seen:  # one row a step, whichever rank said it
             seen.add(r.get("step"))
             rows.append((r.get("step"), r.get("loss"), r.get("tokens_per_s")))
         elif r.get("kind") == "eval" and isinstance(r.get("tau"), (int, float)):  # τ at each save
             evals[r.get("step")] = (r.get("tau"), r.get("best_step"), r.get("best_tau"))
+        elif r.get("kind") == "served_check":  # served τ beside τ at save (agent/servedcheck.py): the last per step
+            rec = ServedCheck.from_json(r)
+            if rec is not None:
+                served[rec.step] = {k: v for k, v in rec.to_json().items() if k in SERVED_FIELDS}
     every = max(1, -(-len(rows) // HISTORY_POINTS))
     rows = rows[::every]
     taus = sorted((s, *v) for s, v in evals.items() if isinstance(s, int))[-HISTORY_POINTS:]
     return {"step": [r[0] for r in rows], "loss": [r[1] for r in rows], "tokens_per_s": [r[2] for r in rows],
             "eval_step": [t[0] for t in taus], "tau": [t[1] for t in taus],
-            "best": {"step": taus[-1][2], "tau": taus[-1][3]} if taus and taus[-1][2] is not None else None}
+            "best": {"step": taus[-1][2], "tau": taus[-1][3]} if taus and taus[-1][2] is not None else None,
+            "served": [served[k] for k in sorted(served)][-SERVED_POINTS:]}
+
+
+SERVED_POINTS = 20  # the last served checks `ctl status` lists
+SERVED_FIELDS = ("step", "tau_served", "tau_at_save", "ok", "verdict", "causes", "device", "run_id")
 
 
 _DIED_WITH_HOST = (FailureKind.CONTAINER_RESTART.value, FailureKind.NODE_REBOOT.value)

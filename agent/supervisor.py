@@ -96,6 +96,28 @@ class Supervisor:
         except Exception:  # noqa: BLE001 - see _alert_watch
             traceback.print_exc()
 
+    def served_checks(self) -> None:
+        """Hand each save due a served check to agent/servedcheck.py (start it, or queue it
+        behind the live one), and start a queued one whose predecessor ended. A fault here is
+        said in the stream and agent.log and never touches the training."""
+        from agent import servedcheck
+
+        try:
+            while self.obs.served_due:
+                ev = self.obs.served_due.pop(0)
+                req = {k: ev.get(k) for k in ("checkpoint", "step", "gpu", "threads", "vllm_python")}
+                reply = servedcheck.request(self.rd, req)
+                self.event("agent.served_check", step=ev.get("step"), **{k: reply.get(k) for k in (
+                    "ok", "run_id", "queued", "error") if reply.get(k) is not None},
+                    **({"superseded_step": reply["superseded"].get("step")} if reply.get("superseded") else {}))
+            started = servedcheck.poll(self.rd)
+            if started:
+                self.event("agent.served_check", step=started.get("step"), ok=started.get("ok"),
+                           **{k: started[k] for k in ("run_id", "error") if started.get(k)})
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            self.event("agent.served_check", ok=False, error=f"{type(exc).__name__}: {exc}")
+
     def _accepting_failures(self) -> bool:
         return self.store.state != RunState.STOPPING and not self.store.terminal
 
@@ -232,6 +254,7 @@ class Supervisor:
                 self.obs.check_stalls(now)
                 self.obs.check_startup(time.time())
                 self.poll_alerts()
+                self.served_checks()
                 ex = self.job.exit_status()
                 if ex is not None:
                     self.obs.drain()
@@ -339,6 +362,16 @@ class Supervisor:
         self.status.reason = reason
         result.save(self.rd.result)
         self.store.set(state)  # writes status.json and the final status record
+        self.next_served_check()
+
+    def next_served_check(self) -> None:
+        """A served-check run hands on to the check queued behind it (agent/servedcheck.py)."""
+        from agent import servedcheck
+
+        try:
+            servedcheck.after_check(self.spec, self.run_id)
+        except Exception:  # noqa: BLE001 - the queued check is lost, never this run's ending
+            traceback.print_exc()
 
     def shutdown(self) -> None:
         """Always: nothing of a finished run keeps running; the stream is durable."""

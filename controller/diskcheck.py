@@ -5,7 +5,8 @@ is ~36 GB, and six epochs at --save-interval 2000 used to keep every one of them
 disk filled, hours in. The container reports free space where --output-dir will be
 (agent/preflight.py, a fact); the size of one checkpoint comes from the drafter's shape
 (trainer/plan/ckptsize.py, stdlib) and the number kept at once from --keep-checkpoints and
---keep-every (the newest N, plus the one being written before the oldest is pruned).
+--keep-every (the newest N, plus the one being written before the oldest is pruned), plus
+the best by τ when the run measures it (--eval-prompts).
 """
 
 from __future__ import annotations
@@ -54,19 +55,21 @@ def disk_refusal(values: Mapping[str, Any], pf: Mapping[str, Any]) -> Optional[s
     steps = ckptsize.steps_at_least(values, (pf.get("data") or {}).get("stats") or {}, ranks) or 1
     interval = int(values.get("save_interval") or 1)
     keep, every = int(values.get("keep_checkpoints") or 0), int(values.get("keep_every") or 0)
-    slots = ckptsize.retained_peak(steps, interval, keep, every)
+    best = bool(values.get("eval_prompts"))  # τ at each save: prune keeps the best too
+    slots = ckptsize.retained_peak(steps, interval, keep, every, best)
     need = slots * each
     if need <= free:
         return None
     if keep == 0:
         why = f"--keep-checkpoints 0 keeps every one: at least {steps} steps at --save-interval {interval}"
     else:
-        why = f"--keep-checkpoints {keep} + the one being written" + (f" + every {every}th step" if every else "")
-    fits = [k for k in range(1, max(keep, 1)) if ckptsize.retained_peak(steps, interval, k, every) * each <= free]
+        why = (f"--keep-checkpoints {keep} + the one being written" + (f" + every {every}th step" if every else "")
+               + (" + the best by τ (--eval-prompts)" if best else ""))
+    fits = [k for k in range(1, max(keep, 1)) if ckptsize.retained_peak(steps, interval, k, every, best) * each <= free]
     if fits:
         fix = f"lower --keep-checkpoints to {fits[-1]}"
     elif every:
-        fix = f"drop --keep-every {every}" + ("" if ckptsize.retained_peak(steps, interval, 1) * each <= free else
+        fix = f"drop --keep-every {every}" + ("" if ckptsize.retained_peak(steps, interval, 1, 0, best) * each <= free else
                                                ", free space or choose another --output-dir")
     elif keep == 0:
         fix = "set --keep-checkpoints (e.g. 3)" + ("" if 2 * each <= free else ", and free space or choose another --output-dir")

@@ -62,6 +62,24 @@ def restart_message(reply: dict, ctid: str, node: Optional[str]) -> Optional[str
     return f"{what}; the run died at step {step}; resume with `{line}`"
 
 
+SERVED_SHOWN = 3  # the newest served checks `ctl status` lists
+
+
+def served_lines(served: list[dict]) -> list[str]:
+    """The served checks beside τ at save (agent/protocol.py ServedCheck), newest last: served τ,
+    the reference, the verdict; a failed one names its first cause."""
+    lines = []
+    for r in served[-SERVED_SHOWN:]:
+        tau, ref = r.get("tau_served"), r.get("tau_at_save")
+        vs = (f" vs {ref:.3f} at save ({100 * (tau / ref - 1):+.1f} %)" if isinstance(tau, (int, float))
+              and isinstance(ref, (int, float)) and ref else "")
+        what = f"{tau:.3f}" if isinstance(tau, (int, float)) else "—"
+        cause = f": {r['causes'][0]}" if not r.get("ok") and r.get("causes") else ""
+        lines.append(f"served   τ {what}{vs} at step {r.get('step')} on {r.get('device') or '?'}: "
+                     f"{'PASS' if r.get('ok') else (r.get('verdict') or 'fail').upper()}{cause}")
+    return lines
+
+
 def render_status(reply: dict, ctid: str, node: str) -> list[str]:
     st = RunStatus.from_json(reply.get("status"))
     res = RunResult.from_json(reply.get("result"))
@@ -105,6 +123,7 @@ def render_status(reply: dict, ctid: str, node: str) -> list[str]:
         lines.append(f"tau      {taus[-1]:.3f}" + (f" at step {at}" if at is not None else "")
                      + (f"  (best {best['tau']:.3f} at step {best['step']}: `ctl export --best`)"
                         if isinstance(best.get("tau"), (int, float)) else "") + _chart(taus))
+    lines += served_lines(hist.get("served") or [])
     rate = st.steady_tokens_per_s or st.tokens_per_s
     if rate is not None:
         baseline = reply.get("baseline") or {}

@@ -18,7 +18,7 @@ fi
 
 # Re-install only when the dependency list or the install recipe below changes (not when
 # the apt list above does).
-VENV_RECIPE="torch==2.13.0 then -e .[controller,trainer,wandb,agent,dev,serve]"
+VENV_RECIPE="torch==2.13.0 then -e .[controller,trainer,wandb,agent,dev,serve,fp8]"
 stamp=".venv/.setup-$( (cat pyproject.toml; echo "$VENV_RECIPE") | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   echo "setup: building .venv (first run takes a few minutes)"
@@ -27,7 +27,7 @@ if [ ! -f "$stamp" ]; then
   # Pinned first and on its own: this machine kind carries the CPU wheel of exactly this
   # release; any open range would pull a multi-GB CUDA build from the registry instead.
   .venv/bin/pip install -q torch==2.13.0
-  .venv/bin/pip install -q -e '.[controller,trainer,wandb,agent,dev,serve]'
+  .venv/bin/pip install -q -e '.[controller,trainer,wandb,agent,dev,serve,fp8]'
   rm -f .venv/.setup-*
   touch "$stamp"
 fi

@@ -89,6 +89,28 @@ def test_retained_peak_is_what_prune_really_leaves_at_most(tmp_path, total, inte
     assert ckptsize.retained_peak(total, interval, keep, every) == peak
 
 
+@pytest.mark.parametrize("total,interval,keep,every", [(20, 2, 3, 0), (20, 2, 2, 8), (21, 4, 1, 0), (50, 5, 4, 10),
+                                                       (3, 5, 3, 0), (10, 2, 1, 0)])
+def test_retained_peak_with_the_best_kept_covers_every_choice_of_best_and_is_reached(tmp_path, total, interval, keep, every):
+    # which save is best depends on τ: prune keeps whichever best.json names, so the disk
+    # verdict must hold for any of them; the bound is reached for the worst choice
+    saves = ckptsize.saved_steps(total, interval)
+    worst = 0
+    for top in saves:
+        out = str(tmp_path / f"best{top}")
+        os.makedirs(out)
+        peak = 0
+        for s in saves:
+            fake_save(out, s)
+            if s == top:
+                with open(os.path.join(out, ckpt_io.BEST), "w") as fh:
+                    json.dump({"step": s, "tau": 9.0}, fh)
+            peak = max(peak, len(ckpt_io.steps(out)))
+            ckpt_io.prune(out, s, keep, every)
+        worst = max(worst, peak)
+    assert ckptsize.retained_peak(total, interval, keep, every, keeps_best=True) == worst
+
+
 def du(path: str) -> int:
     return sum(ckptsize._blocks(os.path.getsize(os.path.join(r, f))) for r, _, fs in os.walk(path) for f in fs)
 

@@ -301,8 +301,9 @@ def test_fp8_weights_take_about_half_and_auto_can_choose_a_larger_budget():
     f8 = budget.plan_run({**values, "token_budget": "auto", "target_precision": "fp8"}, free, QWEN3_BIG,
                          alloc_conf="expandable_segments:True")
     assert f8["gpus"][0]["reserved_mib"] < b16["gpus"][0]["reserved_mib"] or f8["token_budget"] > b16["token_budget"]
-    assert budget.largest_fitting_batch({**values, "target_precision": "fp8"}, QWEN3_BIG, "colocated", 40 * 2**30) > \
-        budget.largest_fitting_batch(values, QWEN3_BIG, "colocated", 40 * 2**30)
+    # 44 GiB: with soft labels an FP8 run also holds the head's e4m3 copy for the teacher (0.58 GiB)
+    assert budget.largest_fitting_batch({**values, "target_precision": "fp8"}, QWEN3_BIG, "colocated", 44 * 2**30) > \
+        budget.largest_fitting_batch(values, QWEN3_BIG, "colocated", 44 * 2**30)
 
 
 def test_the_memory_model_counts_an_fp8_targets_bytes_exactly(dense):

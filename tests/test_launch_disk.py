@@ -74,3 +74,17 @@ def test_only_the_container_that_saves_is_checked():
 def test_missing_facts_give_no_verdict_here():
     assert disk_refusal(values(), {"disk": {"free_bytes": 1}, "model": {}}) is None
     assert disk_refusal(values(), {"model": {"config": QWEN3_32B}}) is None
+
+
+def test_a_run_that_measures_tau_keeps_its_best_too_and_the_verdict_counts_it():
+    # --eval-prompts: prune keeps the best by τ besides the newest N, and the best may be an
+    # old one; 3 kept + the one being written fit, the best beside them does not
+    v = values(eval_prompts=64)
+    each = ckptsize.checkpoint_bytes(QWEN3_32B, v)
+    assert disk_refusal(values(), pf(4 * each / GIB + 1)) is None
+    line = disk_refusal(v, pf(4 * each / GIB + 1))
+    print(line)
+    assert line.startswith("--output-dir /workspace/out: 5 checkpoints of 33.")
+    assert "(--keep-checkpoints 3 + the one being written + the best by τ (--eval-prompts))" in line
+    assert line.endswith("lower --keep-checkpoints to 2")
+    assert disk_refusal(v, pf(5 * each / GIB + 1)) is None

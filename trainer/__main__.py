@@ -1,4 +1,4 @@
-"""``python -m trainer``: train a DFlash drafter; ``prepare``, ``regenerate``, ``tiny``, ``synthetic``, ``export``, ``served-check`` and ``flags``
+"""``python -m trainer``: train a DFlash drafter; ``prepare``, ``regenerate``, ``tiny``, ``synthetic``, ``export``, ``served-check``, ``served-check-job`` and ``flags``
 subcommands.
 
 Bad input (flags, paths, an incompatible checkpoint, a missing start decision) is refused
@@ -56,6 +56,8 @@ def validate(args) -> list[str]:
             problems.append(f"--target-precision fp8: {missing}; use --target-precision bf16 (or auto: fp8 only "
                             "where it runs)")
         args.target_precision = flags.target_precision_for(vars(args), cuda, capability, _hidden(target_cfg))[0]
+    if getattr(args, "drafter_precision", "bf16") == "fp8":
+        problems += drafter_fp8_problems(cuda)
     if args.attention_kernel in ("auto", "flash"):
         from trainer.layers.flex_mask import flash_missing
 
@@ -159,6 +161,25 @@ def validate(args) -> list[str]:
     return problems
 
 
+def drafter_fp8_problems(cuda: bool) -> list[str]:
+    """Why --drafter-precision fp8 cannot run here: a GPU without FP8 tensor cores (the same rule
+    as the target's), or torchao missing (the command that installs it). An unknown capability
+    is left to the GPU itself (train.memory_check tries one FP8 training GEMM there)."""
+    from trainer import paths
+    from trainer.gpu import fp8_train
+
+    problems = []
+    capability = paths.gpu_capability() if cuda else None
+    no_fp8 = flags.fp8_missing(cuda, capability)
+    if cuda and no_fp8 and not isinstance(capability, str):
+        problems.append(f"--drafter-precision fp8: {no_fp8}; use --drafter-precision bf16")
+    why = fp8_train.missing()
+    if why:
+        problems.append(f"--drafter-precision fp8: {why}; install it: {fp8_train.INSTALL} (torchao 0.18 needs torch "
+                        "2.11 or newer), or use --drafter-precision bf16")
+    return problems
+
+
 def _hidden(target_cfg) -> int | None:
     from trainer import family
 
@@ -209,6 +230,7 @@ SUBCOMMANDS = {
     "synthetic": _subcommand("trainer.synth.synthetic"),
     "export": _subcommand("trainer.serve.export"),
     "served-check": _subcommand("trainer.serve.served"),
+    "served-check-job": _subcommand("trainer.serve.served_job"),
     "flags": _flags_main,
 }
 

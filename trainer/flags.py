@@ -161,6 +161,7 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--drafter-step", "choice", "auto", "drafter forward/backward (trainer/step.py): reference (model.py + loss.py, the whole micro-batch through autograd) or chunked (trainer/gpu/fast_drafter.py: anchor chunks, bounded activation memory, ~10× less memory per drafted position; with --position-weights dpace it first runs every chunk forward without gradient for the detached weights: on an H200 the step takes 1.32× as long, same memory); auto = chunked on CUDA, reference on CPU", "drafter", choices=("auto", "reference", "chunked")),
     Flag("--target-forward", "choice", "auto", "target forward: hf (transformers, hooks on the tapped layers) or fast (over the same weights: fused GEMMs, cuDNN attention, stops after the last tapped layer; trainer/gpu/fast_target.py for Qwen3, trainer/gpu/fast_hybrid.py for Qwen3.5/3.6 with flash-linear-attention's Gated DeltaNet kernels); auto = fast on CUDA (for Qwen3.5/3.6 only when flash-linear-attention is importable), hf on CPU", "drafter", choices=("auto", "hf", "fast")),
     Flag("--target-precision", "choice", "bf16", "the frozen target's linear layers: bf16, or fp8 = e4m3 weights with a scale per output channel (made once at load: about half the weight memory) and activations quantized per row inside the op that produces them (the norm before q/k/v and gate/up, SiLU·up before down, the attention output before o; trainer/gpu/fp8.py), torch's scaled matmul; the taps and the final state stay bf16. fp8 needs FP8 tensor cores (compute capability 8.9 or newer: Ada, Hopper, Blackwell) and is refused on others; on CPU it runs emulated (the same arithmetic, for tests). auto = fp8 on such a GPU for a target of hidden size 4,096 or more (where its GEMMs were measured faster), else bf16. The default stays bf16 until drafters trained on FP8 taps are shown to keep their acceptance length", "drafter", choices=("bf16", "fp8", "auto")),
+    Flag("--drafter-precision", "choice", "bf16", "the drafter's GEMMs in training: bf16, or fp8 = its linear layers (fc, q/k/v/o, gate/up/down; dimensions that are multiples of 16) through torchao's float8 training with row-wise scales — forward, input gradient and weight gradient in e4m3 with a scale per row of each operand, taken on every call (trainer/gpu/fp8_train.py); fp32 master weights, AdamW and checkpoints unchanged (a checkpoint loads into a bf16 run and exports as one); the frozen LM head stays bf16. Needs torchao in the container's venv (ctl env install torchao) and, on a GPU, FP8 tensor cores (compute capability 8.9 or newer); on CPU it runs on torch's CPU scaled matmul (tests). The default stays bf16 until it is shown faster with the acceptance length held", "drafter", choices=("bf16", "fp8")),
     Flag("--mask-token-id", "int", None, "id used for the masked block slots (default: the target config's mask_token_id, else the first id past its tokenizer — 151669 for Qwen3, 248070 for Qwen3.5/3.6 — else the family's default when the vocabulary has it, else the last id); checked against the vocabulary", "drafter"),
     Flag("--drafter-layer-types", "str", "auto", "attention of each drafter layer, comma list of full/sliding (e.g. sliding,sliding,sliding,sliding,full); auto = the public drafters of the target's family: all full for Qwen3, sliding-window with the last layer full for Qwen3.5/3.6 (SpecForge's qwen3.6-27b-dflash.json)", "drafter", metavar="auto|LIST"),
     Flag("--sliding-window", "int", family.SLIDING_WINDOW, "window of the drafter's sliding layers: a block slot at position p sees context from p - window + 1 on and the slots before it in its block (SpecForge's sliding DFlash mask)", "drafter"),
@@ -184,6 +185,10 @@ FLAGS: tuple[Flag, ...] = (
     Flag("--keep-every", "int", 0, "also keep every checkpoint whose step is a multiple of K, beyond --keep-checkpoints (0: none)", "output", metavar="K"),
     Flag("--log-interval", "int", 1, "optimizer steps between step events", "output"),
     Flag("--eval-prompts", "int", 0, "held-out prompts for acceptance-length evaluation at each save (0: off); the τ measured selects the best checkpoint (OUTPUT/best.json), which retention keeps", "output"),
+    Flag("--served-check-every", "int", 0, "every K-th save with τ measured (--eval-prompts; steps that are multiples of K × --save-interval, and the last save) the run's agent starts a served-check job for that checkpoint: exported, served in vLLM where the run runs, on the same held-out prompts, held to its τ at save (docs/jobs.md); training never waits for it, at most one runs per run and a newer save supersedes a queued one (0: off)", "output", metavar="K"),
+    Flag("--served-check-gpu", "int", None, "the GPU the served checks run on, reserved for them: never one of --target-gpus/--drafter-gpus (default: CPU at the lowest priority: nice 19, idle I/O, --served-check-threads threads)", "output", metavar="N"),
+    Flag("--served-check-threads", "int", 1, "on CPU: threads a served check may use (our evaluator's and vLLM's)", "output", metavar="N"),
+    Flag("--vllm-python", "path", None, "vLLM's interpreter in the container, for the served checks (default $DFLASH_VLLM_PYTHON, else .venv-vllm beside the trainer's package)", "output", metavar="PY"),
     Flag("--probe-memory", "bool", False, "run this run's worst case (full-length sequences at the resolved --token-budget, --max-anchors each, the selected --drafter-step) for two optimizer steps on each role's GPU, report the measured allocated and reserved peaks beside the memory model's prediction, and exit: 0 when every GPU holds the measured reserved peak plus a 2 GiB margin, 2 (one line per short GPU: role, need, shortfall) when not", "output"),
     Flag("--probe-first", "bool", False, "before training, run --probe-memory's worst case in a separate process and train only if it fits (costs one more start-up and two steps; the compile cache it fills is reused)", "output"),
     Flag("--probe-capacity-mib", "float", None, "the memory --probe-memory checks the measured need against, instead of the GPU's free memory: plan for a smaller GPU (on CPU the check runs only with it)", "output", metavar="MIB"),
@@ -200,6 +205,8 @@ FLAGS: tuple[Flag, ...] = (
 INT_MAX = 2**63 - 1
 BOUNDS: dict[str, tuple[Any, Any]] = {
     "nnodes": (1, 1024),
+    "served_check_gpu": (0, 1023),
+    "served_check_threads": (1, 1024),
     "node_rank": (0, 1023),
     "dist_timeout": (1, 7 * 86400),
     "epochs": (1, 100_000),
@@ -400,6 +407,14 @@ def check(values: Mapping[str, Any]) -> list[str]:
             f"--target-gpus {format_gpus(t)} and --drafter-gpus {format_gpus(d)} overlap on {both}: "
             "make them disjoint, or equal to colocate both roles on the same GPUs"
         )
+    every, sc_gpu = values.get("served_check_every") or 0, values.get("served_check_gpu")
+    if every and not values.get("eval_prompts"):
+        problems.append(f"--served-check-every {every} needs --eval-prompts N: a served check serves the held-out "
+                        "prompts and holds served τ to the τ measured on them at save")
+    if sc_gpu is not None and sc_gpu in set(t or ()) | set(d or ()):
+        problems.append(f"--served-check-gpu {sc_gpu} is one of the training's GPUs (--target-gpus {format_gpus(t or ())}, "
+                        f"--drafter-gpus {format_gpus(d or ())}): reserve another GPU for the served checks, or leave it "
+                        "out to check on CPU at the lowest priority")
     budget, max_len = values.get("token_budget"), values.get("max_seq_len")
     if isinstance(budget, int) and isinstance(max_len, int) and budget < max_len:
         problems.append(

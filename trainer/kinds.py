@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 TRAIN = "train"
+SERVED_CHECK = "served-check"
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,11 @@ KINDS: dict[str, Kind] = {k.name: k for k in (
          "a rerun of the same config: ids already in the output are skipped (each id exactly once)", False,
          (("run_dir", "the agent gives every job its run directory ($DFLASH_RUN_DIR)"), (PREFLIGHT, PREFLIGHT_WHY)),
          ("api_key_env",)),
+    # reads nothing a launch's path rule should guard: it only reads a checkpoint, and a
+    # training run resuming into that output directory must not be refused for it
+    Kind(SERVED_CHECK, "served-check", ("served-check-job",), "trainer.serve.served_job:build_parser", (), (),
+         "run it again: a check writes its record only when it ends (agent/servedcheck.py starts one every "
+         "--served-check-every saves; ctl served-check on demand)", False, ((PREFLIGHT, PREFLIGHT_WHY),)),
 )}
 DATA_KINDS = tuple(k for k in KINDS if not KINDS[k].gpus)
 

@@ -113,19 +113,21 @@ def dpace_weights(ce: torch.Tensor, valid: torch.Tensor, alpha: float) -> torch.
 
 
 def position_terms(hidden, lm_head, labels, teacher_hidden=None, temperature: float = 1.0,
-                   chunk: int = 4096, top_k: int = 0):
+                   chunk: int = 4096, top_k: int = 0, teacher_head=None):
     """Per-position ce, kl (T²-scaled; zeros without a teacher), correct, and (``top_k`` > 0)
     the top-k candidate ids [P, top_k] (best first; None otherwise) for flattened positions.
 
     hidden [P, H] drafter outputs; labels [P]; teacher_hidden [P, H] the target's final
-    (normed) hidden state at the teacher position, whose logits are lm_head(teacher_hidden).
-    Logits are formed ``chunk`` positions at a time and recomputed in backward.
+    (normed) hidden state at the teacher position, whose logits are lm_head(teacher_hidden),
+    or ``teacher_head(teacher_hidden)`` when given (the FP8 head of --target-precision fp8:
+    trainer/gpu/fp8.py ``teacher_logits``). Logits are formed ``chunk`` positions at a time and
+    recomputed in backward.
     """
     ces, kls, oks, cands = [], [], [], []
     for s in range(0, hidden.shape[0], chunk):
         h = hidden[s:s + chunk]
         t = teacher_hidden[s:s + chunk] if teacher_hidden is not None else None
-        args = (h, lm_head, labels[s:s + chunk], t, temperature, top_k)
+        args = (h, lm_head, labels[s:s + chunk], t, temperature, top_k, teacher_head)
         if torch.is_grad_enabled() and h.requires_grad:
             ce, kl, ok, cand = checkpoint(_chunk_terms, *args, use_reentrant=False)
         else:
@@ -138,7 +140,7 @@ def _up(x):  # softmax statistics in fp32 at least (fp64 stays fp64, for exact t
     return x if x.dtype == torch.float64 else x.float()
 
 
-def _chunk_terms(h, lm_head, labels, teacher_h, T, top_k=0):
+def _chunk_terms(h, lm_head, labels, teacher_h, T, top_k=0, teacher_head=None):
     z = _up(F.linear(h, lm_head))
     logp = z.log_softmax(-1)
     ce = -logp.gather(-1, labels[:, None]).squeeze(-1)
@@ -146,7 +148,7 @@ def _chunk_terms(h, lm_head, labels, teacher_h, T, top_k=0):
     cand = z.detach().topk(top_k, dim=-1).indices if top_k else torch.zeros(0, dtype=torch.long, device=z.device)
     if teacher_h is None:
         return ce, torch.zeros_like(ce), ok, cand
-    zt = _up(F.linear(teacher_h, lm_head))
+    zt = _up(F.linear(teacher_h, lm_head) if teacher_head is None else teacher_head(teacher_h))
     log_pt = (zt / T).log_softmax(-1)
     log_pd = (z / T).log_softmax(-1)
     kl = (T * T) * (log_pt.exp() * (log_pt - log_pd)).sum(-1)
@@ -216,10 +218,11 @@ class LossOut:
 
 
 def dflash_loss(c: LossConfig, block_out, lm_head, input_ids, loss_mask, lengths, anchors, keep,
-                target_final=None, selector=None, top_k: int = 0) -> LossOut:
+                target_final=None, selector=None, top_k: int = 0, teacher_head=None) -> LossOut:
     """block_out [b, N·B, H] (drafter output); input_ids/loss_mask [b, S]; lengths [b];
     anchors/keep [b, N]; target_final [b, S, H] (soft labels only); ``selector`` (DFlash2:
-    the drafter's pair scorer, see :func:`selector_terms`) over each slot's ``top_k``."""
+    the drafter's pair scorer, see :func:`selector_terms`) over each slot's ``top_k``;
+    ``teacher_head``: what forms the teacher's logits from its states (:func:`position_terms`)."""
     b, S = input_ids.shape
     n = anchors.shape[1]
     B = c.block_size
@@ -232,7 +235,7 @@ def dflash_loss(c: LossConfig, block_out, lm_head, input_ids, loss_mask, lengths
         tpos = slot_index(anchors, B, shift=-1).clamp(max=S - 1)  # a+k-1
         teacher = target_final.gather(1, tpos.reshape(b, -1, 1).expand(-1, -1, target_final.shape[-1])).reshape(-1, H)
     ce, kl, ok, cand = position_terms(h.reshape(-1, H), lm_head, labels, teacher, c.kl_temperature, c.chunk,
-                                      top_k if selector is not None else 0)
+                                      top_k if selector is not None else 0, teacher_head)
     shape = (b, n, B - 1)
     ce, kl, ok = ce.view(shape), kl.view(shape), ok.view(shape)
 

@@ -43,6 +43,7 @@ from agent import ckptcompat
 from trainer import arch as archs
 from trainer.layers import block_conv
 from trainer import family
+from trainer.gpu import fp8_train  # torch only; torchao is imported by a run that converts
 from trainer.layers import fused_ops as fo
 from trainer.layers.flex_mask import dense_dflash_mask, flex_attention_fn, make_dflash_block_mask
 # One implementation of the norm, RoPE and MLP: the export's modeling file (trainer/layers/hf_dflash.py,
@@ -266,8 +267,8 @@ class Attention(nn.Module):
         """k, v [b, nkv, S, hd] of the context states ctx [b, S, H] (k-norm + RoPE at the
         positions of cos/sin)."""
         c = self.c
-        w, bias = _fused((self.k_proj, self.v_proj), dtype)
-        return fo.kv_prep(_mm(ctx, w, bias), _cast(self.k_norm.weight, dtype), cos, sin,
+        linears = (self.k_proj, self.v_proj)
+        return fo.kv_prep(_mm(ctx, *_fused(linears, dtype), _fp8_of(linears)), _cast(self.k_norm.weight, dtype), cos, sin,
                           c.num_key_value_heads, c.head_dim, c.rms_norm_eps)
 
     def block_attention(self, h, ctx_kv, cos, sin, attend, dtype, gemm=None):
@@ -276,13 +277,14 @@ class Attention(nn.Module):
         ``gemm``: this layer's GEMM weights already in ``dtype`` (StepGemmWeights), else cast here."""
         c = self.c
         Q = h.shape[1]
-        qkv = gemm["qkv"](h) if gemm else _mm(h, *_fused((self.q_proj, self.k_proj, self.v_proj), dtype))
+        qkv_l = (self.q_proj, self.k_proj, self.v_proj)
+        qkv = gemm["qkv"](h) if gemm else _mm(h, *_fused(qkv_l, dtype), _fp8_of(qkv_l))
         q, k, v = fo.qkv_prep(qkv, _cast(self.q_norm.weight, dtype), _cast(self.k_norm.weight, dtype),
                               cos, sin, c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.rms_norm_eps)
         kc, vc = ctx_kv
         o = attend(q, torch.cat([kc.to(dtype), k], dim=2), torch.cat([vc.to(dtype), v], dim=2))
         o = o.transpose(1, 2).reshape(1, Q, -1)
-        return gemm["o"](o) if gemm else _mm(o, *_fused((self.o_proj,), dtype))
+        return gemm["o"](o) if gemm else _mm(o, *_fused((self.o_proj,), dtype), _fp8_of((self.o_proj,)))
 
 
 class Layer(nn.Module):
@@ -325,9 +327,9 @@ class Layer(nn.Module):
         if gemm:
             out = gemm["down"](fo.silu_mul(gemm["gate_up"](h)))
         else:
-            wgu, _ = _fused((m.gate_proj, m.up_proj), dtype)
-            wd, _ = _fused((m.down_proj,), dtype)
-            out = fo.silu_mul(h @ wgu.t()) @ wd.t()
+            gu_l = (m.gate_proj, m.up_proj)
+            gu = _mm(h, *_fused(gu_l, dtype), _fp8_of(gu_l))
+            out = _mm(fo.silu_mul(gu), *_fused((m.down_proj,), dtype), _fp8_of((m.down_proj,)))
         if conv is not None:
             out = block_conv.grouped_conv(out, dyn, _cast(conv.base_kernel, dtype)[1], conv.group_size, block_size)
         return x + out
@@ -379,9 +381,10 @@ class StepLinear:
             w, b = _fused(linears, dtype)
         self.weight = _grad_leaf(w, [m.weight for m in linears])
         self.bias = None if b is None else _grad_leaf(b, [m.bias for m in linears])
+        self.fp8 = _fp8_of(linears)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return _mm(x, self.weight, self.bias)
+        return _mm(x, self.weight, self.bias, self.fp8)
 
 
 def _grad_leaf(t: torch.Tensor, params: list) -> torch.Tensor:
@@ -421,9 +424,17 @@ def _fused(linears, dtype):
     return w, torch.cat([_cast(m.bias, dtype) for m in linears])
 
 
-def _mm(x, w, bias):
-    y = x @ w.t()
-    return y if bias is None else y + bias
+def _fp8_of(linears):
+    """The linear whose FP8 training GEMM (--drafter-precision fp8, trainer/gpu/fp8_train.py) a
+    fused GEMM of ``linears`` runs: the first, when every one of them is converted; else None
+    (the GEMM runs in the compute dtype)."""
+    return linears[0] if all(fp8_train.is_fp8(m) for m in linears) else None
+
+
+def _mm(x, w, bias, fp8=None):
+    """``x @ wᵀ (+ bias)``; through ``fp8``'s FP8 training GEMM when given (``_fp8_of``)."""
+    y = fp8_train.mm(x, w, fp8) if fp8 is not None else x @ w.t()
+    return y if bias is None else y + bias.to(y.dtype)
 
 
 # --------------------------------------------------------------------------- the drafter
@@ -509,8 +520,8 @@ class Drafter(nn.Module):
     def context_kv(self, taps: torch.Tensor, cos, sin, dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The context path with autograd: ctx = hidden_norm(fc(taps)), then per layer the
         context (k, v) [b, nkv, S, hd] in ``dtype``."""
-        ctx = fo.norm(taps.to(dtype) @ _cast(self.fc.weight, dtype).t(), _cast(self.hidden_norm.weight, dtype),
-                      self.hidden_norm.eps)
+        ctx = fo.norm(_mm(taps.to(dtype), _cast(self.fc.weight, dtype), None, _fp8_of((self.fc,))),
+                      _cast(self.hidden_norm.weight, dtype), self.hidden_norm.eps)
         return [layer.self_attn.context_kv(ctx, cos, sin, dtype) for layer in self.layers]
 
     def block_forward(self, x: torch.Tensor, ctx_kv, cos, sin, attends, dtype, gemm=None) -> torch.Tensor:
@@ -555,6 +566,26 @@ class FrozenHead:
     def __init__(self, embed: torch.Tensor, lm_head: torch.Tensor):
         self.embed = embed.detach().requires_grad_(False)
         self.lm_head = lm_head.detach().requires_grad_(False)
+        self.lm_head8 = None  # the head's e4m3 copy for the teacher's logits (quantize_teacher)
+
+    def quantize_teacher(self) -> None:
+        """--target-precision fp8 with soft labels: the teacher's logits through an e4m3 copy of
+        the head with a scale per output channel, made once here (trainer/gpu/fp8.py); the bf16
+        head stays for the drafter's own logits and their gradient."""
+        from trainer.gpu import fp8
+
+        self.lm_head8 = fp8.Fp8Weight.of(self.lm_head)
+
+    def teacher_head(self):
+        """What forms the teacher's logits from final states in the reference loss: None (the
+        bf16 head) or the FP8 head."""
+        if self.lm_head8 is None:
+            return None
+        from functools import partial
+
+        from trainer.gpu import fp8
+
+        return partial(fp8.teacher_logits, head=self.lm_head8)
 
     def embed_blocks(self, input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int):
         """[b, N·B, H]: each block is [x[a], MASK × (B-1)] embedded with the target's table."""

@@ -101,6 +101,20 @@ def requested(values: Mapping[str, Any]) -> dict:
     return {k: values.get(k) for k in RESOLVED}
 
 
+def drafter_precision(values: Mapping[str, Any], cuda: bool) -> tuple[str, str]:
+    """(the drafter's precision, why): --drafter-precision has no auto (FP8 training is kept off
+    until it is shown faster with τ held), so the reason is the flag and what it means."""
+    if (values.get("drafter_precision") or "bf16") == "fp8":
+        where = ("" if cuda else ", on torch's CPU scaled matmul (the GPU path's arithmetic, none of its speed)")
+        return "fp8", ("--drafter-precision fp8: the drafter's GEMMs (fc, q/k/v/o, gate/up/down) in e4m3 with "
+                       "row-wise scales, forward and both gradients (torchao's float8 training), fp32 master weights, "
+                       f"AdamW unchanged, the frozen LM head bf16{where}")
+    if cuda:
+        return "bf16", ("bf16 compute, fp32 master weights, gradients and AdamW state (--drafter-precision bf16; fp8 "
+                        "trains the drafter's GEMMs in FP8)")
+    return "fp32", "CPU run: fp32 throughout (--drafter-precision bf16)"
+
+
 def decide(values: Mapping[str, Any], facts: Facts) -> Paths:
     """The run's choices with their reasons, from its flag values (``REQUESTED``: what was
     asked; the flags themselves: what ``python -m trainer`` resolved) and the machine's facts."""
@@ -146,7 +160,5 @@ def decide(values: Mapping[str, Any], facts: Facts) -> Paths:
         missing.append(f"FP8 for the target ({no_fp8}): {FP8_INSTALL}")
     if not cuda and precision != "fp8":
         precision, p_why = "fp32", "CPU run: the target in fp32"
-    d_prec = "bf16" if cuda else "fp32"
-    d_why = ("bf16 compute, fp32 master weights, gradients and AdamW state" if cuda
-             else "CPU run: fp32 throughout") + "; FP8 training of the drafter is not built"
+    d_prec, d_why = drafter_precision(values, cuda)
     return Paths(kernel, a_why, forward, f_why, precision, p_why, d_prec, d_why, tuple(missing))

@@ -131,7 +131,7 @@ class ReferenceStep:
             out = d(taps, blocks, mb.anchors, mb.keep, self.attn)
             lo = dflash_loss(self.loss_cfg, out, head.lm_head, mb.input_ids, mb.loss_mask, mb.lengths,
                              mb.anchors, mb.keep, mb.final, selector=d.selector_scores if d.selector else None,
-                             top_k=self.dcfg.selector_top_k)
+                             top_k=self.dcfg.selector_top_k, teacher_head=head.teacher_head())
         (lo.loss * self.loss_scale).backward()
         return StepStats(lo.loss.detach(), lo.ce, lo.kl, lo.cap, lo.acc * lo.acc_count, lo.acc_count,
                          mb.lengths.sum(), sel=lo.sel, sel_correct=lo.sel_correct, covered=lo.covered,
@@ -157,7 +157,7 @@ class ChunkedStep:
 
         r = fast_drafter.step_backward(self.drafter, self.head.embed, self.head.lm_head, mb.input_ids, taps, mb.loss_mask,
                                        mb.lengths, mb.anchors, mb.keep, teacher_final=mb.final,
-                                       loss_scale=self.loss_scale, **self.kw)
+                                       loss_scale=self.loss_scale, teacher_fp8=self.head.lm_head8, **self.kw)
         return StepStats(r["loss"], r["ce"], r["kl"], r["cap"], r["correct"], r["valid"], mb.lengths.sum(),
                          sel=r["sel"], sel_correct=r["sel_correct"], covered=r["covered"],
                          selector=self.drafter.selector is not None)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from agent.protocol import ENV_RUN_DIR
+from agent.protocol import ENV_RUN_DIR, EVENTS
 from trainer import checkpoint as ckpt_io
 from trainer.gpu import kernel_profile
 from trainer import runtime_env
@@ -152,11 +152,21 @@ def build_drafter(args, dcfg: DrafterConfig, target, dev, dtype):
     """The drafter (fp32 master weights, init keyed by --seed), the frozen shared head (the
     target's own tensors when colocated, else read from its safetensors) and AdamW with
     weight decay on matrices only (DFlash2's convolution base kernels are per-channel gains
-    around the identity, like norm weights: not decayed)."""
+    around the identity, like norm weights: not decayed). With --drafter-precision fp8 the drafter's
+    GEMMs become torchao's FP8 training linears (trainer/gpu/fp8_train.py) over the same fp32
+    parameters."""
     torch.manual_seed(args.seed)
     with torch.device(dev):  # made where it trains: a 27B target's drafter is 1.7 B parameters
         drafter = Drafter(dcfg)
+    if getattr(args, "drafter_precision", "bf16") == "fp8":
+        # before the optimizer and any compile, and before a checkpoint is loaded into it: the
+        # conversion keeps the Parameter objects and their names, so loading is unchanged
+        from trainer.gpu import fp8_train
+
+        fp8_train.convert(drafter)
     head = FrozenHead(target.embed, target.lm_head) if target else FrozenHead.from_target_dir(args.target_model, dev, dtype)
+    if getattr(args, "target_precision", "bf16") == "fp8" and args.use_soft_labels:
+        head.quantize_teacher()  # the teacher's logits in FP8 too, as the target's other GEMMs
     decayed = {n: p.dim() >= 2 and not n.endswith("base_kernel") for n, p in drafter.named_parameters()}
     matrices = [p for n, p in drafter.named_parameters() if decayed[n]]
     vectors = [p for n, p in drafter.named_parameters() if not decayed[n]]
@@ -261,6 +271,12 @@ def memory_check(args, topo, events: Events) -> int | None:
         why = fp8.runs_here(topo.device)
         if why:
             p["refusals"].append(f"--target-precision fp8 on GPU {topo.gpu}: {why}; use --target-precision bf16")
+    if topo.is_drafter and getattr(args, "drafter_precision", "bf16") == "fp8":
+        from trainer.gpu import fp8_train
+
+        why = fp8_train.runs_here(topo.device)
+        if why:
+            p["refusals"].append(f"--drafter-precision fp8 on GPU {topo.gpu}: {why}; use --drafter-precision bf16")
     refused = topo_mod.all_reduce_max(topo, 1.0 if p["refusals"] else 0.0) > 0
     if p["auto"] and not refused:
         events.emit("probe", phase="plan", budget=args.token_budget, auto=True, reason=p["auto_reason"],
@@ -283,7 +299,7 @@ def memory_check(args, topo, events: Events) -> int | None:
         return None
     for line in p["refusals"]:
         print(f"python -m trainer: error: {line}", file=sys.stderr, flush=True)
-        events.emit("error", error="fp8_refused" if line.startswith("--target-precision") else "memory_refused", message=line, gpu_free_mib=round(free, 1),
+        events.emit("error", error="fp8_refused" if line.startswith(("--target-precision", "--drafter-precision")) else "memory_refused", message=line, gpu_free_mib=round(free, 1),
                     need_mib=row.get("need_mib"), short_mib=row.get("short_mib"), budget=p["token_budget"])
     return EXIT_USAGE
 
@@ -401,6 +417,35 @@ def save_checkpoint(args, events, step: int, position: int, stream, drafter, opt
     return path
 
 
+def served_check_due(args, step: int, finishing: bool) -> bool:
+    """Is this save due a served check (--served-check-every K)? Every K-th save by step, so a
+    resumed run keeps the same rhythm, and the last one."""
+    every = args.served_check_every
+    return every > 0 and (step % (every * args.save_interval) == 0 or finishing)
+
+
+class ServedRows:
+    """The served checks' records (``served_check`` events the served-check job appends to this
+    run's events.jsonl) as wandb rows, each once: logged at the step the trainer next logs, with
+    ``eval/served_step`` naming the checkpoint it measured (wandb's step only grows)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.offset = os.path.getsize(path) if os.path.exists(path) else 0
+
+    def new(self) -> list[dict]:
+        from agent.protocol import read_json_lines
+
+        rows = []
+        for self.offset, rec in read_json_lines(self.path, self.offset):
+            if rec.get("kind") == "served_check" and isinstance(rec.get("step"), int):
+                rows.append({"eval/served_step": rec["step"], "eval/served_ok": int(bool(rec.get("ok"))),
+                             **({"eval/served_tau": rec["tau_served"]} if rec.get("tau_served") is not None else {}),
+                             **({"eval/served_tau_at_save": rec["tau_at_save"]}
+                                if rec.get("tau_at_save") is not None else {})})
+        return rows
+
+
 def evaluate_at_save(args, events, wandb, step: int, path: str, target, drafter, head, data, dev) -> dict:
     """τ of the checkpoint just saved on the held-out prompts (per category where the data
     knows each sample's source): into its eval.json (the model card) and its meta.json, the
@@ -445,6 +490,7 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
         topo_mod.broadcast_parameters(topo, drafter)
         drafter_step = make_step(args, drafter, head, dcfg)
     wandb = make_logger(log, args.wandb_project, args.wandb_run_name, args.wandb_mode, run_dir, vars(args))
+    served_rows = ServedRows(os.path.join(run_dir, EVENTS))
     meta = {"config": vars(args), "drafter_config": dcfg.to_hf(), "target": target_identity(args.target_model),
             "data_fingerprint": data.fingerprint, "schedule": start.schedule,
             "world": {"drafter_ranks": topo.n_drafter, "grad_accum": args.grad_accum}}
@@ -498,6 +544,8 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
             if log:
                 events.emit("step", **metrics)
                 wandb.log({k: v for k, v in metrics.items() if k not in ("step", "total_steps")}, step=step)
+                for row in served_rows.new():  # served checks that ended since the last row (agent/servedcheck.py)
+                    wandb.log(row, step=step)
                 print(step_line(metrics), flush=True)
                 if "compile_cache" in metrics:
                     print(f"compile: {metrics['compile_s']:.1f} s in the first step ({metrics['compile_cache_hits']} "
@@ -516,6 +564,10 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
                 if args.eval_prompts > 0 and target is not None:
                     events.emit("phase", phase="evaluating")
                     evaluate_at_save(args, events, wandb, step, path, target, drafter, head, data, dev)
+                    if served_check_due(args, step, finishing):  # the agent starts it; we never wait for it
+                        events.emit("served_check_due", step=step, checkpoint=os.path.dirname(path),
+                                    gpu=args.served_check_gpu, threads=args.served_check_threads,
+                                    vllm_python=args.vllm_python)
                 events.emit("phase", phase="training")
             topo_mod.barrier(topo)
         if stopped:

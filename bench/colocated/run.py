@@ -31,6 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -55,6 +57,7 @@ PHASES = [("cold", 4), ("warm", 4), ("shipped", 4)]
 def cmd_run(a) -> int:
     scale = "cpu" if a.cpu else a.scale
     sc = dict(mc.SCALES[scale])
+    sc["extra"] = shlex.split(a.trainer_flags)
     phases = [p for p in PHASES if p[0] in a.phases.split(",")]
     profiled = "warm" if any(p[0] == "warm" for p in phases) else phases[0][0]
     t0 = time.time()
@@ -69,7 +72,8 @@ def cmd_run(a) -> int:
               runtime_env.ENV_FLASH_CACHE_DIR):
         os.environ.pop(k, None)
     with open(os.path.join(out, "meta.json"), "w") as fh:
-        json.dump({"scale": scale, "phases": [p[0] for p in phases], "profiled": profiled, "t0": t0}, fh)
+        json.dump({"scale": scale, "phases": [p[0] for p in phases], "profiled": profiled, "t0": t0,
+                   "extra": sc["extra"]}, fh)
     smi = None
     if not a.cpu:
         with open(os.path.join(out, "gpu.csv"), "w") as fh:  # which GPU: the table's ceilings (gpu_of)
@@ -78,11 +82,19 @@ def cmd_run(a) -> int:
         smi = subprocess.Popen(["nvidia-smi", "--query-gpu=timestamp,memory.used", "--format=csv,noheader,nounits",
                                 "-lms", "500"], stdout=open(os.path.join(out, "smi.csv"), "w"),
                                stderr=subprocess.DEVNULL)
+    holder = hold_all_but(a.free_mib) if a.free_mib and not a.cpu else None
     try:
         data = os.path.join(work, "synthetic")
-        mc.log("synthetic target and data")
-        subprocess.run([sys.executable, "-m", "trainer", "synthetic", "--shape", sc["shape"], "--out", data,
-                        "--samples", str(a.samples), "--max-len", str(sc["L"])], cwd=mc.ROOT, check=True)
+        made = [sc["shape"], str(a.samples), str(sc["L"])]
+        stamp = os.path.join(data, "made-by.json")
+        if os.path.exists(stamp) and json.load(open(stamp)) == made:  # a second precision over the same --work
+            mc.log(f"synthetic target and data: reusing {data}")
+        else:
+            mc.log("synthetic target and data")
+            subprocess.run([sys.executable, "-m", "trainer", "synthetic", "--shape", sc["shape"], "--out", data,
+                            "--samples", str(a.samples), "--max-len", str(sc["L"])], cwd=mc.ROOT, check=True)
+            with open(stamp, "w") as fh:
+                json.dump(made, fh)
         flags_ = mc.trainer_flags(sc, data)
         for name, steps in phases:
             left = a.deadline_s - (time.time() - t0)
@@ -95,9 +107,12 @@ def cmd_run(a) -> int:
             if name == "shipped":
                 mc.log(ship_cache(os.environ["DFLASH_COMPILE_CACHE"], work))
             budget = "512" if a.cpu and a.budget == "auto" else a.budget  # auto sizes to a GPU's memory
+            shutil.rmtree(os.path.join(work, name), ignore_errors=True)  # a launch's events are its own
             mc.launch(name, [*flags_, "--token-budget", budget], steps, left - 20, work, out)
             mc.pack(out, final)
     finally:
+        if holder is not None:
+            holder.kill()
         if smi is not None:
             smi.terminate()
         with open(os.path.join(out, "summary.txt"), "w") as fh:
@@ -107,18 +122,31 @@ def cmd_run(a) -> int:
         mc.pack(out, final)
     print(open(os.path.join(out, "summary.txt")).read(), flush=True)
     if not a.work:  # a scratch folder of its own: what is kept is packed into --out already
-        import shutil
-
         shutil.rmtree(work, ignore_errors=True)
     return 0
+
+
+HOLD = """import sys, time, torch
+free = torch.cuda.mem_get_info()[0]
+keep = int(sys.argv[1]) * 2**20
+x = torch.empty(max(0, free - keep), dtype=torch.uint8, device="cuda")
+print(f"holding {x.numel() / 2**20:,.0f} MiB: {torch.cuda.mem_get_info()[0] / 2**20:,.0f} MiB left free", flush=True)
+time.sleep(1e9)
+"""
+
+
+def hold_all_but(free_mib: int) -> subprocess.Popen:
+    """A process holding this GPU's memory but ``free_mib``: a larger card made to look like a
+    smaller one to the launches (an H200 as an 80 GB H100: what fits there, not how fast)."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLD, str(free_mib)], stdout=subprocess.PIPE, text=True)
+    mc.log(proc.stdout.readline().strip())
+    return proc
 
 
 def ship_cache(root: str, work: str) -> str:
     """What `ctl env cache export` then `import` on another machine leave: this generation's
     cache packed, every cache under ``root`` deleted (Inductor's, Triton's, flash-attn-4's),
     the archive unpacked into the empty root."""
-    import shutil
-
     from agent import compilecache as cc
 
     gen = runtime_env.env_generation()
@@ -278,6 +306,12 @@ def main() -> int:
     r.add_argument("--no-profile", action="store_true",
                    help="profile no step (a comparison's tokens/s: every step as a launch runs it)")
     r.add_argument("--scale", default="gpu", choices=["gpu", "gpu27"], help="the target: Qwen3-8B or Qwen3.6-27B")
+    r.add_argument("--free-mib", type=int, default=0,
+                   help="leave only this much of the GPU's memory free for the launches (another process holds the "
+                        "rest): a larger card standing in for a smaller one's memory")
+    r.add_argument("--trainer-flags", default="", metavar="FLAGS",
+                   help="more flags for every launch, one string (e.g. '--target-precision fp8'); the memory prediction "
+                        "in summary.txt takes them too")
     r.add_argument("--phases", default="cold,warm", help="launches, of: cold,warm,shipped (the last one's step 3 profiled; shipped: "
                         "a fresh machine given the cold launch's cache)")
     t = sub.add_parser("table")

@@ -112,6 +112,13 @@ def drafter_and_head(arch: str, shape, config: dict, dev):
     dtype = torch.bfloat16 if cuda else torch.float32  # the trainer's: target states and head in bf16 on GPU
     head = FrozenHead(torch.randn(shape.vocab, shape.hidden, device=dev, dtype=dtype, generator=g) * 0.02,
                       torch.randn(shape.vocab, shape.hidden, device=dev, dtype=dtype, generator=g) * 0.02)
+    # the precisions as train.build_drafter sets them (absent in a base tree from before them)
+    if values.get("drafter_precision") == "fp8":
+        from trainer.gpu import fp8_train
+
+        fp8_train.convert(drafter)
+    if values.get("target_precision") == "fp8" and values.get("use_soft_labels"):
+        head.quantize_teacher()
     return values, args, dcfg, drafter, head, dtype
 
 

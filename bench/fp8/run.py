@@ -8,7 +8,14 @@
 (b) the fast target forward (trainer/gpu/fast_target.py) of a random-weight Qwen3-8B (the
     layers the trainer runs for 5 taps), bf16 against fp8 on the same weights, 8 × 8,192 tokens;
 (c) the taps' error per tapped layer of (b)'s two forwards on the same input (relative L2, max
-    abs, fp8 against bf16).
+    abs, fp8 against bf16);
+(d) ``teacher_head`` (opt-in): the teacher's logits of one head chunk (4,096 rows of final
+    states through the 151,936-column head), bf16 against the FP8 head of --target-precision fp8
+    (rows from a sequence's states quantized once: that pass timed apart), and their error;
+(e) ``drafter_step`` (opt-in): bench/drafter_step/run.py's step at the operators' shape (DFlash,
+    Qwen3-8B widths, 6 × 8,192 tokens, soft labels) with --drafter-precision bf16 and fp8, and
+    with the teacher's head in FP8 (--target-precision fp8's), each in this process after the
+    other; step seconds, drafted positions/s, first step, peaks and first-step loss.
 
 Median of ``--reps`` timed repetitions after warm-up (CUDA events); the first call of each
 compiled piece is timed apart as its compile. Every section writes ``summary.json`` in
@@ -17,6 +24,8 @@ start after ``--deadline-s`` is recorded as skipped.
 
     python bench/fp8/run.py --out OUT                 # one H100/H200, about 4-6 minutes
     python bench/fp8/run.py --out OUT --smoke         # tiny shapes on CPU: the harness itself
+    python bench/fp8/run.py --out OUT --sections teacher_head,drafter_step --deadline-s 420
+                                                      # (d) and (e): about 5-6 minutes, needs torchao
 """
 
 from __future__ import annotations
@@ -180,6 +189,69 @@ def section_forward(s: ModelShape, batch: int, seq: int, device, dtype, clock: C
     return out
 
 
+# ------------------------------------------------------------------ (d) the teacher's head
+def section_teacher_head(s: ModelShape, seq: int, rows: int, device, dtype, clock: Clock) -> dict:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(2)
+    states = torch.randn(seq, s.hidden, device=device, dtype=dtype, generator=gen)
+    states[:, :4] *= 40  # a final state's outlier channels
+    w = torch.randn(s.vocab, s.hidden, device=device, dtype=dtype, generator=gen) * 0.02
+    w8 = fp8.Fp8Weight.of(w)
+    rows = min(rows, seq)
+    x = states[:rows]
+    table = fp8.quantize_table(states)
+    flop = 2 * rows * s.vocab * s.hidden
+    row = {"rows": rows, "seq": seq, "N": s.vocab, "K": s.hidden, "flop": flop,
+           "compile_ms": {"quantize_table": clock.first(lambda: fp8.quantize_table(states))}}
+    row["ms"] = {"bf16": clock.median(lambda: x @ w.t()),
+                 "fp8": clock.median(lambda: fp8.mm((table[0][:rows], table[1][:rows]), w8)),
+                 "quantize_table": clock.median(lambda: fp8.quantize_table(states))}
+    # the quantization is once per sequence; a sequence's head chunks read ~seq teacher rows
+    per_seq = row["ms"]["quantize_table"] * rows / seq
+    row["tflops"] = {k: flop / (row["ms"][k] * 1e-3) / 1e12 for k in ("bf16", "fp8")}
+    row["speedup"] = row["ms"]["bf16"] / (row["ms"]["fp8"] + per_seq)
+    row["speedup_gemm_only"] = row["ms"]["bf16"] / row["ms"]["fp8"]
+    ref = x.double() @ w.double().t()
+    row["rel_err"] = {"fp8": rel(fp8.mm((table[0][:rows], table[1][:rows]), w8), ref), "bf16": rel(x @ w.t(), ref)}
+    print(json.dumps({"teacher_head": row}), flush=True)
+    return row
+
+
+# ------------------------------------------------------------------ (e) the drafter step
+DRAFTER_VARIANTS = {"bf16": {}, "fp8": {"drafter_precision": "fp8"}, "teacher_fp8": {"target_precision": "fp8"}}
+
+
+def section_drafter_step(smoke: bool, iters: int, variants: tuple[str, ...] = tuple(DRAFTER_VARIANTS)) -> dict:
+    sys.path.insert(0, os.path.join(ROOT, "bench", "drafter_step"))
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("drafter_step_run", os.path.join(ROOT, "bench", "drafter_step", "run.py"))
+    ds = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ds)
+    from trainer.plan import flops as fl
+
+    shape, config, device = (ds.SMOKE_SHAPE, ds.SMOKE, "cpu") if smoke else (fl.QWEN3_8B, ds.OPERATORS, "cuda")
+    out = {"shape": shape.name, "config": {k: v for k, v in config.items() if not isinstance(v, tuple)}}
+    keep = ("median_s", "drafted_pos_s", "first_step_s", "first_step_compile_s", "peak_alloc_gib",
+            "peak_reserved_gib", "model_reserved_gib", "loss_first_step", "mfu")
+    for name, extra in ((v, DRAFTER_VARIANTS[v]) for v in variants):
+        try:
+            rec = ds.run("dflash", iters, shape, {**config, **extra}, device)
+            out[name] = {k: rec.get(k) for k in keep}
+        except Exception as exc:  # noqa: BLE001 - recorded; the other variants still run
+            out[name] = {"error": f"{type(exc).__name__}: {str(exc)[:400]}", "traceback": traceback.format_exc()}
+        print(json.dumps({"drafter_step": name, **out[name]}), flush=True)
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    for name in ("fp8", "teacher_fp8"):
+        if "median_s" in out.get(name, {}) and "median_s" in out.get("bf16", {}):
+            out[f"speedup_{name}"] = out["bf16"]["median_s"] / out[name]["median_s"]
+            out[f"loss_diff_{name}"] = out[name]["loss_first_step"] - out["bf16"]["loss_first_step"]
+    if any("error" in v for v in out.values() if isinstance(v, dict)):
+        out["error"] = "a variant failed (see its traceback)"
+    return out
+
+
 def environment(device) -> dict:
     env = {"torch": torch.__version__, "cuda": torch.version.cuda, "device": str(device)}
     if device.type == "cuda":
@@ -203,7 +275,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True, help="directory for summary.json")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: the harness, not a measurement")
     ap.add_argument("--reps", type=int, default=None, help="timed repetitions (default 10 for GEMMs, 5 for forwards)")
-    ap.add_argument("--sections", default="gemms,forward", help="comma list of gemms, forward")
+    ap.add_argument("--sections", default="gemms,forward",
+                    help="comma list of gemms, forward, teacher_head, drafter_step")
+    ap.add_argument("--iters", type=int, default=5, help="timed drafter steps per variant (drafter_step)")
+    ap.add_argument("--variants", default=",".join(DRAFTER_VARIANTS),
+                    help=f"drafter_step's variants, of {','.join(DRAFTER_VARIANTS)} (bf16 is the baseline of the ratios)")
     ap.add_argument("--deadline-s", type=float, default=330.0, help="start no section after this many seconds")
     ap.add_argument("--batch", type=int, default=8, help="sequences in the forward (default 8)")
     args = ap.parse_args(argv)
@@ -233,6 +309,14 @@ def main(argv=None) -> int:
                 res = section_gemms(shape, M, device, dtype, Clock(device, reps_gemm))
             elif name == "forward":
                 res = section_forward(shape, batch, seq, device, dtype, Clock(device, reps_fwd, warmup=1), attn)
+            elif name == "teacher_head":
+                res = section_teacher_head(shape, seq, 4096, device, dtype, Clock(device, reps_gemm))
+            elif name == "drafter_step":
+                variants = tuple(v for v in args.variants.split(",") if v)
+                bad = [v for v in variants if v not in DRAFTER_VARIANTS]
+                if bad:
+                    ap.error(f"--variants {','.join(bad)}: not a variant; use some of {','.join(DRAFTER_VARIANTS)}")
+                res = section_drafter_step(args.smoke, 1 if args.smoke else args.iters, variants)
             else:
                 raise ValueError(f"unknown section {name!r}")
         except Exception as exc:  # noqa: BLE001 - one section's failure is its result, the rest still run

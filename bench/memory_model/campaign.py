@@ -77,7 +77,7 @@ SCALES = {
 def trainer_flags(sc: dict, data: str) -> list[str]:
     return [*OPS, "--target-model", f"{data}/target", "--data-dir", f"{data}/data", "--device", sc["device"],
             "--max-seq-len", str(sc["L"]), "--block-size", str(sc["block"]), "--max-anchors", str(sc["anchors"]),
-            "--num-draft-layers", str(sc["layers"])]
+            "--num-draft-layers", str(sc["layers"]), *sc.get("extra", ())]
 
 
 def log(msg: str) -> None:
@@ -417,7 +417,7 @@ def _err(pred, meas):
 
 def summary(out: str) -> str:
     meta = json.load(open(os.path.join(out, "meta.json")))
-    sc = SCALES[meta["scale"]]
+    sc = {**SCALES[meta["scale"]], "extra": meta.get("extra", [])}  # the launches' own flags: the prediction's too
     lines = [f"scale {meta['scale']}; predictions: trainer/plan/memory.py of this checkout (expandable segments)"
              + ("; + the measured build's chunked-step leak (memory_campaign.leak_bytes)" if LEAK["on"] else ""), "",
              "launch | budget | steps | first-step compile s | first step s | time to first step s | median tok/s "

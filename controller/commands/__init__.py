@@ -18,6 +18,7 @@ COMMANDS: dict[str, str] = {
     "kill-and-rollback": "rollback", "history": "rollback",
     "sim": "sim",
     "export": "export",
+    "served-check": "servedcheck",
     "disconnect": "disconnect",
 }
 

@@ -123,13 +123,24 @@ def _fns(device: torch.device):
     return _FNS[key]
 
 
-def _teacher_logits(table: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, dtype: torch.dtype, span):
+def _teacher_logits(table: torch.Tensor, rows: torch.Tensor, w: torch.Tensor, dtype: torch.dtype, span,
+                    fp8_head=None):
     """A chunk's teacher logits from the target states ``table`` [R, H] and each drafted row's
     index into it. With ``span`` (lo, hi), which holds every valid row's index: the logits of
     table[lo:hi] once each and each row's index into them (blocks overlap — 1,024 anchors of
     block 32 in 8,192 tokens cover each position about 4 times — so a chunk of 4,061 rows
     needs ~1,100 distinct positions); rows outside it (padding blocks, weight 0) are clamped
-    in. Without: a row of logits per drafted row, index None."""
+    in. Without: a row of logits per drafted row, index None. ``fp8_head`` (--target-precision
+    fp8): ``table`` is then the pair (e4m3 states, per-row scales) and the logits are their scaled
+    matmul with the head's e4m3 copy (trainer/gpu/fp8.py)."""
+    if fp8_head is not None:
+        from trainer.gpu import fp8
+
+        x8, sx = table
+        if span is None:
+            return fp8.mm(fp8.take_rows(x8, sx, rows), fp8_head), None
+        lo, hi = span
+        return fp8.mm((x8[lo:hi], sx[lo:hi]), fp8_head), (rows - lo).clamp_(0, hi - lo - 1)
     if span is None:
         return table.index_select(0, rows).to(dtype) @ w.t(), None
     lo, hi = span
@@ -172,7 +183,7 @@ def _topk(logits: torch.Tensor, k: int) -> torch.Tensor:
 class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, targets, teacher, loss_fn, chunk_blocks, temperature,
-                teacher_is_logits, top_k, teacher_rows, teacher_spans):
+                teacher_is_logits, top_k, teacher_rows, teacher_spans, teacher_fp8):
         nb, K, H = hidden.shape
         grad_hidden = torch.empty_like(hidden)
         cand_all = torch.empty((nb, K, top_k), dtype=torch.long, device=hidden.device)
@@ -190,7 +201,7 @@ class _ChunkedHeadLoss(torch.autograd.Function):
             tl, trow = None, None
             if teacher is not None and teacher_rows is not None:
                 tl, trow = _teacher_logits(teacher, teacher_rows[sl].reshape(-1), w, h.dtype,
-                                           teacher_spans[i] if teacher_spans else None)
+                                           teacher_spans[i] if teacher_spans else None, teacher_fp8)
             elif teacher is not None:
                 tsrc = teacher[sl]
                 tl = tsrc.reshape(-1, tsrc.shape[-1]) if teacher_is_logits else tsrc.reshape(-1, H) @ w.t()
@@ -233,14 +244,14 @@ class _ChunkedHeadLoss(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_total, *_):
         (grad_hidden,) = ctx.saved_tensors
-        return (grad_hidden * g_total.to(grad_hidden.dtype),) + (None,) * 10
+        return (grad_hidden * g_total.to(grad_hidden.dtype),) + (None,) * 11
 
 
 def chunked_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
                       loss_fn: LossFn, *, teacher: Optional[torch.Tensor] = None,
                       teacher_is_logits: bool = False, temperature: float = 1.0,
                       chunk_rows: int = 4096, top_k: int = 0, teacher_rows: Optional[torch.Tensor] = None,
-                      teacher_spans: Optional[list] = None):
+                      teacher_spans: Optional[list] = None, teacher_fp8=None):
     """Total loss (scalar, differentiable w.r.t. ``hidden``) and detached per-position
     ce [nb, K], kl [nb, K] | None, correct (top-1 == target) [nb, K]; with ``top_k`` > 0 a
     fifth value, each position's top-k token ids [nb, K, top_k] (best first: DFlash2's
@@ -259,10 +270,15 @@ def chunked_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
              each position's teacher is its row of it (the same values as gathering them
              first); teacher_spans: per chunk ``span_plan``'s (lo, hi) or None — with a span the
              chunk's teacher logits are those of table[lo:hi], each position once.
+    teacher_fp8: the head's e4m3 copy (trainer/gpu/fp8.py ``Fp8Weight``, --target-precision fp8);
+             ``teacher`` is then the table quantized per row, (e4m3 [R, H], scales [R, 1]), and
+             needs ``teacher_rows``.
     """
     if hidden.dim() != 3:
         raise ValueError(f"hidden must be [n_blocks, K, H], got {tuple(hidden.shape)}")
-    if teacher_rows is not None and (teacher is None or teacher_is_logits or teacher.dim() != 2):
+    if teacher_fp8 is not None and (teacher_rows is None or not isinstance(teacher, tuple)):
+        raise ValueError("teacher_fp8 needs teacher as a quantized table (e4m3, scales) and teacher_rows")
+    if teacher_rows is not None and teacher_fp8 is None and (teacher is None or teacher_is_logits or teacher.dim() != 2):
         raise ValueError("teacher_rows needs teacher as a [R, H] table of target states")
     K = hidden.shape[1]
     chunk_blocks = balanced_chunk_blocks(hidden.shape[0], chunk_rows, K)
@@ -271,7 +287,7 @@ def chunked_head_loss(hidden: torch.Tensor, weight: torch.Tensor, targets: torch
                          f"{math.ceil(hidden.shape[0] / chunk_blocks)}")
     out = _ChunkedHeadLoss.apply(hidden, weight, targets.long(), teacher, loss_fn, chunk_blocks,
                                  float(temperature), bool(teacher_is_logits), int(top_k),
-                                 None if teacher_rows is None else teacher_rows.long(), teacher_spans)
+                                 None if teacher_rows is None else teacher_rows.long(), teacher_spans, teacher_fp8)
     return out if top_k else out[:4]
 
 

@@ -38,7 +38,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from trainer.gpu import chunked_head, selector_fused
+from trainer.gpu import chunked_head, fp8, selector_fused
 from trainer.layers import flex_mask
 from trainer.layers import fused_ops as fo
 from trainer.gpu.chunked_head import chunk_spans, chunked_head_loss, head_ce, span_plan
@@ -114,7 +114,7 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
                   position_weights: str = "decay", dpace_alpha: float = 0.5,
                   chunk_anchors: int = 512, head_chunk_rows: int = 4096, dtype=torch.bfloat16,
                   attn: str = "flex", attention_kernel: str = "triton", ctx_multiple: int = 1, loss_scale: float = 1.0,
-                  n_anchors_host=None, selector_weight: float = 1.0) -> dict:
+                  n_anchors_host=None, selector_weight: float = 1.0, teacher_fp8=None) -> dict:
     """Forward + backward of the DFlash loss for one micro-batch; gradients land in the
     drafter's parameters (accumulating, as ``loss.backward()`` would — scale with
     ``loss_scale`` for gradient accumulation). Returns detached metrics (device tensors):
@@ -140,6 +140,9 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
     weights and global normaliser Σw, its candidates the top-k of the logits the head chunk
     already forms: ``sel`` (the term), ``sel_correct`` and ``covered`` [B-1] come back too
     (zeros for DFlash).
+    teacher_fp8: the LM head's e4m3 copy (--target-precision fp8, trainer/gpu/fp8.py): each
+    sequence's final states are quantized per row once (one compiled pass) and the teacher's
+    logits are their scaled matmul with it.
     """
     c = drafter.config
     B = int(block_size)
@@ -235,19 +238,25 @@ def step_backward(drafter, embed, lm_head, input_ids, taps, loss_mask, lengths, 
     total = torch.zeros((), device=dev, dtype=torch.float32)
     ce_sum, kl_sum, cap_sum, sel_sum = (torch.zeros((), device=dev, dtype=wdt) for _ in range(4))
     n_correct, n_sel, n_covered = (torch.zeros(B - 1, device=dev, dtype=torch.float32) for _ in range(3))
+    quantized = [None, None]  # (sequence, its final states quantized per row): --target-precision fp8
     for s, sl in chunks():
         kp = keep[s, sl]
         leaves = [(k[s:s + 1].detach().requires_grad_(True), v[s:s + 1].detach().requires_grad_(True))
                   for k, v in leaves_src]
         h = chunk_hidden(s, sl, leaves)
         teacher = teacher_final[s] if soft else None  # rows tpos_all[s, sl] of it (chunked_head)
+        if soft and teacher_fp8 is not None:
+            if quantized[0] != s:  # once per sequence, not per anchor chunk
+                quantized[:] = [s, fp8.quantize_table(teacher)]
+            teacher = quantized[1]
         fn = dflash_loss_fn(weights[s, sl], kl_weight=kl_weight if soft else 0.0, temperature=temperature,
                             cap_lambda=cap_lambda, block_valid=kp, denom=denom, n_valid_blocks=n_valid_blocks)
         with region(REGION_HEAD):
             loss, ce, kl, correct, *cand = chunked_head_loss(
                 h, lm_head, labels[s, sl], fn, teacher=teacher, temperature=temperature, chunk_rows=head_chunk_rows,
                 top_k=top_k, teacher_rows=tpos_all[s, sl] if soft else None,
-                teacher_spans=spans[s * n_chunks + sl.start // n_c] if spans else None)
+                teacher_spans=spans[s * n_chunks + sl.start // n_c] if spans else None,
+                teacher_fp8=teacher_fp8 if soft else None)
         if top_k:
             with region(REGION_SELECTOR):
                 sel_args = (h.reshape(-1, h.shape[-1]), lm_head, cand[0].view(-1, top_k), labels[s, sl].reshape(-1),

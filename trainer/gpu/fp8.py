@@ -190,6 +190,31 @@ def fuse(linears, share: bool):
     return fused
 
 
+# ------------------------------------------------------------------ the teacher's logits
+# With soft labels the teacher's logits are the target's final states through the frozen LM
+# head ([rows, H] @ [V, H]ᵀ, the widest GEMM of the step: 151,936 columns for Qwen3). Under
+# --target-precision fp8 the head gets an e4m3 copy with per-channel scales, once at load
+# (:func:`Fp8Weight.of`; the bf16 head stays: the drafter's own logits and their gradient use it),
+# and the final states are quantized per row once per sequence on the drafter rank, in one
+# compiled pass (``quantize_table``), before the head chunks take their rows from them. The
+# final state is not quantized in the target's final norm: it travels to the drafter ranks in
+# bf16 and the reference loss reads it as such, and the one pass over a sequence's [S, H] states
+# costs a few hundredths of the head GEMMs over them.
+quantize_table = fo._maybe_compile(quantize_rows)
+
+
+def take_rows(x8: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor):
+    """Rows ``rows`` of a quantized table (e4m3 through its bytes: index_select of a float8
+    tensor is not implemented everywhere)."""
+    return x8.view(torch.uint8).index_select(0, rows).view(E4M3), scale.index_select(0, rows)
+
+
+def teacher_logits(states: torch.Tensor, head: Fp8Weight) -> torch.Tensor:
+    """The teacher's logits [..., V] of final states [..., H] through the FP8 head, the states
+    quantized per row here (the reference step's path: trainer/loss.py)."""
+    return mm(quantize_rows(states), head)
+
+
 # ------------------------------------------------------------------ the producers
 def _norm_q(x, w, eps: float = fo.EPS):
     return quantize_rows(fo._rms(x, w, eps))

@@ -92,7 +92,8 @@ def run_spec(values, cfg: dict, role: str, token_budget: int, alloc_conf: str | 
         allocator=mm.allocator_of(runtime_env.ALLOC_CONF if alloc_conf is None else alloc_conf),
         drafter_arch=values.get("drafter_arch") or "dflash",
         # auto unresolved (the controller's preflight cannot see the GPU's FP8): planned as bf16, the larger
-        target_precision="fp8" if values.get("target_precision") == "fp8" else "bf16")
+        target_precision="fp8" if values.get("target_precision") == "fp8" else "bf16",
+        drafter_precision="fp8" if values.get("drafter_precision") == "fp8" else "bf16")
 
 
 def predictions(values, cfg: dict, token_budget: int, alloc_conf: str | None = None) -> dict[str, mm.Prediction]:

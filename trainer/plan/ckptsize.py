@@ -85,22 +85,29 @@ def saved_steps(total_steps: int, save_interval: int) -> list[int]:
     return steps
 
 
-def retained_peak(total_steps: int, save_interval: int, keep: int, keep_every: int = 0) -> int:
+def retained_peak(total_steps: int, save_interval: int, keep: int, keep_every: int = 0,
+                  keeps_best: bool = False) -> int:
     """The most step directories that exist at once (trainer/checkpoint.prune's rule: after
-    each save the newest ``keep`` stay, plus every multiple of ``keep_every``; 0 keeps all)."""
+    each save the newest ``keep`` stay, plus every multiple of ``keep_every``; 0 keeps all).
+    ``keeps_best``: the run measures τ at each save (--eval-prompts), and prune also keeps the
+    best of them; which one that is depends on τ, so this is the worst case — one directory
+    more whenever an earlier save was already pruned (it may be the best)."""
     steps = saved_steps(total_steps, save_interval)
     if keep <= 0:
         return len(steps)
-    if len(steps) > 200_000:  # a bound instead of the walk: newest keep + 1 being written + every K-th
+    if len(steps) > 200_000:  # a bound instead of the walk: newest keep + 1 being written + every K-th + best
         every = total_steps // (save_interval * keep_every // math.gcd(save_interval, keep_every)) if keep_every else 0
-        return keep + 1 + every
+        return keep + 1 + every + int(keeps_best)
     kept: list[int] = []
     peak = 0
+    pruned = False
     for s in steps:
         kept.append(s)
-        peak = max(peak, len(kept))  # written, nothing pruned yet
+        peak = max(peak, len(kept) + int(keeps_best and pruned))  # written, nothing pruned yet
         newest = set(sorted(kept)[-keep:])
-        kept = [k for k in kept if k in newest or (keep_every and k % keep_every == 0)]
+        left = [k for k in kept if k in newest or (keep_every and k % keep_every == 0)]
+        pruned = pruned or len(left) < len(kept)
+        kept = left
     return peak
 
 

@@ -26,6 +26,8 @@ persistent        what lives from load to exit
                   state exists only after the first optimizer step, so a one-step probe
                   under-reads by 8 B/param; the model is the steady state (step 2 on)
   frozen_head     a split drafter's own copy of the target's embedding and LM head
+  teacher_head8   --target-precision fp8 with soft labels: the head's e4m3 copy for the
+                  teacher's logits (1 B per weight + an fp32 scale per row), beside the bf16 one
 per micro-batch   scale with T (the only terms that do)
   taps            the tapped target states [T, n_tapped·H] bf16 (the noise is added in place)
   final           the target's final normed state [T, H] bf16 (soft labels)
@@ -47,6 +49,16 @@ per chunk         bounded, whatever the budget
                   row per slot is the bound; dense anchors measure up to 3 % under it)
   head_grad       the final-norm output and its stored gradient for one anchor chunk
   weights16       the bf16 working copies of the drafter's weights a chunk's backward needs
+  teacher_table8  --target-precision fp8 with soft labels: one sequence's final states in e4m3
+                  with their row scales (the teacher's logits read their rows from it)
+  fp8_casts       --drafter-precision fp8: the e4m3 operands of the largest block GEMM's
+                  backward (torchao's row-wise recipe casts the output gradient along both axes,
+                  the input along its second, the weight once per product); what the forward
+                  saves is unchanged — torchao keeps the bf16 input and weight for the backward,
+                  as the bf16 GEMM does — so the activations term is the same. The context
+                  backward adds fc's and the context k/v's weight-gradient operands (fc forms
+                  no input gradient: trainer/gpu/fp8_train.py). An assumption until a GPU probe
+                  measures it
 
 Phases (the allocated peak is the largest):
   load       an FP8 target only: the bf16 model as loaded, before its linear layers are
@@ -269,6 +281,7 @@ class RunSpec:
     allocator: Allocator = field(default_factory=lambda: ALLOCATORS["expandable"])
     drafter_arch: str = "dflash"  # trainer/arch.py; dflash2 adds its convolutions and selector
     target_precision: str = "bf16"  # "bf16" or "fp8" (--target-precision, resolved)
+    drafter_precision: str = "bf16"  # "bf16" or "fp8" (--drafter-precision)
 
     @property
     def batch(self) -> int:
@@ -361,7 +374,8 @@ def predict(s: RunSpec) -> Prediction:
              "drafter_state": 16 * P if has_d else 0,
              "frozen_head": (1 if s.tied else 2) * t.vocab * t.hidden * 2 if s.role == "drafter" else 0,
              **{k: v * max(1, s.resident_microbatches) for k, v in buf.items()}}
-    persistent = terms["target_weights"] + terms["drafter_state"] + terms["frozen_head"]
+    terms["teacher_head8"] = t.vocab * (t.hidden + 4) if has_d and fp8 and s.soft_labels else 0
+    persistent = terms["target_weights"] + terms["drafter_state"] + terms["frozen_head"] + terms["teacher_head8"]
     phases = {}
     if has_t:
         if s.target_forward == "fast" and fam.chunked:
@@ -390,13 +404,24 @@ def predict(s: RunSpec) -> Prediction:
         terms["logits"] = min(s.head_chunk_rows, C) * t.vocab * (4 + (2 if s.soft_labels else 0))
         terms["head_grad"] = C * H * 2 * 2
         terms["weights16"] = 2 * P
+        if terms["teacher_head8"]:
+            terms["teacher_table8"] = L * (t.hidden + 4)
+        ctx_fp8 = 0
+        if s.drafter_precision == "fp8":
+            q, I = d.q_dim, d.intermediate
+            gemms = [(q + 2 * kv, H), (H, q), (2 * I, H), (H, I)]  # (N, K): q|k|v, o, gate|up, down
+            terms["fp8_casts"] = max(2 * C * N + C * K + 2 * N * K for N, K in gemms)
+            nH = s.taps_count * t.hidden
+            ctx_fp8 = max(T * (2 * H + nH) + H * nH, T * (4 * kv + H) + 2 * kv * H)
         chunk = (terms["activations"] + terms["chunk_context"] + terms["logits"] + terms["head_grad"]
-                 + terms["weights16"])
+                 + terms["weights16"] + terms.get("teacher_table8", 0) + terms.get("fp8_casts", 0))
         phases["chunk"] = persistent + buffers + terms["context"] + chunk
         # context backward: every layer's k/v gradient cast to bf16 at once, then one layer's
         # input gradient and the context gradient being accumulated
         terms["ctx_grads"] = T * (4 * kv * s.n_draft_layers + 4 * kv + 4 * H)
-        phases["ctx_bwd"] = persistent + buffers + terms["context"] + terms["ctx_grads"] + 2 * P
+        if ctx_fp8:
+            terms["fp8_ctx_casts"] = ctx_fp8
+        phases["ctx_bwd"] = persistent + buffers + terms["context"] + terms["ctx_grads"] + 2 * P + ctx_fp8
         if s.n_drafter_ranks > 1:
             terms["allreduce"] = 4 * P
             phases["allreduce"] = persistent + buffers + 4 * P

@@ -110,7 +110,7 @@ def serve(python: str, target: str, export: str | None, prompts: list[list[int]]
     raise RuntimeError(f"vLLM exited {p.returncode} without an answer: {(errors or lines or ['(no output)'])[-1].strip()}")
 
 
-def ours(export: str, target_dir: str, prompts: list[list[int]], max_new: int) -> list[dict]:
+def ours(export: str, target_dir: str, prompts: list[list[int]], max_new: int, device: str = "cpu") -> list[dict]:
     """Our evaluator on the export as written (fp32): greedy, speculative tokens, per round."""
     import torch
 
@@ -118,8 +118,8 @@ def ours(export: str, target_dir: str, prompts: list[list[int]], max_new: int) -
     from trainer.model import Drafter, FrozenHead
     from trainer.target import Target
 
-    drafter = Drafter.from_pretrained(export).to(torch.float32).eval()
-    target = Target(target_dir, drafter.config.target_layer_ids, "cpu", torch.float32)
+    drafter = Drafter.from_pretrained(export).to(device=device, dtype=torch.float32).eval()
+    target = Target(target_dir, drafter.config.target_layer_ids, device, torch.float32)
     head = FrozenHead(target.embed, target.lm_head)
     runs = []
     for p in prompts:
@@ -213,7 +213,7 @@ def export_differences(export: str, fresh: str) -> list[str]:
 
 def check(export: str, target: str, prompts: list[list[int]], max_new: int = MAX_NEW, tolerance: float = TOLERANCE,
           python: str | None = None, timeout: float = 900, checkpoint: str | None = None,
-          ref: dict | None = None, not_comparable: str | None = None) -> dict:
+          ref: dict | None = None, not_comparable: str | None = None, device: str = "cpu") -> dict:
     """The whole check: a report with ``ok`` and ``causes``. ``ref`` (trainer/serve/reference.py):
     the checkpoint's τ at save, the reference served τ is held to, unless ``not_comparable``
     says why this check measures something else; without one τ trained is our evaluator on
@@ -250,9 +250,9 @@ def check(export: str, target: str, prompts: list[list[int]], max_new: int = MAX
             fresh = os.path.join(tmp, "fp32")
             export_checkpoint(checkpoint, fresh, dtype="fp32")
             differences = export_differences(export, fresh)
-            mine = ours(fresh if at_save is None else export, target, prompts, max_new)
+            mine = ours(fresh if at_save is None else export, target, prompts, max_new, device)
     else:
-        mine = ours(export, target, prompts, max_new)
+        mine = ours(export, target, prompts, max_new, device)
     # vLLM counts the prefill's token as output token 1: one more, so both decode the same rounds
     served = serve(py, target, export, prompts, max_new + 1, num_spec, model_len, timeout)
     report = {**base, "vllm_max_model_len": model_len,
