@@ -31,8 +31,9 @@ def run(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def two(tmp_path_factory):
-    """Data prepared from two sources (chat: 40 rows, code: 8), 10 held-out prompts (so both
-    sources among them), one save."""
+    """Data prepared from two sources (chat: 40 rows, code: 8), 2 held-out prompts, one save:
+    the last 2 samples would both be code's (samples are written in input order), so τ per
+    category needs the hold-out to take from each source."""
     from trainer.chat.prepare import prepare
 
     root = tmp_path_factory.mktemp("two")
@@ -45,7 +46,7 @@ def two(tmp_path_factory):
     prepare([str(root / "chat.jsonl"), str(root / "code.jsonl")], data, log=lambda line: None)
     out = str(root / "out")
     assert main(base_args(target, data, out, "--from-scratch", "--max-steps", "2", "--save-interval", "2",
-                          "--eval-prompts", "10")) == 0
+                          "--eval-prompts", "2")) == 0
     return {"data": data, "out": out}
 
 
@@ -105,3 +106,19 @@ def test_an_export_best_without_any_measured_tau_is_refused_by_name(tmp_path):
     (out / "step_2").mkdir(parents=True)
     (out / "step_2" / ckpt_io.CHECKPOINT).write_bytes(b"")
     assert export_main(["--checkpoint", str(out), "--best", "--out", str(tmp_path / "x")]) == 2
+
+
+def test_the_held_out_prompts_come_from_every_source_and_training_never_sees_them(two):
+    from argparse import Namespace
+
+    from trainer.data import PreparedData
+    from trainer.train import micro_batch_stream
+
+    data = PreparedData(two["data"])
+    held = data.held_out(3)
+    assert held == [38, 39, 47]  # chat's last two and code's last, taken in turn
+    assert {data.category(i) for i in held} == {"chat", "code"}
+    args = Namespace(eval_prompts=3, epochs=2, token_budget=4096, max_seq_len=512, max_batch_size=8, seed=0)
+    seen = sorted(i for _, ids in micro_batch_stream(data, args) for i in ids)
+    assert seen == sorted([i for i in range(len(data)) if i not in held] * 2)  # every other sample, once an epoch
+    assert data.held_out(100) == list(range(len(data)))  # no more than there is

@@ -131,7 +131,7 @@ def validate(args) -> list[str]:
         per_step = args.grad_accum * n_drafter
         # auto is resolved later, on the GPUs; it is at least one --max-seq-len sequence
         budget = args.max_seq_len if args.token_budget == "auto" else args.token_budget
-        per_epoch = len(make_batches(data.lengths[:len(data) - args.eval_prompts], budget, args.max_seq_len,
+        per_epoch = len(make_batches(data.lengths[data.trained(args.eval_prompts)], budget, args.max_seq_len,
                                      args.max_batch_size, args.seed, 0))
         if per_epoch * args.epochs < per_step:
             problems.append(f"--data-dir {args.data_dir}: {per_epoch} micro-batches per epoch × --epochs {args.epochs} "

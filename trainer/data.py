@@ -125,6 +125,28 @@ class PreparedData:
             start += src["samples"]
         return None
 
+    def held_out(self, n: int) -> list[int]:
+        """The ``n`` samples --eval-prompts holds out of training (ascending): the last ``n``;
+        with several sources (meta.json's per-source counts), the last of each source in turn,
+        so τ at save covers every category — the last ``n`` of data written in input order
+        would be the last file's alone."""
+        n = max(0, min(int(n), len(self)))
+        counts = [src.get("samples") for src in self.meta.get("sources") or []]
+        if n == 0 or len(counts) < 2 or not all(isinstance(c, int) for c in counts) or sum(counts) != len(self):
+            return list(range(len(self) - n, len(self)))
+        ends = np.cumsum(counts).tolist()
+        taken = [0] * len(counts)
+        while sum(taken) < n:
+            for k, c in enumerate(counts):
+                if taken[k] < c and sum(taken) < n:
+                    taken[k] += 1
+        return sorted(i for k, t in enumerate(taken) for i in range(ends[k] - t, ends[k]))
+
+    def trained(self, n_held: int) -> list[int]:
+        """The samples training sees: every one but :meth:`held_out`."""
+        held = set(self.held_out(n_held))
+        return [i for i in range(len(self)) if i not in held]
+
     def sample(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """(input_ids int32, loss_mask uint8) of sample ``i``, copied (writable, and safe to
         hand to torch.from_numpy)."""

@@ -93,12 +93,13 @@ def add_noise(taps: torch.Tensor, amp: float, kind: str, seed_key: int) -> torch
 
 def micro_batch_stream(data: PreparedData, args) -> list[tuple[int, list[int]]]:
     """(epoch, sample ids) for every micro-batch of every epoch, in training order. The last
-    --eval-prompts samples are held out for the acceptance-length evaluation."""
-    lengths = data.lengths[:len(data) - args.eval_prompts]
+    --eval-prompts samples are held out for the acceptance-length evaluation (PreparedData.held_out)."""
+    trained = data.trained(args.eval_prompts)
+    lengths = data.lengths[trained]
     stream = []
     for epoch in range(args.epochs):
         for ids in make_batches(lengths, args.token_budget, args.max_seq_len, args.max_batch_size, args.seed, epoch):
-            stream.append((epoch, ids))
+            stream.append((epoch, [trained[i] for i in ids]))
     return stream
 
 

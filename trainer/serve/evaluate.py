@@ -61,11 +61,15 @@ def speculative(target, drafter, head, prompt: list[int], max_new: int, device="
     return out[:max_new], per_forward
 
 
+def _held(data, n: int) -> list[int]:
+    return data.held_out(n) if hasattr(data, "held_out") else list(range(max(0, len(data) - n), len(data)))
+
+
 def prompts_from(data, n: int, max_prompt: int = 256) -> list[list[int]]:
-    """Prompts of the last ``n`` samples (the trainer holds them out of training with
-    --eval-prompts n): the tokens before the first loss token."""
+    """Prompts of the ``n`` samples the trainer holds out of training with --eval-prompts n
+    (PreparedData.held_out): the tokens before the first loss token."""
     prompts = []
-    for i in range(max(0, len(data) - n), len(data)):
+    for i in _held(data, n):
         ids, mask = data.sample(i)
         first = int(mask.argmax()) if mask.any() else len(ids)
         prompts.append(ids[:max(1, min(first, max_prompt))].tolist())
@@ -83,11 +87,10 @@ def evaluate(target, drafter, head, data, n_prompts: int, device, max_new: int =
     drafter.eval()
     counts: list[int] = []
     by: dict[str, list[int]] = {}
-    first = max(0, len(data) - n_prompts)
-    for k, prompt in enumerate(prompts_from(data, n_prompts)):
+    for i, prompt in zip(_held(data, n_prompts), prompts_from(data, n_prompts)):
         per_forward = speculative(target, drafter, head, prompt, max_new, device)[1]
         counts += per_forward
-        category = data.category(first + k) if hasattr(data, "category") else None
+        category = data.category(i) if hasattr(data, "category") else None
         if category is not None:
             by.setdefault(category, []).extend(per_forward)
     drafter.train(was_training)

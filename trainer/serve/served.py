@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("export", metavar="EXPORT", help="the export directory (python -m trainer export / ctl export)")
     p.add_argument("--target", required=True, metavar="T", help="the target model directory the drafter was trained on")
     p.add_argument("--prompts", metavar="FILE.json", help="a JSON list of prompts, each a list of token ids")
-    p.add_argument("--data", metavar="DIR", help="the run's prepared data; its last --eval-prompts samples' prompts")
+    p.add_argument("--data", metavar="DIR", help="the run's prepared data; the prompts of the --eval-prompts samples it holds out")
     p.add_argument("--eval-prompts", type=int, default=None, metavar="N",
                    help="with --data: how many (default: as many as the reference τ at save was measured on, else 10)")
     p.add_argument("--max-new", type=int, default=None, metavar="N",
