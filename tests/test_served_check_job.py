@@ -91,6 +91,34 @@ def test_no_vllm_where_the_job_runs_says_what_to_install(trained, tmp_path):
         ckpt_io.atomic_write_json(os.path.join(step, ckpt_io.META), meta)
 
 
+def test_a_runs_checks_serve_in_the_engine_the_run_named(trained, tmp_path):
+    """`ctl served-check --run R` without --vllm-python serves in the vLLM the run was launched
+    with (its --vllm-python, in the checkpoint's meta): before, it looked only at
+    $DFLASH_VLLM_PYTHON and beside the agent bundle, where an operator's container has none."""
+    from trainer import checkpoint as ckpt_io
+    from trainer.serve import served_job
+    from trainer.serve.served import ServedError
+
+    step = ckpt_io.steps(trained["out"])[-1][1]
+    meta = ckpt_io.read_meta(step)
+    named = str(tmp_path / "engine" / "bin" / "python")
+    config = {**meta["config"], "vllm_python": named}
+    ckpt_io.atomic_write_json(os.path.join(step, ckpt_io.META),
+                              {**meta, "config": config, "eval": {"tau": 1.0, "prompts": 4}})
+    parse = served_job.build_parser().parse_args
+    try:
+        with pytest.raises(ServedError) as info:  # named but not there: the refusal names it
+            served_job.plan(parse(["--checkpoint", trained["run_dir"]]))
+        assert f"--vllm-python {named}: not an interpreter" in str(info.value), info.value
+        os.makedirs(os.path.dirname(named))
+        os.symlink(PY, named)
+        assert served_job.plan(parse(["--checkpoint", trained["run_dir"]])).python == named
+        # the flag still wins over the run's own
+        assert served_job.plan(parse(["--checkpoint", trained["run_dir"], "--vllm-python", PY])).python == PY
+    finally:
+        ckpt_io.atomic_write_json(os.path.join(step, ckpt_io.META), meta)
+
+
 def test_a_gpu_a_live_run_holds_is_refused(trained):
     from agent import knowngood
 

