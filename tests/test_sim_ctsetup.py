@@ -1,6 +1,6 @@
 """The sim's containers start as a Proxmox container does (sim/ctsetup.py): /etc/hostname and
 a PVE section of /etc/hosts written at every start, so `localhost` and the container's own
-name resolve; and a PID 1 that reaps orphans.
+name resolve; a PID 1 that reaps orphans; a tmpfs on /dev/shm.
 
 Without them, in a sim container without /etc/hosts, torchrun's --standalone rendezvous hung on
 `localhost` and then on the hostname, and the zombies of killed processes piled up under
@@ -69,3 +69,14 @@ def test_orphans_of_killed_processes_are_reaped_by_the_containers_init(sim_node)
         time.sleep(0.5)
     assert _exec(sim_node, 200, "test", "-e", f"/proc/{orphan}").rc != 0, "the orphan stayed a zombie"
     assert "dflash-sim-init" in _exec(sim_node, 200, "cat", "/proc/1/cmdline").out
+
+
+def test_posix_shared_memory_works_in_a_container(sim_node):
+    # Without a tmpfs on /dev/shm (a Proxmox template's init mounts one), shm_open failed and
+    # vLLM's engine core could not start in a container.
+    assert _exec(sim_node, 201, "findmnt", "-n", "-o", "FSTYPE", "/dev/shm").out == "tmpfs"
+    got = _exec(sim_node, 201, "python3", "-c",
+                "from multiprocessing import shared_memory as s\n"
+                "m = s.SharedMemory(create=True, size=1 << 20); m.buf[0] = 7\n"
+                "o = s.SharedMemory(m.name); print(o.buf[0]); o.close(); m.close(); m.unlink()\n")
+    assert got.rc == 0 and got.out == "7", (got.out, got.err)
