@@ -215,7 +215,8 @@ def test_fast_drafter_step_matches_dense_reference(attn, soft, cap, weights, win
               temperature=2.0, teacher_final=teacher, position_weights=weights, dpace_alpha=0.3, selector_weight=0.6)
     spans_used = []  # soft labels: some head chunks' teacher logits once per distinct position
     teacher_logits = chh._teacher_logits
-    monkeypatch.setattr(chh, "_teacher_logits", lambda *a: spans_used.append(a[-1]) or teacher_logits(*a))
+    monkeypatch.setattr(chh, "_teacher_logits",
+                        lambda table, rows, w, dtype, span, *a: spans_used.append(span) or teacher_logits(table, rows, w, dtype, span, *a))
     out = fd.step_backward(d, embed, head, ids, taps, lm, lengths, anchors, keep, chunk_anchors=2,
                            head_chunk_rows=6, dtype=torch.float64, attn=attn, ctx_multiple=8, **kw)
     assert abs(float(out["loss"]) - float(ref.loss.detach())) < 1e-9

@@ -5,7 +5,7 @@ target capture on one GPU, and what would a 5 + 3 split of one 8-GPU node make o
     python3 bench/dflash2_recipe/run.py --out DIR --smoke          # the same code on CPU, tiny widths
 
 The recipe (docs/research/dflash2-recipe.md has every fact with its source):
-SpecForge ``docs/recipes/qwen3.8-27b-dflash2-disaggregated.md`` — five capture servers (an FP8
+``SpecForge:docs/recipes/qwen3.8-27b-dflash2-disaggregated.md`` — five capture servers (an FP8
 27B hybrid target each) and three DFlash2 trainer ranks on 8 H200: 10.65 samples/s; 2.25
 prompts/s per capture server, 3.7 samples/s per trainer rank (8 samples per 2.15 s step).
 
