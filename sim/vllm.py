@@ -79,7 +79,12 @@ def plan(rootfs: Path, venv: Path = HOST_VENV) -> Plan:
 
 
 def lxc_lines(rootfs: Path, venv: Path = HOST_VENV) -> list[str]:
-    """LXC config lines for :func:`plan`'s mounts."""
+    """LXC config lines for :func:`plan`'s mounts. Their mount points are made in ``rootfs``
+    first: LXC's ``create=dir`` makes the last directory only, so a pyenv prefix
+    (root/.pyenv/versions/X) in a fresh rootfs failed to mount, and ``optional`` hid it."""
+    mounts = plan(rootfs, venv).mounts
+    for _, target in mounts:
+        (rootfs / target.lstrip("/")).mkdir(parents=True, exist_ok=True)
     return [f"lxc.mount.entry = {host} {target.lstrip('/')} none bind,ro,optional,create=dir 0 0"
-            for host, target in plan(rootfs, venv).mounts]
+            for host, target in mounts]
 

@@ -54,6 +54,9 @@ def test_a_venv_of_an_interpreter_elsewhere_brings_its_prefix_at_the_same_path(t
     assert vllm.lxc_lines(root, venv) == [
         f"lxc.mount.entry = {venv.resolve()} opt/vllm none bind,ro,optional,create=dir 0 0",
         f"lxc.mount.entry = {prefix.resolve()} {str(prefix.resolve()).lstrip('/')} none bind,ro,optional,create=dir 0 0"]
+    # LXC's create=dir makes only the last directory: in a fresh rootfs the prefix's mount point
+    # (several levels deep) must exist before the container starts, or the optional mount is skipped
+    assert (root / "opt" / "vllm").is_dir() and (root / str(prefix.resolve()).lstrip("/")).is_dir()
 
 
 def test_a_prefix_over_the_containers_own_files_is_never_mounted(tmp_path):
