@@ -3,21 +3,20 @@ with ``--served-check-every 1`` saves three times; its agent starts a served-che
 CPU, trainer/serve/served_job.py) for the first save, queues the second behind it and lets the
 third supersede the second. Each check's record — served τ beside the τ at save, the verdict —
 lands in the checkpoint's meta.json, the run's events (so `ctl status`'s history) and the
-check's own stream; then ``agent.servedcheck start --best`` (what `ctl served-check --run R
---best` calls) checks the best checkpoint on demand.
+check's own stream. (`ctl served-check --run R --best` end to end, through the simulated
+node's containers: tests/test_served_check_vllm_sim.py.)
 
-Two or three vLLM engine starts, about a minute each on 2 cores; marked ``vllm``.
+Two vLLM engine starts, about a minute each on 2 cores; marked ``vllm``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 
 import pytest
 
-from _agent_util import PY, REPO, env, records, start, wait_for, wait_terminal
+from _agent_util import PY, REPO, records, start, wait_for, wait_terminal
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -85,18 +84,3 @@ def test_served_tau_is_recorded_beside_tau_at_save_every_k_saves(run):
     # ctl status's history: served τ beside τ at save
     h = history(run["run_dir"])
     assert [s["step"] for s in h["served"]] == [10, 30] and h["eval_step"] == [10, 20, 30]
-
-
-def test_served_check_best_on_demand(run):
-    from agent.protocol import extract_payload
-
-    best = json.loads(open(os.path.join(run["out"], "best.json")).read())
-    p = subprocess.run([PY, "-m", "agent.servedcheck", "start", "--workspace", str(run["ws"]), "--run", RUN, "--best"],
-                       capture_output=True, text=True, env=env(), cwd=REPO, timeout=300)
-    reply = extract_payload(p.stdout)
-    assert p.returncode == 0 and reply["ok"] and reply["step"] == best["step"], (reply, p.stderr)
-    check_dir = reply["run_dir"]
-    assert wait_terminal(check_dir, 600)["state"] == "completed"
-    rec = [e for e in map(json.loads, open(os.path.join(run["run_dir"], "events.jsonl")))
-           if e["kind"] == "served_check" and e["run_id"] == reply["run_id"]]
-    assert len(rec) == 1 and rec[0]["step"] == best["step"] and rec[0]["ok"], rec
