@@ -134,7 +134,7 @@ class SimNode:
         self.sshd.ensure_keys()  # the client key the users' files need
         accounts = users.write(self.paths, Path(f"{self.sshd.client_key}.pub").read_text(), self.sshd.bashrc())
         binds = (*accounts.binds, self._dpkg_status())
-        self.sshd.prepare(port, binds)
+        self.sshd.prepare(port, (*binds, *self.kept_under_root(engine.mounts)))
         self.sshd.start(port)
         if self.sshd.pid():
             net.expose_to(self.sshd.pid())
@@ -168,6 +168,20 @@ class SimNode:
         self.sshd.stop()
         self.bastion.stop()
         storage.release_btrfs(self.paths.btrfs_image, self.paths.btrfs_mount)
+
+    def kept_under_root(self, mounts) -> tuple[tuple[str, str], ...]:
+        """Binds that keep host paths under /root visible in sshd's namespace, where the node's
+        home hides the host's /root. A container's mounts are resolved by whoever starts it, and
+        `pct start` over SSH runs in that namespace: a vLLM venv made from a pyenv python
+        (/root/.pyenv/versions/X) failed to mount there, and ``optional`` hid it. Each path is
+        bound at the same place inside the node's home, which then goes over /root with it."""
+        keep = []
+        for host, _ in mounts:
+            if host.is_relative_to("/root"):
+                inside = self.paths.home / host.relative_to("/root")
+                inside.mkdir(parents=True, exist_ok=True)
+                keep.append((str(host), str(inside)))
+        return tuple(keep)
 
     def _dpkg_status(self) -> tuple[str, str]:
         """dpkg's status file as the node's sessions see it: the host's, plus the

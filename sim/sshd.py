@@ -226,11 +226,13 @@ class Sshd:
         sshd = which("sshd") or "/usr/sbin/sshd"
         log = open(self.logfile, "ab")
         # unshare without --fork execs in place: the Popen PID *is* sshd's PID.
-        # In its own mount namespace: the node's home over /root, and the sim's account and
-        # name files over /etc (sim/users.py); the host's stay as they are.
+        # In its own mount namespace: the sim's account and name files over /etc (sim/users.py),
+        # then the node's home over /root; the host's stay as they are. The binds come first
+        # and the home goes over recursively, so a bind into the home (a host path under /root
+        # that `pct start` must see, Node.kept_under_root) is still there under /root.
         script = ('set -e; home=$1 sshd=$2 conf=$3; shift 3; '
-                  '[ "$home" = - ] || mount --bind "$home" /root; '
-                  'while [ $# -gt 1 ]; do mount --bind "$1" "$2"; shift 2; done; exec "$sshd" -D -e -f "$conf"')
+                  'while [ $# -gt 1 ]; do mount --bind "$1" "$2"; shift 2; done; '
+                  '[ "$home" = - ] || mount --rbind "$home" /root; exec "$sshd" -D -e -f "$conf"')
         home = str(self.paths.home) if self.role == "node" else "-"
         proc = subprocess.Popen(
             ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script, "sh",

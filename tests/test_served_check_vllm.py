@@ -54,6 +54,10 @@ def run(tmp_path_factory):
     assert wait_terminal(run_dir, 600)["state"] == "completed"
     # the first save's check and the third's (which superseded the second) each leave a record
     wait_for(lambda: {10, 30} <= set(served_records(run_dir)), 900, interval=1.0, what="both served checks")
+    # the job appends to the checked run's events last but its own agent streams its events
+    # afterwards: each check's stream is whole only once that run has ended
+    for rec in served_records(run_dir).values():
+        wait_terminal(os.path.join(root, "ws", "runs", rec["run_id"]), 120)
     return {"root": root, "ws": root / "ws", "run_dir": run_dir, "out": out}
 
 

@@ -64,16 +64,6 @@ def run(sim_node, env, tmp_path_factory):
     with open_runner(name, node) as runner:
         provision_tiny(Container(runner, name, node, CT))
     has = ctl(env, "exec", "-c", CT, "--", "test", "-x", VLLM_PYTHON)
-    if has.returncode != 0:
-        # Earlier tests restart the container through `pct start` over the node's SSH, and in the
-        # full sim suite such a start left the interpreter prefix's bind mount failed ("No such
-        # file or directory", hidden by `optional`); a start by the node's own bring-up mounts it.
-        # Not understood yet: docs/sim.md says so.
-        from sim import lxc
-
-        lxc.stop(sim_node.paths.lxcpath, str(CT))
-        sim_node.up()
-        has = ctl(env, "exec", "-c", CT, "--", "test", "-x", VLLM_PYTHON)
     assert has.returncode == 0, (f"container {CT} has no {VLLM_PYTHON}: the sim mounts the host's .venv-vllm there "
                                  "(scripts/setup.sh builds it; `ctl sim up` says why it did not)")
     toml = tmp_path_factory.mktemp("cfg") / f"{NAME}.toml"
