@@ -3,7 +3,8 @@
 #
 # Two pytest processes side by side, one per core: the tests of the simulated nodes (-m sim:
 # one process, in order, so the nodes are brought up once and never driven by two sessions)
-# and all the others. The second's output follows the first's; the exit code is the worse.
+# with a few long ones that need no node (-m sim_side: the sim tests alone end minutes
+# earlier), and all the others. The second's output follows the first's; the exit code is the worse.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -12,13 +13,13 @@ for arg in "$@"; do  # a selection by marker of one's own: one process, as asked
 done
 log=$(mktemp -t dflash-tests-XXXXXX.log)
 trap 'rm -f "$log"' EXIT
-.venv/bin/pytest -q -ra -m "not sim" "$@" >"$log" 2>&1 &
+.venv/bin/pytest -q -ra -m "not sim and not sim_side" "$@" >"$log" 2>&1 &
 other=$!
 sim_rc=0
-.venv/bin/pytest -q -ra -m sim "$@" || sim_rc=$?
+.venv/bin/pytest -q -ra -m "sim or sim_side" "$@" || sim_rc=$?
 other_rc=0
 wait "$other" || other_rc=$?
-echo "== the tests outside the simulated nodes (-m 'not sim')"
+echo "== the other tests (-m 'not sim and not sim_side')"
 cat "$log"
 # 5: nothing collected on one side (a selection that names only the other kind of test).
 for rc in "$sim_rc" "$other_rc"; do

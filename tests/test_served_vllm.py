@@ -9,7 +9,7 @@ layers was zeroed must fail the gate against its checkpoint, and one whose mask 
 changed in config.json must fail it with no option at all, the cause named.
 
 One vLLM engine start per export, about a minute each on 2 cores; marked ``vllm`` so
-``pytest -m vllm`` selects them, and they run in the non-sim pytest process.
+``pytest -m vllm`` selects them, and ``sim_side``: scripts/test.sh runs them in the sim process.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import pytest
 
 from _trainer_tiny import base_args
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.sim_side]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROMPTS = 10
