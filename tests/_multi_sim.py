@@ -29,6 +29,21 @@ def attach(node, ctid: int, *argv: str, timeout: float = 60, check: bool = True)
     return proc
 
 
+def over_ssh(node, *argvs: list[str]) -> None:
+    """Each argv on the node through the product's SSH session, as an operator's `pct stop` or
+    `pct start` there: run in sshd's namespace, not the test's."""
+    from controller import config as cfg
+    from controller.session import open_runner
+
+    entry = node.node_config()
+    conf = cfg.NodeConfig(host=entry["host"], port=entry["port"], user=entry["user"],
+                          identity_file=entry["identity_file"], known_hosts=entry["known_hosts"])
+    with open_runner(node.name, conf) as runner:
+        for argv in argvs:
+            res = runner.run(argv)
+            assert res.ok, res.tail("stderr")
+
+
 def address(node, ctid: int) -> str:
     from sim import net
 

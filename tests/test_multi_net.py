@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from _multi_sim import address, attach, sim2_node  # noqa: F401 (fixture)
+from _multi_sim import address, attach, over_ssh, sim2_node  # noqa: F401 (fixture)
 from sim import net
 
 pytestmark = [pytest.mark.sim]
@@ -101,16 +101,7 @@ def test_a_cut_link_drops_packets_silently_until_restored(sim_node, cached, time
 
 
 def test_pct_start_over_ssh_gives_a_restarted_container_its_link(sim2_node):
-    from controller import config as cfg
-    from controller.session import open_runner
-
-    entry = sim2_node.node_config()
-    node = cfg.NodeConfig(host=entry["host"], port=entry["port"], user=entry["user"],
-                          identity_file=entry["identity_file"], known_hosts=entry["known_hosts"])
-    with open_runner("sim2", node) as runner:
-        for argv in (["pct", "stop", "301"], ["pct", "start", "301"]):
-            res = runner.run(argv)
-            assert res.ok, res.tail("stderr")
+    over_ssh(sim2_node, ["pct", "stop", "301"], ["pct", "start", "301"])
     out = attach(sim2_node, 301, "cat", "/proc/net/dev").stdout
     assert "eth0" in out
     pid = int(subprocess.run(["lxc-info", "-P", str(sim2_node.paths.lxcpath), "-n", "301", "-p", "-H"],

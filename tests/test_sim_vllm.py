@@ -79,18 +79,10 @@ def test_a_container_restarted_by_pct_start_over_ssh_still_runs_the_engine(sim_n
     # `pct start` over the node's SSH resolves the container's mounts in sshd's namespace, where
     # the node's home hides the host's /root: a venv made from a pyenv python under /root lost
     # its interpreter there (the bind failed, `optional` hid it) until Node.kept_under_root.
-    from _multi_sim import attach
-    from controller import config as cfg
-    from controller.session import open_runner
+    from _multi_sim import attach, over_ssh
 
     if not (vllm.HOST_VENV / "pyvenv.cfg").is_file():
         pytest.fail(f"{vllm.HOST_VENV} missing: run scripts/setup.sh (it builds .venv-vllm/)")
-    entry = sim_node.node_config()
-    node = cfg.NodeConfig(host=entry["host"], port=entry["port"], user=entry["user"],
-                          identity_file=entry["identity_file"], known_hosts=entry["known_hosts"])
-    with open_runner("sim", node) as runner:
-        for argv in (["pct", "stop", "200"], ["pct", "start", "200"]):
-            res = runner.run(argv)
-            assert res.ok, res.tail("stderr")
+    over_ssh(sim_node, ["pct", "stop", "200"], ["pct", "start", "200"])
     out = attach(sim_node, 200, vllm.PYTHON_IN_CT, "-c", "import sys; print(sys.prefix)").stdout
     assert out.strip() == vllm.IN_CT
