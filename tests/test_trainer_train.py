@@ -227,6 +227,47 @@ def test_wandb_offline_files_hold_the_metrics(tiny, tmp_path, monkeypatch, capsy
         assert name in rows[-1], name
 
 
+def test_served_checks_that_end_during_the_run_become_wandb_rows_once(tiny, tmp_path, monkeypatch):
+    # A served-check job appends its record to the run's events.jsonl while training goes on
+    # (trainer/serve/served_job.py); the trainer logs each once, one per logged step. Here two
+    # checks end just before step 2 is logged: one that passed, then one whose engine never
+    # answered (no served τ). Both were once logged at step 2, and wandb merged them into one
+    # row that gave the failed check the passed one's served τ. A record already in the file
+    # at the launch is an earlier launch's, logged then, and is not logged again.
+    from trainer import train
+    from trainer.serve.served_job import append_event
+
+    out, run_dir = str(tmp_path / "out"), str(tmp_path / "run")
+    os.makedirs(run_dir)
+    append_event(run_dir, {"step": 100, "ok": True, "tau_served": 9.0, "tau_at_save": 9.0})
+    monkeypatch.delenv("WANDB_DIR", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    real_next, calls = train.ServedRows.next, []
+
+    def next_row(self):
+        calls.append(1)
+        if len(calls) == 2:  # between the first logged step and the second
+            append_event(run_dir, {"step": 1, "ok": True, "tau_served": 2.5, "tau_at_save": 2.52})
+            append_event(run_dir, {"step": 1, "ok": False, "tau_served": None, "tau_at_save": None})
+        return real_next(self)
+
+    monkeypatch.setattr(train.ServedRows, "next", next_row)
+    rc = main(base_args(tiny["target"], tiny["data"], out, "--from-scratch", "--max-steps", "3", "--run-dir", run_dir,
+                        "--log-interval", "1", "--wandb-project", "dflash-test", "--wandb-run-name", "served",
+                        "--wandb-mode", "offline"))
+    assert rc == 0
+    import wandb
+
+    wandb.teardown()  # as the process exit would: the file is complete (see the test above)
+    files = glob.glob(os.path.join(run_dir, "wandb", "offline-run-*", "run-*.wandb"))
+    assert len(files) == 1, files
+    served = [r for r in read_wandb_history(files[0]) if any(k.startswith("eval/served") for k in r)]
+    assert [{k: v for k, v in r.items() if k.startswith("eval/") or k == "_step"} for r in served] == [
+        {"_step": 2, "eval/served_step": 1, "eval/served_ok": 1, "eval/served_tau": 2.5, "eval/served_tau_at_save": 2.52},
+        {"_step": 3, "eval/served_step": 1, "eval/served_ok": 0}]
+    assert all("loss" in r for r in served)  # each beside its step's own metrics
+
+
 def test_probe_memory_reports_a_peak_and_trains_nothing(tiny, tmp_path):
     out = str(tmp_path / "out")
     assert main(base_args(tiny["target"], tiny["data"], out, "--from-scratch", "--probe-memory", "--use-soft-labels")) == 0

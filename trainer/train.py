@@ -10,6 +10,7 @@ see identical data, anchors and noise.
 
 from __future__ import annotations
 
+import collections
 import math
 import json
 import os
@@ -427,24 +428,28 @@ def served_check_due(args, step: int, finishing: bool) -> bool:
 
 class ServedRows:
     """The served checks' records (``served_check`` events the served-check job appends to this
-    run's events.jsonl) as wandb rows, each once: logged at the step the trainer next logs, with
-    ``eval/served_step`` naming the checkpoint it measured (wandb's step only grows)."""
+    run's events.jsonl) as wandb rows, each once, one per logged step in the order they ended,
+    with ``eval/served_step`` naming the checkpoint it measured (wandb's step only grows). One
+    per step because wandb merges the rows logged at one step: two checks that ended between
+    two logs became one row with the later one's keys over the earlier one's, so a check that
+    served nothing showed the earlier check's served τ."""
 
     def __init__(self, path: str):
         self.path = path
         self.offset = os.path.getsize(path) if os.path.exists(path) else 0
+        self.pending: collections.deque[dict] = collections.deque()
 
-    def new(self) -> list[dict]:
+    def next(self) -> dict | None:
+        """The oldest row not yet logged, after reading what the file gained; None if none."""
         from agent.protocol import read_json_lines
 
-        rows = []
         for self.offset, rec in read_json_lines(self.path, self.offset):
             if rec.get("kind") == "served_check" and isinstance(rec.get("step"), int):
-                rows.append({"eval/served_step": rec["step"], "eval/served_ok": int(bool(rec.get("ok"))),
-                             **({"eval/served_tau": rec["tau_served"]} if rec.get("tau_served") is not None else {}),
-                             **({"eval/served_tau_at_save": rec["tau_at_save"]}
-                                if rec.get("tau_at_save") is not None else {})})
-        return rows
+                self.pending.append({
+                    "eval/served_step": rec["step"], "eval/served_ok": int(bool(rec.get("ok"))),
+                    **({"eval/served_tau": rec["tau_served"]} if rec.get("tau_served") is not None else {}),
+                    **({"eval/served_tau_at_save": rec["tau_at_save"]} if rec.get("tau_at_save") is not None else {})})
+        return self.pending.popleft() if self.pending else None
 
 
 def evaluate_at_save(args, events, wandb, step: int, path: str, target, drafter, head, data, dev) -> dict:
@@ -545,8 +550,9 @@ def train(args, topo, run_dir: str, events: Events, hb: Heartbeat) -> int:
             if log:
                 events.emit("step", **metrics)
                 wandb.log({k: v for k, v in metrics.items() if k not in ("step", "total_steps")}, step=step)
-                for row in served_rows.new():  # served checks that ended since the last row (agent/servedcheck.py)
-                    wandb.log(row, step=step)
+                served = served_rows.next()  # a served check that ended since (agent/servedcheck.py)
+                if served:
+                    wandb.log(served, step=step)
                 print(step_line(metrics), flush=True)
                 if "compile_cache" in metrics:
                     print(f"compile: {metrics['compile_s']:.1f} s in the first step ({metrics['compile_cache_hits']} "
