@@ -86,6 +86,26 @@ def test_prepare_config_is_validated_from_prepares_own_parser(tmp_path):
     assert isinstance(configfile.load(train), runconfig.RunConfig)
 
 
+def test_a_served_check_config_is_validated_from_the_jobs_own_parser(tmp_path):
+    # kind = "served-check" in a run config: what agent/servedcheck.py starts for a run, launched
+    # by hand (`ctl launch --config check.toml`): its table comes from served_job's parser
+    from controller.jobconfig import option_name, options_of
+    from trainer.serve.served_job import build_parser
+
+    head = 'name = "check"\nkind = "served-check"\n[served-check]\ncheckpoint = "{workspace}/runs/r0"\n'
+    cfg = _config(tmp_path, head + 'best = true\nthreads = 2\nvllm-python = "/opt/vllm/bin/python"\n', "c.toml")
+    values = cfg.resolve(run_id="c1", run_dir="/w/runs/c1", workspace="/w")
+    assert cfg.argv(values) == ["served-check-job", "--checkpoint", "/w/runs/r0", "--best", "--threads", "2",
+                                "--vllm-python", "/opt/vllm/bin/python"]
+    fields = jobconfig.model_for("served-check").model_fields["served-check"].annotation.model_fields
+    assert {f.alias for f in fields.values()} == {option_name(a)[2:] for a in options_of(build_parser())} - {"preflight"}
+    assert "[served-check] checkpoint: missing" in _refused(tmp_path, 'kind = "served-check"\n[served-check]\nbest = true\n')
+    assert "[served-check]: argument --gpu:" in _refused(tmp_path, head + "gpu = -1\n")
+    assert "[served-check]: argument --tolerance:" in _refused(tmp_path, head + "tolerance = 2\n")
+    assert "[served-check] lr: unknown setting for a served-check job" in _refused(tmp_path, head + "lr = 1\n")
+    assert "[served-check] preflight: not a run-config setting" in _refused(tmp_path, head + "preflight = true\n")
+
+
 def _samples(n: int, length: int = 12) -> str:
     rows = [{"input_ids": [(i * 7 + j) % 500 + 1 for j in range(length)],
              "loss_mask": [0] * (length // 2) + [1] * (length - length // 2)} for i in range(n)]
